@@ -1,0 +1,3 @@
+from saeflow.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Atomic, immutable publishing on one filesystem.
+
+Every published output is first written into a hidden sibling (same filesystem, so `os.rename` is atomic),
+fsynced, made read-only, and then renamed into place. A crash at any point leaves either nothing or a complete
+directory at the final path.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import shutil
+import stat
+import typing
+
+READONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+READONLY_DIR_MODE = READONLY_FILE_MODE | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+
+
+def fsync_path(path: pathlib.Path) -> None:
+    """fsync a file or a directory (directories need it so a rename or a new entry is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(dpath: pathlib.Path) -> None:
+    for sub_dpath, _, fnames in os.walk(dpath):
+        for fname in fnames:
+            fsync_path(pathlib.Path(sub_dpath) / fname)
+        fsync_path(pathlib.Path(sub_dpath))
+
+
+def make_tree_readonly(dpath: pathlib.Path) -> None:
+    """Files r--r--r--, directories r-xr-xr-x (deepest first so we can still descend)."""
+    for sub_dpath, dnames, fnames in os.walk(dpath, topdown=False):
+        for fname in fnames:
+            os.chmod(pathlib.Path(sub_dpath) / fname, READONLY_FILE_MODE)
+        os.chmod(sub_dpath, READONLY_DIR_MODE)
+
+
+def make_tree_writable(dpath: pathlib.Path) -> None:
+    """Undo `make_tree_readonly` on a private staging directory before removing it."""
+    for sub_dpath, _, fnames in os.walk(dpath):
+        os.chmod(sub_dpath, 0o755)
+        for fname in fnames:
+            os.chmod(pathlib.Path(sub_dpath) / fname, 0o644)
+
+
+def remove_staging(dpath: pathlib.Path) -> None:
+    if dpath.exists():
+        make_tree_writable(dpath)
+        shutil.rmtree(dpath)
+
+
+def staging_dpath(final_dpath: pathlib.Path, tag: str = "partial") -> pathlib.Path:
+    """The hidden sibling where `final_dpath` is built: `<parent>/.<name>.<tag>`."""
+    return final_dpath.parent / f".{final_dpath.name}.{tag}"
+
+
+def publish_dir(staging: pathlib.Path, final_dpath: pathlib.Path) -> bool:
+    """fsync, make read-only and rename `staging` to `final_dpath` in one `os.rename`.
+
+    Returns False (and removes `staging`) when another process published `final_dpath` first; the caller
+    then validates and reuses the existing directory.
+    """
+    fsync_tree(staging)
+    make_tree_readonly(staging)
+    try:
+        os.rename(staging, final_dpath)
+    except OSError:
+        if final_dpath.exists():
+            remove_staging(staging)
+            return False
+        raise
+    fsync_path(final_dpath.parent)
+    return True
+
+
+def write_file_atomic(fpath: pathlib.Path, data: bytes, readonly: bool = False) -> None:
+    """Write a single file through a temporary sibling and a rename."""
+    tmp_fpath = fpath.parent / f".{fpath.name}.tmp-{os.getpid()}"
+    with open(tmp_fpath, "wb") as fd:
+        fd.write(data)
+        fd.flush()
+        os.fsync(fd.fileno())
+    if readonly:
+        os.chmod(tmp_fpath, READONLY_FILE_MODE)
+    os.replace(tmp_fpath, fpath)
+    fsync_path(fpath.parent)
+
+
+def write_json(fpath: pathlib.Path, obj: typing.Any) -> None:
+    """Human-readable JSON (indented, sorted, trailing newline): deterministic bytes for the same object."""
+    fpath.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_fpath: pathlib.Path) -> typing.Iterator[None]:
+    """Block until this process holds an exclusive `flock` on `lock_fpath`."""
+    lock_fpath.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_fpath, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -1,0 +1,1 @@
+"""Subcommands of the `saeflow` CLI, one module per stage."""

@@ -1,0 +1,5 @@
+"""Subcommands of the interop stage (being built; registers nothing yet)."""
+
+
+def register(subparsers):
+    pass

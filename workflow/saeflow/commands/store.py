@@ -1,0 +1,74 @@
+"""`saeflow validate` and `saeflow info`: check and describe a shard directory."""
+
+import argparse
+import json
+import pathlib
+
+from saeflow import shards
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "validate",
+        help="check a shard directory (exit 0 when valid)",
+        description="Check a saev protocol 2.0 shard directory: metadata.json parses and hashes to the directory "
+        "name, shards.json matches the sizing maths, every shard and side file is present with its exact size. "
+        "All problems are listed at once, each with its path. Stray files are reported as warnings only.",
+    )
+    p.add_argument("dpath", type=pathlib.Path, metavar="DIR", help="the shard directory <shards_root>/<hash>")
+    p.add_argument("--deep", action="store_true", help="also verify every file's sha256 against checksums.json")
+    p.set_defaults(func=cmd_validate)
+
+    p = subparsers.add_parser(
+        "info",
+        help="summarize a shard directory",
+        description="Print what a shard directory holds (model, layers, shapes, sizes, provenance).",
+    )
+    p.add_argument("dpath", type=pathlib.Path, metavar="DIR", help="the shard directory <shards_root>/<hash>")
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_info)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    report = shards.validate(args.dpath, deep=args.deep)
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+    if report.ok:
+        print(f"ok: {args.dpath} is a valid shard directory" + (" (checksums verified)" if args.deep else ""))
+        return 0
+    print(f"invalid: {args.dpath}")
+    for problem in report.problems:
+        print(f"  - {problem}")
+    return 1
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    sd = shards.ShardDir(args.dpath)
+    md = sd.metadata
+    summary = {
+        "path": str(sd.dpath.resolve()),
+        "hash": sd.hash,
+        "metadata": md.to_dict(),
+        "tokens_per_ex": md.tokens_per_ex,
+        "ex_per_shard": md.ex_per_shard,
+        "n_shards": len(sd.shard_sizes),
+        "n_vectors_per_layer": md.n_ex * md.tokens_per_ex,
+        "n_bytes": md.n_bytes,
+        "side_files": [f for f in shards.AUX_FILES if sd.has_aux(f)],
+        "provenance": sd.provenance(),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    prov = summary["provenance"] or {}
+    print(f"{summary['path']}")
+    print(f"  model        {md.family} {md.ckpt}")
+    print(f"  dataset      {md.dataset} ({md.data.get('__class__')})")
+    print(f"  layers       {list(md.layers)}")
+    print(f"  examples     {md.n_ex} x {md.tokens_per_ex} tokens ({'CLS + ' if md.cls_token else ''}{md.patches_per_ex} patches)")
+    print(f"  d_model      {md.d_model} ({md.dtype})")
+    print(f"  shards       {summary['n_shards']} x up to {md.ex_per_shard} examples, {md.n_bytes / 2**30:.3f} GiB")
+    print(f"  side files   {', '.join(summary['side_files']) or 'none'}")
+    if prov:
+        print(f"  made         {prov.get('finished_at')} on {prov.get('host')} by saeflow {prov.get('saeflow_version')}")
+    return 0

@@ -1,0 +1,76 @@
+"""Load and validate a saeflow config against the one schema (workflow/schemas/config.schema.yaml).
+
+The schema holds every key and every default; Snakemake's `validate(config, schema)` and this loader apply the
+same file, so the workflow and the CLI can never disagree on a default.
+"""
+
+import copy
+import pathlib
+import typing
+
+import jsonschema
+import yaml
+
+from saeflow.errors import SaeflowError
+
+SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_FPATH.read_text(encoding="utf-8"))
+
+
+def _extend_with_defaults(validator_cls):
+    """A validator that fills in `default` values as it validates (as Snakemake's validate does)."""
+    validate_properties = validator_cls.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, subschema in properties.items():
+                if "default" in subschema and name not in instance:
+                    instance[name] = copy.deepcopy(subschema["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_cls, {"properties": set_defaults})
+
+
+_Validator = _extend_with_defaults(jsonschema.Draft202012Validator)
+
+
+def validate(config: dict, schema: dict | None = None) -> dict:
+    """Validate in place, fill defaults, return the config; the error names the offending key path."""
+    schema = schema or load_schema()
+    errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        lines = []
+        for err in errors[:10]:
+            where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
+            lines.append(f"  {where}: {err.message}")
+        raise SaeflowError("config does not match the schema:\n" + "\n".join(lines))
+    return config
+
+
+def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
+    """Read a YAML/JSON config file, apply top-level overrides, validate and fill defaults."""
+    fpath = pathlib.Path(fpath)
+    try:
+        config = yaml.safe_load(fpath.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SaeflowError(f"config file {fpath} does not exist") from None
+    except yaml.YAMLError as err:
+        raise SaeflowError(f"config file {fpath} is not valid YAML: {err}") from None
+    if not isinstance(config, dict):
+        raise SaeflowError(f"config file {fpath} must hold a mapping, got {type(config).__name__}")
+    config.update(overrides or {})
+    return validate(config)
+
+
+def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:
+    """One named entry of a config section; the only one when `name` is None."""
+    if name is None:
+        if len(section) != 1:
+            raise SaeflowError(f"the config has {len(section)} {what}s ({', '.join(section)}); choose one by name")
+        return next(iter(section.items()))
+    if name not in section:
+        raise SaeflowError(f"no {what} named {name!r}; the config has: {', '.join(section) or 'none'}")
+    return name, section[name]

@@ -1,0 +1,23 @@
+"""Canonical JSON and content hashes: the identity of every published directory."""
+
+import hashlib
+import json
+import typing
+
+
+def canonical_json(obj: typing.Any) -> str:
+    """The one serialization that is hashed: sorted keys, no whitespace (saev protocol 2.0)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def content_hash(obj: typing.Any) -> str:
+    """Full 64-hex-digit sha256 of the canonical JSON of `obj`."""
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
+
+
+def file_sha256(fpath, chunk_bytes: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(fpath, "rb") as fd:
+        while chunk := fd.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
