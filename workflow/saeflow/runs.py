@@ -1,0 +1,122 @@
+"""The run layout of storage-and-run-manifest v1: every path of a run resolved from its root.
+
+    <runs_root>/<run_id>/
+      checkpoint/sae.pt, checkpoint/config.json      training output (sae.pt appears atomically, once)
+      links/train-shards, links/train-dataset         symlinks to the shard directory and the source dataset
+      links/val-shards, links/val-dataset
+      inference/<shard_hash>/{config.json, patch_acts.npz, metrics.json, ..., visuals/}
+
+`run_id` is the full sha256 of the canonical training config, which names the train/val shard hashes, so a run
+directory is content-addressed like a shard directory: same config and data, same run id.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+
+from saeflow import atomic
+from saeflow.errors import SaeflowError
+from saeflow.hashing import content_hash
+
+
+def run_id(train_config: dict) -> str:
+    """The content address of a run: sha256 of its canonical training config (which includes shard hashes)."""
+    return content_hash(train_config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    root: pathlib.Path
+
+    @property
+    def checkpoint_dpath(self) -> pathlib.Path:
+        return self.root / "checkpoint"
+
+    @property
+    def sae_fpath(self) -> pathlib.Path:
+        return self.checkpoint_dpath / "sae.pt"
+
+    @property
+    def config_fpath(self) -> pathlib.Path:
+        return self.checkpoint_dpath / "config.json"
+
+    @property
+    def links_dpath(self) -> pathlib.Path:
+        return self.root / "links"
+
+    def link(self, name: str) -> pathlib.Path:
+        """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset."""
+        return self.links_dpath / name
+
+    @property
+    def train_shards_dpath(self) -> pathlib.Path:
+        return self.link("train-shards")
+
+    @property
+    def val_shards_dpath(self) -> pathlib.Path:
+        return self.link("val-shards")
+
+    def inference_dpath(self, shard_hash: str) -> pathlib.Path:
+        return self.root / "inference" / shard_hash
+
+    def visuals_dpath(self, shard_hash: str) -> pathlib.Path:
+        return self.inference_dpath(shard_hash) / "visuals"
+
+    def config(self) -> dict:
+        try:
+            return json.loads(self.config_fpath.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise SaeflowError(f"{self.config_fpath}: missing; is {self.root} a run directory?") from None
+
+    def require_checkpoint(self) -> pathlib.Path:
+        if not self.sae_fpath.exists():
+            raise SaeflowError(f"{self.sae_fpath}: no checkpoint; train this run first (saeflow train --run {self.root})")
+        return self.sae_fpath
+
+
+def open_run(path: str | os.PathLike) -> Run:
+    run = Run(pathlib.Path(path))
+    if not run.root.is_dir():
+        raise SaeflowError(f"run directory {run.root} does not exist")
+    return run
+
+
+def _symlink(target: str | os.PathLike | None, link_fpath: pathlib.Path) -> None:
+    if target is None:
+        return
+    target = pathlib.Path(target).resolve()
+    if link_fpath.is_symlink():
+        if pathlib.Path(os.readlink(link_fpath)) == target:
+            return
+        raise SaeflowError(f"{link_fpath} points to {os.readlink(link_fpath)}, not {target}; refusing to relink")
+    os.symlink(target, link_fpath, target_is_directory=True)
+
+
+def create_run(
+    runs_root: str | os.PathLike,
+    train_config: dict,
+    train_shards: str | os.PathLike,
+    val_shards: str | os.PathLike | None = None,
+    train_dataset: str | os.PathLike | None = None,
+    val_dataset: str | os.PathLike | None = None,
+) -> Run:
+    """Create (or find, unchanged) `<runs_root>/<run_id>/` with checkpoint/config.json and links/.
+
+    Idempotent: the same training config gives the same run and rewrites nothing.
+    """
+    run = Run(pathlib.Path(runs_root) / run_id(train_config))
+    run.checkpoint_dpath.mkdir(parents=True, exist_ok=True)
+    run.links_dpath.mkdir(parents=True, exist_ok=True)
+    if run.config_fpath.exists():
+        if json.loads(run.config_fpath.read_text(encoding="utf-8")) != train_config:
+            raise SaeflowError(f"{run.config_fpath} differs from the config whose hash names this run")
+    else:
+        atomic.write_file_atomic(
+            run.config_fpath, (json.dumps(train_config, indent=2, sort_keys=True) + "\n").encode(), readonly=True
+        )
+    _symlink(train_shards, run.link("train-shards"))
+    _symlink(val_shards, run.link("val-shards"))
+    _symlink(train_dataset, run.link("train-dataset"))
+    _symlink(val_dataset, run.link("val-dataset"))
+    return run
