@@ -1,0 +1,430 @@
+"""lmprobe dataset format 2.0: writer, validator and reader (specs/lmprobe-dataset-format-2.0.txt).
+
+Where lmprobe 0.10.3's own reader differs from the spec text we follow the reader (specs/README.md):
+logits tensors are keyed `logits_topk.values` / `logits_topk.indices`; file and key patterns are always the
+defaults below (lmprobe ignores custom ones); the index is `index/train-00000-of-00001.parquet`.
+Full-sequence storage follows lmprobe's own layout: shards 0..last_token_shards-1 hold each prompt's last token;
+the sequence shards after them hold tokens 0..T-2 of each prompt, and `token_shard_ids[-1]` points at the
+last-token shard. Our reader also accepts the spec's `topk_values` / `topk_indices` keys.
+"""
+
+import dataclasses
+import json
+import logging
+import pathlib
+import platform
+import typing
+
+import numpy as np
+
+from saeflow import atomic, provenance
+from saeflow.errors import SaeflowError
+from saeflow.interop.records import Record
+
+FORMAT_VERSION = "2.0"
+PARQUET_PATH = "index/train-00000-of-00001.parquet"
+HIDDEN_FILE_PATTERN = "tensors/hidden_layer{layer:03d}_shard{shard:03d}.safetensors"
+HIDDEN_KEY_PATTERN = "hidden.layer_{layer}"
+LOGITS_FILE_PATTERN = "tensors/logits_topk_{shard:03d}.safetensors"
+LOGITS_KEYS = ("logits_topk.values", "logits_topk.indices")
+SPEC_LOGITS_KEYS = ("topk_values", "topk_indices")
+STORAGES = ("pooled", "full_sequence")
+CORE_COLUMNS = {"text", "label", "num_tokens", "shard_index", "row_offset", "token_offset", "token_shard_ids",
+                "token_shard_offsets", "shard_index_logits", "row_offset_logits", "perplexity_mean",
+                "perplexity_min", "perplexity_max", "token_ids", "token_perplexity", "token_strings"}
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LmprobeOptions:
+    storage: str = "pooled"  # or "full_sequence"
+    prompts_per_shard: int = 4096
+    top_k: int = 50  # 0: no logits shards
+    perplexity: bool = True
+    token_ids: bool = False
+    token_strings: bool = False
+    allow_duplicate_texts: bool = False  # lmprobe maps text -> label, so duplicates are refused by default
+
+    def __post_init__(self):
+        if self.storage not in STORAGES:
+            raise SaeflowError(f"lmprobe storage must be one of {STORAGES}, got {self.storage!r}")
+        if self.prompts_per_shard < 1 or self.top_k < 0:
+            raise SaeflowError("lmprobe prompts_per_shard must be >= 1 and top_k >= 0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _shard_bounds(n: int, per_shard: int) -> list[tuple[int, int]]:
+    return [(start, min(start + per_shard, n)) for start in range(0, n, per_shard)]
+
+
+def _save(fpath: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    import safetensors.numpy
+
+    fpath.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(fpath))
+
+
+def _check_duplicates(texts: list[str], allow: bool, where: str) -> None:
+    seen: dict[str, int] = {}
+    dups = []
+    for i, text in enumerate(texts):
+        if text in seen:
+            dups.append((seen[text], i))
+        seen.setdefault(text, i)
+    if not dups:
+        return
+    msg = f"{where}: {len(dups)} duplicate prompt texts, e.g. rows {dups[0][0]} and {dups[0][1]} ({texts[dups[0][1]][:60]!r})"
+    if not allow:
+        raise SaeflowError(msg + "; lmprobe looks prompts up by text, so their labels would collide. Deduplicate "
+                           "the prompts or set allow_duplicate_texts.")
+    logger.warning("%s; lmprobe's text -> label lookup will return one label for all copies", msg)
+
+
+def write(
+    records: typing.Iterable[Record],
+    out_dpath: str | pathlib.Path,
+    model_name: str,
+    model_revision: str | None,
+    opts: LmprobeOptions = LmprobeOptions(),
+) -> pathlib.Path:
+    """Write an lmprobe 2.0 dataset to `out_dpath` (staged in a sibling, validated, then renamed into place)."""
+    out_dpath = pathlib.Path(out_dpath)
+    if out_dpath.exists():
+        raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output directory")
+    full = opts.storage == "full_sequence"
+    rows: list[dict] = []
+    last_nld: list[np.ndarray] = []  # per prompt: (L, D) last-token vectors
+    rest_ntd: list[np.ndarray] = []  # full sequence: per prompt (L, T-1, D)
+    topk_v, topk_i = [], []
+    layers: tuple[int, ...] | None = None
+    for i, rec in enumerate(records):
+        layers = layers or rec.layers
+        if rec.layers != layers:
+            raise SaeflowError(f"lmprobe export: example {i} has layers {list(rec.layers)}, expected {list(layers)}")
+        acts_ltd = np.stack([rec.acts[layer] for layer in layers]).astype(np.float32)
+        n_tokens = len(rec.token_ids) if rec.token_ids is not None else acts_ltd.shape[1]
+        if full and acts_ltd.shape[1] != n_tokens:
+            raise SaeflowError(f"lmprobe export: example {i} has {acts_ltd.shape[1]} vectors for {n_tokens} tokens")
+        last_nld.append(acts_ltd[:, -1])
+        if full:
+            rest_ntd.append(acts_ltd[:, :-1])
+        if opts.top_k:
+            if rec.topk_values is None or len(rec.topk_values) < opts.top_k:
+                raise SaeflowError(f"lmprobe export: example {i} has no top-{opts.top_k} logits")
+            topk_v.append(np.asarray(rec.topk_values[: opts.top_k], dtype=np.float32))
+            topk_i.append(np.asarray(rec.topk_indices[: opts.top_k], dtype=np.int64))
+        row = {"text": rec.text, "label": rec.label, "num_tokens": int(n_tokens)}
+        stats = rec.perplexity_stats() if opts.perplexity else None
+        if opts.perplexity:
+            row["perplexity_mean"], row["perplexity_min"], row["perplexity_max"] = stats or (None, None, None)
+            row["token_perplexity"] = None if rec.token_nll is None else np.exp(rec.token_nll).tolist()
+        if opts.token_ids:
+            row["token_ids"] = [int(t) for t in rec.token_ids]
+        if opts.token_strings:
+            row["token_strings"] = list(rec.token_strings or ())
+        clash = CORE_COLUMNS & rec.extra.keys()
+        if clash:
+            raise SaeflowError(f"lmprobe export: extra columns {sorted(clash)} of example {i} clash with core columns")
+        row.update(rec.extra)
+        rows.append(row)
+    if not rows:
+        raise SaeflowError("lmprobe export: no prompts")
+    _check_duplicates([r["text"] for r in rows], opts.allow_duplicate_texts, "lmprobe export")
+
+    n, d_model = len(rows), last_nld[0].shape[-1]
+    bounds = _shard_bounds(n, opts.prompts_per_shard)
+    staging = atomic.staging_dpath(out_dpath)
+    atomic.remove_staging(staging)
+    staging.mkdir(parents=True)
+    try:
+        shards_desc = _write_hidden(staging, layers, last_nld, rest_ntd, bounds, rows)
+        hidden = {
+            "type": "hidden", "layers": list(layers), "dim": int(d_model), "dtype": "float32",
+            "layout": "per_layer", "file_pattern": HIDDEN_FILE_PATTERN, "key_pattern": HIDDEN_KEY_PATTERN,
+            "storage": opts.storage, "shards": shards_desc,
+        }
+        if full:
+            hidden["last_token_shards"] = len(bounds)
+        else:
+            hidden.update(pooling="last_token", row_bytes=int(d_model) * 4)
+        tensors = {"hidden_layers": hidden}
+        if opts.top_k:
+            tensors["logits_topk"] = _write_logits(staging, np.stack(topk_v), np.stack(topk_i), bounds, rows)
+        info = {
+            "format_version": FORMAT_VERSION,
+            "model": {"name": model_name, "revision": model_revision},
+            "num_prompts": n,
+            "prompt_ordering": "as_given",
+            "tensors": tensors,
+            "provenance": _provenance(),
+        }
+        _write_index(staging / PARQUET_PATH, rows, info)
+        problems = validate(staging)
+        if problems:
+            raise SaeflowError("lmprobe export failed validation:\n" + "\n".join(f"  - {p}" for p in problems))
+        atomic.publish_dir(staging, out_dpath)
+    except BaseException:
+        atomic.remove_staging(staging)
+        raise
+    return out_dpath
+
+
+def _write_hidden(staging, layers, last_nld, rest_ntd, bounds, rows) -> list[dict]:
+    """Last-token shards (and, for full sequences, sequence shards after them); fills the addressing columns."""
+    shards_desc = [{"num_prompts": stop - start} for start, stop in bounds]
+    for shard, (start, stop) in enumerate(bounds):
+        for local, i in enumerate(range(start, stop)):
+            rows[i]["shard_index"], rows[i]["row_offset"] = shard, local
+        last_nld_shard = np.stack(last_nld[start:stop])
+        for li, layer in enumerate(layers):
+            fpath = staging / HIDDEN_FILE_PATTERN.format(layer=layer, shard=shard)
+            _save(fpath, {HIDDEN_KEY_PATTERN.format(layer=layer): last_nld_shard[:, li]})
+    if not rest_ntd:
+        return shards_desc
+    n_lt = len(bounds)
+    for desc in shards_desc:
+        desc["num_tokens"] = desc["num_prompts"]
+    for j, (start, stop) in enumerate(bounds):
+        shard = n_lt + j
+        offset = 0
+        for i in range(start, stop):
+            n_rest = rest_ntd[i].shape[1]
+            rows[i]["token_shard_ids"] = [shard] * n_rest + [rows[i]["shard_index"]]
+            rows[i]["token_shard_offsets"] = list(range(offset, offset + n_rest)) + [rows[i]["row_offset"]]
+            rows[i]["token_offset"] = rows[i]["row_offset"]
+            offset += n_rest
+        shards_desc.append({"num_prompts": stop - start, "num_tokens": offset})
+        for li, layer in enumerate(layers):
+            seq_td = np.concatenate([rest_ntd[i][li] for i in range(start, stop)], axis=0)
+            fpath = staging / HIDDEN_FILE_PATTERN.format(layer=layer, shard=shard)
+            _save(fpath, {HIDDEN_KEY_PATTERN.format(layer=layer): seq_td})
+    return shards_desc
+
+
+def _write_logits(staging, values_nk, indices_nk, bounds, rows) -> dict:
+    shards = []
+    for shard, (start, stop) in enumerate(bounds):
+        for local, i in enumerate(range(start, stop)):
+            rows[i]["shard_index_logits"], rows[i]["row_offset_logits"] = shard, local
+        fname = LOGITS_FILE_PATTERN.format(shard=shard)
+        _save(staging / fname, dict(zip(LOGITS_KEYS, (values_nk[start:stop], indices_nk[start:stop]))))
+        shards.append({"file": fname, "num_prompts": stop - start})
+    k = values_nk.shape[1]
+    return {
+        "type": "logits_topk", "k": k, "dtype": "float32", "pooling": "last_token",
+        "file_pattern": LOGITS_FILE_PATTERN, "row_bytes": k * (4 + 8), "shards": shards,
+    }
+
+
+def _provenance() -> dict:
+    prov = provenance.collect()
+    return {
+        "lmprobe_version": None,
+        "writer": f"saeflow {prov['saeflow_version']}",
+        "extraction_backend": "local",
+        "nnsight_version": None,
+        "torch_version": prov["torch_version"],
+        "transformers_version": prov["transformers_version"],
+        "python_version": platform.python_version(),
+        "created_at": provenance.utc_now(),
+    }
+
+
+def _write_index(fpath: pathlib.Path, rows: list[dict], info: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    labels = [r["label"] for r in rows]
+    int_labels = all(isinstance(v, int) and not isinstance(v, bool) for v in labels if v is not None)
+    types = {
+        "text": pa.string(), "label": pa.int32() if int_labels else pa.string(), "num_tokens": pa.int32(),
+        "shard_index": pa.int32(), "row_offset": pa.int32(), "token_offset": pa.int64(),
+        "token_shard_ids": pa.list_(pa.int64()), "token_shard_offsets": pa.list_(pa.int64()),
+        "shard_index_logits": pa.int32(), "row_offset_logits": pa.int32(), "perplexity_mean": pa.float64(),
+        "perplexity_min": pa.float64(), "perplexity_max": pa.float64(), "token_ids": pa.list_(pa.int64()),
+        "token_perplexity": pa.list_(pa.float64()), "token_strings": pa.list_(pa.string()),
+    }
+    if not int_labels:
+        for r in rows:
+            r["label"] = None if r["label"] is None else str(r["label"])
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    columns = {name: pa.array([r.get(name) for r in rows], type=types.get(name)) for name in names}
+    table = pa.table(columns)
+    meta = {f"lmprobe:{k}".encode(): json.dumps(v).encode() for k, v in info.items()}
+    fpath.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table.replace_schema_metadata(meta), str(fpath))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validating and reading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_info(parquet_fpath: pathlib.Path) -> tuple[dict, dict]:
+    """(lmprobe: metadata dict, index columns as lists) of a dataset's parquet index."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(parquet_fpath)
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"{parquet_fpath}: not a readable parquet index ({err})") from None
+    meta = table.schema.metadata or {}
+    info = {k.decode().removeprefix("lmprobe:"): json.loads(v) for k, v in meta.items() if k.startswith(b"lmprobe:")}
+    if not info:
+        raise SaeflowError(f"{parquet_fpath}: no lmprobe: schema metadata (not an lmprobe 2.0 dataset)")
+    return info, table.to_pydict()
+
+
+def _tensor_shapes(fpath: pathlib.Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(fpath), framework="np") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def validate(dpath: str | pathlib.Path) -> list[str]:
+    """Everything lmprobe trusts without checking: dims, rows per shard, offsets in range. Returns problems."""
+    dpath = pathlib.Path(dpath)
+    parquet_fpath = dpath / PARQUET_PATH
+    if not parquet_fpath.exists():
+        return [f"{parquet_fpath}: missing"]
+    try:
+        info, index = read_info(parquet_fpath)
+    except SaeflowError as err:
+        return [str(err)]
+    problems = []
+    if info.get("format_version") != FORMAT_VERSION:
+        problems.append(f"{parquet_fpath}: format_version {info.get('format_version')!r}, expected {FORMAT_VERSION!r}")
+    n = len(index.get("text", []))
+    if info.get("num_prompts") != n:
+        problems.append(f"{parquet_fpath}: lmprobe:num_prompts={info.get('num_prompts')} but the index has {n} rows")
+    hidden = info.get("tensors", {}).get("hidden_layers")
+    if hidden is None:
+        return problems + [f"{parquet_fpath}: lmprobe:tensors has no hidden_layers descriptor"]
+    shards, dim = hidden["shards"], hidden["dim"]
+    n_lt = hidden.get("last_token_shards", len(shards)) if hidden.get("storage") == "full_sequence" else len(shards)
+    for layer in hidden["layers"]:
+        key = HIDDEN_KEY_PATTERN.format(layer=layer)
+        for shard, desc in enumerate(shards):
+            fpath = dpath / HIDDEN_FILE_PATTERN.format(layer=layer, shard=shard)
+            if not fpath.exists():
+                problems.append(f"{fpath}: missing")
+                continue
+            rows = desc["num_prompts"] if shard < n_lt else desc.get("num_tokens")
+            shape = _tensor_shapes(fpath).get(key)
+            if shape != (rows, dim):
+                problems.append(f"{fpath}: tensor {key!r} has shape {shape}, descriptor says ({rows}, {dim})")
+    lt_rows = [d["num_prompts"] for d in shards[:n_lt]]
+    if sum(lt_rows) != n:
+        problems.append(f"{parquet_fpath}: last-token shards hold {sum(lt_rows)} rows for {n} prompts")
+    seen = set()
+    for i, (si, off) in enumerate(zip(index.get("shard_index", []), index.get("row_offset", []))):
+        if not (0 <= si < n_lt and 0 <= off < lt_rows[si]):
+            problems.append(f"{parquet_fpath}: row {i}: shard_index/row_offset ({si}, {off}) out of range")
+        elif (si, off) in seen:
+            problems.append(f"{parquet_fpath}: row {i}: shard_index/row_offset ({si}, {off}) used twice")
+        seen.add((si, off))
+    if hidden.get("storage") == "full_sequence":
+        for i, (ids, offs) in enumerate(zip(index["token_shard_ids"], index["token_shard_offsets"])):
+            if len(ids) != index["num_tokens"][i] or len(offs) != len(ids):
+                problems.append(f"{parquet_fpath}: row {i}: {len(ids)} token addresses for {index['num_tokens'][i]} tokens")
+            for si, off in zip(ids, offs):
+                rows = shards[si]["num_prompts"] if si < n_lt else shards[si].get("num_tokens", 0) if si < len(shards) else 0
+                if not 0 <= off < rows:
+                    problems.append(f"{parquet_fpath}: row {i}: token address ({si}, {off}) out of range")
+                    break
+    logits = info["tensors"].get("logits_topk")
+    if logits is not None:
+        for shard, desc in enumerate(logits["shards"]):
+            fpath = dpath / LOGITS_FILE_PATTERN.format(shard=shard)
+            if not fpath.exists():
+                problems.append(f"{fpath}: missing")
+                continue
+            shapes = _tensor_shapes(fpath)
+            keys = LOGITS_KEYS if LOGITS_KEYS[0] in shapes else SPEC_LOGITS_KEYS
+            for key in keys:
+                if shapes.get(key) != (desc["num_prompts"], logits["k"]):
+                    problems.append(f"{fpath}: {key!r} has shape {shapes.get(key)}, expected ({desc['num_prompts']}, {logits['k']})")
+    return problems
+
+
+class LmprobeDataset:
+    """A validated lmprobe 2.0 dataset on local disk; tensors are loaded per (layer, shard) on demand."""
+
+    def __init__(self, dpath: str | pathlib.Path):
+        self.dpath = pathlib.Path(dpath)
+        problems = validate(self.dpath)
+        if problems:
+            raise SaeflowError(f"invalid lmprobe dataset {self.dpath}:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.info, self.index = read_info(self.dpath / PARQUET_PATH)
+        self.hidden = self.info["tensors"]["hidden_layers"]
+        self.layers = tuple(self.hidden["layers"])
+        self.n_prompts = len(self.index["text"])
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    @property
+    def full_sequence(self) -> bool:
+        return self.hidden.get("storage") == "full_sequence"
+
+    def _hidden(self, layer: int, shard: int) -> np.ndarray:
+        if layer not in self.layers:
+            raise SaeflowError(f"{self.dpath}: layer {layer} is not stored; stored layers are {list(self.layers)}")
+        key = ("hidden", layer, shard)
+        if key not in self._cache:
+            import safetensors.numpy
+
+            fpath = self.dpath / HIDDEN_FILE_PATTERN.format(layer=layer, shard=shard)
+            self._cache[key] = safetensors.numpy.load_file(str(fpath))[HIDDEN_KEY_PATTERN.format(layer=layer)]
+        return self._cache[key]
+
+    def last_token(self, layer: int) -> np.ndarray:
+        """(n_prompts, D) last-token vectors in index order."""
+        return np.stack([self._hidden(layer, s)[o] for s, o in zip(self.index["shard_index"], self.index["row_offset"])])
+
+    def tokens(self, i: int, layer: int) -> np.ndarray:
+        """(num_tokens, D) every token of prompt i (full-sequence datasets only)."""
+        if not self.full_sequence:
+            raise SaeflowError(f"{self.dpath}: pooled dataset; only last-token vectors are stored")
+        ids, offs = self.index["token_shard_ids"][i], self.index["token_shard_offsets"][i]
+        return np.stack([self._hidden(layer, s)[o] for s, o in zip(ids, offs)])
+
+    def logits_topk(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(values (n, k) float32, indices (n, k) int64) in index order, or None when not stored."""
+        desc = self.info["tensors"].get("logits_topk")
+        if desc is None:
+            return None
+        import safetensors.numpy
+
+        loaded = [safetensors.numpy.load_file(str(self.dpath / LOGITS_FILE_PATTERN.format(shard=s)))
+                  for s in range(len(desc["shards"]))]
+        keys = LOGITS_KEYS if LOGITS_KEYS[0] in loaded[0] else SPEC_LOGITS_KEYS
+        rows = list(zip(self.index["shard_index_logits"], self.index["row_offset_logits"]))
+        return tuple(np.stack([loaded[s][key][o] for s, o in rows]) for key in keys)
+
+    def records(self) -> typing.Iterator[Record]:
+        logits = self.logits_topk()
+        extra_cols = [c for c in self.index if c not in CORE_COLUMNS]
+        last = {layer: self.last_token(layer) for layer in self.layers} if not self.full_sequence else None
+        for i in range(self.n_prompts):
+            if self.full_sequence:
+                acts = {layer: self.tokens(i, layer) for layer in self.layers}
+            else:
+                acts = {layer: last[layer][i : i + 1] for layer in self.layers}
+            ids, strs = self.index.get("token_ids"), self.index.get("token_strings")
+            ppl = self.index.get("token_perplexity")
+            yield Record(
+                text=self.index["text"][i],
+                label=self.index["label"][i],
+                acts=acts,
+                token_ids=None if ids is None or ids[i] is None else np.asarray(ids[i], dtype=np.int64),
+                token_strings=None if strs is None or strs[i] is None else tuple(strs[i]),
+                topk_values=None if logits is None else logits[0][i],
+                topk_indices=None if logits is None else logits[1][i],
+                token_nll=None if ppl is None or ppl[i] is None else np.log(np.asarray(ppl[i])),
+                extra={c: self.index[c][i] for c in extra_cols},
+            )
