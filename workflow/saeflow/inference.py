@@ -1,0 +1,236 @@
+"""Inference dumps: run a trained SAE over one shard directory, streaming, into RUN/inference/<shard_hash>/.
+
+    config.json        what was run on what (run, checkpoint sha256, shard dir and hash, layer, top_k)
+    patch_acts.npz     scipy CSR (n_ex * tokens_per_ex, d_sae) float32: `scipy.sparse.load_npz` reads it.
+                       Row r is example r // tokens_per_ex, token r % tokens_per_ex (example-major, token-minor,
+                       the protocol's token axis: CLS first when the shards have one).
+    latents.npz        per latent: n_fires, freq (fraction of rows where it fires), mean_act (mean value when
+                       firing, 0 when it never fires), max_act; top-k rows per latent, best first:
+                       topk_values (d_sae, k) float32, topk_example (d_sae, k) int64, topk_token (d_sae, k) int64
+                       (-1 / 0.0 pad latents that fired on fewer than k rows); l0_hist[n] = rows with n active latents
+    metrics.json       NMSE, L0, explained variance, dead/dense counts on this data (saeflow.metrics definitions)
+    provenance.json    versions, host, times (not part of the result)
+
+The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.atomic); an
+existing complete directory with the same result-defining settings is reused. Memory is bounded by the batch size
+and top_k (the CSR is streamed to disk), not by the number of rows.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+
+import numpy as np
+import torch
+import tqdm
+
+from saeflow import atomic, metrics, provenance, runs, sae
+from saeflow.csr import CsrWriter
+from saeflow.errors import SaeflowError
+from saeflow.hashing import file_sha256
+from saeflow.shards import ShardDir
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FNAME = "config.json"
+ACTS_FNAME = "patch_acts.npz"
+LATENTS_FNAME = "latents.npz"
+METRICS_FNAME = "metrics.json"
+# config.json keys that change the result; an existing dump must agree on them to be reused.
+RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One inference dump: which run, on which shards, how."""
+
+    run: pathlib.Path
+    shards: pathlib.Path
+    top_k: int = 16
+    batch_size: int = 4096
+    dense_freq: float = metrics.DEFAULT_DENSE_FREQ  # a latent firing on more than this fraction of rows is dense
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise SaeflowError(f"top_k must be at least 1, got {self.top_k}")
+        if self.batch_size < 1:
+            raise SaeflowError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 0 < self.dense_freq <= 1:
+            raise SaeflowError(f"dense_freq must be in (0, 1], got {self.dense_freq}")
+
+
+class TopK:
+    """The k largest values per latent and their row ids, merged batch by batch (memory O(d_sae * k))."""
+
+    def __init__(self, d_sae: int, k: int):
+        self.k = k
+        self.values_sk = torch.zeros(d_sae, k)
+        self.rows_sk = torch.full((d_sae, k), -1, dtype=torch.int64)
+
+    def update(self, f_bs: torch.Tensor, first_row: int) -> None:
+        k_b = min(self.k, f_bs.shape[0])
+        vals_sk, idx_sk = f_bs.T.topk(k_b, dim=1)
+        vals_s2k = torch.cat([self.values_sk, vals_sk], dim=1)
+        rows_s2k = torch.cat([self.rows_sk, idx_sk + first_row], dim=1)
+        self.values_sk, pick_sk = vals_s2k.topk(self.k, dim=1)
+        self.rows_sk = rows_s2k.gather(1, pick_sk)
+        self.rows_sk[self.values_sk <= 0] = -1
+
+
+def trained_layer(run: runs.Run) -> int:
+    """The layer (value, not index) the run's SAE was trained on, from checkpoint/config.json."""
+    train_config = run.config()
+    layer = train_config.get("layer")
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise SaeflowError(f"{run.config_fpath}: no integer 'layer' key saying which layer the SAE was trained on")
+    return layer
+
+
+def open_inputs(run_dpath: pathlib.Path, shards_dpath: pathlib.Path) -> tuple[runs.Run, sae.SAE, ShardDir, int]:
+    """Resolve and cross-check the run, its checkpoint and the shards; errors say which file disagrees."""
+    run = runs.open_run(run_dpath)
+    sae_fpath = run.require_checkpoint()
+    layer = trained_layer(run)
+    model = sae.load_sae(sae_fpath)
+    sd = ShardDir(shards_dpath)
+    md = sd.metadata
+    if layer not in md.layers:
+        raise SaeflowError(
+            f"{run.config_fpath}: the SAE was trained on layer {layer}, but {sd.dpath}/metadata.json "
+            f"stores layers {list(md.layers)}"
+        )
+    if md.d_model != model.d_model:
+        raise SaeflowError(
+            f"{sae_fpath}: the SAE takes d_model={model.d_model}, but {sd.dpath}/metadata.json has "
+            f"d_model={md.d_model}"
+        )
+    return run, model, sd, layer
+
+
+def run_inference(cfg: Config) -> pathlib.Path:
+    """Write (or reuse) RUN/inference/<shard_hash>/ and return its path."""
+    run, model, sd, layer = open_inputs(cfg.run, cfg.shards)
+    dump_config = {
+        "run": str(run.root.resolve()),
+        "sae_sha256": file_sha256(run.sae_fpath),
+        "shards": str(sd.dpath.resolve()),
+        "shard_hash": sd.hash,
+        "layer": layer,
+        "top_k": cfg.top_k,
+        "batch_size": cfg.batch_size,
+        "dense_freq": cfg.dense_freq,
+        "d_model": model.d_model,
+        "d_sae": model.d_sae,
+        "n_ex": sd.n_ex,
+        "tokens_per_ex": sd.metadata.tokens_per_ex,
+        "row_order": "row = example * tokens_per_ex + token",
+    }
+    final_dpath = run.inference_dpath(sd.hash)
+    final_dpath.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.exclusive_lock(final_dpath.parent / f".{sd.hash}.lock"):
+        if final_dpath.exists():
+            check_reusable(final_dpath, dump_config)
+            logger.info("reusing %s", final_dpath)
+            return final_dpath
+        staging = atomic.staging_dpath(final_dpath)
+        atomic.remove_staging(staging)
+        staging.mkdir()
+        try:
+            started_at = provenance.utc_now()
+            atomic.write_json(staging / CONFIG_FNAME, dump_config)
+            _dump(model, sd, layer, cfg, staging)
+            atomic.write_json(
+                staging / provenance.PROVENANCE_FNAME,
+                {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
+            )
+            atomic.publish_dir(staging, final_dpath)
+        finally:
+            atomic.remove_staging(staging)
+    return final_dpath
+
+
+def check_reusable(dpath: pathlib.Path, dump_config: dict) -> None:
+    try:
+        existing = json.loads((dpath / CONFIG_FNAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"{dpath / CONFIG_FNAME}: unreadable ({err}); remove {dpath} to redo it") from None
+    differ = [k for k in RESULT_KEYS if existing.get(k) != dump_config[k]]
+    if differ:
+        raise SaeflowError(
+            f"{dpath} already exists but was made with different {', '.join(differ)} "
+            f"({', '.join(f'{k}={existing.get(k)!r}' for k in differ)}); published dumps are never rewritten: "
+            f"remove it (chmod -R u+w; rm -r) to redo it with the new settings"
+        )
+
+
+@torch.no_grad()
+def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: pathlib.Path) -> None:
+    """One streaming pass: CSR rows, per-latent statistics, top-k and metrics."""
+    T, d_sae = sd.metadata.tokens_per_ex, model.d_sae
+    n_rows = sd.n_ex * T
+    csr = CsrWriter(out_dpath / ACTS_FNAME, d_sae)
+    topk = TopK(d_sae, cfg.top_k)
+    sum_act_s = torch.zeros(d_sae, dtype=torch.float64)
+    max_act_s = torch.zeros(d_sae)
+    l0_hist = torch.zeros(d_sae + 1, dtype=torch.int64)
+    acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
+    ex_per_block = max(1, cfg.batch_size // T)
+    try:
+        with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
+            for first_ex, acts_ntd in sd.iter_blocks(layer, ex_per_block=ex_per_block):
+                x_bd = torch.from_numpy(np.array(acts_ntd, dtype=np.float32).reshape(-1, acts_ntd.shape[-1]))
+                x_hat_bd, f_bs = model(x_bd)
+                first_row = first_ex * T
+                csr.append(f_bs.numpy())
+                topk.update(f_bs, first_row)
+                fires_bs = f_bs > 0
+                sum_act_s += f_bs.sum(dim=0, dtype=torch.float64)
+                torch.maximum(max_act_s, f_bs.amax(dim=0), out=max_act_s)
+                l0_hist += torch.bincount(fires_bs.sum(dim=1), minlength=d_sae + 1)
+                acc.update(x_bd, x_hat_bd, f_bs)
+                bar.update(x_bd.shape[0])
+        csr.finish()
+    except BaseException:
+        csr.abort()
+        raise
+    rows_sk = topk.rows_sk.numpy()
+    n_fires = acc.fires_s.numpy()
+    np.savez(
+        out_dpath / LATENTS_FNAME,
+        n_fires=n_fires,
+        freq=n_fires / n_rows,
+        mean_act=np.divide(sum_act_s.numpy(), n_fires, out=np.zeros(d_sae), where=n_fires > 0),
+        max_act=max_act_s.numpy(),
+        topk_values=topk.values_sk.numpy(),
+        topk_example=np.where(rows_sk >= 0, rows_sk // T, -1),
+        topk_token=np.where(rows_sk >= 0, rows_sk % T, 0),
+        l0_hist=l0_hist.numpy(),
+    )
+    atomic.write_json(out_dpath / METRICS_FNAME, acc.result())
+
+
+@dataclasses.dataclass(frozen=True)
+class Dump:
+    """A published inference directory, read back."""
+
+    dpath: pathlib.Path
+    config: dict
+    latents: dict[str, np.ndarray]
+    metrics: dict
+
+    @property
+    def d_sae(self) -> int:
+        return int(self.config["d_sae"])
+
+
+def load_dump(dpath: str | os.PathLike) -> Dump:
+    dpath = pathlib.Path(dpath)
+    for fname in (CONFIG_FNAME, LATENTS_FNAME, METRICS_FNAME):
+        if not (dpath / fname).exists():
+            raise SaeflowError(f"{dpath / fname}: missing; run `saeflow inference` first")
+    with np.load(dpath / LATENTS_FNAME) as npz:
+        latents = {name: npz[name] for name in npz.files}
+    read = lambda fname: json.loads((dpath / fname).read_text(encoding="utf-8"))  # noqa: E731
+    return Dump(dpath, read(CONFIG_FNAME), latents, read(METRICS_FNAME))
