@@ -1,9 +1,11 @@
 """Run a Hugging Face text model over prompts and yield `Record`s: the engine behind every interop export.
 
-Hidden-state layer k = output of transformer block k = `hidden_states[k + 1]`, as in the extraction engine.
-Causal LMs (GPT-2, Llama, ...) also give top-k logits at the last prompt token, per-token NLL (perplexity) and a
-greedy response; encoders (BERT, MiniLM) give activations only. Examples run one at a time in fp32 on CPU so a
-record does not depend on which other prompts shared its batch (no padding).
+Models are resolved and tokenized by `saeflow.models` (the extraction engine's adapters), and layer k means the
+same thing there and here: the raw output of transformer block k, recorded by a forward hook. That equals
+Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2, Llama), where
+`hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also give top-k
+logits at the last prompt token, per-token NLL (perplexity) and a greedy response; encoders (BERT, MiniLM) give
+activations only. Examples run one at a time so a record never depends on which prompts shared its batch.
 """
 
 import dataclasses
@@ -12,15 +14,19 @@ import typing
 
 import numpy as np
 
+from saeflow import models
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record
+
+
+ENCODERS = ("bert", "roberta")
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str  # Hugging Face id or local directory
-    layers: tuple[int, ...]
-    revision: str | None = None
+    layers: tuple[int, ...]  # block indices; negative ones count from the end
+    revision: str = "main"
     max_tokens: int = 128  # prompts are truncated to this many tokens
     top_k: int = 0  # 0: no logits
     perplexity: bool = False
@@ -38,40 +44,48 @@ class TextEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         torch.manual_seed(cfg.seed)
         self.cfg = cfg
-        try:
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.model, revision=cfg.revision)
-            hf_config = transformers.AutoConfig.from_pretrained(cfg.model, revision=cfg.revision)
-        except OSError as err:
-            raise SaeflowError(f"cannot load model {cfg.model!r}: {err}") from None
-        causal = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(
-            hf_config, "is_encoder_decoder", False
-        )
-        auto_cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-        if not causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
+        self.info = models.describe(models.ModelSpec(name=cfg.model, revision=cfg.revision))
+        if self.info.modality != "text":
+            raise SaeflowError(f"model {cfg.model!r} is a {self.info.modality} model; interop exports need a text model")
+        self.layers = self.info.resolve_layers(cfg.layers)
+        self.tokenizer = models.load_tokenizer(self.info, None)
+        hf_config = transformers.AutoConfig.from_pretrained(self.info.source, revision=self.info.revision)
+        # BERT-style configs map to an LM-head class too, but are bidirectional encoders: no next-token logits.
+        self.causal = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and self.info.family not in ENCODERS
+        if not self.causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
             raise SaeflowError(
                 f"model {cfg.model!r} ({hf_config.model_type}) is not a causal LM: top-k logits, perplexity and "
                 "responses need one (set top_k: 0, perplexity: false, response_max: 0)"
             )
-        self.model = auto_cls.from_pretrained(cfg.model, revision=cfg.revision, dtype=torch.float32)
+        auto_cls = transformers.AutoModelForCausalLM if self.causal else transformers.AutoModel
+        try:
+            self.model = auto_cls.from_pretrained(self.info.source, revision=self.info.revision, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise SaeflowError(f"cannot load the weights of {self.info.ckpt}: {err}") from None
         self.model.eval().to(cfg.device)
-        self.causal = causal
-        self.n_layers = hf_config.num_hidden_layers
-        self.d_model = hf_config.hidden_size
-        bad = [layer for layer in cfg.layers if not 0 <= layer < self.n_layers]
-        if bad or not cfg.layers:
-            raise SaeflowError(f"layers {list(cfg.layers)}: {cfg.model!r} has layers 0..{self.n_layers - 1}")
-        self.revision = cfg.revision or getattr(hf_config, "_commit_hash", None)
+        self.blocks = models._find_blocks(self.model.base_model)
+        self.d_model = self.info.d_model
 
     def _forward(self, ids_t):
+        """(model output, {layer: (T, D) float32 block outputs}) for one sequence."""
         import torch
 
-        with torch.inference_mode():
-            return self.model(input_ids=ids_t[None].to(self.cfg.device), output_hidden_states=True)
+        recorded = {}
 
-    def _acts(self, out, start: int, stop: int) -> dict[int, np.ndarray]:
-        return {
-            layer: out.hidden_states[layer + 1][0, start:stop].float().cpu().numpy().copy() for layer in self.cfg.layers
-        }
+        def make_hook(layer):
+            def hook(module, args, output):
+                recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output)[0].float().cpu()
+
+            return hook
+
+        handles = [self.blocks[layer].register_forward_hook(make_hook(layer)) for layer in self.layers]
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids_t[None].to(self.cfg.device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return out, {layer: recorded[layer].numpy() for layer in self.layers}
 
     def record(self, text: str, label=None, extra: dict | None = None) -> Record:
         import torch
@@ -92,12 +106,12 @@ class TextEngine:
                     pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0,
                 )
             resp_ids = gen[0, len(ids) :].cpu()
-            out = self._forward(torch.cat([ids_t, resp_ids]))
+            out, acts = self._forward(torch.cat([ids_t, resp_ids]))
             fields["response_ids"] = resp_ids.numpy().astype(np.int64)
             fields["response_text"] = self.tokenizer.decode(resp_ids, skip_special_tokens=True)
-            fields["response_acts"] = self._acts(out, len(ids), len(ids) + len(resp_ids))
+            fields["response_acts"] = {layer: a[len(ids) :].copy() for layer, a in acts.items()}
         else:
-            out = self._forward(ids_t)
+            out, acts = self._forward(ids_t)
         T = len(ids)
         if cfg.top_k:
             topk = torch.topk(out.logits[0, T - 1].float(), cfg.top_k)
@@ -111,7 +125,7 @@ class TextEngine:
         return Record(
             text=text,
             label=label,
-            acts=self._acts(out, 0, T),
+            acts={layer: a[:T].copy() for layer, a in acts.items()},
             token_ids=np.asarray(ids, dtype=np.int64),
             extra=dict(extra or {}),
             **fields,
