@@ -1,5 +1,77 @@
-"""Subcommands of the extract stage (being built; registers nothing yet)."""
+"""`saeflow plan` and `saeflow extract`: an activation spec of the workflow config -> its shard directory."""
+
+import argparse
+import json
+import pathlib
+
+from saeflow import config
 
 
 def register(subparsers):
-    pass
+    p = subparsers.add_parser(
+        "plan",
+        help="print an activation spec's shard metadata and hash (no model run)",
+        description="Resolve one `activations.<name>` entry of CONFIG into the saev protocol 2.0 metadata that "
+        "names its shard directory: model revision, absolute layers, dataset size, preprocessing/tokenization. "
+        "Reads the model's config.json only, never its weights; text corpora are tokenized to count examples.",
+    )
+    _common_args(p)
+    p.add_argument("--json", action="store_true", help='print {"name", "hash", "metadata"} as one JSON object')
+    p.set_defaults(func=cmd_plan)
+
+    p = subparsers.add_parser(
+        "extract",
+        help="run the model and write (or reuse) SHARDS_ROOT/<hash>/",
+        description="Extract the activations of one `activations.<name>` entry of CONFIG into SHARDS_ROOT/<hash>/ "
+        "and print that path. An existing complete directory is reused (nothing runs). A crashed or preempted "
+        "extraction resumes from its last complete shard. Inputs are checked before the model is loaded.",
+    )
+    _common_args(p)
+    p.add_argument(
+        "--shards-root", type=pathlib.Path, help="where shard directories live (default: the config's shards_root)"
+    )
+    p.add_argument("--device", help="override the spec's device (cpu, cuda, cuda:1, auto); not hashed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_extract)
+
+
+def _common_args(p: argparse.ArgumentParser):
+    p.add_argument("config", type=pathlib.Path, metavar="CONFIG", help="the workflow config (YAML)")
+    p.add_argument("--activation", metavar="NAME", help="which `activations` entry (optional when there is one)")
+
+
+def _spec(args) -> tuple[dict, str, dict]:
+    cfg = config.load(args.config)
+    name, spec = config.pick(cfg["activations"], args.activation, "activation")
+    return cfg, name, spec
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from saeflow import extract
+
+    _, name, spec = _spec(args)
+    md = extract.plan_activation(spec)
+    if args.json:
+        print(json.dumps({"name": name, "hash": md.hash, "metadata": md.to_dict()}, indent=2, sort_keys=True))
+        return 0
+    print(f"activation {name}: {md.hash}")
+    print(f"  {md.family} {md.ckpt}, layers {list(md.layers)}, {md.n_ex} examples x {md.tokens_per_ex} tokens x "
+          f"d={md.d_model} ({md.n_bytes / 2**20:,.1f} MiB in {len(md.shard_sizes)} shards)")
+    print(json.dumps(md.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    import sys
+
+    from saeflow import extract
+
+    cfg, name, spec = _spec(args)
+    shards_root = args.shards_root or pathlib.Path(cfg["shards_root"])
+    result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress)
+    if result.reused:
+        print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)
+    elif result.resumed_from:
+        print(f"activation {name}: resumed from example {result.resumed_from}; published", file=sys.stderr)
+    print(result.dpath)
+    return 0

@@ -1,0 +1,465 @@
+"""Datasets for extraction: image folders, segmentation folders, generated images, text corpora.
+
+Each dataset is a frozen dataclass whose fields are exactly what goes into the hashed `data` object
+(`dataclasses.asdict` plus `__class__`, saev protocol 2.1). Listing items is cheap (file names, sorted, so the
+order is the same on every machine); decoding happens during extraction.
+
+Images are preprocessed like the model's own processor: resize the shorter side to `resize_size` (bicubic),
+center-crop `image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields one uint8 label
+per patch (CLS excluded), written to labels.bin:
+- ImageFolder: the class index (sorted sub-folder names) on every patch of the image;
+- SegFolder: from the mask, resized with nearest neighbour and cropped like the image, then per patch either the
+  majority value or, with `label_rule: prefer_foreground`, the most frequent non-background value when any;
+- GeneratedImages: the shape under each patch (0 background, 1 rectangle, 2 ellipse), majority rule.
+
+Text corpora yield documents (strings); `pack` turns their token ids into fixed-length examples.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import pathlib
+import typing
+
+import numpy as np
+
+from saeflow.errors import SaeflowError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+MASK_SUFFIXES = (".png", ".bmp", ".gif", ".tif", ".tiff")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+LABEL_RULES = ("majority", "prefer_foreground")
+BUILTIN_CORPORA = ("python-docs",)
+
+
+def _data_dict(cfg) -> dict:
+    return {**dataclasses.asdict(cfg), "__class__": type(cfg).__name__}
+
+
+def _root(path: str, key: str) -> pathlib.Path:
+    root = pathlib.Path(path).expanduser().resolve()
+    if not root.exists():
+        raise SaeflowError(f"dataset.{key}: {root} does not exist")
+    return root
+
+
+def _images_in(dpath: pathlib.Path, suffixes=IMAGE_SUFFIXES) -> list[pathlib.Path]:
+    return sorted(p for p in dpath.rglob("*") if p.suffix.lower() in suffixes and p.is_file())
+
+
+def _limit(items: list, n_ex: int | None, where: str) -> list:
+    if not items:
+        raise SaeflowError(f"{where}: the dataset is empty")
+    if n_ex is not None:
+        if n_ex > len(items):
+            raise SaeflowError(f"{where}: n_ex={n_ex} but the dataset has only {len(items)} examples")
+        items = items[:n_ex]
+    return items
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image preprocessing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocess:
+    """How pixels reach the model; hashed inside `data` as `preprocess`."""
+
+    resize_size: int
+    image_size: int
+    patch_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    resample: str = "bicubic"
+
+    def _resize_crop(self, img, resample):
+        from PIL import Image
+
+        w, h = img.size
+        scale = self.resize_size / min(w, h)
+        new_w, new_h = max(self.image_size, round(w * scale)), max(self.image_size, round(h * scale))
+        img = img.resize((new_w, new_h), resample=resample)
+        left, top = (new_w - self.image_size) // 2, (new_h - self.image_size) // 2
+        return img.crop((left, top, left + self.image_size, top + self.image_size))
+
+    def pixels(self, img) -> np.ndarray:
+        """RGB PIL image -> normalized float32 (3, image_size, image_size)."""
+        from PIL import Image
+
+        x_hwc = np.asarray(self._resize_crop(img.convert("RGB"), Image.Resampling.BICUBIC), dtype=np.float32) / 255.0
+        x_hwc = (x_hwc - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+        return np.ascontiguousarray(x_hwc.transpose(2, 0, 1))
+
+    def patch_labels(self, mask, rule: str = "majority", background: int = 0) -> np.ndarray:
+        """Label mask (PIL, mode L/P/I) -> uint8 (n_patches,), row-major patch order like the ViT."""
+        from PIL import Image
+
+        m_hw = np.asarray(self._resize_crop(mask, Image.Resampling.NEAREST))
+        return patch_labels(m_hw, self.patch_size, rule, background)
+
+
+def patch_labels(m_hw: np.ndarray, patch_size: int, rule: str, background: int) -> np.ndarray:
+    if m_hw.ndim != 2:
+        raise SaeflowError(f"a mask must be single-channel, got shape {m_hw.shape}")
+    if m_hw.size and (m_hw.min() < 0 or m_hw.max() > 255):
+        raise SaeflowError(f"mask values must be in 0..255 to fit labels.bin (uint8), got {m_hw.min()}..{m_hw.max()}")
+    g = m_hw.shape[0] // patch_size
+    p_gpgp = m_hw[: g * patch_size, : g * patch_size].astype(np.int64).reshape(g, patch_size, g, patch_size)
+    p_np = p_gpgp.transpose(0, 2, 1, 3).reshape(g * g, patch_size * patch_size)
+    counts_n256 = np.zeros((g * g, 256), np.int64)
+    np.add.at(counts_n256, (np.arange(g * g)[:, None], p_np), 1)
+    if rule == "prefer_foreground":
+        fg_n256 = counts_n256.copy()
+        fg_n256[:, background] = 0
+        has_fg = fg_n256.sum(1) > 0
+        return np.where(has_fg, fg_n256.argmax(1), background).astype(np.uint8)
+    return counts_n256.argmax(1).astype(np.uint8)  # ties go to the smaller label
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image datasets
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Folder:
+    """Shared by datasets read from a directory `root` with a sorted list `items`; `check` opens each file."""
+
+    @property
+    def dataset_path(self) -> str:
+        return str(_root(self.root, "root"))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def check(self) -> None:
+        for item in self.items:
+            for fpath in item:
+                if isinstance(fpath, pathlib.Path):
+                    _check_image(fpath)
+
+    def data(self) -> dict:
+        return {**_data_dict(self), "root": self.dataset_path}
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFolder(_Folder):
+    """root/<class>/<image>: sorted class names give label indices."""
+
+    root: str
+    n_ex: int | None = None
+
+    @functools.cached_property
+    def classes(self) -> list[str]:
+        root = _root(self.root, "root")
+        return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+    @functools.cached_property
+    def items(self) -> list[tuple[pathlib.Path, int]]:
+        root = _root(self.root, "root")
+        if len(self.classes) > 256:
+            raise SaeflowError(f"dataset.root {root}: {len(self.classes)} classes do not fit labels.bin (uint8, 256)")
+        items = [(p, c) for c, name in enumerate(self.classes) for p in _images_in(root / name)]
+        return _limit(items, self.n_ex, f"dataset.root {root} (class sub-folders with images)")
+
+    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.ndarray]:
+        fpath, label = self.items[i]
+        pixels = pre.pixels(_open_image(fpath))
+        return pixels, np.full((pre.image_size // pre.patch_size) ** 2, label, np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegFolder(_Folder):
+    """root/<images>/<stem>.<ext> with root/<masks>/<stem>.png (pixel value = class) -> per-patch labels."""
+
+    root: str
+    images: str = "images"
+    masks: str = "masks"
+    label_rule: str = "majority"
+    background: int = 0
+    n_ex: int | None = None
+
+    @functools.cached_property
+    def items(self) -> list[tuple[pathlib.Path, pathlib.Path]]:
+        root = _root(self.root, "root")
+        if self.label_rule not in LABEL_RULES:
+            raise SaeflowError(f"dataset.label_rule must be one of {LABEL_RULES}, got {self.label_rule!r}")
+        masks = {p.relative_to(root / self.masks).with_suffix(""): p for p in _images_in(root / self.masks, MASK_SUFFIXES)}
+        items = []
+        for img in _images_in(root / self.images):
+            key = img.relative_to(root / self.images).with_suffix("")
+            if key not in masks:
+                raise SaeflowError(f"dataset: image {img} has no mask {root / self.masks / key}.png")
+            items.append((img, masks[key]))
+        return _limit(items, self.n_ex, f"dataset.root {root / self.images}")
+
+    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.ndarray]:
+        img, mask = self.items[i]
+        try:
+            labels = pre.patch_labels(_open_image(mask), self.label_rule, self.background)
+        except SaeflowError as err:
+            raise SaeflowError(f"{mask}: {err}") from None
+        return pre.pixels(_open_image(img)), labels
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratedImages:
+    """Procedural images from a seed (rectangles and ellipses on a colored background): no files, no download."""
+
+    n_ex: int = 64
+    seed: int = 0
+    size: int = 64
+
+    dataset_path = "generated-images"  # not a directory: the images exist only as this recipe
+
+    def __len__(self) -> int:
+        if self.n_ex < 1:
+            raise SaeflowError(f"dataset.n_ex must be at least 1, got {self.n_ex}")
+        return self.n_ex
+
+    def check(self) -> None:
+        len(self)
+
+    def image(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """uint8 RGB (size, size, 3) and its shape mask (size, size): the same for the same (seed, i) anywhere."""
+        rng = np.random.default_rng([self.seed, i])
+        s = self.size
+        img_hwc = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), (s, s, 3)).copy()
+        mask_hw = np.zeros((s, s), np.uint8)
+        yy, xx = np.mgrid[0:s, 0:s]
+        for _ in range(int(rng.integers(1, 4))):
+            shape = int(rng.integers(1, 3))
+            cy, cx = rng.integers(0, s, 2)
+            hy, hx = rng.integers(s // 8, s // 3 + 1, 2)
+            if shape == 1:
+                inside = (abs(yy - cy) <= hy) & (abs(xx - cx) <= hx)
+            else:
+                inside = ((yy - cy) / hy) ** 2 + ((xx - cx) / hx) ** 2 <= 1.0
+            img_hwc[inside] = rng.integers(0, 256, 3, dtype=np.uint8)
+            mask_hw[inside] = shape
+        noise = rng.integers(-8, 9, img_hwc.shape)
+        return np.clip(img_hwc.astype(np.int16) + noise, 0, 255).astype(np.uint8), mask_hw
+
+    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.ndarray]:
+        from PIL import Image
+
+        img_hwc, mask_hw = self.image(i)
+        return pre.pixels(Image.fromarray(img_hwc)), pre.patch_labels(Image.fromarray(mask_hw))
+
+    def data(self) -> dict:
+        return _data_dict(self)
+
+
+def _open_image(fpath: pathlib.Path):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(fpath)
+        img.load()
+        return img
+    except (OSError, UnidentifiedImageError, ValueError) as err:
+        raise SaeflowError(f"{fpath}: unreadable image ({err})") from None
+
+
+def _check_image(fpath: pathlib.Path) -> None:
+    """Header-level check (fast): catches non-images and truncated headers before any model runs."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(fpath) as img:
+            img.verify()
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+        raise SaeflowError(f"{fpath}: unreadable image ({err})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCorpus:
+    """A .txt file (one document), a .jsonl file or a .parquet file (one document per row, in `field`), or a
+    directory of such files (sorted by name)."""
+
+    path: str
+    field: str = "text"
+    n_ex: int | None = None
+
+    @property
+    def dataset_path(self) -> str:
+        return str(_root(self.path, "path"))
+
+    @functools.cached_property
+    def files(self) -> list[pathlib.Path]:
+        path = _root(self.path, "path")
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
+        for fpath in files:
+            if fpath.suffix not in TEXT_SUFFIXES:
+                raise SaeflowError(f"dataset.path {fpath}: unsupported text file type; use one of {TEXT_SUFFIXES}")
+        if not files:
+            raise SaeflowError(f"dataset.path {path}: no {'/'.join(TEXT_SUFFIXES)} files in it")
+        return files
+
+    def documents(self) -> typing.Iterator[str]:
+        for fpath in self.files:
+            yield from _read_documents(fpath, self.field)
+
+    def fingerprint(self) -> str:
+        """Sizes of the files: cheap change detection that ends up in the hash."""
+        return ",".join(f"{p.name}:{p.stat().st_size}" for p in self.files)
+
+    def data(self) -> dict:
+        return {**_data_dict(self), "path": self.dataset_path, "files": self.fingerprint()}
+
+
+def _read_documents(fpath: pathlib.Path, field: str) -> typing.Iterator[str]:
+    try:
+        if fpath.suffix == ".txt":
+            yield fpath.read_text(encoding="utf-8")
+        elif fpath.suffix == ".jsonl":
+            with open(fpath, encoding="utf-8") as fd:
+                for lineno, line in enumerate(fd, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except ValueError as err:
+                        raise SaeflowError(f"{fpath}:{lineno}: not valid JSON ({err})") from None
+                    if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                        raise SaeflowError(f"{fpath}:{lineno}: no string field {field!r} (set dataset.field)")
+                    yield row[field]
+        else:
+            import pyarrow.parquet as pq
+
+            pf = pq.ParquetFile(fpath)
+            if field not in pf.schema_arrow.names:
+                raise SaeflowError(f"{fpath}: no column {field!r}; columns are {pf.schema_arrow.names} (set dataset.field)")
+            for batch in pf.iter_batches(columns=[field]):
+                for value in batch.column(0).to_pylist():
+                    if not isinstance(value, str):
+                        raise SaeflowError(f"{fpath}: column {field!r} holds {type(value).__name__}, not text")
+                    yield value
+    except (OSError, UnicodeDecodeError) as err:
+        raise SaeflowError(f"{fpath}: unreadable ({err})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinCorpus:
+    """Text that every Python installation already has: the `pydoc_data` help topics (the language reference).
+
+    No download; its sha256 is hashed, so a different Python release (different text) gives a different directory.
+    """
+
+    name: str = "python-docs"
+    n_ex: int | None = None
+
+    dataset_path = "builtin-corpus"  # not a directory: the text ships with Python
+
+    def documents(self) -> typing.Iterator[str]:
+        if self.name not in BUILTIN_CORPORA:
+            raise SaeflowError(f"dataset.name: unknown built-in corpus {self.name!r}; known: {BUILTIN_CORPORA}")
+        import pydoc_data.topics
+
+        topics = pydoc_data.topics.topics
+        for key in sorted(topics):
+            yield topics[key]
+
+    def data(self) -> dict:
+        digest = hashlib.sha256("\x00".join(self.documents()).encode("utf-8")).hexdigest()
+        return {**_data_dict(self), "sha256": digest}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packing text into fixed-length examples
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How documents become examples of exactly `context_length` tokens; hashed inside `data` as `tokenization`.
+
+    The documents' tokens (no special tokens) are concatenated with `separator` after every document, and cut
+    into bodies of `context_length - len(prefix) - len(suffix)` tokens; each example is prefix + body + suffix.
+    Decoders get prefix [BOS] when the tokenizer has one; BERT-style encoders get [CLS] ... [SEP]. The last
+    partial body is dropped.
+    """
+
+    tokenizer: str
+    context_length: int
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+    separator: tuple[int, ...]
+
+    @property
+    def body_len(self) -> int:
+        return self.context_length - len(self.prefix) - len(self.suffix)
+
+    def pack(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> np.ndarray:
+        """int32 (n_ex, context_length); stops reading once `n_ex` examples are filled."""
+        if self.body_len < 1:
+            raise SaeflowError(f"context_length={self.context_length} leaves no room besides special tokens")
+        need = None if n_ex is None else n_ex * self.body_len
+        stream: list[int] = []
+        for ids in token_lists:
+            stream.extend(ids)
+            stream.extend(self.separator)
+            if need is not None and len(stream) >= need:
+                break
+        n_avail = len(stream) // self.body_len
+        if n_avail == 0 or (n_ex is not None and n_avail < n_ex):
+            raise SaeflowError(
+                f"the corpus has {len(stream)} tokens: {n_avail} examples of {self.body_len} tokens"
+                + (f", fewer than n_ex={n_ex}" if n_ex is not None else " (empty dataset)")
+            )
+        n = n_avail if n_ex is None else n_ex
+        body_nb = np.asarray(stream[: n * self.body_len], np.int64).reshape(n, self.body_len)
+        parts = [np.broadcast_to(np.asarray(self.prefix, np.int64), (n, len(self.prefix))), body_nb]
+        parts.append(np.broadcast_to(np.asarray(self.suffix, np.int64), (n, len(self.suffix))))
+        ids_nt = np.concatenate(parts, axis=1)
+        if ids_nt.max() > np.iinfo(np.int32).max:
+            raise SaeflowError("token ids do not fit tokens.bin (int32)")
+        return ids_nt.astype(np.int32)
+
+
+def packing_for(tokenizer, tokenizer_name: str, context_length: int, encoder: bool) -> Packing:
+    if encoder and tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None:
+        prefix, suffix, sep = (tokenizer.cls_token_id,), (tokenizer.sep_token_id,), (tokenizer.sep_token_id,)
+    else:
+        prefix = () if tokenizer.bos_token_id is None else (tokenizer.bos_token_id,)
+        suffix = ()
+        sep = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return Packing(tokenizer_name, context_length, prefix, suffix, sep)
+
+
+def tokenize(tokenizer, documents: typing.Iterable[str], batch_docs: int = 64) -> typing.Iterator[list[int]]:
+    """Token ids of each document (no special tokens), in order, tokenized in batches."""
+    batch: list[str] = []
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) == batch_docs:
+            yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+            batch = []
+    if batch:
+        yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+
+
+def from_config(obj: dict):
+    """The dataset object of one `dataset:` config entry (already validated by the schema)."""
+    kinds = {
+        "image_folder": ImageFolder,
+        "segmentation_folder": SegFolder,
+        "generated_images": GeneratedImages,
+        "text": TextCorpus,
+        "builtin_text": BuiltinCorpus,
+    }
+    obj = dict(obj)
+    kind = obj.pop("kind", None)
+    if kind not in kinds:
+        raise SaeflowError(f"dataset.kind must be one of {sorted(kinds)}, got {kind!r}")
+    cls = kinds[kind]
+    names = {f.name for f in dataclasses.fields(cls)}
+    if obj.keys() - names:
+        raise SaeflowError(f"dataset ({kind}): unknown keys {sorted(obj.keys() - names)}; allowed: {sorted(names)}")
+    return cls(**obj)

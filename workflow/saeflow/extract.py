@@ -1,0 +1,269 @@
+"""Activation spec -> shard metadata (plan, cheap) -> shards (extract, runs the model).
+
+`plan_activation(spec)` is what Snakemake calls at parse time: it reads the model's config.json (never its
+weights) and lists the dataset, so it is fast. For text it tokenizes the corpus to count examples; give the
+dataset an `n_ex` and it stops reading as soon as that many examples are filled, so a large corpus stays cheap.
+
+Everything that changes the stored bytes is in the hashed metadata: model and revision (`ckpt`), absolute layers,
+dataset (`data` and `dataset`), preprocessing or tokenization, compute dtype, storage dtype. Things that do not
+change what is computed (batch size, device, worker count) are not hashed and go to provenance.json. Numerical
+kernels can differ in the last bits between CPU and GPU; the hash names the computation, not the hardware.
+"""
+
+import copy
+import dataclasses
+import functools
+import json
+import logging
+import time
+import typing
+
+import numpy as np
+
+from saeflow import config as config_mod
+from saeflow import datasets, models, shards
+from saeflow.errors import SaeflowError
+from saeflow.hashing import canonical_json
+
+logger = logging.getLogger(__name__)
+
+ENCODER_FAMILIES = ("bert", "roberta")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A resolved activation spec: what will be computed, and where it will be stored."""
+
+    metadata: shards.Metadata
+    model_spec: models.ModelSpec
+    info: models.ModelInfo
+    dataset: typing.Any
+    compute_dtype: str
+    batch_size: int
+    device: str
+    n_workers: int
+    preprocess: datasets.Preprocess | None = None
+    packing: datasets.Packing | None = None
+    tokenizer: str | None = None  # the `tokenizer` option: None (the model's own), "bytes", or an id/path
+
+    @property
+    def aux_fname(self) -> str:
+        return "labels.bin" if self.info.modality == "vision" else "tokens.bin"
+
+
+def with_defaults(spec: dict) -> dict:
+    """Validate one `activations.<name>` entry against the schema and fill its defaults (a copy)."""
+    schema = config_mod.load_schema()
+    sub = {**schema["$defs"]["activation_spec"], "$defs": schema["$defs"]}
+    spec = copy.deepcopy(spec)
+    try:
+        return config_mod.validate(spec, sub)
+    except SaeflowError as err:
+        raise SaeflowError(str(err).replace("config does not match", "activation spec does not match")) from None
+
+
+def plan(spec: dict, device: str | None = None) -> Plan:
+    """Resolve a spec without running the model (see module docstring for the cost)."""
+    spec = with_defaults(spec)
+    model_spec = models.ModelSpec.from_config(spec["model"])
+    info = models.describe(model_spec)
+    layers = info.resolve_layers(spec["layers"])
+    dataset = datasets.from_config(spec["dataset"])
+    compute_dtype = spec["compute_dtype"]
+    common = dict(
+        model_spec=model_spec,
+        info=info,
+        dataset=dataset,
+        compute_dtype=compute_dtype,
+        batch_size=spec["batch_size"],
+        device=resolve_device(device or spec["device"]),
+        n_workers=spec["n_workers"],
+    )
+    if info.modality == "vision":
+        if isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus)):
+            raise SaeflowError(f"dataset: {info.ckpt} is a vision model but dataset.kind is text")
+        pre = datasets.Preprocess(info.resize_size, info.image_size, info.patch_size, info.mean, info.std)
+        n_ex = len(dataset)
+        data = {**dataset.data(), "preprocess": dataclasses.asdict(pre), "compute_dtype": compute_dtype}
+        patches_per_ex = info.patches_per_ex
+        extra = dict(preprocess=pre)
+    else:
+        if not isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus)):
+            raise SaeflowError(f"dataset: {info.ckpt} is a text model; use dataset.kind text or builtin_text")
+        context_length = spec["context_length"]
+        if context_length > info.max_positions:
+            raise SaeflowError(
+                f"context_length={context_length} is larger than {info.ckpt} allows ({info.max_positions} positions)"
+            )
+        tokenizer = spec.get("tokenizer")
+        tok = _tokenizer(info, tokenizer)
+        encoder = info.family in ENCODER_FAMILIES
+        packing = datasets.packing_for(tok, tokenizer or info.ckpt, context_length, encoder)
+        n_ex = len(_token_ids(info, tokenizer, dataset, packing))
+        data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": compute_dtype}
+        patches_per_ex = context_length
+        extra = dict(packing=packing, tokenizer=tokenizer)
+    md = shards.Metadata(
+        family=info.family,
+        ckpt=info.ckpt,
+        layers=layers,
+        patches_per_ex=patches_per_ex,
+        cls_token=info.cls_token,
+        d_model=info.d_model,
+        n_ex=n_ex,
+        patches_per_shard=spec["patches_per_shard"],
+        data=json.loads(canonical_json(data)),  # plain JSON types, exactly as metadata.json will read back
+        dataset=dataset.dataset_path,
+        dtype=spec["store_dtype"],
+    )
+    return Plan(metadata=md, **common, **extra)
+
+
+def resolve_device(name: str) -> str:
+    """`auto` is cuda when a GPU is visible, else cpu; anything else is passed to torch as is."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def plan_activation(spec: dict) -> shards.Metadata:
+    """The shard metadata (and so `.hash`, the directory name) of one activation spec. Parse-time safe."""
+    return plan(spec).metadata
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenization (memoized per process: Snakemake plans, then the CLI extracts, each once)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(info: models.ModelInfo, tokenizer: str | None):
+    return models.load_tokenizer(info, tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: datasets.Packing) -> np.ndarray:
+    """int32 (n_ex, context_length): the packed corpus (the expensive part of planning a text spec)."""
+    ids_nt = packing.pack(datasets.tokenize(_tokenizer(info, tokenizer), dataset.documents()), n_ex=dataset.n_ex)
+    vocab = info.config.get("vocab_size")
+    if vocab is not None and ids_nt.max() >= vocab:
+        raise SaeflowError(
+            f"the tokenizer {packing.tokenizer} produces id {int(ids_nt.max())} but {info.ckpt} has a vocabulary of "
+            f"{vocab}: tokenizer and model do not match"
+        )
+    return ids_nt
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extraction
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    dpath: typing.Any
+    reused: bool
+    resumed_from: int
+    n_ex: int
+    forward_s: float = 0.0  # model time
+    put_s: float = 0.0  # time the producer spent handing arrays to the writer (blocked on I/O included)
+    total_s: float = 0.0
+
+
+def batches(n_ex: int, ex_per_shard: int, batch_size: int, start: int) -> list[tuple[int, int]]:
+    """[start, stop) batches that never cross a shard boundary and restart at every shard.
+
+    A resumed run (which starts at a shard boundary) therefore sees exactly the batches of an uninterrupted run,
+    and the bytes come out identical.
+    """
+    out = []
+    for shard_start in range(0, n_ex, ex_per_shard):
+        shard_stop = min(shard_start + ex_per_shard, n_ex)
+        for lo in range(shard_start, shard_stop, batch_size):
+            if lo >= start:
+                out.append((lo, min(lo + batch_size, shard_stop)))
+    return out
+
+
+class _Examples:
+    """Map-style torch dataset of preprocessed images + patch labels (decoded in DataLoader workers)."""
+
+    def __init__(self, dataset, pre: datasets.Preprocess):
+        self.dataset, self.pre = dataset, pre
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        return self.dataset.example(i, self.pre)
+
+
+def _image_batches(plan_: Plan, spans: list[tuple[int, int]]):
+    import torch
+    import torch.utils.data
+
+    examples = _Examples(plan_.dataset, plan_.preprocess)
+    loader = torch.utils.data.DataLoader(
+        examples,
+        batch_sampler=[list(range(lo, hi)) for lo, hi in spans],
+        num_workers=plan_.n_workers,
+        collate_fn=lambda items: (
+            torch.from_numpy(np.stack([x for x, _ in items])),
+            np.stack([labels for _, labels in items]),
+        ),
+    )
+    yield from loader
+
+
+def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
+    import torch
+
+    ids_nt = _token_ids(plan_.info, plan_.tokenizer, plan_.dataset, plan_.packing)
+    for lo, hi in spans:
+        yield torch.from_numpy(ids_nt[lo:hi].astype(np.int64)), ids_nt[lo:hi]
+
+
+def extract(spec: dict, shards_root, device: str | None = None, progress: bool = True) -> Result:
+    """Write (or reuse) `<shards_root>/<hash>/`. Every input is checked before the model is loaded."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    plan_ = plan(spec, device=device)
+    md = plan_.metadata
+    dataset = plan_.dataset
+    if plan_.info.modality == "vision":
+        dataset.check()  # unreadable images fail here, before any weights are loaded
+    provenance_extra = {
+        "extraction": {"batch_size": plan_.batch_size, "device": plan_.device, "n_workers": plan_.n_workers}
+    }
+    with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
+        if writer.reused:
+            return Result(writer.dpath, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
+        if writer.resumed_from:
+            logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
+        adapter = models.load(plan_.model_spec, plan_.compute_dtype, plan_.device, info=plan_.info)
+        spans = batches(md.n_ex, md.ex_per_shard, plan_.batch_size, writer.n_written)
+        source = _image_batches if plan_.info.modality == "vision" else _text_batches
+        result = Result(writer.dpath, False, writer.resumed_from, md.n_ex)
+        bar = tqdm(
+            total=md.n_ex, initial=writer.n_written, unit="ex", desc=f"extract {md.hash[:12]}", disable=not progress
+        )
+        n_tokens = 0
+        with bar:
+            for inputs, aux_rows in source(plan_, spans):
+                t = time.perf_counter()
+                acts = adapter.run(inputs, md.layers)
+                acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
+                result.forward_s += time.perf_counter() - t
+                t = time.perf_counter()
+                writer.write(acts_nltd, aux={plan_.aux_fname: aux_rows})
+                result.put_s += time.perf_counter() - t
+                n = acts_nltd.shape[0]
+                n_tokens += n * md.tokens_per_ex
+                bar.update(n)
+                elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                bar.set_postfix_str(f"{n_tokens / elapsed:,.0f} tok/s")
+    result.total_s = time.perf_counter() - t0
+    return result

@@ -1,0 +1,412 @@
+"""Model adapters over `transformers`: one interface for vision and language transformers.
+
+    info = models.describe(spec)           # cheap: config.json (+ preprocessor_config.json), no weights
+    adapter = models.load(spec, compute_dtype="float32", device="cpu")
+    acts = adapter.run(batch_bt_or_bchw, layers=(2, 5))   # {layer: acts_btd}, forward stopped after block 5
+
+"Layer k" is the output of transformer block k (the residual stream after block k), 0-indexed. Hooks on the block
+modules record it; the hook on the deepest requested block raises `_StopForward`, so later blocks never run.
+For pre-norm decoders (GPT-2, Llama) Hugging Face's `hidden_states[-1]` has the final norm applied; we store the
+raw residual stream of the last block instead (the same definition for every layer).
+
+Models are found by local directory or Hugging Face id. An id is resolved through the Hugging Face cache
+(`HF_HUB_OFFLINE=1` makes that offline-only); the snapshot's commit hash becomes part of `ckpt`, and so of the
+shard hash. A local directory that is not a cache snapshot gets a content fingerprint instead (config.json bytes
+plus weight file names and sizes). A random-init model is built from a `transformers` config and a seed.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import typing
+
+from saeflow.errors import SaeflowError
+from saeflow.hashing import canonical_json
+
+# model_type -> (family stored in metadata, modality, has a CLS token at position 0)
+ARCHS: dict[str, tuple[str, str, bool]] = {
+    "vit": ("vit", "vision", True),
+    "clip_vision_model": ("clip", "vision", True),
+    "siglip_vision_model": ("siglip", "vision", False),
+    "dinov2": ("dinov2", "vision", True),
+    "dinov2_with_registers": ("dinov2", "vision", True),
+    "gpt2": ("gpt2", "text", False),
+    "llama": ("llama", "text", False),
+    "qwen2": ("qwen2", "text", False),
+    "qwen3": ("qwen3", "text", False),
+    "mistral": ("mistral", "text", False),
+    "bert": ("bert", "text", False),
+    "roberta": ("roberta", "text", False),
+}
+# Multi-modal checkpoints whose vision tower we use.
+VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
+# Where the list of transformer blocks lives, per model class layout (first match wins).
+BLOCK_PATHS = ("vision_model.encoder.layers", "encoder.layer", "encoder.layers", "layers", "h")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+# Normalization used when a checkpoint ships no preprocessor_config.json (e.g. random-init models).
+DEFAULT_MEAN_STD = {
+    "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+    "dinov2": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+HALF_MEAN_STD = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the user asked for: a checkpoint (id or path, revision) or a random-init architecture."""
+
+    name: str | None = None
+    revision: str = "main"
+    random_arch: str | None = None
+    random_config: dict = dataclasses.field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, obj: dict) -> "ModelSpec":
+        random = obj.get("random")
+        if (obj.get("name") is None) == (random is None):
+            raise SaeflowError("model: give exactly one of `name` (HF id or local path) or `random` (arch + config)")
+        if random is None:
+            return cls(name=str(obj["name"]), revision=str(obj.get("revision", "main")))
+        return cls(random_arch=random["arch"], random_config=dict(random.get("config", {})), seed=random.get("seed", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Everything about a model that planning needs, read from its config without loading weights."""
+
+    family: str
+    model_type: str
+    modality: str  # "vision" | "text"
+    ckpt: str  # identity of the weights, revision included
+    n_layers: int
+    d_model: int
+    cls_token: bool
+    source: str | None  # local directory or HF id to load from; None for random init
+    revision: str | None  # resolved commit, when known
+    config: dict = dataclasses.field(compare=False, repr=False)  # the (vision tower's) transformers config
+    # vision
+    image_size: int = 0
+    resize_size: int = 0
+    patch_size: int = 0
+    n_registers: int = 0
+    mean: tuple[float, ...] = ()
+    std: tuple[float, ...] = ()
+    # text
+    max_positions: int = 0
+
+    @property
+    def patches_per_ex(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def resolve_layers(self, layers: typing.Iterable[int]) -> tuple[int, ...]:
+        """Negative indices count from the end; the result is absolute and sorted, so -1 and n-1 hash the same."""
+        resolved = []
+        for layer in layers:
+            if not -self.n_layers <= layer < self.n_layers:
+                raise SaeflowError(
+                    f"layer {layer} is out of range for {self.ckpt}, which has {self.n_layers} blocks "
+                    f"(valid: 0..{self.n_layers - 1} or -{self.n_layers}..-1)"
+                )
+            resolved.append(layer % self.n_layers)
+        if len(set(resolved)) != len(resolved):
+            raise SaeflowError(f"layers {list(layers)} name the same block twice (after resolving negative indices)")
+        if not resolved:
+            raise SaeflowError("layers must name at least one block")
+        return tuple(sorted(resolved))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Describing a model (no weights)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fingerprint(dpath: pathlib.Path) -> str:
+    """Cheap content identity of a local model directory: config bytes plus weight file names and sizes."""
+    h = hashlib.sha256((dpath / "config.json").read_bytes())
+    for fpath in sorted(dpath.iterdir()):
+        if fpath.suffix in WEIGHT_SUFFIXES:
+            h.update(f"{fpath.name}:{fpath.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def _cache_snapshot(dpath: pathlib.Path) -> tuple[str, str] | None:
+    """(repo id, commit) when `dpath` is a Hugging Face cache snapshot `models--org--name/snapshots/<commit>`."""
+    parts = dpath.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--") :].replace("--", "/"), parts[-1]
+    return None
+
+
+def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str]:
+    """(directory holding config.json, source to load from, commit or None, ckpt string)."""
+    local = pathlib.Path(spec.name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise SaeflowError(f"model directory {local} has no config.json (is it a transformers checkpoint?)")
+        snapshot = _cache_snapshot(local)
+        if snapshot is not None:
+            repo_id, commit = snapshot
+            return local, str(local.resolve()), commit, f"{repo_id}@{commit}"
+        return local, str(local.resolve()), None, f"{local.resolve().name}@local-{_fingerprint(local)}"
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    try:
+        config_fpath = pathlib.Path(huggingface_hub.hf_hub_download(spec.name, "config.json", revision=spec.revision))
+    except (huggingface_hub.errors.HFValidationError, ValueError) as err:
+        raise SaeflowError(f"model {spec.name!r} is neither a local directory nor a valid Hugging Face id ({err})") from None
+    except Exception as err:  # offline cache miss, unknown repo, network failure: all mean "cannot find it"
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+        hint = (
+            "HF_HUB_OFFLINE=1 is set, so only the local Hugging Face cache was searched; download it first "
+            f"(`huggingface-cli download {spec.name}`) or give a local path"
+            if offline
+            else "check the id and revision, or give a local path"
+        )
+        raise SaeflowError(f"unknown model {spec.name!r} (revision {spec.revision!r}): {type(err).__name__}; {hint}") from None
+    commit = config_fpath.parent.name
+    return config_fpath.parent, spec.name, commit, f"{spec.name}@{commit}"
+
+
+def _read_json(fpath: pathlib.Path) -> dict:
+    try:
+        return json.loads(fpath.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"{fpath}: unreadable ({err})") from None
+
+
+def _preprocessor(config_dpath: pathlib.Path, source: str, revision: str | None) -> dict:
+    """The checkpoint's preprocessor_config.json (image size, crop, mean/std), {} when it has none."""
+    local = config_dpath / "preprocessor_config.json"
+    if local.exists() or pathlib.Path(source).is_dir():
+        return _read_json(local)
+    import huggingface_hub
+
+    try:
+        return _read_json(pathlib.Path(huggingface_hub.hf_hub_download(source, "preprocessor_config.json", revision=revision)))
+    except Exception:  # the checkpoint has none
+        return {}
+
+
+def _size(value, fallback: int) -> int:
+    """A preprocessor size field: an int or {"shortest_edge"|"height": int}."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, dict):
+        return int(value.get("shortest_edge") or value.get("height") or fallback)
+    return fallback
+
+
+def describe(spec: ModelSpec) -> ModelInfo:
+    """Read the model's config (not its weights) and derive everything planning needs."""
+    import transformers
+
+    if spec.random_arch is not None:
+        if spec.random_arch not in ARCHS:
+            raise SaeflowError(f"model.random.arch: unknown architecture {spec.random_arch!r}; known: {sorted(ARCHS)}")
+        try:
+            config = transformers.AutoConfig.for_model(spec.random_arch, **spec.random_config)
+        except (TypeError, ValueError) as err:
+            raise SaeflowError(f"model.random.config: invalid for {spec.random_arch}: {err}") from None
+        digest = hashlib.sha256(canonical_json({"config": spec.random_config, "seed": spec.seed}).encode()).hexdigest()
+        ckpt = f"random:{spec.random_arch}@seed{spec.seed}-{digest[:16]}"
+        return _info(config, ckpt, source=None, revision=None, preprocessor={})
+    config_dpath, source, commit, ckpt = _resolve_source(spec)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(config_dpath))
+    except (OSError, ValueError, KeyError) as err:
+        raise SaeflowError(f"model {spec.name!r}: cannot read config.json ({err})") from None
+    return _info(config, ckpt, source, commit, _preprocessor(config_dpath, source, commit))
+
+
+def _info(config, ckpt: str, source: str | None, revision: str | None, preprocessor: dict) -> ModelInfo:
+    model_type = config.model_type
+    if model_type in VISION_TOWERS:
+        config, model_type = config.vision_config, VISION_TOWERS[model_type]
+    if model_type not in ARCHS:
+        raise SaeflowError(f"model {ckpt}: unsupported architecture {model_type!r}; supported: {sorted(ARCHS)}")
+    family, modality, cls_token = ARCHS[model_type]
+    common = dict(
+        family=family,
+        model_type=model_type,
+        modality=modality,
+        ckpt=ckpt,
+        n_layers=int(config.num_hidden_layers),
+        d_model=int(config.hidden_size),
+        cls_token=cls_token,
+        source=source,
+        revision=revision,
+        config=config.to_dict(),
+    )
+    if modality == "text":
+        return ModelInfo(**common, max_positions=int(config.max_position_embeddings))
+    image_size = _size(preprocessor.get("crop_size"), 0) or _size(preprocessor.get("size"), int(config.image_size))
+    mean, std = DEFAULT_MEAN_STD.get(family, HALF_MEAN_STD)
+    return ModelInfo(
+        **common,
+        image_size=image_size,
+        resize_size=_size(preprocessor.get("size"), image_size) if preprocessor.get("do_resize", True) else image_size,
+        patch_size=int(config.patch_size),
+        n_registers=int(getattr(config, "num_register_tokens", 0) or 0),
+        mean=tuple(float(x) for x in preprocessor.get("image_mean", mean)),
+        std=tuple(float(x) for x in preprocessor.get("image_std", std)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading and running
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the deepest requested block: the rest of the model never runs."""
+
+
+def _find_blocks(model):
+    import torch
+
+    for path in BLOCK_PATHS:
+        module = model
+        for attr in path.split("."):
+            module = getattr(module, attr, None)
+            if module is None:
+                break
+        if isinstance(module, torch.nn.ModuleList):
+            return module
+    raise SaeflowError(f"cannot find the transformer blocks of {type(model).__name__} (looked at {BLOCK_PATHS})")
+
+
+class Adapter:
+    """A loaded model with one job: activations of chosen blocks for a batch, stopping after the deepest."""
+
+    def __init__(self, info: ModelInfo, model, compute_dtype: str, device: str):
+        import torch
+
+        self.info = info
+        self.model = model.eval()
+        self.compute_dtype = compute_dtype
+        self.torch_dtype = getattr(torch, compute_dtype)
+        self.device = torch.device(device)
+        self.blocks = _find_blocks(self.model)
+        if len(self.blocks) != info.n_layers:
+            raise SaeflowError(f"{info.ckpt}: found {len(self.blocks)} blocks, config says {info.n_layers}")
+
+    @property
+    def n_layers(self) -> int:
+        return self.info.n_layers
+
+    @property
+    def d_model(self) -> int:
+        return self.info.d_model
+
+    def _keep_tokens(self, acts_btd):
+        """Drop register tokens (DINOv2 with registers): keep CLS then the patches, in model order."""
+        r = self.info.n_registers
+        if r == 0:
+            return acts_btd
+        import torch
+
+        return torch.cat([acts_btd[:, :1], acts_btd[:, 1 + r :]], dim=1)
+
+    def run(self, batch, layers: typing.Sequence[int]) -> dict:
+        """{layer: float32 acts (B, T, D) on CPU} for images (B, 3, H, W) or token ids (B, T).
+
+        `layers` are absolute block indices. Register tokens are removed; CLS (when the model has one) stays first.
+        """
+        import torch
+
+        layers = tuple(layers)
+        deepest = max(layers)
+        recorded: dict[int, torch.Tensor] = {}
+
+        def make_hook(layer: int):
+            def hook(module, args, output):
+                hidden_btd = output[0] if isinstance(output, (tuple, list)) else output
+                recorded[layer] = hidden_btd.detach()
+                if layer == deepest:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.blocks[layer].register_forward_hook(make_hook(layer)) for layer in layers]
+        try:
+            with torch.inference_mode():
+                batch = batch.to(self.device)
+                if self.info.modality == "vision":
+                    self.model(pixel_values=batch.to(self.torch_dtype))
+                else:
+                    self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return {layer: self._keep_tokens(recorded[layer]).float().cpu() for layer in layers}
+
+
+def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):
+    """The transformers module (weights loaded, or randomly initialized from the seed), in `compute_dtype`."""
+    import torch
+    import transformers
+
+    dtype = getattr(torch, compute_dtype)
+    cls = {
+        "clip_vision_model": transformers.CLIPVisionModel,
+        "siglip_vision_model": transformers.SiglipVisionModel,
+    }.get(info.model_type, transformers.AutoModel)
+    if info.source is None:
+        torch.manual_seed(spec.seed)
+        model = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(spec.random_arch, **spec.random_config))
+        return model.to(dtype)
+    try:
+        return cls.from_pretrained(info.source, revision=info.revision, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"cannot load the weights of {info.ckpt}: {err}") from None
+
+
+def load(spec: ModelSpec, compute_dtype: str = "float32", device: str = "cpu", info: ModelInfo | None = None) -> Adapter:
+    """Describe (unless given) and load a model, ready to `run`."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise SaeflowError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+    info = info or describe(spec)
+    model = build(info, spec, compute_dtype).to(device)
+    return Adapter(info, model, compute_dtype, device)
+
+
+def load_tokenizer(info: ModelInfo, tokenizer: str | None):
+    """The model's own tokenizer, another checkpoint's (`tokenizer: <id or path>`), or the byte tokenizer."""
+    if tokenizer == "bytes":
+        return ByteTokenizer()
+    source = tokenizer or info.source
+    if source is None:
+        raise SaeflowError(
+            f"model {info.ckpt} has no tokenizer of its own (random init): set `tokenizer: bytes` or a checkpoint"
+        )
+    import transformers
+
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(source, revision=info.revision if tokenizer is None else None)
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"cannot load the tokenizer {source!r}: {err}") from None
+    tok.model_max_length = 1 << 62  # whole documents are tokenized, then packed; silences the length warning
+    return tok
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 3..258) with BOS=1, EOS=2: needs no files, for random-init text models."""
+
+    name_or_path = "bytes"
+    bos_token_id = 1
+    eos_token_id = 2
+    cls_token_id = None
+    sep_token_id = None
+    vocab_size = 259
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [[b + 3 for b in text.encode("utf-8")] for text in texts]}
