@@ -11,8 +11,8 @@ class ShardDirError(SaeflowError):
     `problems` lists every problem found (each names the file), so a scratch purge is reported at once.
     """
 
-    def __init__(self, dpath, problems):
+    def __init__(self, dpath, problems, hint: str = ""):
         self.dpath = dpath
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid shard directory {dpath}:\n{lines}")
+        super().__init__(f"invalid shard directory {dpath}:\n{lines}" + (f"\n{hint}" if hint else ""))

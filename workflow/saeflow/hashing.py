@@ -15,9 +15,12 @@ def content_hash(obj: typing.Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
 
 
-def file_sha256(fpath, chunk_bytes: int = 16 << 20) -> str:
+def file_sha256(fpath, chunk_bytes: int = 16 << 20, progress: typing.Callable[[int], object] | None = None) -> str:
+    """sha256 of a file's bytes, read in chunks; `progress(n_bytes)` is called after each chunk."""
     h = hashlib.sha256()
     with open(fpath, "rb") as fd:
         while chunk := fd.read(chunk_bytes):
             h.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return h.hexdigest()

@@ -13,8 +13,12 @@ Layout of a published directory `<shards_root>/<hash>/` (protocol 2.0 plus saefl
 Files not listed here are stray: validation ignores them and `saeflow validate` names them as warnings.
 """
 
+import collections
+import concurrent.futures
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import pathlib
 import queue
@@ -22,6 +26,7 @@ import threading
 import typing
 
 import numpy as np
+import tqdm
 
 from saeflow import atomic, provenance
 from saeflow.errors import SaeflowError, ShardDirError
@@ -64,6 +69,19 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_plain_json(x) -> bool:
+    """True when `x` survives a JSON round trip unchanged, so its hash is the hash of what metadata.json holds."""
+    if x is None or isinstance(x, (str, bool, int)):
+        return True
+    if isinstance(x, float):
+        return math.isfinite(x)
+    if isinstance(x, list):
+        return all(_is_plain_json(v) for v in x)
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _is_plain_json(v) for k, v in x.items())
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Metadata:
     """Exactly the keys of protocol section 2.1. Everything that changes the bytes of the shards is in here."""
@@ -99,6 +117,8 @@ class Metadata:
             problems.append(f"layers must not repeat, got {list(self.layers)!r}")
         if not isinstance(self.data, dict) or "__class__" not in self.data:
             problems.append("data must be an object with a '__class__' key")
+        elif not _is_plain_json(self.data):
+            problems.append("data must be plain JSON (string keys; str, int, finite float, bool, null, list, object)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.protocol != PROTOCOL:
@@ -214,36 +234,50 @@ class Report:
         return not self.problems
 
 
-def validate(dpath: pathlib.Path, deep: bool = False) -> Report:
-    """Check a shard directory without trusting it. Every problem is collected, each naming its file."""
+def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = None) -> Report:
+    """Check a shard directory without trusting it. Every problem is collected, each naming its file.
+
+    `name` is the hash the directory must carry; the default is its own name (the writer passes the hash while
+    the directory is still its staging sibling). Reads only metadata, sizes and JSON unless `deep`.
+    """
     dpath = pathlib.Path(dpath)
+    if not dpath.is_dir():
+        return Report([f"{dpath}: does not exist or is not a directory"], [])
     problems: list[str] = []
     warnings: list[str] = []
-    if not dpath.is_dir():
-        return Report([f"{dpath} does not exist or is not a directory"], [])
+    checksums = _read_checksums(dpath, problems, warnings)
 
     md_fpath = dpath / METADATA_FNAME
     try:
         md_obj = read_json(md_fpath)
         md = Metadata.from_dict(md_obj)
     except FileNotFoundError:
-        return Report([f"{md_fpath}: missing"], [])
+        problems.append(f"{md_fpath}: missing")
+        md = md_obj = None
     except (json.JSONDecodeError, UnicodeDecodeError, SaeflowError, TypeError) as err:
-        return Report([f"{md_fpath}: unreadable ({err})"], [])
+        problems.append(f"{md_fpath}: unreadable ({err})")
+        md = md_obj = None
+    if md is None:
+        # Without metadata the sizes are unknown, but every other file checksums.json names can still be missed.
+        for fname in sorted((checksums or {}).keys() - {METADATA_FNAME}):
+            if not (dpath / fname).exists():
+                problems.append(f"{dpath / fname}: missing")
+        return Report(problems, warnings)
 
     actual_hash = content_hash(md_obj)
-    if dpath.name != actual_hash:
+    expected_name = dpath.name if name is None else name
+    if actual_hash != expected_name:
         problems.append(
-            f"{md_fpath}: its sha256 is {actual_hash}, but the directory is named {dpath.name} "
+            f"{md_fpath}: its sha256 is {actual_hash}, but the directory must be named {expected_name} "
             "(metadata.json was edited, or the directory was renamed)"
         )
 
     shards_fpath = dpath / SHARDS_FNAME
     try:
-        shards = read_json(shards_fpath)
-        if shards != expected_shards_json(md):
+        listed = read_json(shards_fpath)
+        if listed != expected_shards_json(md):
             problems.append(
-                f"{shards_fpath}: lists {_describe_shards(shards)} but metadata.json implies "
+                f"{shards_fpath}: lists {_describe_shards(listed)} but metadata.json implies "
                 f"{_describe_shards(expected_shards_json(md))}"
             )
     except FileNotFoundError:
@@ -252,21 +286,12 @@ def validate(dpath: pathlib.Path, deep: bool = False) -> Report:
         problems.append(f"{shards_fpath}: unreadable ({err})")
 
     expected_bytes = {shard_fname(i): n * md.bytes_per_ex for i, n in enumerate(md.shard_sizes)}
-    checksums = None
-    checksums_fpath = dpath / CHECKSUMS_FNAME
-    if checksums_fpath.exists():
-        try:
-            checksums = read_json(checksums_fpath)["files"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-            problems.append(f"{checksums_fpath}: unreadable ({err})")
-    if checksums:
-        for fname in AUX_FILES:
-            if fname in checksums:
-                expected_bytes[fname] = aux_n_bytes(md, fname)
-        for fname in checksums.keys() - expected_bytes.keys() - {METADATA_FNAME, SHARDS_FNAME}:
-            problems.append(f"{checksums_fpath}: lists unexpected file {fname}")
-    elif (dpath / "labels.bin").exists():
-        expected_bytes["labels.bin"] = aux_n_bytes(md, "labels.bin")
+    for fname in AUX_FILES:  # side files are optional: required when checksums.json lists them
+        if (checksums is not None and fname in checksums) or (dpath / fname).exists():
+            expected_bytes[fname] = aux_n_bytes(md, fname)
+    if checksums is not None:
+        for fname in sorted(checksums.keys() - expected_bytes.keys() - {METADATA_FNAME, SHARDS_FNAME}):
+            problems.append(f"{dpath / CHECKSUMS_FNAME}: lists unexpected file {fname}")
 
     for fname, n_bytes in expected_bytes.items():
         fpath = dpath / fname
@@ -278,20 +303,45 @@ def validate(dpath: pathlib.Path, deep: bool = False) -> Report:
         if size != n_bytes:
             problems.append(f"{fpath}: {size} bytes, expected {n_bytes} (truncated or overwritten)")
 
-    if deep:
-        if checksums is None:
-            problems.append(f"{checksums_fpath}: missing, so checksums cannot be verified")
-        else:
-            for fname, entry in sorted(checksums.items()):
-                fpath = dpath / fname
-                if fpath.exists() and file_sha256(fpath) != entry["sha256"]:
-                    problems.append(f"{fpath}: sha256 differs from checksums.json (the bytes changed)")
+    if deep and checksums is None:
+        problems.append(f"{dpath / CHECKSUMS_FNAME}: missing or unreadable, so checksums cannot be verified")
+    elif deep:
+        problems.extend(_verify_checksums(dpath, checksums))
 
     known = KNOWN_FNAMES | expected_bytes.keys()
     for child in sorted(dpath.iterdir()):
         if child.name not in known:
             warnings.append(f"{child}: stray file, not part of the shard directory (ignored)")
     return Report(problems, warnings)
+
+
+def _read_checksums(dpath: pathlib.Path, problems: list[str], warnings: list[str]) -> dict[str, dict] | None:
+    """checksums.json as {name: {"bytes", "sha256"}}; None (with a warning or problem) when absent or broken."""
+    fpath = dpath / CHECKSUMS_FNAME
+    try:
+        files = read_json(fpath)["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and _is_int(e.get("bytes")) and isinstance(e.get("sha256"), str) for e in files.values()
+        ):
+            raise TypeError("expected {'files': {name: {'bytes': int, 'sha256': hex}}}")
+        return files
+    except FileNotFoundError:
+        warnings.append(f"{fpath}: missing (not written by saeflow?): side files and checksums are not checked")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        problems.append(f"{fpath}: unreadable ({err})")
+    return None
+
+
+def _verify_checksums(dpath: pathlib.Path, checksums: dict[str, dict]) -> list[str]:
+    """Re-hash every listed file (the slow part of `--deep`), with a progress bar over bytes."""
+    problems = []
+    present = {f: e for f, e in sorted(checksums.items()) if (dpath / f).exists()}
+    total = sum((dpath / f).stat().st_size for f in present)
+    with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=None, leave=False) as bar:
+        for fname, entry in present.items():
+            if file_sha256(dpath / fname, progress=bar.update) != entry["sha256"]:
+                problems.append(f"{dpath / fname}: sha256 differs from checksums.json (the bytes changed)")
+    return problems
 
 
 def _describe_shards(shards) -> str:
@@ -301,8 +351,12 @@ def _describe_shards(shards) -> str:
 
 
 def aux_n_bytes(md: Metadata, fname: str) -> int:
+    return md.n_ex * aux_row_bytes(md, fname)
+
+
+def aux_row_bytes(md: Metadata, fname: str) -> int:
     spec = AUX_FILES[fname]
-    return md.n_ex * int(np.prod(spec.row_shape(md))) * np.dtype(spec.dtype).itemsize
+    return int(np.prod(spec.row_shape(md))) * np.dtype(spec.dtype).itemsize
 
 
 class ShardDir:
@@ -371,8 +425,16 @@ class ShardDir:
 
 def open_existing(final_dpath: pathlib.Path) -> ShardDir | None:
     """A valid published directory, None if nothing is there; ShardDirError if something broken is there."""
-    if not final_dpath.exists():
+    if not os.path.lexists(final_dpath):
         return None
+    report = validate(final_dpath)
+    if not report.ok:
+        raise ShardDirError(
+            final_dpath,
+            report.problems,
+            hint="saeflow never rewrites or deletes a published directory; nothing was changed. Check it with "
+            f"`saeflow validate {final_dpath}`, then move it away (chmod -R u+w first) to rebuild it.",
+        )
     return ShardDir(final_dpath)
 
 
@@ -385,15 +447,16 @@ class ShardWriter:
     """Streams examples, in order, into `<shards_root>/<hash>/` and publishes it atomically.
 
         with ShardWriter(root, metadata, aux=("tokens.bin",)) as writer:
-            if not writer.reused:
-                for batch in batches[writer.n_written:]:   # resume point after a crash
-                    writer.write(acts_nltd, aux={"tokens.bin": ids_nt})
+            for start in range(writer.n_written, metadata.n_ex, batch_size):  # resumes after a crash
+                writer.write(acts_nltd, aux={"tokens.bin": ids_nt})
         writer.dpath  # the published directory
 
+    `reused` is True when there is nothing to write: the directory was already published (it is validated, never
+    rewritten; a broken one raises ShardDirError and is left alone) or a killed run had finished building it.
     Only one process builds a given hash at a time (an `flock` on `<root>/.<hash>.lock`); a second one waits and
     then reuses the published directory. The build happens in `<root>/.<hash>.partial/`; every completed shard is
-    fsynced and recorded there, so a killed writer resumes from the last complete shard. Disk writes and checksums
-    run on a background thread, so the producer (the model) is not slowed by I/O.
+    fsynced and recorded in its `progress.json`, so a killed writer resumes from the last complete shard
+    (`n_written` on entry). Disk writes and sha256 run on background threads, so the producer is not slowed by I/O.
     """
 
     def __init__(
@@ -406,7 +469,7 @@ class ShardWriter:
     ):
         self.root = pathlib.Path(shards_root)
         self.md = metadata
-        self.aux_fnames = tuple(aux)
+        self.aux_fnames = tuple(sorted(set(aux)))
         for fname in self.aux_fnames:
             if fname not in AUX_FILES:
                 raise SaeflowError(f"unknown side file {fname!r}; known: {sorted(AUX_FILES)}")
@@ -438,6 +501,10 @@ class ShardWriter:
             if open_existing(self.dpath) is not None:  # published by another process while we waited
                 self.reused = True
                 return self
+            if self._staging_is_sealed():  # a run was killed while publishing: finish its job
+                atomic.publish_dir(self.staging, self.dpath)
+                self.reused = True
+                return self
             self._prepare_staging()
         except BaseException:
             self._release_lock()
@@ -462,15 +529,34 @@ class ShardWriter:
         if self._lock_cm is not None:
             self._lock_cm.__exit__(None, None, None)
             self._lock_cm = None
-            if self.dpath.exists():
+            if self.dpath.exists():  # later writers find the directory before they look for the lock
                 self.lock_fpath.unlink(missing_ok=True)
+
+    # -- resuming ---------------------------------------------------------------------------------------------
+
+    def _staging_has_our_metadata(self) -> bool:
+        try:
+            return read_json(self.staging / METADATA_FNAME) == self.md.to_dict()
+        except (OSError, ValueError):
+            return False
+
+    def _staging_is_sealed(self) -> bool:
+        """True when staging holds a complete, valid directory with our side files (progress.json already gone)."""
+        if (self.staging / PROGRESS_FNAME).exists() or not self._staging_has_our_metadata():
+            return False
+        report = validate(self.staging, name=self.md.hash)
+        aux_present = tuple(f for f in AUX_FILES if (self.staging / f).exists())
+        if not report.ok or aux_present != self.aux_fnames or not (self.staging / CHECKSUMS_FNAME).exists():
+            return False
+        self._remove_strays({METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *aux_present, *(
+            shard_fname(i) for i in range(len(self.md.shard_sizes)))})
+        return True
 
     def _prepare_staging(self):
         """Resume from the last complete shard in the staging directory, or start it afresh."""
         progress_fpath = self.staging / PROGRESS_FNAME
         try:
-            same_md = read_json(self.staging / METADATA_FNAME) == self.md.to_dict()
-            completed = read_json(progress_fpath)["completed"] if same_md else None
+            completed = read_json(progress_fpath)["completed"] if self._staging_has_our_metadata() else None
         except (OSError, ValueError, KeyError, TypeError):
             completed = None
         if completed is not None and self._truncate_to(completed):
@@ -480,39 +566,59 @@ class ShardWriter:
         atomic.remove_staging(self.staging)
         self.staging.mkdir(parents=True)
         atomic.write_json(self.staging / METADATA_FNAME, self.md.to_dict())
-        atomic.write_file_atomic(progress_fpath, json.dumps({"completed": []}).encode())
         for fname in self.aux_fnames:
             (self.staging / fname).touch()
+        atomic.write_file_atomic(progress_fpath, json.dumps({"completed": []}).encode())
 
-    def _truncate_to(self, completed: list[dict]) -> bool:
+    def _truncate_to(self, completed: list) -> bool:
         """Drop everything after the completed shards; False if the staging directory cannot be trusted."""
-        n_done = sum(s["n_ex"] for s in completed)
-        for i, entry in enumerate(completed):
-            fpath = self.staging / shard_fname(i)
-            if entry["name"] != shard_fname(i) or not fpath.exists() or fpath.stat().st_size != entry["bytes"]:
-                return False
-        for child in self.staging.glob("acts*.bin"):
-            if child.name not in {s["name"] for s in completed}:
-                child.unlink()
+        sizes = self.md.shard_sizes
+        try:
+            for i, entry in enumerate(completed):
+                fpath = self.staging / shard_fname(i)
+                if (
+                    i >= len(sizes)
+                    or entry["name"] != shard_fname(i)
+                    or entry["n_ex"] != sizes[i]
+                    or entry["bytes"] != sizes[i] * self.md.bytes_per_ex
+                    or not isinstance(entry["sha256"], str)
+                    or fpath.stat().st_size != entry["bytes"]
+                ):
+                    return False
+            n_done = sum(sizes[: len(completed)])
+            for fname in self.aux_fnames:
+                if (self.staging / fname).stat().st_size < n_done * aux_row_bytes(self.md, fname):
+                    return False
+        except (OSError, KeyError, TypeError):
+            return False
+        # Trusted: remove the unfinished shard, other side files and temporary files, then cut the side files.
+        self._remove_strays({METADATA_FNAME, PROGRESS_FNAME, *self.aux_fnames, *(s["name"] for s in completed)})
         for fname in self.aux_fnames:
-            fpath = self.staging / fname
-            row_bytes = aux_n_bytes(self.md, fname) // self.md.n_ex
-            if not fpath.exists() or fpath.stat().st_size < n_done * row_bytes:
-                return False
-            os.truncate(fpath, n_done * row_bytes)
+            os.truncate(self.staging / fname, n_done * aux_row_bytes(self.md, fname))
         return True
+
+    def _remove_strays(self, keep: set[str]):
+        for child in self.staging.iterdir():
+            if child.name in keep:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                atomic.remove_staging(child)
+            else:
+                child.unlink()
 
     # -- producing --------------------------------------------------------------------------------------------
 
     def write(self, acts_nltd: np.ndarray, aux: dict[str, np.ndarray] | None = None) -> None:
         """Append n examples, shape (n, L, T, D), plus their side rows. The writer owns the arrays afterwards."""
         if self.reused:
-            raise SaeflowError(f"{self.dpath} already exists; nothing to write")
+            raise SaeflowError(f"{self.dpath} is already complete; nothing to write")
+        if self._queue is None:
+            raise SaeflowError("ShardWriter.write() must be called inside `with ShardWriter(...) as writer:`")
         self._raise_if_failed()
         md = self.md
         expected = (md.n_layers, md.tokens_per_ex, md.d_model)
         if acts_nltd.ndim != 4 or tuple(acts_nltd.shape[1:]) != expected:
-            raise SaeflowError(f"activations must have shape (n, {', '.join(map(str, expected))}), got {acts_nltd.shape}")
+            raise SaeflowError(f"activations must have shape (n, {', '.join(map(str, expected))}), got {tuple(acts_nltd.shape)}")
         n = acts_nltd.shape[0]
         if self.n_written + n > md.n_ex:
             raise SaeflowError(f"too many examples: {self.n_written} written + {n} > n_ex={md.n_ex}")
@@ -553,7 +659,7 @@ class ShardWriter:
     def _raise_if_failed(self):
         if self._error is not None:
             raise SaeflowError(
-                f"writing {self.staging} failed: {self._error}. Published outputs are untouched; "
+                f"writing {self.staging} failed: {self._error!r}. Nothing was published; "
                 "fix the cause (e.g. free disk space) and rerun to resume from the last complete shard."
             ) from self._error
 
@@ -565,64 +671,61 @@ class ShardWriter:
                 self._queue.put(None, timeout=0.5)
                 break
             except queue.Full:
-                if self._error is not None:
-                    break
+                continue
         self._thread.join()
         self._thread = None
 
     # -- the background thread --------------------------------------------------------------------------------
 
     def _drain(self):
-        import hashlib
-
-        fd = None
-        digest = None
-        cur_shard, cur_n, cur_bytes = -1, 0, 0
+        """Write queued pieces to their shard file. Hashing and each shard's fsync run on their own threads, so
+        the disk, sha256 and the next shard's writes overlap; shards are finished (recorded) strictly in order."""
+        hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-sha256")
+        finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shard-fsync")
+        shard: _ShardFile | None = None
+        finishing: concurrent.futures.Future | None = None
         aux_fds = {}
         try:
             aux_fds = {fname: open(self.staging / fname, "ab") for fname in self.aux_fnames}
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    break
+            while (item := self._queue.get()) is not None:
                 shard_idx, acts, aux_rows = item
-                if shard_idx != cur_shard:
-                    fd = open(self.staging / shard_fname(shard_idx), "wb")
-                    digest = hashlib.sha256()
-                    cur_shard, cur_n, cur_bytes = shard_idx, 0, 0
-                buf = memoryview(acts).cast("B")
-                fd.write(buf)
-                digest.update(buf)
+                if shard is None:
+                    shard = _ShardFile(self.staging / shard_fname(shard_idx), hasher)
+                shard.write(acts)
                 for fname, rows in aux_rows.items():
-                    aux_fds[fname].write(memoryview(rows).cast("B"))
-                cur_n += acts.shape[0]
-                cur_bytes += buf.nbytes
-                if cur_n == self.md.shard_sizes[shard_idx]:
-                    fd.flush()
-                    os.fsync(fd.fileno())
-                    fd.close()
-                    fd = None
+                    aux_fds[fname].write(_bytes_view(rows))
+                if shard.n_ex == self.md.shard_sizes[shard_idx]:
                     for aux_fd in aux_fds.values():
                         aux_fd.flush()
-                        os.fsync(aux_fd.fileno())
-                    self._completed.append(
-                        {"name": shard_fname(shard_idx), "n_ex": cur_n, "bytes": cur_bytes, "sha256": digest.hexdigest()}
-                    )
-                    progress = json.dumps({"completed": self._completed}).encode()
-                    atomic.write_file_atomic(self.staging / PROGRESS_FNAME, progress)
+                    if finishing is not None:
+                        finishing.result()
+                    finishing = finisher.submit(self._finish_shard, shard, aux_fds)
+                    shard = None
+            if finishing is not None:
+                finishing.result()
         except BaseException as err:  # surfaced to the producer by _raise_if_failed
             self._error = err
-            while True:  # unblock a producer waiting on a full queue
+            while True:  # drop queued work so a producer blocked on a full queue sees the error
                 try:
-                    if self._queue.get_nowait() is None:
-                        break
+                    self._queue.get_nowait()
                 except queue.Empty:
                     break
         finally:
-            if fd is not None:
-                fd.close()
+            finisher.shutdown()
+            hasher.shutdown(cancel_futures=True)
+            if shard is not None:
+                shard.fd.close()
             for aux_fd in aux_fds.values():
                 aux_fd.close()
+
+    def _finish_shard(self, shard: "_ShardFile", aux_fds: dict):
+        """fsync a complete shard and the side files up to it, then record it in progress.json (the resume point)."""
+        entry = shard.close()
+        for aux_fd in aux_fds.values():
+            os.fsync(aux_fd.fileno())
+        self._completed.append({"name": shard.fpath.name, **entry})
+        progress = json.dumps({"completed": self._completed}).encode()
+        atomic.write_file_atomic(self.staging / PROGRESS_FNAME, progress)
 
     # -- publishing -------------------------------------------------------------------------------------------
 
@@ -630,7 +733,8 @@ class ShardWriter:
         md = self.md
         if self.n_written != md.n_ex or len(self._completed) != len(md.shard_sizes):
             raise SaeflowError(
-                f"only {self.n_written} of {md.n_ex} examples were written to {self.staging}; nothing was published"
+                f"only {self.n_written} of {md.n_ex} examples were written to {self.staging}; nothing was published. "
+                "Rerun to resume from the last complete shard."
             )
         atomic.write_json(self.staging / SHARDS_FNAME, expected_shards_json(md))
         files = {s["name"]: {"bytes": s["bytes"], "sha256": s["sha256"]} for s in self._completed}
@@ -646,11 +750,54 @@ class ShardWriter:
             "resumed_from_ex": self.resumed_from,
         }
         atomic.write_json(self.staging / provenance.PROVENANCE_FNAME, prov)
+        # From here the staging directory is sealed: a run killed before the rename publishes it on entry.
         (self.staging / PROGRESS_FNAME).unlink()
-        report = validate(self.staging)
-        # The staging directory's name is not the hash, so only that problem is expected here.
-        problems = [p for p in report.problems if "directory is named" not in p]
-        if problems:
-            raise ShardDirError(self.staging, problems)
-        if not atomic.publish_dir(self.staging, self.dpath):
-            ShardDir(self.dpath)  # lost a race: the winner's directory must be valid
+        report = validate(self.staging, name=md.hash)
+        if not report.ok:
+            raise ShardDirError(self.staging, report.problems, hint="nothing was published")
+        atomic.publish_dir(self.staging, self.dpath)
+
+
+class _ShardFile:
+    """One shard file being written: bytes go to disk on the writer thread while sha256 runs on `hasher`.
+
+    hashlib and file writes both release the GIL, so hashing overlaps the write of the same piece. At most
+    `max_pending` pieces wait for the hasher, which bounds memory when the disk is faster than sha256.
+    """
+
+    PIECE_BYTES = 32 << 20
+
+    def __init__(self, fpath: pathlib.Path, hasher: concurrent.futures.Executor, max_pending: int = 4):
+        self.fpath = fpath
+        self.fd = open(fpath, "wb")
+        self.digest = hashlib.sha256()
+        self.hasher = hasher
+        self.pending: collections.deque[concurrent.futures.Future] = collections.deque()
+        self.max_pending = max_pending
+        self.n_ex = 0
+        self.n_bytes = 0
+
+    def write(self, acts: np.ndarray):
+        buf = _bytes_view(acts)
+        for start in range(0, buf.nbytes, self.PIECE_BYTES):
+            piece = buf[start : start + self.PIECE_BYTES]
+            while len(self.pending) >= self.max_pending:
+                self.pending.popleft().result()
+            self.pending.append(self.hasher.submit(self.digest.update, piece))
+            self.fd.write(piece)
+        self.n_ex += acts.shape[0]
+        self.n_bytes += buf.nbytes
+
+    def close(self) -> dict:
+        """fsync and close; the entry progress.json and checksums.json record for this shard."""
+        self.fd.flush()
+        os.fsync(self.fd.fileno())
+        self.fd.close()
+        while self.pending:
+            self.pending.popleft().result()
+        return {"n_ex": self.n_ex, "bytes": self.n_bytes, "sha256": self.digest.hexdigest()}
+
+
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
