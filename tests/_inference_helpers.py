@@ -9,10 +9,10 @@ from saeflow import runs, sae, shards
 
 
 def write_shards(root: pathlib.Path, acts_nltd: np.ndarray, layers=(2,), cls_token=False, data=None, dataset="/nonexistent",
-                 aux=None, patches_per_shard=None) -> shards.ShardDir:
+                 aux=None, patches_per_shard=None, ckpt="synthetic") -> shards.ShardDir:
     n_ex, n_layers, T, d = acts_nltd.shape
     md = shards.Metadata(
-        family="test", ckpt="synthetic", layers=tuple(layers), patches_per_ex=T - int(cls_token), cls_token=cls_token,
+        family="test", ckpt=ckpt, layers=tuple(layers), patches_per_ex=T - int(cls_token), cls_token=cls_token,
         d_model=d, n_ex=n_ex, patches_per_shard=patches_per_shard or 3 * T * n_layers,
         data=data or {"__class__": "Synthetic"}, dataset=dataset,
     )

@@ -74,3 +74,9 @@ def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:
     if name not in section:
         raise SaeflowError(f"no {what} named {name!r}; the config has: {', '.join(section) or 'none'}")
     return name, section[name]
+
+
+def section_defaults(section: str) -> dict:
+    """The schema defaults of one top-level section's keys (so dataclass and CLI defaults have one source)."""
+    props = load_schema()["properties"][section]["properties"]
+    return {key: copy.deepcopy(sub["default"]) for key, sub in props.items() if "default" in sub}

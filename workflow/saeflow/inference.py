@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import tqdm
 
-from saeflow import atomic, metrics, provenance, runs, sae
+from saeflow import atomic, config, metrics, provenance, runs, sae
 from saeflow.csr import CsrWriter
 from saeflow.errors import SaeflowError
 from saeflow.hashing import file_sha256
@@ -40,6 +40,7 @@ LATENTS_FNAME = "latents.npz"
 METRICS_FNAME = "metrics.json"
 # config.json keys that change the result; an existing dump must agree on them to be reused.
 RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k")
+DEFAULTS = config.section_defaults("inference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +49,9 @@ class Config:
 
     run: pathlib.Path
     shards: pathlib.Path
-    top_k: int = 16
-    batch_size: int = 4096
-    dense_freq: float = metrics.DEFAULT_DENSE_FREQ  # a latent firing on more than this fraction of rows is dense
+    top_k: int = DEFAULTS["top_k"]
+    batch_size: int = DEFAULTS["batch_size"]
+    dense_freq: float = DEFAULTS["dense_freq"]  # a latent firing on more than this fraction of rows is dense
 
     def __post_init__(self):
         if self.top_k < 1:

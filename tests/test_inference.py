@@ -1,0 +1,100 @@
+"""Inference dumps: exact codes in patch_acts.npz, streaming top-k equal to brute force, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+import scipy.sparse
+import torch
+from _inference_helpers import identity_sae, make_run, write_shards
+
+from saeflow import cli, inference, sae
+from saeflow.csr import CsrWriter
+from saeflow.errors import SaeflowError
+
+
+@pytest.fixture
+def dumped(tmp_path):
+    rng = np.random.default_rng(0)
+    acts = rng.standard_normal((11, 2, 5, 6)).astype(np.float32)  # 11 examples, layers (1, 3), CLS + 4 patches
+    sd = write_shards(tmp_path / "shards", acts, layers=(1, 3), cls_token=True)
+    run = make_run(tmp_path / "runs", sd, identity_sae(6), layer=3)
+    assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]) == 0
+    return acts, sd, run, run.inference_dpath(sd.hash)
+
+
+def test_codes_are_exact_and_scipy_loadable(dumped):
+    acts, sd, run, out = dumped
+    codes = scipy.sparse.load_npz(out / "patch_acts.npz")
+    expected_rd = np.maximum(acts[:, 1].reshape(-1, 6), 0)  # layer 3 is index 1; row = example * T + token
+    assert codes.shape == (11 * 5, 6) and codes.format == "csr"
+    assert np.array_equal(codes.toarray(), expected_rd)
+    assert codes.nnz == np.count_nonzero(expected_rd)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer"] == 3 and config["shard_hash"] == sd.hash and config["tokens_per_ex"] == 5
+    assert not any(p.name.startswith(".") for p in out.parent.iterdir() if p.is_dir())  # no staging left
+
+
+def test_stats_and_topk_match_brute_force(dumped):
+    acts, _, _, out = dumped
+    f_rs = np.maximum(acts[:, 1].reshape(-1, 6), 0)
+    lat = inference.load_dump(out).latents
+    fires_rs = f_rs > 0
+    assert np.array_equal(lat["n_fires"], fires_rs.sum(0))
+    assert np.allclose(lat["freq"], fires_rs.mean(0))
+    assert np.allclose(lat["mean_act"], f_rs.sum(0) / fires_rs.sum(0))
+    assert np.array_equal(lat["l0_hist"], np.bincount(fires_rs.sum(1), minlength=7))
+    for s in range(6):
+        rows = np.argsort(-f_rs[:, s], kind="stable")[:4]
+        assert np.array_equal(lat["topk_example"][s], rows // 5)
+        assert np.array_equal(lat["topk_token"][s], rows % 5)
+        assert np.allclose(lat["topk_values"][s], f_rs[rows, s])
+    metrics = json.loads((out / "metrics.json").read_text())
+    x_rd = acts[:, 1].reshape(-1, 6).astype(np.float64)
+    nmse = ((x_rd - f_rs) ** 2).sum() / ((x_rd - x_rd.mean(0)) ** 2).sum()
+    assert metrics["nmse"] == pytest.approx(nmse) and metrics["l0"] == pytest.approx(fires_rs.sum(1).mean())
+
+
+def test_topk_pads_latents_that_rarely_fire():
+    topk = inference.TopK(d_sae=2, k=3)
+    topk.update(torch.tensor([[0.0, 1.0], [2.0, 0.0]]), first_row=10)
+    topk.update(torch.tensor([[0.0, 3.0]]), first_row=12)
+    assert topk.rows_sk.tolist() == [[11, -1, -1], [12, 10, -1]]
+    assert topk.values_sk.tolist() == [[2.0, 0.0, 0.0], [3.0, 1.0, 0.0]]
+
+
+def test_csr_writer_streams_in_pieces(tmp_path):
+    rng = np.random.default_rng(1)
+    x_rs = rng.standard_normal((50, 9)).astype(np.float32) * (rng.random((50, 9)) < 0.2)
+    writer = CsrWriter(tmp_path / "m.npz", 9)
+    for start in range(0, 50, 13):
+        writer.append(x_rs[start : start + 13])
+    writer.finish()
+    assert np.array_equal(scipy.sparse.load_npz(tmp_path / "m.npz").toarray(), x_rs)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.npz"]
+
+
+def test_existing_dump_is_reused_not_rewritten(dumped, capsys):
+    _, sd, run, out = dumped
+    before = (out / "patch_acts.npz").stat().st_mtime_ns
+    assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4"]) == 0
+    assert (out / "patch_acts.npz").stat().st_mtime_ns == before
+    assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "5"]) == 1
+    assert "different top_k" in capsys.readouterr().err
+
+
+def test_clear_errors(tmp_path, capsys):
+    acts = np.ones((2, 1, 3, 4), np.float32)
+    sd = write_shards(tmp_path / "shards", acts, layers=(2,))
+    no_ckpt = make_run(tmp_path / "runs", sd, None, layer=2)
+    with pytest.raises(SaeflowError, match="no checkpoint"):
+        inference.run_inference(inference.Config(no_ckpt.root, sd.dpath))
+    wrong_layer = make_run(tmp_path / "runs", sd, identity_sae(4), layer=5)
+    with pytest.raises(SaeflowError, match="trained on layer 5.*stores layers \\[2\\]"):
+        inference.run_inference(inference.Config(wrong_layer.root, sd.dpath))
+    wrong_d = make_run(tmp_path / "runs", sd, identity_sae(8), layer=2, tag="d8")
+    with pytest.raises(SaeflowError, match="d_model=8.*d_model=4"):
+        inference.run_inference(inference.Config(wrong_d.root, sd.dpath))
+    assert not (wrong_d.root / "inference" / sd.hash).exists()
+    assert cli.main(["inference", "--run", str(tmp_path / "nope"), "--shards", str(sd.dpath)]) == 1
+    assert "does not exist" in capsys.readouterr().err
