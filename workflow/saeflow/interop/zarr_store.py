@@ -1,0 +1,389 @@
+"""Zarr v2 activation store (specs/zarr-activation-logger.md): shard writers, a manifest, a fast reader, merge.
+
+One store (`*.zarr`, consolidated metadata) holds N samples:
+
+    arrays/prompt_activations    (N, L, P_max, H) float16, chunks (1, 1, T_chunk_prompt, H), no compression
+    arrays/response_activations  (N, L, R_max, H) float16, chunks (1, 1, R_max, H)       (when R_max > 0)
+    arrays/prompt_len, response_len  (N,) int32: true lengths capped at P_max / R_max
+    arrays/sample_key            (N,) |S64: sha256 hex of the prompt text
+    arrays/label                 (N,) int64, -1 = none                                      (integer labels only)
+    text/prompts.jsonl, text/responses.jsonl, text/extra_metadata.jsonl   {"i", "sample_key", ...} per line
+    .zattrs                      model, layers, sizes, chunking, truncation counts and fractions
+
+Axis 1 indexes `layers` (the attrs list), not block numbers; the reader takes block numbers. Parallel writers
+each publish `shards/shard-XXXX.zarr` (atomically); `manifest.json` maps global sample indices to shards.
+
+The reader's hot path reads chunk files directly: with no compressor and no filters, a v2 chunk is the raw
+C-order bytes of its (1, 1, T_chunk, H) block at `<array>/<i>.<l>.<t>.0`. `ZarrReader` checks that layout from
+the consolidated metadata at open and otherwise falls back to zarr-python. A missing chunk file is fill (zeros).
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import typing
+
+import numpy as np
+
+from saeflow import atomic, provenance
+from saeflow.errors import SaeflowError
+from saeflow.interop.records import Record, check_uniform
+
+SCHEMA_VERSION = "saeflow-zarr-activations-1"
+MANIFEST_FNAME = "manifest.json"
+PROMPT, RESPONSE = "prompt", "response"
+TEXT_FILES = {PROMPT: "text/prompts.jsonl", RESPONSE: "text/responses.jsonl", "extra": "text/extra_metadata.jsonl"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZarrOptions:
+    prompt_max: int = 128  # P_max: stored prompt tokens (pad/truncate)
+    response_max: int = 64  # R_max: stored response tokens; 0 = no response arrays
+    t_chunk_prompt: int = 128  # prompt chunk length along tokens (aim for 0.5-2 MB chunks)
+    samples_per_shard: int = 4096  # samples per writer shard
+
+    def __post_init__(self):
+        if self.prompt_max < 1 or self.response_max < 0 or self.t_chunk_prompt < 1 or self.samples_per_shard < 1:
+            raise SaeflowError(f"invalid zarr options {self}: prompt_max, t_chunk_prompt, samples_per_shard >= 1")
+
+
+def sample_key(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest().encode("ascii")
+
+
+def shard_dname(shard: int) -> str:
+    return f"shard-{shard:04d}.zarr"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def write_store(records: typing.Sequence[Record], out_dpath, attrs: dict, opts: ZarrOptions) -> pathlib.Path:
+    """Write one self-contained store (staged, consolidated, renamed into place). Returns its path."""
+    import zarr
+
+    out_dpath = pathlib.Path(out_dpath)
+    if out_dpath.exists():
+        raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output")
+    layers, d_model = check_uniform(records, f"zarr store {out_dpath}")
+    n, L = len(records), len(layers)
+    want_resp = opts.response_max > 0
+    if want_resp and any(r.response_acts is None for r in records):
+        raise SaeflowError(f"zarr store {out_dpath}: response_max={opts.response_max} but some records have no response")
+    staging = atomic.staging_dpath(out_dpath)
+    atomic.remove_staging(staging)
+    try:
+        root = zarr.open_group(str(staging), mode="w")
+        arrays = root.create_group("arrays")
+
+        def acts_array(name, t_max, t_chunk):
+            return arrays.create_dataset(name, shape=(n, L, t_max, d_model), chunks=(1, 1, t_chunk, d_model),
+                                         dtype="<f2", compressor=None, filters=None, fill_value=0, order="C")
+
+        prompt_arr = acts_array("prompt_activations", opts.prompt_max, min(opts.t_chunk_prompt, opts.prompt_max))
+        resp_arr = acts_array("response_activations", opts.response_max, opts.response_max) if want_resp else None
+        prompt_len = np.zeros(n, np.int32)
+        resp_len = np.zeros(n, np.int32)
+        n_prompt_trunc = n_resp_trunc = 0
+        lines = {key: [] for key in TEXT_FILES}
+        for i, rec in enumerate(records):
+            key = sample_key(rec.text).decode()
+            p = min(rec.n_tokens, opts.prompt_max)
+            n_prompt_trunc += rec.n_tokens > opts.prompt_max
+            prompt_len[i] = p
+            prompt_arr[i, :, :p] = np.stack([rec.acts[layer][:p] for layer in layers]).astype(np.float16)
+            lines[PROMPT].append({"i": i, "sample_key": key, "prompt": rec.text})
+            if want_resp:
+                n_resp = len(rec.response_ids) if rec.response_ids is not None else len(rec.response_acts[layers[0]])
+                r = min(n_resp, opts.response_max)
+                n_resp_trunc += n_resp >= opts.response_max
+                resp_len[i] = r
+                if r:
+                    resp_arr[i, :, :r] = np.stack([rec.response_acts[layer][:r] for layer in layers]).astype(np.float16)
+                lines[RESPONSE].append({"i": i, "sample_key": key, "response": rec.response_text})
+            lines["extra"].append({"i": i, "sample_key": key, "label": rec.label, **rec.extra})
+        arrays.array("prompt_len", prompt_len, chunks=(max(n, 1),))
+        if want_resp:
+            arrays.array("response_len", resp_len, chunks=(max(n, 1),))
+        arrays.array("sample_key", np.array([sample_key(r.text) for r in records], dtype="|S64"), chunks=(max(n, 1),))
+        labels = [r.label for r in records]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in labels if v is not None):
+            arrays.array("label", np.array([-1 if v is None else v for v in labels], np.int64), chunks=(max(n, 1),))
+        for key, fname in TEXT_FILES.items():
+            if lines[key]:
+                fpath = staging / fname
+                fpath.parent.mkdir(parents=True, exist_ok=True)
+                fpath.write_text("".join(json.dumps(line) + "\n" for line in lines[key]), encoding="utf-8")
+        root.attrs.update({
+            **attrs,
+            "schema_version": SCHEMA_VERSION,
+            "layers": list(layers),
+            "num_layers": L,
+            "hidden_size": int(d_model),
+            "num_samples": n,
+            "P_max": opts.prompt_max,
+            "R_max": opts.response_max,
+            "T_chunk_prompt": prompt_arr.chunks[2],
+            "T_chunk_response": opts.response_max,
+            "dtype": "float16",
+            "prompt_truncated_count": int(n_prompt_trunc),
+            "response_truncated_count": int(n_resp_trunc),
+            "prompt_truncated_fraction": n_prompt_trunc / n,
+            "response_truncated_fraction": n_resp_trunc / n if want_resp else 0.0,
+            "created_at": provenance.utc_now(),
+            "saeflow_version": provenance.collect()["saeflow_version"],
+        })
+        zarr.consolidate_metadata(str(staging))
+        atomic.publish_dir(staging, out_dpath)
+    except BaseException:
+        atomic.remove_staging(staging)
+        raise
+    return out_dpath
+
+
+def shard_bounds(n: int, per_shard: int) -> list[tuple[int, int]]:
+    return [(start, min(start + per_shard, n)) for start in range(0, n, per_shard)]
+
+
+def write_manifest(root_dpath, n_shards: int) -> pathlib.Path:
+    """After all shard stores exist: manifest.json with each shard's sample count and global offset."""
+    root_dpath = pathlib.Path(root_dpath)
+    entries, offset, first_attrs = [], 0, None
+    for shard in range(n_shards):
+        dpath = root_dpath / "shards" / shard_dname(shard)
+        if not (dpath / ".zmetadata").exists():
+            raise SaeflowError(f"{dpath}: missing or incomplete; write every shard before the manifest")
+        attrs = json.loads((dpath / ".zmetadata").read_text())["metadata"][".zattrs"]
+        same = {k: attrs[k] for k in ("layers", "hidden_size", "P_max", "R_max", "T_chunk_prompt", "model_id")}
+        if first_attrs is not None and same != first_attrs:
+            raise SaeflowError(f"{dpath}: schema {same} differs from shard 0 {first_attrs}")
+        first_attrs = same
+        entries.append({"path": f"shards/{shard_dname(shard)}", "num_samples": attrs["num_samples"], "offset": offset})
+        offset += attrs["num_samples"]
+    fpath = root_dpath / MANIFEST_FNAME
+    manifest = {"schema_version": SCHEMA_VERSION, "num_samples": offset, "shards": entries, **first_attrs}
+    atomic.write_file_atomic(fpath, (json.dumps(manifest, indent=2) + "\n").encode())
+    return fpath
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Store:
+    """One consolidated store: its metadata, small arrays in memory, and the direct chunk-read plan."""
+
+    def __init__(self, dpath: pathlib.Path):
+        self.dpath = dpath
+        zmeta_fpath = dpath / ".zmetadata"
+        try:
+            self.meta = json.loads(zmeta_fpath.read_text())["metadata"]
+        except FileNotFoundError:
+            raise SaeflowError(f"{zmeta_fpath}: missing (not a consolidated zarr v2 store)") from None
+        except (json.JSONDecodeError, KeyError) as err:
+            raise SaeflowError(f"{zmeta_fpath}: unreadable ({err})") from None
+        self.attrs = self.meta[".zattrs"]
+        if self.attrs.get("schema_version") != SCHEMA_VERSION:
+            raise SaeflowError(f"{dpath}: schema_version {self.attrs.get('schema_version')!r}, expected {SCHEMA_VERSION!r}")
+        self.n = self.attrs["num_samples"]
+        self.lens = {PROMPT: self._small("prompt_len")}
+        if self.attrs["R_max"]:
+            self.lens[RESPONSE] = self._small("response_len")
+        self.direct = {kind: self._direct_ok(f"arrays/{kind}_activations") for kind in self.lens}
+        self._zarr = None
+
+    def _small(self, name: str) -> np.ndarray:
+        import zarr
+
+        return zarr.open_consolidated(str(self.dpath), mode="r")["arrays"][name][:]
+
+    def _direct_ok(self, array: str) -> dict | None:
+        """The array's .zarray when its chunks are raw C-order bytes we can read ourselves, else None."""
+        zarray = self.meta.get(f"{array}/.zarray")
+        if zarray is None:
+            raise SaeflowError(f"{self.dpath}: no {array}")
+        ok = (zarray["compressor"] is None and not zarray["filters"] and zarray["order"] == "C"
+              and np.dtype(zarray["dtype"]) == np.dtype("<f2") and zarray["chunks"][:2] == [1, 1]
+              and zarray["chunks"][3] == zarray["shape"][3])
+        return zarray if ok else None
+
+    def read(self, kind: str, i: int, li: int, out: np.ndarray | None = None) -> np.ndarray:
+        """(len_i, H) float16 of sample i, layer position li; reads only the chunks that hold len_i tokens."""
+        n_tok = int(self.lens[kind][i])
+        zarray = self.direct[kind]
+        if zarray is None:
+            return self._zarr_array(kind)[i, li, :n_tok]
+        t_chunk, h = zarray["chunks"][2], zarray["chunks"][3]
+        sep = zarray.get("dimension_separator", ".")
+        buf = out if out is not None else np.empty(((n_tok + t_chunk - 1) // t_chunk * t_chunk, h), np.float16)
+        base = self.dpath / "arrays" / f"{kind}_activations"
+        for c in range((n_tok + t_chunk - 1) // t_chunk):
+            dst = buf[c * t_chunk : (c + 1) * t_chunk]
+            try:
+                with open(base / sep.join(map(str, (i, li, c, 0))), "rb", buffering=0) as fd:
+                    if fd.readinto(memoryview(dst).cast("B")) != dst.nbytes:
+                        raise SaeflowError(f"{fd.name}: truncated chunk file")
+            except FileNotFoundError:
+                dst[:] = 0  # never written: the fill value
+        return buf[:n_tok]
+
+    def _zarr_array(self, kind: str):
+        import zarr
+
+        if self._zarr is None:
+            self._zarr = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"]
+        return self._zarr[f"{kind}_activations"]
+
+    def text(self, key: str) -> list[dict]:
+        fpath = self.dpath / TEXT_FILES[key]
+        return [json.loads(line) for line in fpath.read_text(encoding="utf-8").splitlines()] if fpath.exists() else []
+
+
+class ZarrReader:
+    """Global-index reads over one store or a manifest of shard stores. Safe in DataLoader workers: it holds
+    no open files (every read opens its chunk files), so it can be pickled into worker processes."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = pathlib.Path(path)
+        if (path / MANIFEST_FNAME).exists():
+            manifest = json.loads((path / MANIFEST_FNAME).read_text())
+            self.stores = [_Store(path / entry["path"]) for entry in manifest["shards"]]
+        elif (path / ".zmetadata").exists():
+            self.stores = [_Store(path)]
+        else:
+            raise SaeflowError(f"{path}: neither a zarr store (.zmetadata) nor a sharded root ({MANIFEST_FNAME})")
+        self.path = path
+        self.attrs = self.stores[0].attrs
+        self.layers = tuple(self.attrs["layers"])
+        self.starts = np.cumsum([0] + [s.n for s in self.stores])
+        self.n = int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _locate(self, i: int) -> tuple["_Store", int]:
+        if not 0 <= i < self.n:
+            raise SaeflowError(f"sample {i} out of range [0, {self.n})")
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return self.stores[k], i - int(self.starts[k])
+
+    def layer_pos(self, layer: int) -> int:
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise SaeflowError(f"{self.path}: layer {layer} is not stored; stored layers are {list(self.layers)}") from None
+
+    def prompt(self, i: int, layer: int) -> np.ndarray:
+        """(prompt_len[i], H) float16 activations of sample i at block `layer`."""
+        store, j = self._locate(i)
+        return store.read(PROMPT, j, self.layer_pos(layer))
+
+    def response(self, i: int, layer: int) -> np.ndarray:
+        store, j = self._locate(i)
+        if RESPONSE not in store.lens:
+            raise SaeflowError(f"{self.path}: no response activations stored (R_max = 0)")
+        return store.read(RESPONSE, j, self.layer_pos(layer))
+
+    def lengths(self, kind: str = PROMPT) -> np.ndarray:
+        return np.concatenate([s.lens[kind] for s in self.stores])
+
+    def batch(self, idx: typing.Sequence[int], layers_per_sample: typing.Sequence[typing.Sequence[int]],
+              kind: str = RESPONSE) -> tuple[np.ndarray, np.ndarray]:
+        """The training pattern: for each sample its listed layers, padded to T_max -> ((B, k, T, H), lens (B,))."""
+        t_max = self.attrs["R_max"] if kind == RESPONSE else self.attrs["P_max"]
+        k = len(layers_per_sample[0])
+        out = np.zeros((len(idx), k, t_max, self.attrs["hidden_size"]), np.float16)
+        lens = np.zeros(len(idx), np.int32)
+        for b, (i, sample_layers) in enumerate(zip(idx, layers_per_sample)):
+            store, j = self._locate(int(i))
+            lens[b] = store.lens[kind][j]
+            for c, layer in enumerate(sample_layers):
+                store.read(kind, j, self.layer_pos(layer), out=out[b, c])
+        return out, lens
+
+    def text(self, key: str) -> list[dict]:
+        """prompts / responses / extra JSONL rows with global `i`."""
+        rows = []
+        for store, start in zip(self.stores, self.starts):
+            rows += [{**row, "i": row["i"] + int(start)} for row in store.text(key)]
+        return rows
+
+    def records(self) -> typing.Iterator[Record]:
+        """float32 records of the prompt (and response) activations, for converters."""
+        prompts, responses, extras = self.text(PROMPT), self.text(RESPONSE), self.text("extra")
+        for i in range(self.n):
+            extra = {k: v for k, v in extras[i].items() if k not in ("i", "sample_key", "label")}
+            resp = None
+            if responses:
+                resp = {layer: self.response(i, layer).astype(np.float32) for layer in self.layers}
+            yield Record(
+                text=prompts[i]["prompt"], label=extras[i].get("label"), extra=extra,
+                acts={layer: self.prompt(i, layer).astype(np.float32) for layer in self.layers},
+                response_text=responses[i]["response"] if responses else None, response_acts=resp,
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Merge (spec option B)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def merge(root_dpath, out_dpath) -> pathlib.Path:
+    """One store from a manifest's shards: chunk files are copied under their new sample index (no decode)."""
+    import zarr
+
+    reader = ZarrReader(root_dpath)
+    out_dpath = pathlib.Path(out_dpath)
+    if out_dpath.exists():
+        raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output")
+    if any(d is None for s in reader.stores for d in s.direct.values()):
+        raise SaeflowError(f"{root_dpath}: merge needs uncompressed (1, 1, T, H) chunks in every shard")
+    staging = atomic.staging_dpath(out_dpath)
+    atomic.remove_staging(staging)
+    try:
+        first = zarr.open_consolidated(str(reader.stores[0].dpath), mode="r")
+        root = zarr.open_group(str(staging), mode="w")
+        arrays = root.create_group("arrays")
+        for name, src in first["arrays"].arrays():
+            arrays.create_dataset(name, shape=(reader.n, *src.shape[1:]), chunks=(1, *src.chunks[1:]) if src.ndim == 4
+                                  else (max(reader.n, 1),), dtype=src.dtype, compressor=None, filters=None,
+                                  fill_value=src.fill_value, order="C")
+        for store, start in zip(reader.stores, reader.starts):
+            src_root = zarr.open_consolidated(str(store.dpath), mode="r")
+            for name, src in src_root["arrays"].arrays():
+                if src.ndim == 4:
+                    _copy_chunks(store.dpath / "arrays" / name, staging / "arrays" / name, int(start))
+                else:
+                    arrays[name][int(start) : int(start) + store.n] = src[:]
+        for key, fname in TEXT_FILES.items():
+            rows = reader.text(key)
+            if rows:
+                (staging / fname).parent.mkdir(parents=True, exist_ok=True)
+                (staging / fname).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        stores_attrs = [s.attrs for s in reader.stores]
+        n_p = sum(a["prompt_truncated_count"] for a in stores_attrs)
+        n_r = sum(a["response_truncated_count"] for a in stores_attrs)
+        root.attrs.update({**reader.attrs, "num_samples": reader.n, "prompt_truncated_count": n_p,
+                           "response_truncated_count": n_r, "prompt_truncated_fraction": n_p / reader.n,
+                           "response_truncated_fraction": n_r / reader.n if reader.attrs["R_max"] else 0.0,
+                           "merged_from": [str(s.dpath.relative_to(reader.path)) for s in reader.stores]})
+        zarr.consolidate_metadata(str(staging))
+        atomic.publish_dir(staging, out_dpath)
+    except BaseException:
+        atomic.remove_staging(staging)
+        raise
+    return out_dpath
+
+
+def _copy_chunks(src_dpath: pathlib.Path, dst_dpath: pathlib.Path, offset: int) -> None:
+    for fpath in src_dpath.iterdir():
+        if fpath.name.startswith("."):
+            continue
+        i, rest = fpath.name.split(".", 1)
+        shutil.copyfile(fpath, dst_dpath / f"{int(i) + offset}.{rest}")
