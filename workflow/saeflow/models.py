@@ -158,7 +158,7 @@ def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str
     try:
         config_fpath = pathlib.Path(huggingface_hub.hf_hub_download(spec.name, "config.json", revision=spec.revision))
     except (huggingface_hub.errors.HFValidationError, ValueError) as err:
-        raise SaeflowError(f"model {spec.name!r} is neither a local directory nor a valid Hugging Face id ({err})") from None
+        raise SaeflowError(f"unknown model {spec.name!r}: not a local directory nor a valid Hugging Face id ({err})") from None
     except Exception as err:  # offline cache miss, unknown repo, network failure: all mean "cannot find it"
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         hint = (
@@ -220,7 +220,7 @@ def describe(spec: ModelSpec) -> ModelInfo:
     config_dpath, source, commit, ckpt = _resolve_source(spec)
     try:
         config = transformers.AutoConfig.from_pretrained(str(config_dpath))
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # unknown model_type, invalid values: transformers raises several kinds
         raise SaeflowError(f"model {spec.name!r}: cannot read config.json ({err})") from None
     return _info(config, ckpt, source, commit, _preprocessor(config_dpath, source, commit))
 

@@ -1,0 +1,200 @@
+"""Extraction end to end: determinism, hashing, resume after a crash, errors before heavy work, CLI."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from _extract_helpers import text_spec, vision_spec
+from saeflow import cli, extract, models, shards
+from saeflow.errors import SaeflowError
+
+
+def _file_bytes(dpath: pathlib.Path) -> dict[str, bytes]:
+    """Every file of a published directory except provenance.json (the one file that records times/hosts)."""
+    return {p.name: p.read_bytes() for p in sorted(dpath.iterdir()) if p.name != "provenance.json"}
+
+
+def _write_config(tmp_path, spec, name="acts") -> pathlib.Path:
+    fpath = tmp_path / "config.yaml"
+    fpath.write_text(yaml.safe_dump({"activations": {name: spec}, "shards_root": str(tmp_path / "cfg-shards")}))
+    return fpath
+
+
+def test_same_config_twice_and_in_another_process_is_byte_identical(tmp_path):
+    spec = vision_spec()
+    first = extract.extract(spec, tmp_path / "a", progress=False)
+    again = extract.extract(spec, tmp_path / "a", progress=False)
+    assert not first.reused and again.reused and again.dpath == first.dpath
+    assert first.dpath.name == extract.plan_activation(spec).hash
+    config_fpath = _write_config(tmp_path, spec)
+    out = subprocess.run(
+        [sys.executable, "-m", "saeflow", "extract", str(config_fpath), "--shards-root", str(tmp_path / "b"),
+         "--no-progress"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True,
+    )
+    other = pathlib.Path(out.stdout.strip())
+    assert other == tmp_path / "b" / first.dpath.name
+    assert _file_bytes(other) == _file_bytes(first.dpath)
+    md = json.loads((other / "metadata.json").read_text())
+    assert str(tmp_path) not in json.dumps(md)  # no output paths (or any absolute path of this run) in the hash
+    assert shards.validate(other, deep=True).ok
+
+
+def test_text_extraction_writes_tokens_and_is_reproducible(tmp_path):
+    spec = text_spec("llama", dataset={"kind": "builtin_text", "n_ex": 5}, patches_per_shard=2 * 16 * 2)
+    a = shards.ShardDir(extract.extract(spec, tmp_path / "a", progress=False).dpath)
+    b = shards.ShardDir(extract.extract(spec, tmp_path / "b", progress=False).dpath)
+    assert _file_bytes(a.dpath) == _file_bytes(b.dpath)
+    tokens = np.array(a.aux("tokens.bin"))
+    assert tokens.shape == (5, 16) and (tokens[:, 0] == 1).all()  # BOS first
+    assert a.metadata.data["tokenization"]["prefix"] == [1] and len(a.shard_sizes) == 3
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"layers": [1, -1]},
+        {"compute_dtype": "bfloat16"},
+        {"store_dtype": "float16"},
+        {"context_length": 12},
+        {"dataset": {"kind": "builtin_text", "n_ex": 4}},
+        {"model": {"random": {"arch": "gpt2", "config": {"n_embd": 32, "n_layer": 3, "n_head": 2}, "seed": 1}}},
+    ],
+)
+def test_anything_that_changes_bytes_changes_the_hash(change):
+    base = text_spec("gpt2")
+    assert extract.plan_activation({**base, **change}).hash != extract.plan_activation(base).hash
+
+
+def test_batch_size_and_device_are_not_hashed():
+    assert extract.plan_activation(vision_spec(batch_size=1)).hash == extract.plan_activation(vision_spec()).hash
+
+
+def test_different_datasets_differ(tmp_path):
+    seed1 = vision_spec(dataset={"kind": "generated_images", "n_ex": 10, "seed": 1, "size": 40})
+    assert extract.plan_activation(seed1).hash != extract.plan_activation(vision_spec()).hash
+    for name in ("x", "y"):
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(_mkdir(tmp_path / name / "c") / "0.png")
+    hashes = {extract.plan_activation(vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / n)})).hash
+              for n in ("x", "y")}
+    assert len(hashes) == 2
+
+
+def _mkdir(dpath: pathlib.Path) -> pathlib.Path:
+    dpath.mkdir(parents=True, exist_ok=True)
+    return dpath
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
+    spec = vision_spec(batch_size=2)  # 3 examples per shard, batches never cross a shard
+    clean = extract.extract(spec, tmp_path / "clean", progress=False)
+
+    real_run = models.Adapter.run
+    calls = []
+
+    def crashing_run(self, batch, layers):
+        calls.append(1)
+        if len(calls) == 5:  # mid-way through the third shard
+            raise _Crash
+        return real_run(self, batch, layers)
+
+    monkeypatch.setattr(models.Adapter, "run", crashing_run)
+    with pytest.raises(_Crash):
+        extract.extract(spec, tmp_path / "crashy", progress=False)
+    final = tmp_path / "crashy" / clean.dpath.name
+    staging = tmp_path / "crashy" / f".{clean.dpath.name}.partial"
+    assert not final.exists() and staging.exists()
+    monkeypatch.setattr(models.Adapter, "run", real_run)
+    resumed = extract.extract(spec, tmp_path / "crashy", progress=False)
+    assert resumed.resumed_from == 6 and not staging.exists()
+    assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)
+    assert json.loads((resumed.dpath / "provenance.json").read_text())["resumed_from_ex"] == 6
+
+
+def test_batches_restart_at_every_shard():
+    assert extract.batches(7, 3, 2, 0) == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7)]
+    assert extract.batches(7, 3, 2, 3) == [(3, 5), (5, 6), (6, 7)]
+
+
+# -- errors before heavy work -----------------------------------------------------------------------------------
+
+
+def _assert_nothing_published(root: pathlib.Path):
+    assert not root.exists() or not [p for p in root.iterdir() if not p.name.startswith(".")]
+
+
+def test_context_length_over_model_limit(tmp_path):
+    with pytest.raises(SaeflowError, match=r"context_length=65 is larger than .* allows \(64 positions\)"):
+        extract.extract(text_spec(context_length=65), tmp_path / "s", progress=False)
+    _assert_nothing_published(tmp_path / "s")
+
+
+def test_unreadable_image_fails_before_the_model_loads(tmp_path, monkeypatch):
+    root = tmp_path / "imgs"
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(_mkdir(root / "a") / "ok.png")
+    (root / "a" / "bad.jpg").write_bytes(b"\xff\xd8 truncated")
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    with pytest.raises(SaeflowError, match=r"bad.jpg: unreadable image"):
+        extract.extract(vision_spec(dataset={"kind": "image_folder", "root": str(root)}), tmp_path / "s", progress=False)
+    _assert_nothing_published(tmp_path / "s")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (vision_spec(dataset={"kind": "text", "path": "/nonexistent/corpus.txt"}), "a vision model"),
+        (text_spec(dataset={"kind": "generated_images"}), "is a text model"),
+        (text_spec(tokenizer=None), "has no tokenizer of its own"),
+        (vision_spec(model={"name": "/nonexistent/model"}), "unknown model"),
+        (vision_spec(layers=[7]), "out of range"),
+        (vision_spec(dataset={"kind": "generated_images", "n_ex": 0}), "n_ex"),
+        ({"model": {"random": {"arch": "vit"}}, "dataset": {"kind": "text"}}, "'path' is a required property"),
+    ],
+)
+def test_bad_specs_are_clear_errors(spec, message):
+    with pytest.raises(SaeflowError, match=message):
+        extract.plan_activation(spec)
+
+
+def test_text_field_missing_and_empty_corpus(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"body": "hello"}\n')
+    with pytest.raises(SaeflowError, match=r"c.jsonl:1: no string field 'text'"):
+        extract.plan_activation(text_spec(dataset={"kind": "text", "path": str(tmp_path / "c.jsonl")}))
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(SaeflowError, match="empty dataset"):
+        extract.plan_activation(text_spec(dataset={"kind": "text", "path": str(tmp_path / "e.txt")}))
+
+
+def test_tokenizer_model_vocab_mismatch():
+    small_vocab = {"random": {"arch": "gpt2", "config": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 100}}}
+    with pytest.raises(SaeflowError, match="vocabulary of 100"):
+        extract.plan_activation(text_spec(model=small_vocab))
+
+
+# -- CLI --------------------------------------------------------------------------------------------------------
+
+
+def test_cli_plan_and_extract(tmp_path, capsys):
+    spec = vision_spec()
+    config_fpath = _write_config(tmp_path, spec)
+    assert cli.main(["plan", str(config_fpath), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["hash"] == extract.plan_activation(spec).hash and planned["metadata"]["layers"] == [0, 2]
+    assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() == str(tmp_path / "cfg-shards" / planned["hash"])
+    assert cli.main(["extract", str(config_fpath), "--activation", "acts", "--no-progress"]) == 0
+    assert "nothing to do" in capsys.readouterr().err
+    assert cli.main(["plan", str(config_fpath), "--activation", "nope"]) == 1
+    assert "no activation named 'nope'" in capsys.readouterr().err

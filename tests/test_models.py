@@ -1,0 +1,154 @@
+"""Model adapters: stored vectors equal the model's own hidden states; early exit; model identity."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from _extract_helpers import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, vision_spec
+from saeflow import extract, models, shards
+from saeflow.errors import SaeflowError
+
+
+def _reference_hidden_states(plan_, sd: shards.ShardDir):
+    """The model's own output_hidden_states on the exact inputs the extraction used."""
+    adapter = models.load(plan_.model_spec, "float32", "cpu", info=plan_.info)
+    if plan_.info.modality == "vision":
+        x = torch.from_numpy(np.stack([plan_.dataset.example(i, plan_.preprocess)[0] for i in range(sd.n_ex)]))
+        out = adapter.model(pixel_values=x, output_hidden_states=True)
+    else:
+        x = torch.from_numpy(np.array(sd.aux("tokens.bin"), dtype=np.int64))
+        out = adapter.model(input_ids=x, output_hidden_states=True)
+    return adapter, out.hidden_states
+
+
+def _final_norm(model):
+    """GPT-2 / Llama apply this to their last hidden_states entry (we store the raw residual instead)."""
+    return getattr(model, "ln_f", None) or getattr(model, "norm", None)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_stored_vectors_equal_hidden_states(arch, shards_root):
+    spec = text_spec(arch) if arch in TEXT_ARCHS else vision_spec(arch)
+    plan_ = extract.plan(spec)
+    result = extract.extract(spec, shards_root, progress=False)
+    sd = shards.ShardDir(result.dpath)
+    adapter, hidden = _reference_hidden_states(plan_, sd)
+    n_layers = plan_.info.n_layers
+    assert list(sd.metadata.layers) == [0, n_layers - 1]
+    for layer in sd.metadata.layers:
+        stored_ntd = torch.from_numpy(np.stack([sd.example(i, layer) for i in range(sd.n_ex)]))
+        ref_ntd = hidden[layer + 1]
+        if arch == "dinov2_with_registers":  # registers sit between CLS and the patches; not stored
+            ref_ntd = torch.cat([ref_ntd[:, :1], ref_ntd[:, 1 + ARCH_CONFIGS[arch]["num_register_tokens"] :]], 1)
+        if layer == n_layers - 1 and arch in ("gpt2", "llama"):
+            stored_ntd = _final_norm(adapter.model)(stored_ntd)
+        assert stored_ntd.shape == ref_ntd.shape
+        torch.testing.assert_close(stored_ntd, ref_ntd.float(), atol=1e-5, rtol=0)
+    expected_tokens = {"siglip_vision_model": 16, "gpt2": 16, "llama": 16, "bert": 16}.get(arch, 17)
+    assert sd.metadata.tokens_per_ex == expected_tokens
+    assert sd.metadata.cls_token == (expected_tokens == 17)
+
+
+def test_real_minilm_matches_hidden_states(shards_root):
+    spec = {
+        "model": {"name": MINILM},
+        "layers": [2, -1],
+        "dataset": {"kind": "builtin_text", "n_ex": 3},
+        "context_length": 24,
+        "device": "cpu",
+    }
+    plan_ = extract.plan(spec)
+    sd = shards.ShardDir(extract.extract(spec, shards_root, progress=False).dpath)
+    _, hidden = _reference_hidden_states(plan_, sd)
+    ids = np.array(sd.aux("tokens.bin"))
+    assert (ids[:, 0] == 101).all() and (ids[:, -1] == 102).all()  # [CLS] ... [SEP]
+    for layer in (2, 5):
+        stored_ntd = torch.from_numpy(np.stack([sd.example(i, layer) for i in range(sd.n_ex)]))
+        torch.testing.assert_close(stored_ntd, hidden[layer + 1], atol=1e-5, rtol=0)
+
+
+def test_forward_stops_after_deepest_requested_block():
+    spec = models.ModelSpec(random_arch="vit", random_config=ARCH_CONFIGS["vit"])
+    adapter = models.load(spec)
+    ran = []
+    handles = [b.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, b in enumerate(adapter.blocks)]
+    acts = adapter.run(torch.zeros(1, 3, 32, 32), layers=(0, 1))
+    for handle in handles:
+        handle.remove()
+    assert sorted(acts) == [0, 1] and ran == [0, 1]  # block 2 never ran
+
+
+def test_negative_layers_resolve_before_hashing():
+    last = ARCH_CONFIGS["vit"]["num_hidden_layers"] - 1
+    h1 = extract.plan_activation(vision_spec(layers=[-1])).hash
+    h2 = extract.plan_activation(vision_spec(layers=[last])).hash
+    h3 = extract.plan_activation(vision_spec(layers=[-1, 0])).hash
+    h4 = extract.plan_activation(vision_spec(layers=[0, last])).hash
+    assert h1 == h2 and h3 == h4 and h1 != h3
+
+
+@pytest.mark.parametrize("layers", [[3], [-4], [1, -2]])
+def test_layer_out_of_range_or_repeated(layers):
+    with pytest.raises(SaeflowError, match="out of range|same block"):
+        extract.plan_activation(vision_spec(layers=layers))
+
+
+def test_unknown_model_is_a_clear_error(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(SaeflowError, match="unknown model 'nobody/no-such-model'.*HF_HUB_OFFLINE"):
+        models.describe(models.ModelSpec(name="nobody/no-such-model"))
+    with pytest.raises(SaeflowError, match="no config.json"):
+        models.describe(models.ModelSpec(name=str(tmp_path)))
+
+
+def test_hf_cache_snapshot_gives_commit_in_ckpt(monkeypatch, tmp_path):
+    """An HF id resolves offline through the cache; the snapshot's commit is part of ckpt (and so of the hash)."""
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--acme--minilm"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for fname in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        (snapshot / fname).symlink_to(f"{MINILM}/{fname}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    info = models.describe(models.ModelSpec(name="acme/minilm"))
+    assert info.ckpt == f"acme/minilm@{commit}" and info.n_layers == 6 and info.d_model == 384
+    assert models.describe(models.ModelSpec(name=str(snapshot))).ckpt == info.ckpt  # the path, same identity
+
+
+def test_local_directory_fingerprint_changes_with_weights(tmp_path):
+    local = tmp_path / "my-model"
+    local.mkdir()
+    shutil.copy(f"{MINILM}/config.json", local / "config.json")
+    (local / "model.safetensors").write_bytes(b"x" * 10)
+    ckpt1 = models.describe(models.ModelSpec(name=str(local))).ckpt
+    (local / "model.safetensors").write_bytes(b"x" * 11)
+    ckpt2 = models.describe(models.ModelSpec(name=str(local))).ckpt
+    assert ckpt1.startswith("my-model@local-") and ckpt1 != ckpt2
+
+
+def test_unsupported_architecture(tmp_path):
+    local = tmp_path / "weird"
+    local.mkdir()
+    config = {"model_type": "gpt_neo"}
+    (local / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SaeflowError, match="unsupported architecture 'gpt_neo'"):
+        models.describe(models.ModelSpec(name=str(local)))
+
+
+def test_bfloat16_compute_is_close_and_hashed(shards_root):
+    md32 = extract.plan_activation(vision_spec())
+    md16 = extract.plan_activation(vision_spec(compute_dtype="bfloat16"))
+    assert md32.hash != md16.hash and md16.data["compute_dtype"] == "bfloat16"
+    sd32 = shards.ShardDir(extract.extract(vision_spec(), shards_root, progress=False).dpath)
+    sd16 = shards.ShardDir(extract.extract(vision_spec(compute_dtype="bfloat16"), shards_root, progress=False).dpath)
+    a, b = sd32.example(0, 2), sd16.example(0, 2)
+    assert not np.array_equal(a, b) and np.abs(a - b).max() < 0.1 * np.abs(a).max()
