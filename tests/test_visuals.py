@@ -59,12 +59,17 @@ def test_vision_visuals_with_patch_labels(tmp_path):
     from saeflow.shards import ShardDir
 
     run = make_run(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
-    inference.run_inference(inference.Config(run.root, sd_dpath, top_k=4))
+    dump_dpath = inference.run_inference(inference.Config(run.root, sd_dpath, top_k=32))
     out = visuals.make_visuals(visuals.Config(run.root, selection="list", latents=(0, 5), top_k=4, tile_px=64))
+    lat = inference.load_dump(dump_dpath).latents
     for latent in (0, 5):
+        top = visuals.top_rows(lat, latent, 4, one_per_example=True)
+        assert len({ex for ex, _, _ in top}) == len(top) > 0  # each image once, at its best patch
+        cols = int(np.ceil(np.sqrt(len(top))))
+        rows = int(np.ceil(len(top) / cols))
         img = Image.open(out / "latents" / f"{latent}.png")
-        # 4 tiles in a 2 x 2 grid, each 64 px image + 64 px patch labels (GeneratedImages writes labels.bin)
-        assert img.size == (128, 256) and img.mode == "RGB"
+        # tiles of a 64 px image over 64 px of patch labels (GeneratedImages writes labels.bin)
+        assert img.size == (cols * 64, rows * 128) and img.mode == "RGB"
         assert np.asarray(img).std() > 5  # not blank
 
 

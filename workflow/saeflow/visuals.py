@@ -297,6 +297,19 @@ def _round(arr: np.ndarray) -> list:
     return [float(f"{v:.4g}") for v in arr.tolist()]
 
 
+def top_rows(lat: dict[str, np.ndarray], latent: int, k: int, one_per_example: bool) -> list[tuple[int, int, float]]:
+    """The latent's best (example, token, value) rows; an image appears once (its best patch) when asked."""
+    top, seen = [], set()
+    for ex, tok, value in zip(lat["topk_example"][latent], lat["topk_token"][latent], lat["topk_values"][latent]):
+        if ex < 0 or len(top) == k:
+            break
+        if one_per_example and ex in seen:
+            continue
+        seen.add(ex)
+        top.append((int(ex), int(tok), float(value)))
+    return top
+
+
 @torch.no_grad()
 def _latent_acts(model, sd, layer: int, examples_k: list[int], latent: int) -> np.ndarray:
     """(k, T) activations of one latent on every token of the given examples."""
@@ -356,9 +369,7 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     labels = sd.aux("labels.bin") if sd.has_aux("labels.bin") and examples.kind == "image" else None
     drawn = {}
     for latent in tqdm.tqdm(chosen, desc="visuals", unit="latent", disable=None):
-        k = min(cfg.top_k, int((lat["topk_example"][latent] >= 0).sum()))
-        top = [(int(lat["topk_example"][latent, i]), int(lat["topk_token"][latent, i]),
-                float(lat["topk_values"][latent, i])) for i in range(k)]
+        top = top_rows(lat, latent, cfg.top_k, one_per_example=examples.kind == "image")
         entry = {"top": [[e, t, round(v, 4)] for e, t, v in top]}
         if top and examples.kind != "none":
             acts_kt = _latent_acts(model, sd, layer, [e for e, _, _ in top], latent)
