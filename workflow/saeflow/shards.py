@@ -506,8 +506,10 @@ class ShardWriter:
                 self.reused = True
                 return self
             self._prepare_staging()
-        except BaseException:
+        except BaseException as err:
             self._release_lock()
+            if isinstance(err, OSError):
+                raise SaeflowError(f"cannot prepare {self.staging}: {err!r}; nothing was published") from err
             raise
         self._queue = queue.Queue(maxsize=self._queue_depth)
         self._thread = threading.Thread(target=self._drain, name="shard-writer", daemon=True)
@@ -548,8 +550,9 @@ class ShardWriter:
         aux_present = tuple(f for f in AUX_FILES if (self.staging / f).exists())
         if not report.ok or aux_present != self.aux_fnames or not (self.staging / CHECKSUMS_FNAME).exists():
             return False
-        self._remove_strays({METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *aux_present, *(
-            shard_fname(i) for i in range(len(self.md.shard_sizes)))})
+        atomic.make_tree_writable(self.staging)  # a run killed inside publish_dir may have made it read-only
+        shard_names = (s["name"] for s in expected_shards_json(self.md))
+        self._remove_strays({METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *aux_present, *shard_names})
         return True
 
     def _prepare_staging(self):
@@ -592,6 +595,7 @@ class ShardWriter:
         except (OSError, KeyError, TypeError):
             return False
         # Trusted: remove the unfinished shard, other side files and temporary files, then cut the side files.
+        atomic.make_tree_writable(self.staging)  # a run killed inside publish_dir may have made it read-only
         self._remove_strays({METADATA_FNAME, PROGRESS_FNAME, *self.aux_fnames, *(s["name"] for s in completed)})
         for fname in self.aux_fnames:
             os.truncate(self.staging / fname, n_done * aux_row_bytes(self.md, fname))
