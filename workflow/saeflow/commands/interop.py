@@ -1,5 +1,93 @@
-"""Subcommands of the interop stage (being built; registers nothing yet)."""
+"""`saeflow export` and `saeflow convert`: interop datasets (lmprobe 2.0, Zarr, gzip-pickle, saev import)."""
+
+import argparse
+import pathlib
+
+from saeflow import config
+
+EXPORT_DESCRIPTION = """\
+Run a text model over a prompt dataset and write an interop dataset:
+
+  lmprobe  lmprobe 2.0 (parquet index + per-layer safetensors): pooled last-token or full-sequence activations,
+           top-k logits at the last token, perplexity columns; loads with lmprobe's own reader.
+  zarr     Zarr v2 store of float16 prompt (and greedy-response) activations, chunks (1, 1, T, H), written as
+           shard stores + manifest.json (optionally merged); random (sample, layer) reads.
+  pickle   gzip-pickle shards + metadata.json with sha256 checksums.
+
+Give either CONFIG --export NAME (an `exports` entry of the workflow config) or the ad-hoc flags --format,
+--model, --prompts and --layers; both are validated against the same schema and get the same defaults.
+Layer k is the output of transformer block k (as in `saeflow extract`). Zarr exports can run as parallel jobs:
+`--part I` writes only shard store I; a run without --part writes what is missing, then manifest.json.
+"""
+
+CONVERT_DESCRIPTION = """\
+Convert an lmprobe dataset, Zarr store/root or gzip-pickle shard directory (detected from its files) into
+another format, through saeflow's in-memory per-example records. `--to saev` imports fixed-length activations
+into a saev protocol 2.0 shard directory OUT/<sha256>/ (OUT is a shards root) so they can be trained on; the
+shard hash covers the source's checksums. gzip-pickle sources are checksum-verified and unpickled with an
+allow-list (numpy arrays and plain containers only), never with pickle.load.
+"""
 
 
 def register(subparsers):
-    pass
+    p = subparsers.add_parser("export", help="prompt dataset -> text model -> lmprobe / Zarr / gzip-pickle",
+                              description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", type=pathlib.Path, metavar="CONFIG", help="the workflow config (YAML)")
+    p.add_argument("--export", metavar="NAME", help="which `exports` entry (optional when there is one)")
+    p.add_argument("--format", choices=("lmprobe", "zarr", "pickle"), help="ad hoc: output format")
+    p.add_argument("--model", help="ad hoc: HF id or local transformers directory")
+    p.add_argument("--prompts", help="ad hoc: .jsonl/.csv/.parquet with a text column (label and extras optional)")
+    p.add_argument("--layers", type=int, nargs="+", help="ad hoc: block indices")
+    p.add_argument("--storage", choices=("pooled", "full_sequence"), help="ad hoc lmprobe: storage mode")
+    p.add_argument("--top-k", type=int, help="ad hoc lmprobe: top-k logits (0 = none)")
+    p.add_argument("--response-max", type=int, help="ad hoc zarr: greedy response tokens (0 = none)")
+    p.add_argument("--out", type=pathlib.Path, help="output directory (default: the spec's `out`, else results/exports/<name>)")
+    p.add_argument("--part", type=int, action="append", metavar="I", help="zarr: write only shard store I (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser("convert", help="convert between interop formats, or import into saev shards",
+                              description=CONVERT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", type=pathlib.Path, metavar="SRC", help="lmprobe dataset, Zarr store or root, or gzip-pickle directory")
+    p.add_argument("--to", required=True, choices=("lmprobe", "zarr", "pickle", "saev"), help="output format")
+    p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (for saev: the shards root)")
+    p.add_argument("--max-bytes", type=int, help="gzip-pickle: refuse shards that decompress beyond this (default 4 GiB)")
+    p.set_defaults(func=cmd_convert)
+
+
+def _adhoc_spec(args) -> dict:
+    missing = [flag for flag, value in (("--format", args.format), ("--model", args.model),
+                                        ("--prompts", args.prompts), ("--layers", args.layers)) if value is None]
+    if missing:
+        from saeflow.errors import SaeflowError
+
+        raise SaeflowError(f"give CONFIG (and --export NAME), or all of --format --model --prompts --layers; missing {missing}")
+    spec = {"format": args.format, "model": {"name": args.model}, "prompts": {"path": args.prompts}, "layers": args.layers}
+    lm = {k: v for k, v in (("storage", args.storage), ("top_k", args.top_k)) if v is not None}
+    if lm:
+        spec["lmprobe"] = lm
+    if args.response_max is not None:
+        spec["zarr"] = {"response_max": args.response_max}
+    return spec
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from saeflow.interop import convert
+
+    if args.config is not None:
+        name, spec = config.pick(config.load(args.config)["exports"], args.export, "export")
+    else:
+        name, spec = "adhoc", _adhoc_spec(args)
+    spec = convert.export_spec(spec)
+    out = args.out or pathlib.Path(spec["out"] or f"results/exports/{name}")
+    path = convert.export(spec, out, parts=args.part, progress=not args.no_progress)
+    print(path)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from saeflow.interop import convert
+
+    source = convert.open_source(args.src, max_bytes=args.max_bytes)
+    print(convert.write(source, args.to, args.out, convert.default_spec()))
+    return 0

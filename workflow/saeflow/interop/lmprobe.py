@@ -69,7 +69,7 @@ def _save(fpath: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
     safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(fpath))
 
 
-def _check_duplicates(texts: list[str], allow: bool, where: str) -> None:
+def check_duplicates(texts: list[str], allow: bool, where: str) -> None:
     seen: dict[str, int] = {}
     dups = []
     for i, text in enumerate(texts):
@@ -134,7 +134,7 @@ def write(
         rows.append(row)
     if not rows:
         raise SaeflowError("lmprobe export: no prompts")
-    _check_duplicates([r["text"] for r in rows], opts.allow_duplicate_texts, "lmprobe export")
+    check_duplicates([r["text"] for r in rows], opts.allow_duplicate_texts, "lmprobe export")
 
     n, d_model = len(rows), last_nld[0].shape[-1]
     bounds = _shard_bounds(n, opts.prompts_per_shard)

@@ -1,0 +1,206 @@
+"""Exports and conversions, always source -> `Record`s -> sink (never format-to-format special cases).
+
+Sources: a prompt dataset run through a text model (`export_records`), or an existing lmprobe / Zarr /
+gzip-pickle directory (`open_source`). Sinks: lmprobe 2.0, Zarr, gzip-pickle, saev shards (`write`).
+"""
+
+import concurrent.futures
+import dataclasses
+import itertools
+import multiprocessing
+import pathlib
+import typing
+
+from saeflow import config
+from saeflow.errors import SaeflowError
+from saeflow.interop import lmprobe, pickle_shards, saev_sink, zarr_store
+from saeflow.interop.records import Record, read_prompts
+
+SOURCE_FORMATS = ("lmprobe", "zarr", "pickle")
+SINK_FORMATS = ("lmprobe", "zarr", "pickle", "saev")
+
+
+def export_spec(spec: dict) -> dict:
+    """Validate one export spec (from a config or from CLI flags) and fill its defaults from the schema."""
+    schema = config.load_schema()
+    return config.validate(spec, {**schema["$defs"]["export_spec"], "$defs": schema["$defs"]})
+
+
+def zarr_options(spec: dict) -> zarr_store.ZarrOptions:
+    """The store layout options of a spec (`workers` and `merge` say how to run, not what to write)."""
+    return zarr_store.ZarrOptions(**{k: v for k, v in spec["zarr"].items() if k not in ("workers", "merge")})
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What a sink needs besides the records: how many, and where they came from."""
+
+    records: typing.Callable[[], typing.Iterator[Record]]
+    n: int
+    model_name: str
+    model_revision: str | None
+    dataset: str
+    family: str  # for saev metadata: the architecture when the source says it
+    identity: dict  # for saev metadata `data`: changes exactly when the source bytes do
+
+
+def detect(dpath: pathlib.Path) -> str:
+    if (dpath / lmprobe.PARQUET_PATH).exists():
+        return "lmprobe"
+    if (dpath / zarr_store.MANIFEST_FNAME).exists() or (dpath / ".zmetadata").exists():
+        return "zarr"
+    if (dpath / pickle_shards.METADATA_FNAME).exists():
+        return "pickle"
+    raise SaeflowError(f"{dpath}: not an lmprobe dataset, Zarr store or gzip-pickle shard directory")
+
+
+def default_spec() -> dict:
+    """The schema's per-format defaults (sections lmprobe/zarr/pickle), for conversions that have no export spec."""
+    return export_spec({"format": "pickle", "model": {"name": "-"}, "prompts": {"path": "-"}, "layers": [0]})
+
+
+def open_source(dpath: str | pathlib.Path, max_bytes: int | None = None) -> Source:
+    """Records of an existing interop directory; `max_bytes` caps each gzip-pickle shard once decompressed."""
+    dpath = pathlib.Path(dpath)
+    fmt = detect(dpath)
+    if fmt == "lmprobe":
+        ds = lmprobe.LmprobeDataset(dpath)
+        model = ds.info["model"]
+        ident = {"__class__": "LmprobeDataset", "info": ds.info["tensors"], "model": model}
+        return Source(ds.records, ds.n_prompts, model["name"], model.get("revision"), dpath.name, "text", ident)
+    if fmt == "zarr":
+        reader = zarr_store.ZarrReader(dpath)
+        keys = [row["sample_key"] for row in reader.text("prompt")]
+        ident = {"__class__": "ZarrActivationStore", "attrs": {k: reader.attrs[k] for k in ("layers", "P_max", "R_max")},
+                 "sample_keys_sha256": zarr_store.sample_key("".join(keys)).decode()}
+        model = reader.attrs.get("model_id", "unknown")
+        return Source(reader.records, reader.n, model, reader.attrs.get("model_revision"), dpath.name, "text", ident)
+    store = pickle_shards.PickleShards(dpath, max_bytes or pickle_shards.DEFAULT_MAX_BYTES)
+    ec = store.metadata["extraction_config"]
+    ident = {"__class__": "GzipPickleShards", "checksums": [s["checksum"] for s in store.shards]}
+    return Source(store.records, store.n_samples, ec.get("model_name", "unknown"), None,
+                  ec.get("dataset_name", dpath.name), ec.get("model_architecture", "text"), ident)
+
+
+def write(source: Source, fmt: str, out: pathlib.Path, spec: dict) -> pathlib.Path:
+    """Write `source` as `fmt` at `out` (for saev: into the shards root `out`, returning <out>/<hash>).
+
+    Optional parts the source does not have (logits, perplexity, responses) are left out instead of refused.
+    """
+    if fmt not in SINK_FORMATS:
+        raise SaeflowError(f"unknown output format {fmt!r}; choose one of {SINK_FORMATS}")
+    records = source.records()
+    first = next(records, None)
+    if first is None:
+        raise SaeflowError(f"{fmt} output: the source has no examples")
+    records = itertools.chain([first], records)
+    if fmt == "lmprobe":
+        opts = lmprobe.LmprobeOptions(**spec["lmprobe"])
+        opts = dataclasses.replace(opts, top_k=opts.top_k if first.topk_values is not None else 0,
+                                   perplexity=opts.perplexity and first.token_nll is not None)
+        return lmprobe.write(records, out, source.model_name, source.model_revision, opts)
+    if fmt == "pickle":
+        opts = pickle_shards.PickleOptions(**spec["pickle"])
+        ec = {"model_name": source.model_name, "model_revision": source.model_revision, "dataset_name": source.dataset}
+        return pickle_shards.write(records, out, ec, opts)
+    if fmt == "zarr":
+        opts = zarr_options(spec)
+        if first.response_acts is None:
+            opts = dataclasses.replace(opts, response_max=0)
+        attrs = {"model_id": source.model_name, "model_revision": source.model_revision, "dataset": source.dataset}
+        bounds = zarr_store.shard_bounds(source.n, opts.samples_per_shard)
+        for shard, (start, stop) in enumerate(bounds):
+            zarr_store.write_store(list(itertools.islice(records, stop - start)),
+                                   out / "shards" / zarr_store.shard_dname(shard), attrs, opts)
+        zarr_store.write_manifest(out, len(bounds))
+        if spec["zarr"]["merge"]:
+            zarr_store.merge(out, out / "merged.zarr")
+        return out
+    sd = saev_sink.write(records, source.n, out, source.family, source.model_name, source.dataset, source.identity)
+    return sd.dpath
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export: prompt dataset -> text engine -> sink
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _engine_config(spec: dict, fmt: str):
+    from saeflow.interop import engine
+
+    return engine.EngineConfig(
+        model=spec["model"]["name"],
+        revision=spec["model"]["revision"],
+        layers=tuple(spec["layers"]),
+        max_tokens=spec["max_tokens"],
+        top_k=spec["lmprobe"]["top_k"] if fmt == "lmprobe" else 0,
+        perplexity=spec["lmprobe"]["perplexity"] if fmt == "lmprobe" else False,
+        token_strings=spec["lmprobe"]["token_strings"] if fmt == "lmprobe" else False,
+        response_max=spec["zarr"]["response_max"] if fmt == "zarr" else 0,
+        device=spec["device"],
+    )
+
+
+def _prompts(spec: dict) -> list[dict]:
+    p = spec["prompts"]
+    rows = read_prompts(p["path"], p["text_key"], p["label_key"])
+    return rows[: p["limit"]] if p["limit"] else rows
+
+
+def export(spec: dict, out: pathlib.Path, parts: typing.Sequence[int] | None = None, progress: bool = True) -> pathlib.Path:
+    """Run an export spec. Zarr exports write shard stores (only `parts` when given; existing ones are reused)
+    and the manifest once every shard exists."""
+    from saeflow.interop import engine
+
+    spec = export_spec(spec)
+    fmt = spec["format"]
+    prompts = _prompts(spec)
+    if fmt == "zarr":
+        return _export_zarr(spec, prompts, out, parts, progress)
+    if parts is not None:
+        raise SaeflowError("--part applies to zarr exports only (lmprobe and pickle datasets are written whole)")
+    eng = engine.TextEngine(_engine_config(spec, fmt))
+    if fmt == "lmprobe":  # cheap checks before the model runs over every prompt
+        lmprobe.check_duplicates([r["text"] for r in prompts], spec["lmprobe"]["allow_duplicate_texts"], str(spec["prompts"]["path"]))
+    source = Source(lambda: eng.records(prompts, progress), len(prompts), spec["model"]["name"], eng.info.revision,
+                    str(spec["prompts"]["path"]), eng.info.family, {})
+    return write(source, fmt, out, spec)
+
+
+def _zarr_attrs(spec: dict, revision: str | None) -> dict:
+    return {"model_id": spec["model"]["name"], "model_revision": revision, "dataset": str(spec["prompts"]["path"]),
+            "max_tokens": spec["max_tokens"]}
+
+
+def _export_zarr_part(spec: dict, prompts: list[dict], dpath: pathlib.Path, progress: bool) -> str:
+    from saeflow.interop import engine
+
+    eng = engine.TextEngine(_engine_config(spec, "zarr"))
+    records = list(eng.records(prompts, progress))
+    zarr_store.write_store(records, dpath, _zarr_attrs(spec, eng.info.revision), zarr_options(spec))
+    return str(dpath)
+
+
+def _export_zarr(spec, prompts, out, parts, progress) -> pathlib.Path:
+    zspec = spec["zarr"]
+    bounds = zarr_store.shard_bounds(len(prompts), zspec["samples_per_shard"])
+    wanted = range(len(bounds)) if parts is None else parts
+    bad = [p for p in wanted if not 0 <= p < len(bounds)]
+    if bad:
+        raise SaeflowError(f"--part {bad}: this export has shards 0..{len(bounds) - 1}")
+    todo = [(p, out / "shards" / zarr_store.shard_dname(p)) for p in wanted]
+    todo = [(p, d) for p, d in todo if not d.exists()]
+    if zspec["workers"] > 1 and len(todo) > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(zspec["workers"], mp_context=ctx) as pool:
+            futures = [pool.submit(_export_zarr_part, spec, prompts[slice(*bounds[p])], d, False) for p, d in todo]
+            for fut in concurrent.futures.as_completed(futures):
+                fut.result()
+    else:
+        for p, d in todo:
+            _export_zarr_part(spec, prompts[slice(*bounds[p])], d, progress)
+    if all((out / "shards" / zarr_store.shard_dname(p)).exists() for p in range(len(bounds))):
+        zarr_store.write_manifest(out, len(bounds))
+        if zspec["merge"] and not (out / "merged.zarr").exists():
+            zarr_store.merge(out, out / "merged.zarr")
+    return out
