@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from saeflow import cli
+from saeflow import cli, shards
 from store_helpers import make_md, write_all
 
 
@@ -24,6 +24,9 @@ def test_validate_and_info(shards_root, capsys):
     assert info["n_bytes"] == 7 * 2 * 5 * 8 * 4 and info["side_files"] == ["labels.bin", "tokens.bin"]
     assert info["provenance"]["resumed_from_ex"] == 0 and "host" in info["provenance"]
 
+    link = shards_root.parent / "train-shards"  # as a run's links/ holds it
+    link.symlink_to(dpath)
+    assert shards.validate(link).ok and shards.ShardDir(link).hash == md.hash
     assert cli.main(["info", str(dpath)]) == 0
     text = capsys.readouterr().out
     assert "layers       [3, 5]" in text and "3 x up to 3 examples" in text and "labels.bin, tokens.bin" in text

@@ -11,6 +11,8 @@ Layout of a published directory `<shards_root>/<hash>/` (protocol 2.0 plus saefl
     provenance.json   versions, host, git commit, times: the only file that differs between two identical runs
 
 Files not listed here are stray: validation ignores them and `saeflow validate` names them as warnings.
+Beside it, while it is built: `.<hash>.partial/` (staging, with `progress.json`) and `.<hash>.lock` (flock).
+docs/store.md describes every file and the crash/resume/concurrency guarantees.
 """
 
 import collections
@@ -265,7 +267,7 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
         return Report(problems, warnings)
 
     actual_hash = content_hash(md_obj)
-    expected_name = dpath.name if name is None else name
+    expected_name = dpath.resolve().name if name is None else name  # a run's links/ symlink names its target
     if actual_hash != expected_name:
         problems.append(
             f"{md_fpath}: its sha256 is {actual_hash}, but the directory must be named {expected_name} "
@@ -368,7 +370,7 @@ class ShardDir:
         if not report.ok:
             raise ShardDirError(self.dpath, report.problems)
         self.metadata = Metadata.from_dict(read_json(self.dpath / METADATA_FNAME))
-        self.hash = self.dpath.name
+        self.hash = self.dpath.resolve().name
         self.shard_sizes = self.metadata.shard_sizes
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
         self._acts: dict[int, np.memmap] = {}
@@ -427,15 +429,15 @@ def open_existing(final_dpath: pathlib.Path) -> ShardDir | None:
     """A valid published directory, None if nothing is there; ShardDirError if something broken is there."""
     if not os.path.lexists(final_dpath):
         return None
-    report = validate(final_dpath)
-    if not report.ok:
+    try:
+        return ShardDir(final_dpath)
+    except ShardDirError as err:
         raise ShardDirError(
             final_dpath,
-            report.problems,
+            err.problems,
             hint="saeflow never rewrites or deletes a published directory; nothing was changed. Check it with "
             f"`saeflow validate {final_dpath}`, then move it away (chmod -R u+w first) to rebuild it.",
-        )
-    return ShardDir(final_dpath)
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
