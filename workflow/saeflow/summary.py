@@ -1,0 +1,130 @@
+"""One table of every run's metrics and the sparsity/reconstruction Pareto plot across a sweep.
+
+Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json`; the row also
+carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read as a
+table. The Pareto plot puts L0 (active latents per token) against normalized MSE: lower-left is better, and the
+runs no other run beats on both are joined as the frontier.
+"""
+
+import csv
+import io
+import json
+import math
+import pathlib
+
+from saeflow import atomic
+from saeflow.errors import SaeflowError
+from saeflow.runs import open_run
+
+# The metric names inference writes; the first present one is used for each axis of the Pareto plot.
+L0_KEYS = ("l0", "L0")
+NMSE_KEYS = ("nmse", "normalized_mse")
+SUMMARY_FNAME = "summary.csv"
+PARETO_FNAME = "pareto.png"
+
+
+def flatten(obj: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists become JSON text so one cell holds one value."""
+    flat = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, list):
+            flat[name] = json.dumps(value)
+        else:
+            flat[name] = value
+    return flat
+
+
+def run_rows(run_dpath: pathlib.Path) -> list[dict]:
+    """One row per inference directory of the run (a run without inference yet gives no row)."""
+    run = open_run(run_dpath)
+    hparams = flatten(run.config(), "config.")
+    rows = []
+    for metrics_fpath in sorted((run.root / "inference").glob("*/metrics.json")):
+        try:
+            metrics = json.loads(metrics_fpath.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise SaeflowError(f"{metrics_fpath}: unreadable metrics ({err})") from None
+        if not isinstance(metrics, dict):
+            raise SaeflowError(f"{metrics_fpath}: expected a JSON object of metrics")
+        rows.append(
+            {"run_id": run.root.name, "shard_hash": metrics_fpath.parent.name, **flatten(metrics), **hparams}
+        )
+    return rows
+
+
+def collect(run_dpaths: list[pathlib.Path]) -> list[dict]:
+    rows = [row for dpath in sorted(run_dpaths) for row in run_rows(dpath)]
+    if not rows:
+        raise SaeflowError(f"none of the {len(run_dpaths)} runs has inference metrics (inference/*/metrics.json)")
+    return rows
+
+
+def to_csv(rows: list[dict]) -> str:
+    """Columns: run_id, shard_hash, metrics, then config.* (union over rows, stable order)."""
+    columns = []
+    for row in rows:
+        columns.extend(key for key in row if key not in columns)
+    head = ["run_id", "shard_hash"]
+    metric_cols = sorted(c for c in columns if c not in head and not c.startswith("config."))
+    config_cols = sorted(c for c in columns if c.startswith("config."))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=head + metric_cols + config_cols, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _metric(row: dict, keys: tuple[str, ...], what: str) -> float:
+    for key in keys:
+        if key in row:
+            return float(row[key])
+    raise SaeflowError(f"run {row['run_id']}: inference metrics lack {what} (looked for {', '.join(keys)})")
+
+
+def pareto_front(points_n2: list[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated in (x, y) minimization, ordered by x."""
+    order = sorted(range(len(points_n2)), key=lambda i: points_n2[i])
+    front, best_y = [], math.inf
+    for i in order:
+        if points_n2[i][1] < best_y:
+            front.append(i)
+            best_y = points_n2[i][1]
+    return front
+
+
+def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(_metric(r, L0_KEYS, "L0"), _metric(r, NMSE_KEYS, "normalized MSE")) for r in rows]
+    front = pareto_front(points)
+    fig, ax = plt.subplots(figsize=(6, 4.5), dpi=120)
+    ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", label="runs")
+    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:red", marker="o", label="Pareto front")
+    for row, (x, y) in zip(rows, points):
+        ax.annotate(row["run_id"][:8], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("L0 (active latents per token)")
+    ax.set_ylabel("normalized MSE")
+    ax.set_title(f"SAE sweep: sparsity vs reconstruction ({len(rows)} runs)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic.write_file_atomic(out_fpath, buf.getvalue())
+
+
+def write_summary(run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write `summary.csv` and `pareto.png` into `out_dpath` (each replaced atomically)."""
+    rows = collect(run_dpaths)
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    csv_fpath, png_fpath = out_dpath / SUMMARY_FNAME, out_dpath / PARETO_FNAME
+    atomic.write_file_atomic(csv_fpath, to_csv(rows).encode("utf-8"))
+    plot_pareto(rows, png_fpath)
+    return csv_fpath, png_fpath
