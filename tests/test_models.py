@@ -152,3 +152,23 @@ def test_bfloat16_compute_is_close_and_hashed(shards_root):
     sd16 = shards.ShardDir(extract.extract(vision_spec(compute_dtype="bfloat16"), shards_root, progress=False).dpath)
     a, b = sd32.example(0, 2), sd16.example(0, 2)
     assert not np.array_equal(a, b) and np.abs(a - b).max() < 0.1 * np.abs(a).max()
+
+
+@pytest.mark.parametrize("arch", sorted(models.CONFIG_DEFAULTS))
+def test_planning_defaults_match_transformers(arch):
+    """Planning reads config.json without transformers; its defaults table must agree with transformers."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(arch)
+    assert {k: getattr(config, k) for k in models.CONFIG_DEFAULTS[arch]} == models.CONFIG_DEFAULTS[arch]
+
+
+def test_packing_tokenizer_matches_transformers_tokenizer():
+    import transformers
+
+    info = models.describe(models.ModelSpec(name=MINILM))
+    fast, hf = models.packing_tokenizer(info, None), transformers.AutoTokenizer.from_pretrained(MINILM)
+    texts = ["Hello, World! Déjà vu.", "x" * 3000, "def f(a, b):\n    return a ** b  # comment"]
+    assert fast(texts)["input_ids"] == hf(texts, add_special_tokens=False)["input_ids"]
+    for key in ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"):
+        assert getattr(fast, key) == getattr(hf, key), key

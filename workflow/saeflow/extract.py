@@ -76,7 +76,7 @@ def plan(spec: dict, device: str | None = None) -> Plan:
         dataset=dataset,
         compute_dtype=compute_dtype,
         batch_size=spec["batch_size"],
-        device=resolve_device(device or spec["device"]),
+        device=device or spec["device"],
         n_workers=spec["n_workers"],
     )
     if info.modality == "vision":
@@ -140,7 +140,7 @@ def plan_activation(spec: dict) -> shards.Metadata:
 
 @functools.lru_cache(maxsize=8)
 def _tokenizer(info: models.ModelInfo, tokenizer: str | None):
-    return models.load_tokenizer(info, tokenizer)
+    return models.packing_tokenizer(info, tokenizer)
 
 
 @functools.lru_cache(maxsize=4)
@@ -168,7 +168,7 @@ class Result:
     resumed_from: int
     n_ex: int
     forward_s: float = 0.0  # model time
-    put_s: float = 0.0  # time the producer spent handing arrays to the writer (blocked on I/O included)
+    write_s: float = 0.0  # time extraction waited on the writer: handing arrays over (blocked included) + publish
     total_s: float = 0.0
 
 
@@ -235,15 +235,16 @@ def extract(spec: dict, shards_root, device: str | None = None, progress: bool =
     dataset = plan_.dataset
     if plan_.info.modality == "vision":
         dataset.check()  # unreadable images fail here, before any weights are loaded
+    device_ = resolve_device(plan_.device)
     provenance_extra = {
-        "extraction": {"batch_size": plan_.batch_size, "device": plan_.device, "n_workers": plan_.n_workers}
+        "extraction": {"batch_size": plan_.batch_size, "device": device_, "n_workers": plan_.n_workers}
     }
     with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
         if writer.reused:
             return Result(writer.dpath, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
         if writer.resumed_from:
             logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
-        adapter = models.load(plan_.model_spec, plan_.compute_dtype, plan_.device, info=plan_.info)
+        adapter = models.load(plan_.model_spec, plan_.compute_dtype, device_, info=plan_.info)
         spans = batches(md.n_ex, md.ex_per_shard, plan_.batch_size, writer.n_written)
         source = _image_batches if plan_.info.modality == "vision" else _text_batches
         result = Result(writer.dpath, False, writer.resumed_from, md.n_ex)
@@ -259,11 +260,13 @@ def extract(spec: dict, shards_root, device: str | None = None, progress: bool =
                 result.forward_s += time.perf_counter() - t
                 t = time.perf_counter()
                 writer.write(acts_nltd, aux={plan_.aux_fname: aux_rows})
-                result.put_s += time.perf_counter() - t
+                result.write_s += time.perf_counter() - t
                 n = acts_nltd.shape[0]
                 n_tokens += n * md.tokens_per_ex
                 bar.update(n)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"{n_tokens / elapsed:,.0f} tok/s")
+        t = time.perf_counter()
+    result.write_s += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
     result.total_s = time.perf_counter() - t0
     return result

@@ -44,6 +44,28 @@ ARCHS: dict[str, tuple[str, str, bool]] = {
 VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 # Where the list of transformer blocks lives, per model class layout (first match wins).
 BLOCK_PATHS = ("vision_model.encoder.layers", "encoder.layer", "encoder.layers", "layers", "h")
+# transformers' config-class defaults of the fields planning reads, so planning never imports transformers
+# (a 3 s import). tests/test_models.py checks this table against transformers; `build` checks every loaded model.
+CONFIG_DEFAULTS: dict[str, dict] = {
+    "vit": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 16},
+    "clip_vision_model": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 32},
+    "siglip_vision_model": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 16},
+    "dinov2": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 14},
+    "dinov2_with_registers": {
+        "num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 16, "num_register_tokens": 4
+    },
+    "gpt2": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 1024, "vocab_size": 50257},
+    "llama": {"num_hidden_layers": 32, "hidden_size": 4096, "max_position_embeddings": 2048, "vocab_size": 32000},
+    "qwen2": {"num_hidden_layers": 32, "hidden_size": 4096, "max_position_embeddings": 32768, "vocab_size": 151936},
+    "qwen3": {"num_hidden_layers": 32, "hidden_size": 4096, "max_position_embeddings": 32768, "vocab_size": 151936},
+    "mistral": {"num_hidden_layers": 32, "hidden_size": 4096, "max_position_embeddings": 131072, "vocab_size": 32000},
+    "bert": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 512, "vocab_size": 30522},
+    "roberta": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 512, "vocab_size": 50265},
+}
+CONFIG_ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
+# Special tokens a tokenizer class sets by default when its files do not name them.
+DEFAULT_SPECIAL_TOKENS = {"gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}}
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "cls_token", "sep_token")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 # Normalization used when a checkpoint ships no preprocessor_config.json (e.g. random-init models).
@@ -87,7 +109,7 @@ class ModelInfo:
     cls_token: bool
     source: str | None  # local directory or HF id to load from; None for random init
     revision: str | None  # resolved commit, when known
-    config: dict = dataclasses.field(compare=False, repr=False)  # the (vision tower's) transformers config
+    config: dict = dataclasses.field(compare=False, repr=False)  # the planning fields (CONFIG_DEFAULTS keys)
     # vision
     image_size: int = 0
     resize_size: int = 0
@@ -204,56 +226,54 @@ def _size(value, fallback: int) -> int:
 
 
 def describe(spec: ModelSpec) -> ModelInfo:
-    """Read the model's config (not its weights) and derive everything planning needs."""
-    import transformers
-
+    """Read the model's config.json (not its weights, and without importing transformers)."""
     if spec.random_arch is not None:
         if spec.random_arch not in ARCHS:
             raise SaeflowError(f"model.random.arch: unknown architecture {spec.random_arch!r}; known: {sorted(ARCHS)}")
-        try:
-            config = transformers.AutoConfig.for_model(spec.random_arch, **spec.random_config)
-        except (TypeError, ValueError) as err:
-            raise SaeflowError(f"model.random.config: invalid for {spec.random_arch}: {err}") from None
         digest = hashlib.sha256(canonical_json({"config": spec.random_config, "seed": spec.seed}).encode()).hexdigest()
         ckpt = f"random:{spec.random_arch}@seed{spec.seed}-{digest[:16]}"
-        return _info(config, ckpt, source=None, revision=None, preprocessor={})
+        return _info(spec.random_arch, spec.random_config, ckpt, source=None, revision=None, preprocessor={})
     config_dpath, source, commit, ckpt = _resolve_source(spec)
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(config_dpath))
-    except Exception as err:  # unknown model_type, invalid values: transformers raises several kinds
-        raise SaeflowError(f"model {spec.name!r}: cannot read config.json ({err})") from None
-    return _info(config, ckpt, source, commit, _preprocessor(config_dpath, source, commit))
-
-
-def _info(config, ckpt: str, source: str | None, revision: str | None, preprocessor: dict) -> ModelInfo:
-    model_type = config.model_type
+    raw = _read_json(config_dpath / "config.json")
+    model_type = raw.get("model_type")
     if model_type in VISION_TOWERS:
-        config, model_type = config.vision_config, VISION_TOWERS[model_type]
+        raw, model_type = raw.get("vision_config") or {}, VISION_TOWERS[model_type]
+    return _info(model_type, raw, ckpt, source, commit, _preprocessor(config_dpath, source, commit))
+
+
+def _info(model_type, raw: dict, ckpt: str, source: str | None, revision: str | None, preprocessor: dict) -> ModelInfo:
     if model_type not in ARCHS:
         raise SaeflowError(f"model {ckpt}: unsupported architecture {model_type!r}; supported: {sorted(ARCHS)}")
+    config = dict(CONFIG_DEFAULTS[model_type])
+    for key, value in raw.items():
+        key = CONFIG_ALIASES.get(key, key)
+        if key in config:
+            config[key] = value
     family, modality, cls_token = ARCHS[model_type]
     common = dict(
         family=family,
         model_type=model_type,
         modality=modality,
         ckpt=ckpt,
-        n_layers=int(config.num_hidden_layers),
-        d_model=int(config.hidden_size),
+        n_layers=int(config["num_hidden_layers"]),
+        d_model=int(config["hidden_size"]),
         cls_token=cls_token,
         source=source,
         revision=revision,
-        config=config.to_dict(),
+        config=config,
     )
     if modality == "text":
-        return ModelInfo(**common, max_positions=int(config.max_position_embeddings))
-    image_size = _size(preprocessor.get("crop_size"), 0) or _size(preprocessor.get("size"), int(config.image_size))
+        # RoBERTa reserves two position ids (padding offset): 514 embeddings allow 512 tokens.
+        offset = 2 if family == "roberta" else 0
+        return ModelInfo(**common, max_positions=int(config["max_position_embeddings"]) - offset)
+    image_size = _size(preprocessor.get("crop_size"), 0) or _size(preprocessor.get("size"), int(config["image_size"]))
     mean, std = DEFAULT_MEAN_STD.get(family, HALF_MEAN_STD)
     return ModelInfo(
         **common,
         image_size=image_size,
         resize_size=_size(preprocessor.get("size"), image_size) if preprocessor.get("do_resize", True) else image_size,
-        patch_size=int(config.patch_size),
-        n_registers=int(getattr(config, "num_register_tokens", 0) or 0),
+        patch_size=int(config["patch_size"]),
+        n_registers=int(config.get("num_register_tokens", 0)),
         mean=tuple(float(x) for x in preprocessor.get("image_mean", mean)),
         std=tuple(float(x) for x in preprocessor.get("image_std", std)),
     )
@@ -361,13 +381,24 @@ def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):
         "siglip_vision_model": transformers.SiglipVisionModel,
     }.get(info.model_type, transformers.AutoModel)
     if info.source is None:
+        try:
+            config = transformers.AutoConfig.for_model(spec.random_arch, **spec.random_config)
+        except Exception as err:  # transformers validates configs with several exception types
+            raise SaeflowError(f"model.random.config: invalid for {spec.random_arch}: {err}") from None
         torch.manual_seed(spec.seed)
-        model = transformers.AutoModel.from_config(transformers.AutoConfig.for_model(spec.random_arch, **spec.random_config))
-        return model.to(dtype)
-    try:
-        return cls.from_pretrained(info.source, revision=info.revision, dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise SaeflowError(f"cannot load the weights of {info.ckpt}: {err}") from None
+        model = transformers.AutoModel.from_config(config).to(dtype)
+    else:
+        try:
+            model = cls.from_pretrained(info.source, revision=info.revision, dtype=dtype)
+        except (OSError, ValueError) as err:
+            raise SaeflowError(f"cannot load the weights of {info.ckpt}: {err}") from None
+    built = (model.config.num_hidden_layers, model.config.hidden_size)
+    if built != (info.n_layers, info.d_model):
+        raise SaeflowError(
+            f"{info.ckpt}: planning read {info.n_layers} blocks x d={info.d_model} from config.json, but transformers "
+            f"built {built[0]} x d={built[1]}; the shard hash would be wrong (please report this config)"
+        )
+    return model
 
 
 def load(spec: ModelSpec, compute_dtype: str = "float32", device: str = "cpu", info: ModelInfo | None = None) -> Adapter:
@@ -396,6 +427,68 @@ def load_tokenizer(info: ModelInfo, tokenizer: str | None):
         raise SaeflowError(f"cannot load the tokenizer {source!r}: {err}") from None
     tok.model_max_length = 1 << 62  # whole documents are tokenized, then packed; silences the length warning
     return tok
+
+
+def _model_file(source: str, revision: str | None, fname: str) -> pathlib.Path | None:
+    """One file of a checkpoint (local directory or HF id through the cache), None when it has none."""
+    if pathlib.Path(source).is_dir():
+        fpath = pathlib.Path(source) / fname
+        return fpath if fpath.is_file() else None
+    import huggingface_hub
+
+    try:
+        return pathlib.Path(huggingface_hub.hf_hub_download(source, fname, revision=revision))
+    except Exception:  # not in the repo / not cached
+        return None
+
+
+def packing_tokenizer(info: ModelInfo, tokenizer: str | None):
+    """The tokenizer used to pack text: like `load_tokenizer`, but straight from tokenizer.json with the
+    `tokenizers` library when the checkpoint has one (no transformers import, so planning stays fast). Same ids as
+    the transformers fast tokenizer, which wraps the same file."""
+    if tokenizer == "bytes" or (tokenizer is None and info.source is None):
+        return load_tokenizer(info, tokenizer)
+    source, revision = (tokenizer, None) if tokenizer else (info.source, info.revision)
+    if not pathlib.Path(source).is_dir():
+        import huggingface_hub.errors
+
+        try:
+            huggingface_hub.hf_hub_download(source, "config.json", revision=revision)
+        except (huggingface_hub.errors.HFValidationError, ValueError):
+            raise SaeflowError(f"tokenizer {source!r}: not a local directory nor a valid Hugging Face id") from None
+        except Exception:  # tokenizer-only repositories have no config.json; the files below decide
+            pass
+    tokenizer_fpath = _model_file(source, revision, "tokenizer.json")
+    if tokenizer_fpath is None:
+        return load_tokenizer(info, tokenizer)
+    special = dict(DEFAULT_SPECIAL_TOKENS.get(info.family, {}) if tokenizer is None else {})
+    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+        fpath = _model_file(source, revision, fname)
+        for key, value in (_read_json(fpath) if fpath else {}).items():
+            if key in SPECIAL_TOKEN_KEYS and value is not None:
+                special[key] = value["content"] if isinstance(value, dict) else value
+    return FileTokenizer(tokenizer_fpath, special)
+
+
+class FileTokenizer:
+    """A `tokenizers.Tokenizer` loaded from tokenizer.json, with the checkpoint's special tokens."""
+
+    def __init__(self, fpath: pathlib.Path, special: dict[str, str]):
+        import tokenizers
+
+        try:
+            self.tok = tokenizers.Tokenizer.from_file(str(fpath))
+        except Exception as err:  # the Rust library raises its own exception type
+            raise SaeflowError(f"{fpath}: unreadable tokenizer ({err})") from None
+        self.tok.no_truncation()  # whole documents are tokenized, then packed
+        self.tok.no_padding()
+        self.name_or_path = str(fpath.parent)
+        for key in SPECIAL_TOKEN_KEYS:
+            setattr(self, f"{key}_id", self.tok.token_to_id(special[key]) if key in special else None)
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
+        encodings = self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        return {"input_ids": [e.ids for e in encodings]}
 
 
 class ByteTokenizer:

