@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import tqdm
 
-from saeflow import atomic, config, metrics, provenance, runs, sae
+from saeflow import atomic, config, loaders, metrics, provenance, runs, sae
 from saeflow.csr import CsrWriter
 from saeflow.errors import SaeflowError
 from saeflow.hashing import file_sha256
@@ -177,13 +177,15 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
     max_act_s = torch.zeros(d_sae)
     l0_hist = torch.zeros(d_sae + 1, dtype=torch.int64)
     acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
-    ex_per_block = max(1, cfg.batch_size // T)
+    # pread into reused buffers (saeflow.loaders): a memmap would keep every page read resident, so RSS would grow
+    # with the dataset.
+    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all")
+    first_row = 0
     try:
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
-            for first_ex, acts_ntd in sd.iter_blocks(layer, ex_per_block=ex_per_block):
-                x_bd = torch.from_numpy(np.array(acts_ntd, dtype=np.float32).reshape(-1, acts_ntd.shape[-1]))
+            for x_bd in loader.iter_batches():
+                x_bd = x_bd.float()
                 x_hat_bd, f_bs = model(x_bd)
-                first_row = first_ex * T
                 csr.append(f_bs.numpy())
                 topk.update(f_bs, first_row)
                 fires_bs = f_bs > 0
@@ -191,6 +193,7 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
                 torch.maximum(max_act_s, f_bs.amax(dim=0), out=max_act_s)
                 l0_hist += torch.bincount(fires_bs.sum(dim=1), minlength=d_sae + 1)
                 acc.update(x_bd, x_hat_bd, f_bs)
+                first_row += x_bd.shape[0]
                 bar.update(x_bd.shape[0])
         csr.finish()
     except BaseException:
