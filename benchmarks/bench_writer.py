@@ -5,7 +5,7 @@ per-shard fsync, progress records, validation, atomic publish); the limit writes
 of times to one file and fsyncs it once. Runs alternate (limit, writer, limit, writer, ...) and the best of each
 is reported, so a noisy neighbour hurts both sides alike. Prints `ratio = writer GB/s / plain GB/s`; target >= 0.8.
 
-    python benchmarks/bench_writer.py              # ~2 GiB per run, 2 repeats, in a temp dir under /tmp
+    python benchmarks/bench_writer.py              # ~2 GiB per run, 3 repeats, in a temp dir under /tmp
     python benchmarks/bench_writer.py --gib 0.25 --repeats 1 --dir /fs/scratch/me
 """
 
@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gib", type=float, default=2.0, help="bytes written per run, in GiB (default 2)")
     p.add_argument("--shard-mib", type=float, default=512, help="approximate shard size in MiB (default 512)")
     p.add_argument("--batch-ex", type=int, default=64, help="examples per write() call (default 64, ~77 MB)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each side; the best is reported (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side; the best is reported (default 3)")
     p.add_argument("--dir", type=pathlib.Path, default=None, help="where to write (default: the system temp dir)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=197, help="tokens per example incl. CLS (default 197)")
@@ -102,7 +102,10 @@ def main(argv=None) -> int:
             best["writer"] = min(best["writer"], seconds)
             atomic.remove_staging(work_dpath / "shards")
             n_shards = len(md.shard_sizes)
-            print(f"[{rep}] writer {gb:.2f} GB in {seconds:.2f} s = {gb / seconds:.2f} GB/s ({n_shards} shards)", file=sys.stderr)
+            print(
+                f"[{rep}] writer {gb:.2f} GB in {seconds:.2f} s = {gb / seconds:.2f} GB/s ({n_shards} shards)",
+                file=sys.stderr,
+            )
     finally:
         atomic.remove_staging(work_dpath)
     gb = md.n_bytes / 1e9

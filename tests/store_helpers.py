@@ -14,7 +14,9 @@ import numpy as np
 from saeflow import shards
 
 
-def make_md(n_ex=7, layers=(3, 5), patches_per_ex=4, cls_token=True, d_model=8, ex_per_shard=3, **kw) -> shards.Metadata:
+def make_md(
+    n_ex=7, layers=(3, 5), patches_per_ex=4, cls_token=True, d_model=8, ex_per_shard=3, **kw
+) -> shards.Metadata:
     """Metadata whose patches_per_shard gives exactly `ex_per_shard` examples per shard."""
     tokens = patches_per_ex + int(cls_token)
     return shards.Metadata(

@@ -126,7 +126,11 @@ def test_hash_same_across_processes_seeds_and_key_orders():
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
-            [sys.executable, "-c", HASH_SCRIPT, json.dumps(obj), seed], env=env, capture_output=True, text=True, check=True
+            [sys.executable, "-c", HASH_SCRIPT, json.dumps(obj), seed],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         hashes.add(out.stdout.strip())
     assert hashes == {make_md().hash}
@@ -238,9 +242,10 @@ def test_writer_rejects_bad_input(shards_root):
     with pytest.raises(SaeflowError, match="unknown side file"):
         shards.ShardWriter(shards_root, md, aux=("logits.bin",))
     # Leaving the block early publishes nothing and keeps the staging directory for a resume.
-    with pytest.raises(SaeflowError, match="only 2 of 7 examples"), shards.ShardWriter(
-        shards_root, md, aux=("labels.bin",)
-    ) as writer:
+    with (
+        pytest.raises(SaeflowError, match="only 2 of 7 examples"),
+        shards.ShardWriter(shards_root, md, aux=("labels.bin",)) as writer,
+    ):
         with pytest.raises(SaeflowError, match=r"shape \(n, 2, 5, 8\)"):
             writer.write(np.zeros((1, 2, 5, 7), np.float32), aux={"labels.bin": make_aux(md, "labels.bin", 0, 1)})
         with pytest.raises(SaeflowError, match="differ from the declared"):

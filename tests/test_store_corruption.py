@@ -86,7 +86,9 @@ def test_stray_file_is_a_warning_only(published, capsys):
     damage(published, lambda d: (d / "notes.txt").write_text("mine"))
     before = snapshot(published.parent)
     report = shards.validate(published)
-    assert report.ok and report.warnings == [f"{published / 'notes.txt'}: stray file, not part of the shard directory (ignored)"]
+    assert report.ok and report.warnings == [
+        f"{published / 'notes.txt'}: stray file, not part of the shard directory (ignored)"
+    ]
     assert shards.ShardDir(published).n_ex == 7
     assert write_all(published.parent, make_md(n_ex=7, ex_per_shard=3)).reused
     assert cli.main(["validate", str(published)]) == 0
@@ -103,7 +105,9 @@ def test_flipped_byte_is_found_by_deep_only(published, capsys):
     damage(published, flip)
     assert shards.validate(published).ok
     report = shards.validate(published, deep=True)
-    assert report.problems == [f"{published / 'acts000002.bin'}: sha256 differs from checksums.json (the bytes changed)"]
+    assert report.problems == [
+        f"{published / 'acts000002.bin'}: sha256 differs from checksums.json (the bytes changed)"
+    ]
     assert cli.main(["validate", "--deep", str(published)]) == 1
     assert "sha256 differs" in capsys.readouterr().out
 

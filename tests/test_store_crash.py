@@ -126,7 +126,9 @@ def test_two_processes_publish_the_same_hash(tmp_path):
     root = tmp_path / "shards"
     n_ex = 60
     procs = [
-        subprocess.Popen([sys.executable, HELPERS, str(root), str(n_ex)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, HELPERS, str(root), str(n_ex)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for _ in range(2)
     ]
     results = []
@@ -156,3 +158,10 @@ def test_killed_while_publishing_is_finished_by_the_next_run(shards_root, monkey
     writer = write_all(shards_root, md)
     assert writer.reused and file_bytes(writer.dpath, skip=()) == sealed
     assert shards.validate(writer.dpath).warnings == []
+
+
+def test_unwritable_root_is_a_saeflow_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SaeflowError, match="cannot prepare"):
+        write_all(blocker / "shards", make_md())

@@ -496,15 +496,16 @@ class ShardWriter:
         if open_existing(self.dpath) is not None:
             self.reused = True
             return self
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_cm = atomic.exclusive_lock(self.lock_fpath)
-        self._lock_cm.__enter__()
         try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock_cm = atomic.exclusive_lock(self.lock_fpath)
+            lock_cm.__enter__()
+            self._lock_cm = lock_cm
             if open_existing(self.dpath) is not None:  # published by another process while we waited
                 self.reused = True
                 return self
             if self._staging_is_sealed():  # a run was killed while publishing: finish its job
-                atomic.publish_dir(self.staging, self.dpath)
+                self._rename_into_place()
                 self.reused = True
                 return self
             self._prepare_staging()
@@ -554,7 +555,9 @@ class ShardWriter:
             return False
         atomic.make_tree_writable(self.staging)  # a run killed inside publish_dir may have made it read-only
         shard_names = (s["name"] for s in expected_shards_json(self.md))
-        self._remove_strays({METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *aux_present, *shard_names})
+        self._remove_strays(
+            {METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *aux_present, *shard_names}
+        )
         return True
 
     def _prepare_staging(self):
@@ -624,7 +627,9 @@ class ShardWriter:
         md = self.md
         expected = (md.n_layers, md.tokens_per_ex, md.d_model)
         if acts_nltd.ndim != 4 or tuple(acts_nltd.shape[1:]) != expected:
-            raise SaeflowError(f"activations must have shape (n, {', '.join(map(str, expected))}), got {tuple(acts_nltd.shape)}")
+            raise SaeflowError(
+                f"activations must have shape (n, {', '.join(map(str, expected))}), got {tuple(acts_nltd.shape)}"
+            )
         n = acts_nltd.shape[0]
         if self.n_written + n > md.n_ex:
             raise SaeflowError(f"too many examples: {self.n_written} written + {n} > n_ex={md.n_ex}")
@@ -761,7 +766,11 @@ class ShardWriter:
         report = validate(self.staging, name=md.hash)
         if not report.ok:
             raise ShardDirError(self.staging, report.problems, hint="nothing was published")
-        atomic.publish_dir(self.staging, self.dpath)
+        self._rename_into_place()
+
+    def _rename_into_place(self):
+        if not atomic.publish_dir(self.staging, self.dpath):
+            open_existing(self.dpath)  # lost a rename race despite the lock: the winner's directory must be valid
 
 
 class _ShardFile:
