@@ -198,3 +198,23 @@ def test_cli_plan_and_extract(tmp_path, capsys):
     assert "nothing to do" in capsys.readouterr().err
     assert cli.main(["plan", str(config_fpath), "--activation", "nope"]) == 1
     assert "no activation named 'nope'" in capsys.readouterr().err
+
+
+def test_segmentation_and_image_folder_labels_reach_labels_bin(tmp_path):
+    mask = np.zeros((32, 32), np.uint8)
+    mask[:16, :16] = 3  # the top-left quadrant: patches (0,0),(0,1),(1,0),(1,1) of the 4x4 grid
+    for stem in ("a", "b"):
+        Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(_mkdir(tmp_path / "seg" / "images") / f"{stem}.png")
+        Image.fromarray(mask).save(_mkdir(tmp_path / "seg" / "masks") / f"{stem}.png")
+    spec = vision_spec(dataset={"kind": "segmentation_folder", "root": str(tmp_path / "seg")})
+    sd = shards.ShardDir(extract.extract(spec, tmp_path / "s", progress=False).dpath)
+    expected = np.zeros((4, 4), np.uint8)
+    expected[:2, :2] = 3
+    assert np.array_equal(np.array(sd.aux("labels.bin")), np.stack([expected.ravel()] * 2))
+    assert sd.metadata.dataset == str(tmp_path / "seg") and sd.metadata.data["label_rule"] == "majority"
+
+    for cls in ("ant", "bee"):
+        Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(_mkdir(tmp_path / "cls" / cls) / "0.png")
+    spec = vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / "cls")})
+    sd = shards.ShardDir(extract.extract(spec, tmp_path / "s", progress=False).dpath)
+    assert np.array(sd.aux("labels.bin")).tolist() == [[0] * 16, [1] * 16]

@@ -172,3 +172,25 @@ def test_packing_tokenizer_matches_transformers_tokenizer():
     assert fast(texts)["input_ids"] == hf(texts, add_special_tokens=False)["input_ids"]
     for key in ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"):
         assert getattr(fast, key) == getattr(hf, key), key
+
+
+def test_weights_load_offline_from_the_hf_cache(monkeypatch, tmp_path, shards_root):
+    """`model.name: org/id` extracts from the user's HF cache with HF_HUB_OFFLINE=1, at the cached commit."""
+    import huggingface_hub.constants
+
+    commit = "fedcba9876543210fedcba9876543210fedcba98"
+    snapshot = tmp_path / "models--acme--minilm" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for fname in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                  "special_tokens_map.json"):
+        (snapshot / fname).symlink_to(f"{MINILM}/{fname}")
+    (tmp_path / "models--acme--minilm" / "refs").mkdir()
+    (tmp_path / "models--acme--minilm" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    spec = {"model": {"name": "acme/minilm"}, "layers": [0], "dataset": {"kind": "builtin_text", "n_ex": 2},
+            "context_length": 16, "device": "cpu"}
+    sd = shards.ShardDir(extract.extract(spec, shards_root, progress=False).dpath)
+    assert sd.metadata.ckpt == f"acme/minilm@{commit}"
+    local = {**spec, "model": {"name": MINILM}}
+    local_sd = shards.ShardDir(extract.extract(local, shards_root, progress=False).dpath)
+    assert np.array_equal(sd.example(1, 0), local_sd.example(1, 0))  # same weights, same vectors

@@ -173,7 +173,8 @@ def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str
         if snapshot is not None:
             repo_id, commit = snapshot
             return local, str(local.resolve()), commit, f"{repo_id}@{commit}"
-        return local, str(local.resolve()), None, f"{local.resolve().name}@local-{_fingerprint(local)}"
+        name = pathlib.Path(os.path.abspath(local)).name  # the name the user gave, even through a symlink
+        return local, str(local.resolve()), None, f"{name}@local-{_fingerprint(local)}"
     import huggingface_hub
     import huggingface_hub.errors
 
