@@ -161,14 +161,19 @@ class SAE(torch.nn.Module):
 
 
 def save_sae(sae: SAE, fpath: str | os.PathLike) -> None:
-    """Write `sae.pt` atomically (temporary sibling, fsync, rename): weights + architecture + normalization."""
-    fpath = pathlib.Path(fpath)
+    """Write `sae.pt` atomically: weights + architecture + normalization."""
     obj = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "config": dataclasses.asdict(sae.cfg),
         "state_dict": {name: t.detach().cpu().clone() for name, t in sae.state_dict().items()},
     }
+    save_atomic(obj, fpath)
+
+
+def save_atomic(obj, fpath: str | os.PathLike) -> None:
+    """`torch.save` through a temporary sibling, fsync and rename: a crash leaves the old file or the new one."""
+    fpath = pathlib.Path(fpath)
     tmp_fpath = fpath.parent / f".{fpath.name}.tmp-{os.getpid()}"
     torch.save(obj, tmp_fpath)
     atomic.fsync_path(tmp_fpath)

@@ -1,0 +1,123 @@
+"""Loaders: exactly-once coverage, determinism per seed, shard boundaries, token selection, damaged directories."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from _training_helpers import write_shards
+from saeflow.errors import SaeflowError, ShardDirError
+from saeflow.loaders import IndexedReader, OrderedLoader, ShuffledLoader
+from saeflow.shards import ShardDir
+
+N_EX, L, T, D = 37, 2, 5, 8  # 3 shards of 12 examples + one of 1; CLS at token 0
+
+
+@pytest.fixture
+def acts_nltd():
+    # Each vector encodes its own coordinates, so any misplaced read is visible.
+    ex, layer, tok = np.meshgrid(np.arange(N_EX), np.arange(L), np.arange(T), indexing="ij")
+    base = ex * 1000 + layer * 100 + tok
+    return (base[..., None] + np.arange(D) / 100).astype(np.float32)
+
+
+@pytest.fixture
+def shard_dir(shards_root, acts_nltd):
+    sd = write_shards(shards_root, acts_nltd, layers=(3, 7), cls_token=True, ex_per_shard=12)
+    assert sd.shard_sizes == [12, 12, 12, 1]
+    return sd
+
+
+def _rows(batches) -> np.ndarray:
+    return torch.cat([b.clone() for b in batches]).numpy()
+
+
+def _sorted(rows: np.ndarray) -> np.ndarray:
+    return rows[np.lexsort(rows.T[::-1])]
+
+
+def _loader(sd, seed=0, **kw):
+    # Tiny blocks (3 examples) and windows of 2 blocks: many blocks, windows and shard boundaries.
+    return ShuffledLoader(sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, window_blocks=2, **kw)
+
+
+@pytest.mark.parametrize("tokens, sel", [("content", slice(1, T)), ("cls", slice(0, 1)), ("all", slice(0, T))])
+def test_shuffled_exactly_once_per_epoch(shard_dir, acts_nltd, tokens, sel):
+    expected = acts_nltd[:, 1, sel].reshape(-1, D)
+    loader = _loader(shard_dir, tokens=tokens)
+    for epoch in (0, 1):
+        rows = _rows(loader.iter_batches(epoch))
+        assert rows.shape == expected.shape
+        np.testing.assert_array_equal(_sorted(rows), _sorted(expected))
+        assert not np.array_equal(rows, expected)  # actually shuffled
+    assert len(loader) == -(-expected.shape[0] // 10)
+
+
+def test_shuffled_deterministic_per_seed_and_resumable(shard_dir):
+    a = _rows(_loader(shard_dir, seed=1).iter_batches(0))
+    assert np.array_equal(a, _rows(_loader(shard_dir, seed=1).iter_batches(0)))
+    assert not np.array_equal(a, _rows(_loader(shard_dir, seed=2).iter_batches(0)))
+    assert not np.array_equal(a, _rows(_loader(shard_dir, seed=1).iter_batches(1)))
+    # Batch b of an epoch is the same whether or not batches 0..b-1 were read (exact resume).
+    for start in (1, 5, 13):
+        assert np.array_equal(_rows(_loader(shard_dir, seed=1).iter_batches(0, start)), a[start * 10 :])
+
+
+def test_shuffled_mixes_across_shards(shard_dir):
+    first = _rows([next(iter(_loader(shard_dir, seed=3, batch_size=40)))])
+    shards_seen = {int(ex) // 12 for ex in first[:, 0] // 1000}
+    assert len(shards_seen) >= 2
+
+
+def test_ordered_is_storage_order_across_shards(shard_dir, acts_nltd):
+    rows = _rows(OrderedLoader(shard_dir, 3, batch_size=7, block_bytes=5 * 4 * D * 4))
+    np.testing.assert_array_equal(rows, acts_nltd[:, 0, 1:].reshape(-1, D))
+
+
+def test_indexed_random_access(shard_dir, acts_nltd):
+    reader = IndexedReader(shard_dir, 7, tokens="all")
+    idx = [0, 184, 59, 60, 61, 5]  # crosses shard boundaries (12 ex x 5 tokens = 60 vectors per shard)
+    got = reader.get(idx).numpy()
+    np.testing.assert_array_equal(got, acts_nltd[:, 1].reshape(-1, D)[idx])
+    assert torch.equal(reader[184], torch.from_numpy(acts_nltd[36, 1, 4]))
+    with pytest.raises(SaeflowError, match="out of range"):
+        reader.get([185])
+
+
+def test_contiguous_single_layer_fast_path(shards_root, acts_nltd):
+    sd = write_shards(shards_root, acts_nltd[:, :1], layers=(0,), cls_token=False, ex_per_shard=10)
+    loader = ShuffledLoader(sd, 0, batch_size=16, seed=0, tokens="all", block_bytes=4 * T * D * 4)
+    assert loader.view.contiguous
+    rows = _rows(loader)
+    np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 0].reshape(-1, D)))
+
+
+def test_bad_selection_errors(shard_dir, shards_root, acts_nltd):
+    with pytest.raises(SaeflowError, match="layer 5 is not stored"):
+        _loader_layer(shard_dir, 5)
+    no_cls = write_shards(shards_root, acts_nltd, layers=(3, 7), cls_token=False, tag="no-cls")
+    with pytest.raises(SaeflowError, match="cls_token=false"):
+        ShuffledLoader(no_cls, 3, batch_size=4, seed=0, tokens="cls")
+
+
+def _loader_layer(sd, layer):
+    return ShuffledLoader(sd, layer, batch_size=4, seed=0)
+
+
+def test_corrupt_or_purged_directory(shard_dir):
+    dpath = shard_dir.dpath
+    os.chmod(dpath, 0o755)
+    victim = dpath / "acts000001.bin"
+    os.chmod(victim, 0o644)
+    with open(victim, "r+b") as fd:
+        fd.truncate(100)
+    with pytest.raises(ShardDirError, match="acts000001.bin: 100 bytes"):
+        ShardDir(dpath)
+    # A scratch purge after the directory was opened: the loader names the missing file.
+    for child in dpath.glob("acts*.bin"):
+        child.unlink()
+    with pytest.raises(SaeflowError, match="acts00000.\\.bin: cannot open shard"):
+        _rows(_loader(shard_dir))
+    with pytest.raises(ShardDirError, match="missing"):
+        ShardDir(dpath)

@@ -1,0 +1,342 @@
+"""Readers of one layer's vectors from a saev shard directory: shuffled (training), ordered (inference), indexed.
+
+A shard is (n, L, T, D), so one layer's tokens of one example are a contiguous (T, D) run and a block of examples
+is a strided read. We read blocks with `os.preadv` straight into reused buffers (one call per block when the
+layer's runs are contiguous, one per example otherwise) and shuffle in RAM; cold memmap row gathers are ~1000x
+slower (DESIGN.md). Vector numbering ("global index") is storage order: example-major, then selected token.
+
+Shuffled order is a pure function of (seed, epoch): the blocks of the epoch are permuted, grouped into windows of
+`window_blocks` blocks, and each window's rows are permuted in RAM. Batches are cut from that stream, so batch `b`
+of an epoch is known without reading batches `0..b-1` (training resumes exactly by starting there).
+"""
+
+import dataclasses
+import os
+import queue
+import threading
+import typing
+
+import numpy as np
+import torch
+
+from saeflow.errors import SaeflowError
+from saeflow.shards import ShardDir
+
+TOKENS = ("content", "cls", "all")
+DEFAULT_BLOCK_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A run of consecutive examples inside one shard."""
+
+    shard_idx: int
+    ex_start: int  # within the shard
+    n_ex: int
+
+
+class LayerView:
+    """Where one layer's selected tokens live in a shard directory, and how to read them."""
+
+    def __init__(self, shard_dir: ShardDir, layer: int, tokens: str = "content"):
+        md = shard_dir.metadata
+        if tokens not in TOKENS:
+            raise SaeflowError(f"tokens must be one of {TOKENS}, got {tokens!r}")
+        if tokens == "cls" and not md.cls_token:
+            raise SaeflowError(f"{shard_dir.dpath}: tokens='cls' asked for, but metadata.json has cls_token=false")
+        self.sd, self.md, self.layer, self.tokens = shard_dir, md, layer, tokens
+        self.layer_idx = md.layer_idx(layer)
+        T, c = md.tokens_per_ex, int(md.cls_token)
+        self.t_lo, self.t_hi = {"content": (c, T), "cls": (0, 1), "all": (0, T)}[tokens]
+        self.n_tok = self.t_hi - self.t_lo  # vectors per example
+        self.d_model = md.d_model
+        self.dtype = np.dtype(md.dtype)
+        self.row_bytes = self.d_model * self.dtype.itemsize
+        self.n_vectors = md.n_ex * self.n_tok
+        # One pread per block when the selected rows of consecutive examples are adjacent on disk.
+        self.contiguous = md.n_layers == 1 and self.n_tok == T
+        self._fds: dict[int, int] = {}
+
+    def __getstate__(self):  # file descriptors are per process
+        return {**self.__dict__, "_fds": {}}
+
+    def fd(self, shard_idx: int) -> int:
+        if shard_idx not in self._fds:
+            fpath = self.sd.shard_fpath(shard_idx)
+            try:
+                self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
+            except OSError as err:
+                raise SaeflowError(f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?") from None
+        return self._fds[shard_idx]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def offset(self, shard_idx: int, ex_in_shard: int, token_in_sel: int = 0) -> int:
+        """Byte offset (protocol 4.2) of a selected token of an example."""
+        md = self.md
+        return ((ex_in_shard * md.n_layers + self.layer_idx) * md.tokens_per_ex + self.t_lo + token_in_sel) * self.row_bytes
+
+    def blocks(self, block_bytes: int) -> list[Block]:
+        """The directory cut into blocks of about `block_bytes` of selected rows, never crossing a shard."""
+        ex_per_block = max(1, block_bytes // (self.n_tok * self.row_bytes))
+        return [
+            Block(shard_idx, start, min(ex_per_block, n - start))
+            for shard_idx, n in enumerate(self.sd.shard_sizes)
+            for start in range(0, n, ex_per_block)
+        ]
+
+    def read_block(self, block: Block, out_nd: np.ndarray) -> None:
+        """Read a block's selected rows, in storage order, into `out_nd` (block.n_ex * n_tok, D)."""
+        fd = self.fd(block.shard_idx)
+        mem = memoryview(out_nd.reshape(-1).view(np.uint8))
+        run = self.n_tok * self.row_bytes
+        if self.contiguous:
+            self._pread(fd, mem[: block.n_ex * run], self.offset(block.shard_idx, block.ex_start), block)
+            return
+        for i in range(block.n_ex):
+            self._pread(fd, mem[i * run : (i + 1) * run], self.offset(block.shard_idx, block.ex_start + i), block)
+
+    def _pread(self, fd: int, mem: memoryview, offset: int, block: Block) -> None:
+        done = 0
+        while done < len(mem):
+            n = os.preadv(fd, [mem[done:]], offset + done)
+            if n == 0:
+                fpath = self.sd.shard_fpath(block.shard_idx)
+                raise SaeflowError(f"{fpath}: ended early at byte {offset + done} (truncated after validation?)")
+            done += n
+
+    def coords(self, index: int) -> tuple[int, int]:
+        """(global example index, token index in the example's T) of a global vector index."""
+        ex, tok = divmod(index, self.n_tok)
+        return ex, self.t_lo + tok
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Streaming loaders
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    blocks: tuple[Block, ...]
+    n_rows: int
+    perm_seed: tuple[int, ...] | None  # None: keep storage order
+
+
+class _StreamLoader:
+    """Windows of blocks, read and (optionally) permuted by a background thread into a ring of reused buffers."""
+
+    def __init__(self, view: LayerView, batch_size: int, block_bytes: int, window_blocks: int, n_buffers: int = 3):
+        if batch_size < 1:
+            raise SaeflowError(f"batch_size must be positive, got {batch_size}")
+        self.view, self.batch_size = view, batch_size
+        self.block_list = view.blocks(block_bytes)
+        self.window_blocks = window_blocks
+        self.n_buffers = n_buffers
+        max_rows = max(sum(b.n_ex for b in self.block_list[i : i + window_blocks]) for i in range(len(self.block_list)))
+        self.max_window_rows = max_rows * view.n_tok
+        self._raw_nd: np.ndarray | None = None
+        self._ring: list[torch.Tensor] = []
+
+    @property
+    def n_vectors(self) -> int:
+        return self.view.n_vectors
+
+    def __len__(self) -> int:
+        return -(-self.n_vectors // self.batch_size)
+
+    def _windows(self, epoch: int) -> list[Window]:
+        raise NotImplementedError
+
+    def _buffers(self):
+        if self._raw_nd is None:
+            shape = (self.max_window_rows, self.view.d_model)
+            self._raw_nd = np.empty(shape, dtype=self.view.dtype)
+            self._ring = [torch.empty(shape, dtype=torch.from_numpy(self._raw_nd[:1]).dtype) for _ in range(self.n_buffers)]
+        return self._raw_nd, self._ring
+
+    def _fill(self, window: Window, out: torch.Tensor) -> torch.Tensor:
+        raw_nd, _ = self._buffers()
+        row = 0
+        for block in window.blocks:
+            n = block.n_ex * self.view.n_tok
+            self.view.read_block(block, raw_nd[row : row + n])
+            row += n
+        raw = torch.from_numpy(raw_nd[: window.n_rows])
+        if window.perm_seed is None:
+            out[: window.n_rows].copy_(raw)
+        else:
+            gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
+            torch.index_select(raw, 0, torch.randperm(window.n_rows, generator=gen), out=out[: window.n_rows])
+        return out[: window.n_rows]
+
+    def iter_windows(self, windows: list[Window]) -> typing.Iterator[torch.Tensor]:
+        """Filled windows in order; the reader runs ahead by n_buffers - 1 windows on a background thread."""
+        _, ring = self._buffers()
+        q: queue.Queue = queue.Queue(maxsize=self.n_buffers - 2 if self.n_buffers > 2 else 1)
+        free: queue.Queue = queue.Queue()
+        for buf in ring:
+            free.put(buf)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for window in windows:
+                    buf = free.get()
+                    if stop.is_set():
+                        return
+                    q.put(self._fill(window, buf))
+                q.put(None)
+            except BaseException as err:  # surfaced in the consumer
+                q.put(err)
+
+        thread = threading.Thread(target=produce, name="saeflow-loader", daemon=True)
+        thread.start()
+        in_use: list[torch.Tensor] = []
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                # The window yielded two steps ago is no longer referenced by the consumer's current batch.
+                in_use.append(item)
+                if len(in_use) > 2:
+                    free.put(_base(in_use.pop(0), ring))
+                yield item
+        finally:
+            stop.set()
+            for buf in ring:
+                free.put(buf)
+            while thread.is_alive():
+                try:
+                    q.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            thread.join()
+
+    def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
+        """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
+
+        A batch is a view into a reused buffer: it stays valid until the second next batch is requested.
+        """
+        windows = self._windows(epoch)
+        skip = start_batch * self.batch_size
+        while windows and skip >= windows[0].n_rows:
+            skip -= windows[0].n_rows
+            windows = windows[1:]
+        carry: list[torch.Tensor] = []
+        n_carry = 0
+        for rows in self.iter_windows(windows):
+            rows, skip = rows[skip:], 0
+            if n_carry:
+                need = self.batch_size - n_carry
+                carry.append(rows[:need])
+                rows = rows[need:]
+                n_carry += carry[-1].shape[0]
+                if n_carry < self.batch_size:
+                    continue
+                yield torch.cat(carry)
+                carry, n_carry = [], 0
+            n_full = rows.shape[0] // self.batch_size * self.batch_size
+            for i in range(0, n_full, self.batch_size):
+                yield rows[i : i + self.batch_size]
+            if n_full < rows.shape[0]:
+                carry, n_carry = [rows[n_full:].clone()], rows.shape[0] - n_full
+        if n_carry:
+            yield torch.cat(carry)
+
+    __iter__ = iter_batches
+
+    def close(self) -> None:
+        self.view.close()
+
+
+def _base(window: torch.Tensor, ring: list[torch.Tensor]) -> torch.Tensor:
+    ptr = window.data_ptr()
+    return next(buf for buf in ring if buf.data_ptr() == ptr)
+
+
+def _seed_int(parts: tuple[int, ...]) -> int:
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class ShuffledLoader(_StreamLoader):
+    """Every vector of one layer exactly once per epoch, in a random order fixed by (seed, epoch)."""
+
+    def __init__(
+        self,
+        shard_dir: ShardDir,
+        layer: int,
+        batch_size: int,
+        seed: int,
+        tokens: str = "content",
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        window_blocks: int = 4,
+    ):
+        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, window_blocks)
+        self.seed = seed
+
+    def _windows(self, epoch: int) -> list[Window]:
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.block_list))
+        windows = []
+        for w, i in enumerate(range(0, len(order), self.window_blocks)):
+            blocks = tuple(self.block_list[j] for j in order[i : i + self.window_blocks])
+            n_rows = sum(b.n_ex for b in blocks) * self.view.n_tok
+            windows.append(Window(blocks, n_rows, (self.seed, epoch, w)))
+        return windows
+
+
+class OrderedLoader(_StreamLoader):
+    """Every vector of one layer in storage order (global index 0, 1, ...), for inference."""
+
+    def __init__(
+        self,
+        shard_dir: ShardDir,
+        layer: int,
+        batch_size: int,
+        tokens: str = "content",
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ):
+        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, window_blocks=1)
+
+    def _windows(self, epoch: int) -> list[Window]:
+        return [Window((b,), b.n_ex * self.view.n_tok, None) for b in self.block_list]
+
+
+class IndexedReader:
+    """Random access by global vector index (for visuals): one pread per vector, sorted for locality."""
+
+    def __init__(self, shard_dir: ShardDir, layer: int, tokens: str = "content"):
+        self.view = LayerView(shard_dir, layer, tokens)
+
+    def __len__(self) -> int:
+        return self.view.n_vectors
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.get([index])[0]
+
+    def get(self, indices: typing.Sequence[int]) -> torch.Tensor:
+        """Vectors (n, D) at the given global indices, in the order given."""
+        idx_n = np.asarray(indices, dtype=np.int64).reshape(-1)
+        bad = idx_n[(idx_n < 0) | (idx_n >= self.view.n_vectors)]
+        if bad.size:
+            raise SaeflowError(f"vector index {int(bad[0])} out of range [0, {self.view.n_vectors})")
+        out_nd = np.empty((idx_n.size, self.view.d_model), dtype=self.view.dtype)
+        mem = memoryview(out_nd.view(np.uint8).reshape(-1))
+        starts = self.view.sd.shard_starts
+        rb = self.view.row_bytes
+        for i in np.argsort(idx_n, kind="stable"):
+            ex, tok = divmod(int(idx_n[i]), self.view.n_tok)
+            shard_idx = int(np.searchsorted(starts, ex, side="right") - 1)
+            block = Block(shard_idx, ex - int(starts[shard_idx]), 1)
+            self.view._pread(self.view.fd(shard_idx), mem[i * rb : (i + 1) * rb], self.view.offset(shard_idx, block.ex_start, tok), block)
+        return torch.from_numpy(out_nd)
+
+    def close(self) -> None:
+        self.view.close()
