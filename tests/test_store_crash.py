@@ -35,6 +35,19 @@ def run_in_child(fn) -> int:
     return pid
 
 
+def wait_child(pid, timeout_s=60.0) -> int:
+    """waitpid with a deadline (a hung child is killed and fails the test instead of hanging the suite)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"child {pid} did not finish in {timeout_s} s")
+
+
 def assert_nothing_partial(root, md):
     """Only the final directory (complete), the staging sibling and the lock may exist under root."""
     assert {p.name for p in root.iterdir()} <= {md.hash, f".{md.hash}.partial", f".{md.hash}.lock"}
@@ -114,8 +127,7 @@ def test_file_size_limit_in_child_then_resume(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (shard_bytes - 100, resource.RLIM_INFINITY))
         write_all(root, md)
 
-    pid = run_in_child(limited)
-    _, status = os.waitpid(pid, 0)
+    status = wait_child(run_in_child(limited))
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3  # SaeflowError, not a crash
     assert_nothing_partial(root, md)
     assert not (root / md.hash).exists()
