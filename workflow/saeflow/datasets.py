@@ -133,8 +133,10 @@ class _Folder:
     def __len__(self) -> int:
         return len(self.items)
 
-    def check(self) -> None:
-        for item in self.items:
+    def check(self, progress: bool = False) -> None:
+        from tqdm import tqdm
+
+        for item in tqdm(self.items, desc="check images", unit="img", disable=not progress, leave=False):
             for fpath in item:
                 if isinstance(fpath, pathlib.Path):
                     _check_image(fpath)
@@ -218,7 +220,7 @@ class GeneratedImages:
             raise SaeflowError(f"dataset.n_ex must be at least 1, got {self.n_ex}")
         return self.n_ex
 
-    def check(self) -> None:
+    def check(self, progress: bool = False) -> None:
         len(self)
 
     def image(self, i: int) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import logging
+import pathlib
 import time
 import typing
 
@@ -98,7 +99,7 @@ def plan(spec: dict, device: str | None = None) -> Plan:
         tokenizer = spec.get("tokenizer")
         tok = _tokenizer(info, tokenizer)
         encoder = info.family in ENCODER_FAMILIES
-        packing = datasets.packing_for(tok, tokenizer or info.ckpt, context_length, encoder)
+        packing = datasets.packing_for(tok, _tokenizer_id(info, tokenizer, tok), context_length, encoder)
         n_ex = len(_token_ids(info, tokenizer, dataset, packing))
         data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": compute_dtype}
         patches_per_ex = context_length
@@ -141,6 +142,15 @@ def plan_activation(spec: dict) -> shards.Metadata:
 @functools.lru_cache(maxsize=8)
 def _tokenizer(info: models.ModelInfo, tokenizer: str | None):
     return models.packing_tokenizer(info, tokenizer)
+
+
+def _tokenizer_id(info: models.ModelInfo, tokenizer: str | None, tok) -> str:
+    """The model's own tokenizer is identified by ckpt (revision included), another by its tokenizer.json sha256."""
+    if tokenizer is None:
+        return info.ckpt
+    if tokenizer == "bytes":
+        return tokenizer
+    return f"{tokenizer}@{getattr(tok, 'sha256', 'no-tokenizer.json')}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -233,8 +243,10 @@ def extract(spec: dict, shards_root, device: str | None = None, progress: bool =
     plan_ = plan(spec, device=device)
     md = plan_.metadata
     dataset = plan_.dataset
+    if shards.open_existing(pathlib.Path(shards_root) / md.hash) is not None:
+        return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
     if plan_.info.modality == "vision":
-        dataset.check()  # unreadable images fail here, before any weights are loaded
+        dataset.check(progress)  # unreadable images fail here, before any weights are loaded
     device_ = resolve_device(plan_.device)
     provenance_extra = {
         "extraction": {"batch_size": plan_.batch_size, "device": device_, "n_workers": plan_.n_workers}

@@ -23,7 +23,7 @@ import pathlib
 import typing
 
 from saeflow.errors import SaeflowError
-from saeflow.hashing import canonical_json
+from saeflow.hashing import canonical_json, file_sha256
 
 # model_type -> (family stored in metadata, modality, has a CLS token at position 0)
 ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -484,6 +484,7 @@ class FileTokenizer:
         self.tok.no_truncation()  # whole documents are tokenized, then packed
         self.tok.no_padding()
         self.name_or_path = str(fpath.parent)
+        self.sha256 = file_sha256(fpath)
         for key in SPECIAL_TOKEN_KEYS:
             setattr(self, f"{key}_id", self.tok.token_to_id(special[key]) if key in special else None)
 
