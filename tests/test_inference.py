@@ -5,7 +5,6 @@ import json
 import numpy as np
 import pytest
 import scipy.sparse
-import torch
 from _inference_helpers import identity_sae, make_run, write_shards
 
 from saeflow import cli, inference, sae
@@ -55,12 +54,29 @@ def test_stats_and_topk_match_brute_force(dumped):
     assert metrics["nmse"] == pytest.approx(nmse) and metrics["l0"] == pytest.approx(fires_rs.sum(1).mean())
 
 
+def _update(topk: inference.TopK, f_bs: np.ndarray, first_row: int) -> None:
+    rows_n, cols_n = np.nonzero(f_bs)
+    topk.update(rows_n, cols_n, f_bs[rows_n, cols_n], first_row)
+
+
 def test_topk_pads_latents_that_rarely_fire():
     topk = inference.TopK(d_sae=2, k=3)
-    topk.update(torch.tensor([[0.0, 1.0], [2.0, 0.0]]), first_row=10)
-    topk.update(torch.tensor([[0.0, 3.0]]), first_row=12)
+    _update(topk, np.array([[0.0, 1.0], [2.0, 0.0]], np.float32), first_row=10)
+    _update(topk, np.array([[0.0, 3.0]], np.float32), first_row=12)
     assert topk.rows_sk.tolist() == [[11, -1, -1], [12, 10, -1]]
     assert topk.values_sk.tolist() == [[2.0, 0.0, 0.0], [3.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_topk_streaming_equals_brute_force_with_ties(batch):
+    rng = np.random.default_rng(batch)
+    f_rs = np.round(np.maximum(rng.standard_normal((200, 5)), 0), 1).astype(np.float32)  # many ties
+    topk = inference.TopK(d_sae=5, k=6)
+    for start in range(0, 200, batch):
+        _update(topk, f_rs[start : start + batch], first_row=start)
+    for s in range(5):
+        rows = np.argsort(-f_rs[:, s], kind="stable")[:6]  # ties: earlier row first
+        assert topk.rows_sk[s].tolist() == rows.tolist() and np.array_equal(topk.values_sk[s], f_rs[rows, s])
 
 
 def test_csr_writer_streams_in_pieces(tmp_path):

@@ -31,16 +31,20 @@ class CsrWriter:
         self._fds["indptr"].write(np.zeros(1, dtype=np.int64).tobytes())
 
     def append(self, x_bs: np.ndarray) -> None:
-        """Append rows (b, n_cols); only non-zero entries are stored, in row-major order."""
+        """Append rows (b, n_cols); only non-zero entries are stored."""
         if x_bs.ndim != 2 or x_bs.shape[1] != self.n_cols:
             raise ValueError(f"rows must have shape (b, {self.n_cols}), got {x_bs.shape}")
         rows_n, cols_n = np.nonzero(x_bs)
-        counts_b = np.bincount(rows_n, minlength=x_bs.shape[0])
+        self.append_nonzero(rows_n, cols_n, x_bs[rows_n, cols_n], x_bs.shape[0])
+
+    def append_nonzero(self, rows_n: np.ndarray, cols_n: np.ndarray, vals_n: np.ndarray, n_rows: int) -> None:
+        """Append `n_rows` rows given as their non-zero entries in row-major order (as `np.nonzero` returns them)."""
+        counts_b = np.bincount(rows_n, minlength=n_rows)
         indptr_b = self.nnz + np.cumsum(counts_b, dtype=np.int64)
-        self._fds["data"].write(np.ascontiguousarray(x_bs[rows_n, cols_n], dtype=np.float32).tobytes())
+        self._fds["data"].write(np.ascontiguousarray(vals_n, dtype=np.float32).tobytes())
         self._fds["indices"].write(cols_n.astype(np.int64).tobytes())
         self._fds["indptr"].write(indptr_b.tobytes())
-        self.n_rows += x_bs.shape[0]
+        self.n_rows += n_rows
         self.nnz += len(rows_n)
 
     def finish(self) -> None:

@@ -63,21 +63,32 @@ class Config:
 
 
 class TopK:
-    """The k largest values per latent and their row ids, merged batch by batch (memory O(d_sae * k))."""
+    """The k largest values per latent and their row ids (ties: earlier row first), merged batch by batch.
+
+    Only entries above a latent's current k-th value are candidates, so after the first batches a merge sorts a
+    few thousand entries, not the batch. Memory is O(d_sae * k).
+    """
 
     def __init__(self, d_sae: int, k: int):
         self.k = k
-        self.values_sk = torch.zeros(d_sae, k)
-        self.rows_sk = torch.full((d_sae, k), -1, dtype=torch.int64)
+        self.values_sk = np.zeros((d_sae, k), dtype=np.float32)
+        self.rows_sk = np.full((d_sae, k), -1, dtype=np.int64)
+        self._latent_sk = np.repeat(np.arange(d_sae), k).reshape(d_sae, k)
 
-    def update(self, f_bs: torch.Tensor, first_row: int) -> None:
-        k_b = min(self.k, f_bs.shape[0])
-        vals_sk, idx_sk = f_bs.T.topk(k_b, dim=1)
-        vals_s2k = torch.cat([self.values_sk, vals_sk], dim=1)
-        rows_s2k = torch.cat([self.rows_sk, idx_sk + first_row], dim=1)
-        self.values_sk, pick_sk = vals_s2k.topk(self.k, dim=1)
-        self.rows_sk = rows_s2k.gather(1, pick_sk)
-        self.rows_sk[self.values_sk <= 0] = -1
+    def update(self, rows_n: np.ndarray, cols_n: np.ndarray, vals_n: np.ndarray, first_row: int) -> None:
+        """Merge a batch given by its non-zero entries (batch row, latent, value)."""
+        cand_n = vals_n > self.values_sk[cols_n, -1]
+        if not cand_n.any():
+            return
+        cols_m = np.concatenate([self._latent_sk.ravel(), cols_n[cand_n]])
+        vals_m = np.concatenate([self.values_sk.ravel(), vals_n[cand_n]])
+        rows_m = np.concatenate([self.rows_sk.ravel(), rows_n[cand_n] + first_row])
+        order = np.lexsort((rows_m, -vals_m, cols_m))  # by latent, then value descending, then row
+        cols_m, vals_m, rows_m = cols_m[order], vals_m[order], rows_m[order]
+        rank_m = np.arange(cols_m.size) - np.searchsorted(cols_m, cols_m, side="left")
+        keep = rank_m < self.k  # every latent has its k old entries, so each keeps exactly k
+        self.values_sk[cols_m[keep], rank_m[keep]] = vals_m[keep]
+        self.rows_sk[cols_m[keep], rank_m[keep]] = rows_m[keep]
 
 
 def trained_layer(run: runs.Run) -> int:
@@ -173,9 +184,9 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
     n_rows = sd.n_ex * T
     csr = CsrWriter(out_dpath / ACTS_FNAME, d_sae)
     topk = TopK(d_sae, cfg.top_k)
-    sum_act_s = torch.zeros(d_sae, dtype=torch.float64)
-    max_act_s = torch.zeros(d_sae)
-    l0_hist = torch.zeros(d_sae + 1, dtype=torch.int64)
+    sum_act_s = np.zeros(d_sae)
+    max_act_s = np.zeros(d_sae, dtype=np.float32)
+    l0_hist = np.zeros(d_sae + 1, dtype=np.int64)
     acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
     # pread into reused buffers (saeflow.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
@@ -186,12 +197,14 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
             for x_bd in loader.iter_batches():
                 x_bd = x_bd.float()
                 x_hat_bd, f_bs = model(x_bd)
-                csr.append(f_bs.numpy())
-                topk.update(f_bs, first_row)
-                fires_bs = f_bs > 0
-                sum_act_s += f_bs.sum(dim=0, dtype=torch.float64)
-                torch.maximum(max_act_s, f_bs.amax(dim=0), out=max_act_s)
-                l0_hist += torch.bincount(fires_bs.sum(dim=1), minlength=d_sae + 1)
+                f_np = f_bs.numpy()
+                rows_n, cols_n = np.nonzero(f_np)  # row-major: the CSR order
+                vals_n = f_np[rows_n, cols_n]
+                csr.append_nonzero(rows_n, cols_n, vals_n, n_rows=f_np.shape[0])
+                topk.update(rows_n, cols_n, vals_n, first_row)
+                sum_act_s += np.bincount(cols_n, weights=vals_n, minlength=d_sae)
+                np.maximum.at(max_act_s, cols_n, vals_n)
+                l0_hist += np.bincount(np.bincount(rows_n, minlength=f_np.shape[0]), minlength=d_sae + 1)
                 acc.update(x_bd, x_hat_bd, f_bs)
                 first_row += x_bd.shape[0]
                 bar.update(x_bd.shape[0])
@@ -199,18 +212,18 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
     except BaseException:
         csr.abort()
         raise
-    rows_sk = topk.rows_sk.numpy()
+    rows_sk = topk.rows_sk
     n_fires = acc.fires_s.numpy()
     np.savez(
         out_dpath / LATENTS_FNAME,
         n_fires=n_fires,
         freq=n_fires / n_rows,
-        mean_act=np.divide(sum_act_s.numpy(), n_fires, out=np.zeros(d_sae), where=n_fires > 0),
-        max_act=max_act_s.numpy(),
-        topk_values=topk.values_sk.numpy(),
+        mean_act=np.divide(sum_act_s, n_fires, out=np.zeros(d_sae), where=n_fires > 0),
+        max_act=max_act_s,
+        topk_values=topk.values_sk,
         topk_example=np.where(rows_sk >= 0, rows_sk // T, -1),
         topk_token=np.where(rows_sk >= 0, rows_sk % T, 0),
-        l0_hist=l0_hist.numpy(),
+        l0_hist=l0_hist,
     )
     atomic.write_json(out_dpath / METRICS_FNAME, acc.result())
 
