@@ -14,6 +14,7 @@ Files are in the page cache (just written): this measures software overhead, not
 import argparse
 import collections.abc
 import multiprocessing
+import os
 import pathlib
 import tempfile
 import time
@@ -48,10 +49,12 @@ def stats_us(seconds):
     return {"mean": us.mean(), "median": np.median(us), "p95": np.percentile(us, 95)}
 
 
-def bare_read(dpath: pathlib.Path, kind: str, i: int, li: int, n_chunks: int, buf: np.ndarray):
+def bare_read(dpath: str, kind: str, i: int, li: int, n_chunks: int, buf: np.ndarray):
+    """The floor: open, read into a preallocated buffer, close, for exactly the chunk files a read needs."""
     for c in range(n_chunks):
-        with open(dpath / "arrays" / f"{kind}_activations" / f"{i}.{li}.{c}.0", "rb", buffering=0) as fd:
-            fd.readinto(memoryview(buf[c]).cast("B"))
+        fd = os.open(f"{dpath}/arrays/{kind}_activations/{i}.{li}.{c}.0", os.O_RDONLY)
+        os.readv(fd, [buf[c]])
+        os.close(fd)
 
 
 def run_reads(args):
@@ -138,7 +141,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-zarr-") as tmp:
         dpath = pathlib.Path(tmp) / "store.zarr"
         t0 = time.perf_counter()
-        zarr_store.write_store(SyntheticRecords(args.n, layers, args.p_max, args.r_max, args.d), dpath, {"model_id": "synthetic"}, opts)
+        zarr_store.write_store(SyntheticRecords(args.n, layers, args.p_max, args.r_max, args.d), args.n, dpath, {"model_id": "synthetic"}, opts)
         n_bytes = sum(f.stat().st_size for f in dpath.rglob("*") if f.is_file())
         print(f"store: N={args.n} L={args.layers} P_max={args.p_max} R_max={args.r_max} H={args.d} float16, "
               f"{n_bytes / 2**20:.0f} MiB written in {time.perf_counter() - t0:.1f} s")

@@ -25,7 +25,7 @@ def records(tiny_lm_dpath):  # noqa: F811
 def sharded(records, tmp_path_factory):
     root = tmp_path_factory.mktemp("zarr") / "acts"
     for shard, (start, stop) in enumerate(zarr_store.shard_bounds(len(records), OPTS.samples_per_shard)):
-        zarr_store.write_store(records[start:stop], root / "shards" / zarr_store.shard_dname(shard), {"model_id": "tiny"}, OPTS)
+        zarr_store.write_store(records[start:stop], stop - start, root / "shards" / zarr_store.shard_dname(shard), {"model_id": "tiny"}, OPTS)
     zarr_store.write_manifest(root, 2)
     return root
 
@@ -68,6 +68,9 @@ def test_manifest_reader_serves_global_indices_and_batches(sharded, records):
     assert out.shape == (2, 2, 4, 32) and list(lens) == [4, 4]
     np.testing.assert_array_equal(out[0, 0], reader.response(4, 1))
     assert [r["i"] for r in reader.text("extra")] == list(range(5)) and reader.text("extra")[3]["source"] == "c"
+    import pickle
+
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(reader)).prompt(3, 0), reader.prompt(3, 0))  # DataLoader workers
     back = list(reader.records())
     assert back[4].text == records[4].text and back[4].label == records[4].label
     with pytest.raises(SaeflowError, match="layer 7 is not stored"):
@@ -92,7 +95,7 @@ def test_fallback_to_zarr_when_compressed(tmp_path):
     import numcodecs
 
     recs = [Record(text=f"t{i}", label=None, acts={3: np.full((5, 6), i, np.float32)}) for i in range(2)]
-    dpath = zarr_store.write_store(recs, tmp_path / "s.zarr", {"model_id": "m"}, zarr_store.ZarrOptions(prompt_max=4, response_max=0, t_chunk_prompt=2))
+    dpath = zarr_store.write_store(recs, 2, tmp_path / "s.zarr", {"model_id": "m"}, zarr_store.ZarrOptions(prompt_max=4, response_max=0, t_chunk_prompt=2))
     assert (dpath / "arrays/prompt_activations/1.0.1.0").stat().st_size == 2 * 6 * 2  # raw chunk bytes
     acts = zarr.open(str(dpath / "arrays/prompt_activations"), mode="r")
     dpath.chmod(0o755)

@@ -110,7 +110,7 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: dict) -> pathlib.Pa
         attrs = {"model_id": source.model_name, "model_revision": source.model_revision, "dataset": source.dataset}
         bounds = zarr_store.shard_bounds(source.n, opts.samples_per_shard)
         for shard, (start, stop) in enumerate(bounds):
-            zarr_store.write_store(list(itertools.islice(records, stop - start)),
+            zarr_store.write_store(itertools.islice(records, stop - start), stop - start,
                                    out / "shards" / zarr_store.shard_dname(shard), attrs, opts)
         zarr_store.write_manifest(out, len(bounds))
         if spec["zarr"]["merge"]:
@@ -176,8 +176,7 @@ def _export_zarr_part(spec: dict, prompts: list[dict], dpath: pathlib.Path, prog
     from saeflow.interop import engine
 
     eng = engine.TextEngine(_engine_config(spec, "zarr"))
-    records = list(eng.records(prompts, progress))
-    zarr_store.write_store(records, dpath, _zarr_attrs(spec, eng.info.revision), zarr_options(spec))
+    zarr_store.write_store(eng.records(prompts, progress), len(prompts), dpath, _zarr_attrs(spec, eng.info.revision), zarr_options(spec))
     return str(dpath)
 
 

@@ -18,8 +18,10 @@ C-order bytes of its (1, 1, T_chunk, H) block at `<array>/<i>.<l>.<t>.0`. `ZarrR
 the consolidated metadata at open and otherwise falls back to zarr-python. A missing chunk file is fill (zeros).
 """
 
+import bisect
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -63,18 +65,25 @@ def shard_dname(shard: int) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def write_store(records: typing.Sequence[Record], out_dpath, attrs: dict, opts: ZarrOptions) -> pathlib.Path:
-    """Write one self-contained store (staged, consolidated, renamed into place). Returns its path."""
+def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict, opts: ZarrOptions) -> pathlib.Path:
+    """Write n streamed records as one self-contained store (staged, consolidated, renamed). Returns its path.
+
+    Arrays are pre-allocated for n samples and each record is written as it arrives (one shard of float32
+    records never has to fit in memory).
+    """
     import zarr
 
     out_dpath = pathlib.Path(out_dpath)
+    where = f"zarr store {out_dpath}"
     if out_dpath.exists():
         raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output")
-    layers, d_model = check_uniform(records, f"zarr store {out_dpath}")
-    n, L = len(records), len(layers)
+    records = iter(records)
+    first = next(records, None)
+    if first is None or n < 1:
+        raise SaeflowError(f"{where}: no examples to write")
+    layers, d_model = check_uniform([first], where)
+    L = len(layers)
     want_resp = opts.response_max > 0
-    if want_resp and any(r.response_acts is None for r in records):
-        raise SaeflowError(f"zarr store {out_dpath}: response_max={opts.response_max} but some records have no response")
     staging = atomic.staging_dpath(out_dpath)
     atomic.remove_staging(staging)
     try:
@@ -91,8 +100,18 @@ def write_store(records: typing.Sequence[Record], out_dpath, attrs: dict, opts: 
         resp_len = np.zeros(n, np.int32)
         n_prompt_trunc = n_resp_trunc = 0
         lines = {key: [] for key in TEXT_FILES}
-        for i, rec in enumerate(records):
-            key = sample_key(rec.text).decode()
+        keys, labels = [], []
+        for i, rec in enumerate(itertools.chain([first], records)):
+            if i >= n:
+                raise SaeflowError(f"{where}: more than the declared {n} examples")
+            if check_uniform([rec], where) != (layers, d_model):
+                raise SaeflowError(f"{where}: example {i} has layers {list(rec.layers)} of width "
+                                   f"{rec.acts[rec.layers[0]].shape[-1]}; example 0 has {list(layers)} of width {d_model}")
+            if want_resp and rec.response_acts is None:
+                raise SaeflowError(f"{where}: response_max={opts.response_max} but example {i} has no response")
+            keys.append(sample_key(rec.text))
+            labels.append(rec.label)
+            key = keys[-1].decode()
             p = min(rec.n_tokens, opts.prompt_max)
             n_prompt_trunc += rec.n_tokens > opts.prompt_max
             prompt_len[i] = p
@@ -107,18 +126,19 @@ def write_store(records: typing.Sequence[Record], out_dpath, attrs: dict, opts: 
                     resp_arr[i, :, :r] = np.stack([rec.response_acts[layer][:r] for layer in layers]).astype(np.float16)
                 lines[RESPONSE].append({"i": i, "sample_key": key, "response": rec.response_text})
             lines["extra"].append({"i": i, "sample_key": key, "label": rec.label, **rec.extra})
-        arrays.array("prompt_len", prompt_len, chunks=(max(n, 1),))
+        if len(keys) != n:
+            raise SaeflowError(f"{where}: got {len(keys)} examples, declared {n}")
+        arrays.array("prompt_len", prompt_len, chunks=(n,))
         if want_resp:
-            arrays.array("response_len", resp_len, chunks=(max(n, 1),))
-        arrays.array("sample_key", np.array([sample_key(r.text) for r in records], dtype="|S64"), chunks=(max(n, 1),))
-        labels = [r.label for r in records]
+            arrays.array("response_len", resp_len, chunks=(n,))
+        arrays.array("sample_key", np.array(keys, dtype="|S64"), chunks=(n,))
         if all(isinstance(v, int) and not isinstance(v, bool) for v in labels if v is not None):
-            arrays.array("label", np.array([-1 if v is None else v for v in labels], np.int64), chunks=(max(n, 1),))
+            arrays.array("label", np.array([-1 if v is None else v for v in labels], np.int64), chunks=(n,))
         for key, fname in TEXT_FILES.items():
             if lines[key]:
                 fpath = staging / fname
                 fpath.parent.mkdir(parents=True, exist_ok=True)
-                fpath.write_text("".join(json.dumps(line) + "\n" for line in lines[key]), encoding="utf-8")
+                fpath.write_text("".join(json.dumps(line, default=str) + "\n" for line in lines[key]), encoding="utf-8")
         root.attrs.update({
             **attrs,
             "schema_version": SCHEMA_VERSION,
@@ -221,16 +241,20 @@ class _Store:
             return self._zarr_array(kind)[i, li, :n_tok]
         t_chunk, h = zarray["chunks"][2], zarray["chunks"][3]
         sep = zarray.get("dimension_separator", ".")
+        prefix = f"{self.dpath}/arrays/{kind}_activations/{i}{sep}{li}{sep}"  # str, not pathlib: this is the hot path
         buf = out if out is not None else np.empty(((n_tok + t_chunk - 1) // t_chunk * t_chunk, h), np.float16)
-        base = self.dpath / "arrays" / f"{kind}_activations"
         for c in range((n_tok + t_chunk - 1) // t_chunk):
             dst = buf[c * t_chunk : (c + 1) * t_chunk]
             try:
-                with open(base / sep.join(map(str, (i, li, c, 0))), "rb", buffering=0) as fd:
-                    if fd.readinto(memoryview(dst).cast("B")) != dst.nbytes:
-                        raise SaeflowError(f"{fd.name}: truncated chunk file")
+                fd = os.open(f"{prefix}{c}{sep}0", os.O_RDONLY)
             except FileNotFoundError:
                 dst[:] = 0  # never written: the fill value
+                continue
+            try:
+                if os.readv(fd, [dst]) != dst.nbytes:
+                    raise SaeflowError(f"{prefix}{c}{sep}0: truncated chunk file")
+            finally:
+                os.close(fd)
         return buf[:n_tok]
 
     def _zarr_array(self, kind: str):
@@ -262,7 +286,8 @@ class ZarrReader:
         self.attrs = self.stores[0].attrs
         self.layers = tuple(self.attrs["layers"])
         self.starts = np.cumsum([0] + [s.n for s in self.stores])
-        self.n = int(self.starts[-1])
+        self._starts = [int(x) for x in self.starts]  # a list: bisect on it beats numpy on single lookups
+        self.n = self._starts[-1]
 
     def __len__(self) -> int:
         return self.n
@@ -270,8 +295,8 @@ class ZarrReader:
     def _locate(self, i: int) -> tuple["_Store", int]:
         if not 0 <= i < self.n:
             raise SaeflowError(f"sample {i} out of range [0, {self.n})")
-        k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return self.stores[k], i - int(self.starts[k])
+        k = bisect.bisect_right(self._starts, i) - 1
+        return self.stores[k], i - self._starts[k]
 
     def layer_pos(self, layer: int) -> int:
         try:
