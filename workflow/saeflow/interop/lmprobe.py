@@ -290,6 +290,13 @@ def _tensor_shapes(fpath: pathlib.Path) -> dict[str, tuple[int, ...]]:
 def validate(dpath: str | pathlib.Path) -> list[str]:
     """Everything lmprobe trusts without checking: dims, rows per shard, offsets in range. Returns problems."""
     dpath = pathlib.Path(dpath)
+    try:
+        return _validate(dpath)
+    except (KeyError, TypeError, IndexError, ValueError) as err:
+        return [f"{dpath / PARQUET_PATH}: malformed lmprobe metadata or index ({type(err).__name__}: {err})"]
+
+
+def _validate(dpath: pathlib.Path) -> list[str]:
     parquet_fpath = dpath / PARQUET_PATH
     if not parquet_fpath.exists():
         return [f"{parquet_fpath}: missing"]
@@ -308,17 +315,17 @@ def validate(dpath: str | pathlib.Path) -> list[str]:
         return problems + [f"{parquet_fpath}: lmprobe:tensors has no hidden_layers descriptor"]
     shards, dim = hidden["shards"], hidden["dim"]
     n_lt = hidden.get("last_token_shards", len(shards)) if hidden.get("storage") == "full_sequence" else len(shards)
+    shard_rows = [d["num_prompts"] if s < n_lt else d.get("num_tokens", 0) for s, d in enumerate(shards)]
     for layer in hidden["layers"]:
         key = HIDDEN_KEY_PATTERN.format(layer=layer)
-        for shard, desc in enumerate(shards):
+        for shard in range(len(shards)):
             fpath = dpath / HIDDEN_FILE_PATTERN.format(layer=layer, shard=shard)
             if not fpath.exists():
                 problems.append(f"{fpath}: missing")
                 continue
-            rows = desc["num_prompts"] if shard < n_lt else desc.get("num_tokens")
             shape = _tensor_shapes(fpath).get(key)
-            if shape != (rows, dim):
-                problems.append(f"{fpath}: tensor {key!r} has shape {shape}, descriptor says ({rows}, {dim})")
+            if shape != (shard_rows[shard], dim):
+                problems.append(f"{fpath}: tensor {key!r} has shape {shape}, descriptor says ({shard_rows[shard]}, {dim})")
     lt_rows = [d["num_prompts"] for d in shards[:n_lt]]
     if sum(lt_rows) != n:
         problems.append(f"{parquet_fpath}: last-token shards hold {sum(lt_rows)} rows for {n} prompts")
@@ -330,14 +337,14 @@ def validate(dpath: str | pathlib.Path) -> list[str]:
             problems.append(f"{parquet_fpath}: row {i}: shard_index/row_offset ({si}, {off}) used twice")
         seen.add((si, off))
     if hidden.get("storage") == "full_sequence":
+        if "token_shard_ids" not in index or "token_shard_offsets" not in index:
+            return problems + [f"{parquet_fpath}: full_sequence storage without token_shard_ids/token_shard_offsets"]
         for i, (ids, offs) in enumerate(zip(index["token_shard_ids"], index["token_shard_offsets"])):
             if len(ids) != index["num_tokens"][i] or len(offs) != len(ids):
                 problems.append(f"{parquet_fpath}: row {i}: {len(ids)} token addresses for {index['num_tokens'][i]} tokens")
-            for si, off in zip(ids, offs):
-                rows = shards[si]["num_prompts"] if si < n_lt else shards[si].get("num_tokens", 0) if si < len(shards) else 0
-                if not 0 <= off < rows:
-                    problems.append(f"{parquet_fpath}: row {i}: token address ({si}, {off}) out of range")
-                    break
+            bad = [(si, off) for si, off in zip(ids, offs) if not (0 <= si < len(shards) and 0 <= off < shard_rows[si])]
+            if bad:
+                problems.append(f"{parquet_fpath}: row {i}: token address {bad[0]} out of range")
     logits = info["tensors"].get("logits_topk")
     if logits is not None:
         for shard, desc in enumerate(logits["shards"]):
