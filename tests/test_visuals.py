@@ -83,6 +83,10 @@ def test_selection_and_errors(text_visuals, capsys):
     assert cli.main(["visuals", "--run", str(run.root), "--latents", "2", "99", "--force"]) == 1
     assert "unknown latent id(s) [99]" in capsys.readouterr().err
     assert out.exists() and (out / "index.html").exists()  # the failed call destroyed nothing
+    assert cli.main(["visuals", "--run", str(run.root), "--latents", "2", "--force"]) == 0
+    assert json.loads((out / "config.json").read_text())["latents_drawn"] == [2]
+    assert sorted(p.name for p in (out / "latents").iterdir()) == ["2.png"]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".visuals")]  # no staging or old copy left
     with pytest.raises(SaeflowError, match="no such inference dump"):
         visuals.make_visuals(visuals.Config(run.root, shards_hash="0" * 64))
 

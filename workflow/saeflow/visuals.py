@@ -122,6 +122,13 @@ class ImageExamples(Examples):
     def __init__(self, dataset, preprocess: datasets.Preprocess | None):
         self.dataset = dataset
         self.preprocess = preprocess
+        # ImageFolder's labels.bin repeats the class on every patch: a name says more than a uniform tile.
+        self.patch_labels = not isinstance(dataset, datasets.ImageFolder)
+
+    def caption(self, ex: int) -> str:
+        if isinstance(self.dataset, datasets.ImageFolder):
+            return f"ex {ex} {self.dataset.classes[self.dataset.items[ex][1]]}"
+        return f"ex {ex}"
 
     def image(self, ex: int) -> Image.Image:
         if isinstance(self.dataset, datasets.GeneratedImages):
@@ -208,7 +215,7 @@ def draw_image_grid(examples: ImageExamples, top, acts_kt: np.ndarray, labels_kp
             heat_img = Image.fromarray(heat, "RGBA").resize((tile_px, tile_px), Image.Resampling.NEAREST)
             img = Image.alpha_composite(img, heat_img)
         grid.paste(img.convert("RGB"), (x0, y0))
-        draw.text((x0 + 3, y0 + 2), f"ex {ex}  {value:.3g}", fill="white", font=_font(), stroke_width=1,
+        draw.text((x0 + 3, y0 + 2), f"{examples.caption(ex)}  {value:.3g}", fill="white", font=_font(), stroke_width=1,
                   stroke_fill="black")
         if labels_kp is not None and side * side == labels_kp.shape[1]:
             lab = _cmap_rgba("tab20", (labels_kp[i].reshape(side, side) % 20) / 19.0)[..., :3]
@@ -329,23 +336,29 @@ def make_visuals(cfg: Config) -> pathlib.Path:
     vis_config = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("run", "force")},
                   "latents_drawn": chosen}
     vis_config["shards_hash"] = dump_dpath.name
-    if final_dpath.exists() and not cfg.force:
-        logger.info("reusing %s (pass --force to redraw)", final_dpath)
-        return final_dpath
-    staging = atomic.staging_dpath(final_dpath)
-    with _writable(dump_dpath):
-        atomic.remove_staging(staging)
-        (staging / "latents").mkdir(parents=True)
-        try:
-            _render(cfg, dump, model, sd, layer, chosen, vis_config, staging)
-            old = atomic.staging_dpath(final_dpath, "old")
-            if final_dpath.exists():
-                atomic.remove_staging(old)
-                final_dpath.rename(old)
-            atomic.publish_dir(staging, final_dpath)
-            atomic.remove_staging(old)
-        finally:
+    with atomic.exclusive_lock(dump_dpath.parent / f".{dump_dpath.name}.visuals.lock"):
+        if final_dpath.exists() and not cfg.force:
+            logger.info("reusing %s (pass --force to redraw)", final_dpath)
+            return final_dpath
+        staging = atomic.staging_dpath(final_dpath)
+        with _writable(dump_dpath):
             atomic.remove_staging(staging)
+            (staging / "latents").mkdir(parents=True)
+            try:
+                _render(cfg, dump, model, sd, layer, chosen, vis_config, staging)
+                old = atomic.staging_dpath(final_dpath, "old")
+                if final_dpath.exists():  # --force: swap the new drawing in, the old one back on failure
+                    atomic.remove_staging(old)
+                    final_dpath.rename(old)
+                try:
+                    atomic.publish_dir(staging, final_dpath)
+                except BaseException:
+                    if old.exists() and not final_dpath.exists():
+                        old.rename(final_dpath)
+                    raise
+                atomic.remove_staging(old)
+            finally:
+                atomic.remove_staging(staging)
     return final_dpath
 
 
@@ -366,7 +379,8 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     examples = open_examples(sd)
     md = sd.metadata
     lat = dump.latents
-    labels = sd.aux("labels.bin") if sd.has_aux("labels.bin") and examples.kind == "image" else None
+    show_labels = examples.kind == "image" and examples.patch_labels and sd.has_aux("labels.bin")
+    labels = sd.aux("labels.bin") if show_labels else None
     drawn = {}
     for latent in tqdm.tqdm(chosen, desc="visuals", unit="latent", disable=None):
         top = top_rows(lat, latent, cfg.top_k, one_per_example=examples.kind == "image")
