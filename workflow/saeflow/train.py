@@ -237,7 +237,7 @@ class Trainer:
         if not self.metrics_fpath.exists():
             return
         lines = self.metrics_fpath.read_text(encoding="utf-8").splitlines()
-        keep = [line for line in lines if line.strip() and json.loads(line).get("step", math.inf) < self.step]
+        keep = [line for line in lines if line.strip() and json.loads(line).get("step", math.inf) <= self.step]
         atomic.write_file_atomic(self.metrics_fpath, "".join(line + "\n" for line in keep).encode())
 
     # -- one step -------------------------------------------------------------------------------------------

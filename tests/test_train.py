@@ -1,0 +1,172 @@
+"""Training: planted-dictionary recovery, sweep planning, exact resume after SIGKILL, shared passes, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from _training_helpers import make_run, planted_data, write_shards
+from saeflow import config, train
+from saeflow.errors import SaeflowError
+from saeflow.sae import load_sae
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is ~50x faster than two on a busy 2-core machine (and numerics do not change)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    x_nd, atoms_ad = planted_data(8192, d_model=64, n_atoms=64, k=3)
+    sd = write_shards(tmp_path_factory.mktemp("shards"), x_nd.reshape(-1, 1, 16, 64), tag="planted")
+    return sd, atoms_ad
+
+
+@pytest.mark.parametrize(
+    "arch, spec",
+    [("topk", {"k": 3, "n_epochs": 8}), ("relu", {"l1_coeff": 2.0, "n_epochs": 16})],
+)
+def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
+    sd, atoms_ad = planted
+    run = make_run(tmp_path, sd, arch=arch, expansion=2, batch_size=128, lr=0.003, dead_after_vectors=8192, **spec)
+    (result,) = train.train_runs([run.root], device="cpu")
+    sae = load_sae(run.sae_fpath)
+    cos_a = (atoms_ad @ sae.W_dec.detach().numpy().T).max(1)
+    assert (cos_a > 0.9).mean() >= 0.9, f"{arch}: recovered {(cos_a > 0.9).mean():.0%} of planted directions"
+    assert result["nmse"] < 0.2 and result["split"] == "val"
+    if arch == "topk":
+        assert result["l0"] == 3.0
+    lines = [json.loads(line) for line in (run.checkpoint_dpath / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["final"] and lines[0]["step"] == train.LOG_EVERY
+    assert not (run.checkpoint_dpath / train.RESUME_FNAME).exists()
+    # Done runs are skipped, nothing is rewritten.
+    mtime = run.sae_fpath.stat().st_mtime_ns
+    assert train.train_runs([run.root]) == [] and run.sae_fpath.stat().st_mtime_ns == mtime
+
+
+def _cfg(**saes):
+    return config.validate({"activations": {}, "saes": saes})
+
+
+def test_plan_runs_sweep_is_cartesian_and_content_addressed():
+    cfg = _cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]})
+    plans = train.plan_runs(cfg, {"x": "h" * 64, "y": "v" * 64})
+    assert len(plans) == 12 and [p.index for p in plans] == list(range(12))
+    # Key order of the spec, last key varies fastest.
+    assert [(p.train_config["k"], p.train_config["seed"], p.train_config["matryoshka"]) for p in plans[:3]] == [
+        (8, 0, [0.25]),
+        (8, 0, [0.5]),
+        (8, 1, [0.25]),
+    ]
+    assert len({p.run_id for p in plans}) == 12
+    assert plans[0].train_config["train_shards"] == "h" * 64 and plans[0].train_config["val_shards"] == "v" * 64
+    assert plans[0].train_activation == "x" and plans[0].val_activation == "y"
+    again = train.plan_runs(_cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]}), {"x": "h" * 64, "y": "v" * 64})
+    assert [p.run_id for p in again] == [p.run_id for p in plans]
+    # A flat matryoshka list is one value, not a sweep; another data hash is another run.
+    (one,) = train.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "h" * 64})
+    assert one.train_config["matryoshka"] == [0.25, 0.5] and one.val_activation == "x"
+    (other,) = train.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "g" * 64})
+    assert other.run_id != one.run_id
+    with pytest.raises(SaeflowError, match="saes.a: activation 'nope' is not defined"):
+        train.plan_runs(_cfg(a={"train": "nope", "layer": 0}), {"x": "h" * 64})
+    with pytest.raises(SaeflowError, match="saes.a.arch"):
+        _cfg(a={"train": "x", "layer": 0, "arch": "gated"})
+
+
+@pytest.fixture
+def small_run(tmp_path):
+    x_nd, _ = planted_data(4096, d_model=16, n_atoms=32, k=2, seed=1)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), ex_per_shard=100, tag="small")
+    spec = dict(arch="batchtopk", k=2, expansion=4, batch_size=32, n_epochs=3, matryoshka=[0.25], dead_after_vectors=512)
+    return sd, spec
+
+
+def _state(run):
+    return load_sae(run.sae_fpath).state_dict()
+
+
+def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
+    sd, spec = small_run
+    killed = make_run(tmp_path / "killed", sd, **spec)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "saeflow", "train", "--run", str(killed.root), "--checkpoint-every", "20", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    resume_fpath = killed.checkpoint_dpath / train.RESUME_FNAME
+    deadline = time.monotonic() + 60
+    while not resume_fpath.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training ended before it could be killed"
+    assert resume_fpath.exists() and not killed.sae_fpath.exists()
+    step_at_kill = torch.load(resume_fpath, weights_only=True)["step"]
+    assert 0 < step_at_kill < 384
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "resuming at step" in out.stderr
+
+    clean = make_run(tmp_path / "clean", sd, **spec)
+    assert clean.root.name == killed.root.name  # same config, same run id
+    train.train_runs([clean.root], device="cpu", checkpoint_every=10**6)
+    for name, tensor in _state(clean).items():
+        assert torch.equal(tensor, _state(killed)[name]), name
+    metrics_of = lambda run: (run.checkpoint_dpath / "metrics.jsonl").read_text()  # noqa: E731
+    assert metrics_of(clean) == metrics_of(killed)
+
+
+def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
+    sd, spec = small_run
+    spec = {**spec, "n_epochs": 1}
+    together = [make_run(tmp_path / "together", sd, **{**spec, "seed": s}) for s in (0, 1)]
+    results = train.train_runs([r.root for r in together], device="cpu")
+    assert {r["run"] for r in results} == {str(r.root) for r in together}
+    alone = make_run(tmp_path / "alone", sd, **{**spec, "seed": 1})
+    train.train_runs([alone.root], device="cpu")
+    for name, tensor in _state(alone).items():
+        assert torch.equal(tensor, _state(together[1])[name]), name
+    assert not torch.equal(_state(together[0])["W_dec"], _state(together[1])["W_dec"])
+
+
+def test_max_steps_then_resume(tmp_path, small_run):
+    sd, spec = small_run
+    run = make_run(tmp_path, sd, **{**spec, "n_epochs": 1})
+    assert train.train_runs([run.root], device="cpu", max_steps=50) == []
+    assert torch.load(run.checkpoint_dpath / train.RESUME_FNAME, weights_only=True)["step"] == 50
+    (result,) = train.train_runs([run.root], device="cpu")
+    assert result["step"] == 128 and load_sae(run.sae_fpath).threshold > 0
+
+
+def test_errors_name_the_problem(tmp_path, small_run):
+    sd, spec = small_run
+    run = make_run(tmp_path, sd, **spec)
+    with pytest.raises(SaeflowError, match="does not exist"):
+        train.train_runs([tmp_path / "nowhere"])
+    with pytest.raises(SaeflowError, match="CUDA is not available"):
+        train.train_runs([run.root], device="cuda:0") if not torch.cuda.is_available() else (_ for _ in ()).throw(
+            SaeflowError("CUDA is not available (skipped)")
+        )
+    # A purged shard directory: the error names the missing files; nothing is written.
+    os.chmod(sd.dpath, 0o755)
+    (sd.dpath / "acts000003.bin").unlink()
+    with pytest.raises(SaeflowError, match="acts000003.bin: missing"):
+        train.train_runs([run.root], device="cpu")
+    assert not run.sae_fpath.exists() and not (run.checkpoint_dpath / "metrics.jsonl").exists()
+
+
+def test_lr_schedule_warms_up_then_decays():
+    lrs = [train.lr_at(s, 100, 1.0, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
