@@ -27,26 +27,6 @@ def _write_config(tmp_path, spec, name="acts") -> pathlib.Path:
     return fpath
 
 
-def test_same_config_twice_and_in_another_process_is_byte_identical(tmp_path):
-    spec = vision_spec()
-    first = extract.extract(spec, tmp_path / "a", progress=False)
-    again = extract.extract(spec, tmp_path / "a", progress=False)
-    assert not first.reused and again.reused and again.dpath == first.dpath
-    assert first.dpath.name == extract.plan_activation(spec).hash
-    config_fpath = _write_config(tmp_path, spec)
-    out = subprocess.run(
-        [sys.executable, "-m", "saeflow", "extract", str(config_fpath), "--shards-root", str(tmp_path / "b"),
-         "--no-progress"],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True,
-    )
-    other = pathlib.Path(out.stdout.strip())
-    assert other == tmp_path / "b" / first.dpath.name
-    assert _file_bytes(other) == _file_bytes(first.dpath)
-    md = json.loads((other / "metadata.json").read_text())
-    assert str(tmp_path) not in json.dumps(md)  # no output paths (or any absolute path of this run) in the hash
-    assert shards.validate(other, deep=True).ok
-
-
 def test_text_extraction_writes_tokens_and_is_reproducible(tmp_path):
     spec = text_spec("llama", dataset={"kind": "builtin_text", "n_ex": 5}, patches_per_shard=2 * 16 * 2)
     a = shards.ShardDir(extract.extract(spec, tmp_path / "a", progress=False).dpath)
@@ -218,3 +198,52 @@ def test_segmentation_and_image_folder_labels_reach_labels_bin(tmp_path):
     spec = vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / "cls")})
     sd = shards.ShardDir(extract.extract(spec, tmp_path / "s", progress=False).dpath)
     assert np.array(sd.aux("labels.bin")).tolist() == [[0] * 16, [1] * 16]
+
+
+SLOW_CHILD = """
+import sys, time
+from saeflow import cli, models
+real_run = models.Adapter.run
+def slow_run(self, batch, layers):
+    time.sleep(0.3)  # slow enough that the parent can SIGKILL us mid-extraction
+    return real_run(self, batch, layers)
+models.Adapter.run = slow_run
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
+    """A SIGKILLed extraction resumes in another process; the result equals one uninterrupted run, byte for byte."""
+    import signal
+    import time
+
+    spec = vision_spec(batch_size=2)
+    config_fpath = _write_config(tmp_path, spec)
+    md = extract.plan_activation(spec)
+    staging = tmp_path / "killed" / f".{md.hash}.partial"
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CHILD, "extract", str(config_fpath), "--shards-root", str(tmp_path / "killed"),
+         "--no-progress"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and child.poll() is None:
+            try:
+                if json.loads((staging / "progress.json").read_text())["completed"]:
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL and not (tmp_path / "killed" / md.hash).exists()
+    resumed = extract.extract(spec, tmp_path / "killed", progress=False)  # this process finishes the child's work
+    clean = extract.extract(spec, tmp_path / "clean", progress=False)
+    again = extract.extract(spec, tmp_path / "clean", progress=False)
+    assert 3 <= resumed.resumed_from < md.n_ex and not clean.reused and again.reused
+    assert resumed.dpath.name == clean.dpath.name == md.hash
+    assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)  # shards written by two processes, same bytes
+    assert shards.validate(resumed.dpath, deep=True).ok
+    assert str(tmp_path) not in (clean.dpath / "metadata.json").read_text()  # no output paths in the hash

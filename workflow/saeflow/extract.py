@@ -219,12 +219,16 @@ def _image_batches(plan_: Plan, spans: list[tuple[int, int]]):
         examples,
         batch_sampler=[list(range(lo, hi)) for lo, hi in spans],
         num_workers=plan_.n_workers,
-        collate_fn=lambda items: (
-            torch.from_numpy(np.stack([x for x, _ in items])),
-            np.stack([labels for _, labels in items]),
-        ),
+        collate_fn=_collate,
     )
     yield from loader
+
+
+def _collate(items):
+    """(pixels (B, 3, H, W) tensor, labels (B, P) uint8) from a list of examples; module-level so it pickles."""
+    import torch
+
+    return torch.from_numpy(np.stack([x for x, _ in items])), np.stack([labels for _, labels in items])
 
 
 def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
