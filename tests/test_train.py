@@ -1,9 +1,9 @@
 """Training: planted-dictionary recovery, sweep planning, exact resume after SIGKILL, shared passes, errors."""
 
 import json
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _training_helpers import make_run, planted_data, write_shards
-from saeflow import config, train
+from saeflow import cli, config, train
 from saeflow.errors import SaeflowError
 from saeflow.sae import load_sae
 
@@ -97,26 +97,30 @@ def _state(run):
     return load_sae(run.sae_fpath).state_dict()
 
 
+def _train_quietly(run_root):
+    sys.stderr = open(os.devnull, "w")
+    train.train_runs([run_root], device="cpu", checkpoint_every=20)
+
+
 def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     sd, spec = small_run
     killed = make_run(tmp_path / "killed", sd, **spec)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "saeflow", "train", "--run", str(killed.root), "--checkpoint-every", "20", "--device", "cpu"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # A forked child (no interpreter start-up to wait for) trains until its first resume checkpoint, then dies.
+    proc = multiprocessing.get_context("fork").Process(target=_train_quietly, args=(killed.root,))
+    proc.start()
     resume_fpath = killed.checkpoint_dpath / train.RESUME_FNAME
     deadline = time.monotonic() + 60
-    while not resume_fpath.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "training ended before it could be killed"
+    while not resume_fpath.exists() and proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL, "training ended before it could be killed"
     assert resume_fpath.exists() and not killed.sae_fpath.exists()
     step_at_kill = torch.load(resume_fpath, weights_only=True)["step"]
     assert 0 < step_at_kill < 384
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "resuming at step" in out.stderr
+    # Rerun through the CLI, as the workflow does.
+    assert cli.main(["train", "--run", str(killed.root), "--device", "cpu", "--checkpoint-every", "20"]) == 0
 
     clean = make_run(tmp_path / "clean", sd, **spec)
     assert clean.root.name == killed.root.name  # same config, same run id
@@ -170,3 +174,28 @@ def test_lr_schedule_warms_up_then_decays():
     lrs = [train.lr_at(s, 100, 1.0, 0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
+
+
+def test_cli_create_run(tmp_path, capsys):
+    cfg_fpath = tmp_path / "config.yaml"
+    cfg_fpath.write_text(
+        """
+activations:
+  vit:
+    model: {random: {arch: vit, config: {hidden_size: 16, num_hidden_layers: 2, num_attention_heads: 2,
+            intermediate_size: 32, image_size: 16, patch_size: 8}, seed: 0}}
+    layers: [1]
+    dataset: {kind: generated_images, n_ex: 8, seed: 0, size: 16}
+saes:
+  sweep: {train: vit, layer: 1, k: [4, 8]}
+"""
+    )
+    args = ["create-run", str(cfg_fpath), "--index", "1", "--shards-root", str(tmp_path / "s"), "--runs-root", str(tmp_path / "r")]
+    assert cli.main(args) == 0
+    run_dpath = tmp_path / "r" / capsys.readouterr().out.strip().rsplit("/", 1)[-1]
+    train_config = json.loads((run_dpath / "checkpoint" / "config.json").read_text())
+    assert train_config["k"] == 8 and run_dpath.name == train.runs.run_id(train_config)
+    assert os.readlink(run_dpath / "links" / "train-shards") == str((tmp_path / "s" / train_config["train_shards"]).resolve())
+    assert cli.main(args) == 0 and capsys.readouterr().out.strip().endswith(run_dpath.name)  # idempotent
+    assert cli.main([*args[:3], "2", *args[4:]]) == 1
+    assert "--index 2 is out of range: saes.sweep expands into 2 runs" in capsys.readouterr().err
