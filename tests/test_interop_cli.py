@@ -100,6 +100,10 @@ def test_bad_input_is_reported(tiny_lm_dpath, tmp_path, capsys):  # noqa: F811
     dup.write_text('{"text": "a"}\n{"text": "a"}\n')
     rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0"], capsys)
     assert rc == 1 and "duplicate prompt texts" in err
+    (tmp_path / "exists").mkdir()
+    rc, _, err = run(["export", "--format", "pickle", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0",
+                      "--out", tmp_path / "exists"], capsys)
+    assert rc == 1 and "already exists" in err
     rc, _, err = run(["export", "--format", "zarr", "--model", tiny_lm_dpath], capsys)
     assert rc == 1 and "--prompts" in err
     rc, _, err = run(["convert", tmp_path, "--to", "zarr", tmp_path / "x"], capsys)

@@ -159,6 +159,8 @@ def export(spec: dict, out: pathlib.Path, parts: typing.Sequence[int] | None = N
         return _export_zarr(spec, prompts, out, parts, progress)
     if parts is not None:
         raise SaeflowError("--part applies to zarr exports only (lmprobe and pickle datasets are written whole)")
+    if out.exists():  # before the model runs over every prompt
+        raise SaeflowError(f"{out} already exists; remove it or choose another output directory")
     eng = engine.TextEngine(_engine_config(spec, fmt))
     if fmt == "lmprobe":  # cheap checks before the model runs over every prompt
         lmprobe.check_duplicates([r["text"] for r in prompts], spec["lmprobe"]["allow_duplicate_texts"], str(spec["prompts"]["path"]))
