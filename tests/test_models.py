@@ -194,3 +194,20 @@ def test_weights_load_offline_from_the_hf_cache(monkeypatch, tmp_path, shards_ro
     local = {**spec, "model": {"name": MINILM}}
     local_sd = shards.ShardDir(extract.extract(local, shards_root, progress=False).dpath)
     assert np.array_equal(sd.example(1, 0), local_sd.example(1, 0))  # same weights, same vectors
+
+
+def test_local_vision_checkpoint_uses_its_preprocessor_config(tmp_path, shards_root):
+    spec = models.ModelSpec(random_arch="dinov2", random_config=ARCH_CONFIGS["dinov2"])
+    models.build(models.describe(spec), spec).save_pretrained(tmp_path / "tiny-dino")
+    (tmp_path / "tiny-dino" / "preprocessor_config.json").write_text(json.dumps({
+        "do_resize": True, "size": {"shortest_edge": 40}, "crop_size": {"height": 24, "width": 24},
+        "image_mean": [0.4, 0.4, 0.4], "image_std": [0.2, 0.2, 0.2],
+    }))
+    info = models.describe(models.ModelSpec(name=str(tmp_path / "tiny-dino")))
+    assert (info.resize_size, info.image_size, info.patches_per_ex, info.mean) == (40, 24, 9, (0.4, 0.4, 0.4))
+    assert info.ckpt.startswith("tiny-dino@local-")
+    vspec = vision_spec("dinov2", model={"name": str(tmp_path / "tiny-dino")})
+    sd = shards.ShardDir(extract.extract(vspec, shards_root, progress=False).dpath)
+    assert sd.metadata.data["preprocess"]["resize_size"] == 40 and sd.metadata.tokens_per_ex == 10
+    _, hidden = _reference_hidden_states(extract.plan(vspec), sd)
+    torch.testing.assert_close(torch.from_numpy(sd.example(3, 0)), hidden[1][3], atol=1e-5, rtol=0)

@@ -204,17 +204,10 @@ def _read_json(fpath: pathlib.Path) -> dict:
         raise SaeflowError(f"{fpath}: unreadable ({err})") from None
 
 
-def _preprocessor(config_dpath: pathlib.Path, source: str, revision: str | None) -> dict:
+def _preprocessor(source: str, revision: str | None) -> dict:
     """The checkpoint's preprocessor_config.json (image size, crop, mean/std), {} when it has none."""
-    local = config_dpath / "preprocessor_config.json"
-    if local.exists() or pathlib.Path(source).is_dir():
-        return _read_json(local)
-    import huggingface_hub
-
-    try:
-        return _read_json(pathlib.Path(huggingface_hub.hf_hub_download(source, "preprocessor_config.json", revision=revision)))
-    except Exception:  # the checkpoint has none
-        return {}
+    fpath = _model_file(source, revision, "preprocessor_config.json")
+    return _read_json(fpath) if fpath else {}
 
 
 def _size(value, fallback: int) -> int:
@@ -239,7 +232,7 @@ def describe(spec: ModelSpec) -> ModelInfo:
     model_type = raw.get("model_type")
     if model_type in VISION_TOWERS:
         raw, model_type = raw.get("vision_config") or {}, VISION_TOWERS[model_type]
-    return _info(model_type, raw, ckpt, source, commit, _preprocessor(config_dpath, source, commit))
+    return _info(model_type, raw, ckpt, source, commit, _preprocessor(source, commit))
 
 
 def _info(model_type, raw: dict, ckpt: str, source: str | None, revision: str | None, preprocessor: dict) -> ModelInfo:
