@@ -211,3 +211,24 @@ def test_local_vision_checkpoint_uses_its_preprocessor_config(tmp_path, shards_r
     assert sd.metadata.data["preprocess"]["resize_size"] == 40 and sd.metadata.tokens_per_ex == 10
     _, hidden = _reference_hidden_states(extract.plan(vspec), sd)
     torch.testing.assert_close(torch.from_numpy(sd.example(3, 0)), hidden[1][3], atol=1e-5, rtol=0)
+
+
+def test_full_clip_checkpoint_uses_its_vision_tower(tmp_path, shards_root):
+    """Real CLIP checkpoints hold text + vision towers (model_type "clip"); extraction runs the vision tower."""
+    import transformers
+
+    config = transformers.CLIPConfig(
+        text_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
+        vision_config=ARCH_CONFIGS["clip_vision_model"],
+        projection_dim=8,
+    )
+    torch.manual_seed(0)
+    clip = transformers.CLIPModel(config).eval()
+    clip.save_pretrained(tmp_path / "tiny-clip")
+    spec = vision_spec("clip_vision_model", model={"name": str(tmp_path / "tiny-clip")}, layers=[1])
+    plan_ = extract.plan(spec)
+    assert (plan_.metadata.family, plan_.info.model_type, plan_.metadata.tokens_per_ex) == ("clip", "clip_vision_model", 17)
+    sd = shards.ShardDir(extract.extract(spec, shards_root, progress=False).dpath)
+    x = torch.from_numpy(plan_.dataset.example(0, plan_.preprocess)[0])[None]
+    hidden = clip.vision_model(pixel_values=x, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(torch.from_numpy(sd.example(0, 1)), hidden[2][0], atol=1e-5, rtol=0)
