@@ -194,6 +194,8 @@ def check_round_trip(root, md, aux=("labels.bin", "tokens.bin"), batch=2):
             np.testing.assert_array_equal(sd.example(ex, layer), expected[ex, layer_idx])
             for token in range(md.tokens_per_ex):
                 np.testing.assert_array_equal(sd.vector(ex, layer, token), expected[ex, layer_idx, token])
+    with pytest.raises(SaeflowError, match="ex_per_block"):
+        next(sd.iter_blocks(md.layers[0], ex_per_block=0))
     for layer_idx, layer in enumerate(md.layers):
         blocks = list(sd.iter_blocks(layer, ex_per_block=2))
         assert [b[0] for b in blocks] == sorted(b[0] for b in blocks)

@@ -402,6 +402,8 @@ class ShardDir:
 
     def iter_blocks(self, layer: int, ex_per_block: int = 1024) -> typing.Iterator[tuple[int, np.ndarray]]:
         """(first example index, (n, T, D) array) for one layer, in storage order, never crossing a shard."""
+        if ex_per_block < 1:
+            raise SaeflowError(f"ex_per_block must be a positive integer, got {ex_per_block}")
         layer_idx = self.metadata.layer_idx(layer)
         for shard_idx, n in enumerate(self.shard_sizes):
             acts = self.acts(shard_idx)
