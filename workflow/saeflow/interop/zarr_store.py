@@ -139,6 +139,7 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
                 fpath = staging / fname
                 fpath.parent.mkdir(parents=True, exist_ok=True)
                 fpath.write_text("".join(json.dumps(line, default=str) + "\n" for line in lines[key]), encoding="utf-8")
+        prov = provenance.collect()
         root.attrs.update({
             **attrs,
             "schema_version": SCHEMA_VERSION,
@@ -156,7 +157,7 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
             "prompt_truncated_fraction": n_prompt_trunc / n,
             "response_truncated_fraction": n_resp_trunc / n if want_resp else 0.0,
             "created_at": provenance.utc_now(),
-            "saeflow_version": provenance.collect()["saeflow_version"],
+            **{k: prov[k] for k in ("saeflow_version", "git_commit", "torch_version", "transformers_version")},
         })
         zarr.consolidate_metadata(str(staging))
         atomic.publish_dir(staging, out_dpath)
