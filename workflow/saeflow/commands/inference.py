@@ -47,6 +47,9 @@ def register(subparsers):
     p.add_argument("--tile-px", type=int, default=d["tile_px"], help="image tile side (default %(default)s)")
     p.add_argument("--context-tokens", type=int, default=d["context_tokens"],
                    help="text tokens shown each side of the firing token (default %(default)s)")
+    p.add_argument("--tokenizer", metavar="ID_OR_DIR",
+                   help="tokenizer for text shards; needed when they came from a local model directory (the metadata "
+                   "holds only its fingerprint), else token ids are shown")
     p.add_argument("--force", action="store_true", help="redraw even if visuals/ exists (replaced atomically)")
     p.set_defaults(func=cmd_visuals)
 
@@ -70,6 +73,7 @@ def cmd_visuals(args: argparse.Namespace) -> int:
         seed=args.seed,
         tile_px=args.tile_px,
         context_tokens=args.context_tokens,
+        tokenizer=args.tokenizer,
         force=args.force,
     )
     print(visuals.make_visuals(cfg) / "index.html")
