@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from _interop_fixtures import tiny_lm_dpath  # noqa: F401
+from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
 
 from saeflow import models
 from saeflow.errors import SaeflowError
@@ -29,8 +29,23 @@ def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):  # no
     assert rec.perplexity_stats()[1] <= rec.perplexity_stats()[0] <= rec.perplexity_stats()[2]
     # the greedy response: its activations are those of the prompt + response sequence
     assert rec.response_ids.shape == (3,) and rec.response_acts[1].shape == (3, 32)
-    full = eng._forward(torch.cat([torch.tensor(rec.token_ids), torch.tensor(rec.response_ids)]))[1]
-    np.testing.assert_array_equal(full[1][len(rec.token_ids) :], rec.response_acts[1])
+    full = eng._forward(torch.cat([torch.tensor(rec.token_ids), torch.tensor(rec.response_ids)])[None])[1]
+    np.testing.assert_array_equal(full[1][0, len(rec.token_ids) :], rec.response_acts[1])
+
+
+def test_batched_records_match_one_by_one(tiny_lm_dpath):  # noqa: F811
+    prompts = [{"text": p["text"], "label": p["label"]} for p in PROMPTS]
+    one, batched = (
+        list(engine.TextEngine(engine.EngineConfig(model=str(tiny_lm_dpath), layers=(0, 1), top_k=4, perplexity=True,
+                                                   batch_size=bs)).records(prompts, progress=False))
+        for bs in (1, 3)
+    )
+    for a, b in zip(one, batched, strict=True):
+        assert a.text == b.text and np.array_equal(a.token_ids, b.token_ids)
+        assert list(a.topk_indices) == list(b.topk_indices)
+        np.testing.assert_allclose(a.token_nll, b.token_nll, rtol=1e-5, atol=1e-6)
+        for layer in (0, 1):
+            np.testing.assert_allclose(a.acts[layer], b.acts[layer], rtol=1e-5, atol=1e-6)
 
 
 def test_bad_layers_and_encoder_logits_are_refused(tiny_lm_dpath):  # noqa: F811

@@ -133,6 +133,7 @@ def _engine_config(spec: dict, fmt: str):
         revision=spec["model"]["revision"],
         layers=tuple(spec["layers"]),
         max_tokens=spec["max_tokens"],
+        batch_size=spec["batch_size"],
         top_k=spec["lmprobe"]["top_k"] if fmt == "lmprobe" else 0,
         perplexity=spec["lmprobe"]["perplexity"] if fmt == "lmprobe" else False,
         token_strings=spec["lmprobe"]["token_strings"] if fmt == "lmprobe" else False,

@@ -5,7 +5,7 @@ same thing there and here: the raw output of transformer block k, recorded by a 
 Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2, Llama), where
 `hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also give top-k
 logits at the last prompt token, per-token NLL (perplexity) and a greedy response; encoders (BERT, MiniLM) give
-activations only. Examples run one at a time so a record never depends on which prompts shared its batch.
+activations only.
 """
 
 import dataclasses
@@ -32,6 +32,7 @@ class EngineConfig:
     perplexity: bool = False
     response_max: int = 0  # greedy response tokens to generate (0: none)
     token_strings: bool = False
+    batch_size: int = 1  # prompts per forward pass (right-padded); 1 = every record from its own pass
     device: str = "cpu"
     seed: int = 0
 
@@ -66,74 +67,112 @@ class TextEngine:
         self.blocks = models._find_blocks(self.model.base_model)
         self.d_model = self.info.d_model
 
-    def _forward(self, ids_t):
-        """(model output, {layer: (T, D) float32 block outputs}) for one sequence."""
+    def _forward(self, ids_bt, mask_bt=None):
+        """(logits (B, T, V) or None, {layer: (B, T, D) float32 block outputs}) for right-padded sequences."""
         import torch
 
         recorded = {}
 
         def make_hook(layer):
             def hook(module, args, output):
-                recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output)[0].float().cpu()
+                recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output).float().cpu()
 
             return hook
 
+        if mask_bt is None:
+            mask_bt = torch.ones_like(ids_bt)
         handles = [self.blocks[layer].register_forward_hook(make_hook(layer)) for layer in self.layers]
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=ids_t[None].to(self.cfg.device), use_cache=False)
+                out = self.model(input_ids=ids_bt.to(self.cfg.device), attention_mask=mask_bt.to(self.cfg.device),
+                                 use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
-        return out, {layer: recorded[layer].numpy() for layer in self.layers}
+        return (out.logits.float().cpu() if self.causal else None), {layer: recorded[layer].numpy() for layer in self.layers}
 
-    def record(self, text: str, label=None, extra: dict | None = None) -> Record:
-        import torch
-
-        cfg = self.cfg
-        ids = self.tokenizer(text, truncation=True, max_length=cfg.max_tokens)["input_ids"]
+    def tokenize(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, truncation=True, max_length=self.cfg.max_tokens)["input_ids"]
         if not ids:
             raise SaeflowError(f"prompt {text[:60]!r} tokenizes to nothing")
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        fields: dict[str, typing.Any] = {}
-        if cfg.response_max:
-            with torch.inference_mode():
-                gen = self.model.generate(
-                    ids_t[None].to(cfg.device),
-                    attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=cfg.device),
-                    do_sample=False,
-                    max_new_tokens=cfg.response_max,
-                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0,
-                )
-            resp_ids = gen[0, len(ids) :].cpu()
-            out, acts = self._forward(torch.cat([ids_t, resp_ids]))
-            fields["response_ids"] = resp_ids.numpy().astype(np.int64)
-            fields["response_text"] = self.tokenizer.decode(resp_ids, skip_special_tokens=True)
-            fields["response_acts"] = {layer: a[len(ids) :].copy() for layer, a in acts.items()}
-        else:
-            out, acts = self._forward(ids_t)
-        T = len(ids)
+        return ids
+
+    def _respond(self, ids: list[int]) -> tuple[dict, typing.Any, dict]:
+        """Greedy response fields, and the logits/activations of the prompt + response forward pass."""
+        import torch
+
+        ids_t = torch.tensor(ids, dtype=torch.long)[None]
+        with torch.inference_mode():
+            gen = self.model.generate(
+                ids_t.to(self.cfg.device),
+                attention_mask=torch.ones_like(ids_t).to(self.cfg.device),
+                do_sample=False,
+                max_new_tokens=self.cfg.response_max,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id or 0,
+            )
+        resp_ids = gen[0, len(ids) :].cpu()
+        logits, acts = self._forward(gen.cpu())
+        fields = {
+            "response_ids": resp_ids.numpy().astype(np.int64),
+            "response_text": self.tokenizer.decode(resp_ids, skip_special_tokens=True),
+            "response_acts": {layer: a[0, len(ids) :].copy() for layer, a in acts.items()},
+        }
+        return fields, logits[0], {layer: a[0] for layer, a in acts.items()}
+
+    def _record(self, row: dict, ids: list[int], logits_tv, acts_td: dict, fields: dict) -> Record:
+        """A record from one sequence's logits and activations (positions beyond len(ids) are ignored)."""
+        import torch
+
+        cfg, T = self.cfg, len(ids)
         if cfg.top_k:
-            topk = torch.topk(out.logits[0, T - 1].float(), cfg.top_k)
-            fields["topk_values"] = topk.values.cpu().numpy()
-            fields["topk_indices"] = topk.indices.cpu().numpy().astype(np.int64)
+            topk = torch.topk(logits_tv[T - 1], cfg.top_k)
+            fields["topk_values"] = topk.values.numpy()
+            fields["topk_indices"] = topk.indices.numpy().astype(np.int64)
         if cfg.perplexity and T > 1:
-            log_probs = torch.log_softmax(out.logits[0, : T - 1].double(), dim=-1)
-            fields["token_nll"] = (-log_probs.gather(1, ids_t[1:, None]).squeeze(1)).cpu().numpy()
+            log_probs = torch.log_softmax(logits_tv[: T - 1].double(), dim=-1)
+            targets = torch.tensor(ids[1:], dtype=torch.long)[:, None]
+            fields["token_nll"] = (-log_probs.gather(1, targets).squeeze(1)).numpy()
         if cfg.token_strings:
             fields["token_strings"] = tuple(self.tokenizer.convert_ids_to_tokens(ids))
         return Record(
-            text=text,
-            label=label,
-            acts={layer: a[:T].copy() for layer, a in acts.items()},
+            text=row["text"],
+            label=row.get("label"),
+            acts={layer: a[:T].copy() for layer, a in acts_td.items()},
             token_ids=np.asarray(ids, dtype=np.int64),
-            extra=dict(extra or {}),
+            extra=dict(row.get("extra") or {}),
             **fields,
         )
 
+    def record(self, text: str, label=None, extra: dict | None = None) -> Record:
+        return next(self.records([{"text": text, "label": label, "extra": extra}], progress=False))
+
     def records(self, prompts: typing.Sequence[dict], progress: bool = True) -> typing.Iterator[Record]:
-        """One record per prompt row ({"text", "label", "extra"}), in order, with a progress bar on stderr."""
+        """One record per prompt row ({"text", "label", "extra"}), in order, with a progress bar on stderr.
+
+        Prompts run `batch_size` at a time, right-padded with an attention mask (valid positions never attend to
+        padding; values agree with a batch of one up to float rounding). Responses are generated one by one.
+        """
+        import torch
         import tqdm
 
-        for row in tqdm.tqdm(prompts, desc=f"forward {self.cfg.model}", unit="prompt", disable=not progress):
-            yield self.record(row["text"], row.get("label"), row.get("extra"))
+        bar = tqdm.tqdm(total=len(prompts), desc=f"forward {self.cfg.model}", unit="prompt", disable=not progress)
+        step = 1 if self.cfg.response_max else self.cfg.batch_size
+        for start in range(0, len(prompts), step):
+            rows = prompts[start : start + step]
+            ids_list = [self.tokenize(row["text"]) for row in rows]
+            if self.cfg.response_max:
+                fields, logits_tv, acts_td = self._respond(ids_list[0])
+                yield self._record(rows[0], ids_list[0], logits_tv, acts_td, fields)
+            else:
+                T = max(len(ids) for ids in ids_list)
+                ids_bt = torch.zeros(len(rows), T, dtype=torch.long)
+                mask_bt = torch.zeros(len(rows), T, dtype=torch.long)
+                for b, ids in enumerate(ids_list):
+                    ids_bt[b, : len(ids)] = torch.tensor(ids)
+                    mask_bt[b, : len(ids)] = 1
+                logits, acts = self._forward(ids_bt, mask_bt)
+                for b, (row, ids) in enumerate(zip(rows, ids_list)):
+                    acts_td = {layer: a[b] for layer, a in acts.items()}
+                    yield self._record(row, ids, None if logits is None else logits[b], acts_td, {})
+            bar.update(len(rows))
+        bar.close()
