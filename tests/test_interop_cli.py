@@ -6,7 +6,7 @@ import pathlib
 import numpy as np
 import pytest
 import yaml
-from _interop_fixtures import PROMPTS, prompts_fpath, tiny_lm_dpath  # noqa: F401
+from _interop_fixtures import prompts_fpath, tiny_lm_dpath  # noqa: F401
 
 from saeflow import cli, shards
 from saeflow.interop import engine, pickle_shards, zarr_store
