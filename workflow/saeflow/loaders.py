@@ -126,20 +126,31 @@ class Window:
     perm_seed: tuple[int, ...] | None  # None: keep storage order
 
 
-class _StreamLoader:
-    """Windows of blocks, read and (optionally) permuted by a background thread into a ring of reused buffers."""
+class _Stopped(Exception):
+    """The consumer went away; pipeline threads unwind."""
 
-    def __init__(self, view: LayerView, batch_size: int, block_bytes: int, window_blocks: int, n_buffers: int = 3):
+
+class _StreamLoader:
+    """Windows of blocks through a two-stage pipeline of background threads and reused buffers.
+
+    reader thread:   preads a window's blocks into a raw buffer (2 in rotation)
+    shuffler thread: permutes the raw rows into an output buffer (3 in rotation: the consumer may still hold
+                     batches of the previous window while the next one is being filled)
+    Ordered windows skip the shuffler's copy: they are read straight into an output buffer.
+    """
+
+    N_RAW, N_OUT = 2, 3
+
+    def __init__(self, view: LayerView, batch_size: int, block_bytes: int, window_blocks: int):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
         self.view, self.batch_size = view, batch_size
         self.block_list = view.blocks(block_bytes)
         self.window_blocks = window_blocks
-        self.n_buffers = n_buffers
-        max_rows = max(sum(b.n_ex for b in self.block_list[i : i + window_blocks]) for i in range(len(self.block_list)))
-        self.max_window_rows = max_rows * view.n_tok
-        self._raw_nd: np.ndarray | None = None
-        self._ring: list[torch.Tensor] = []
+        max_ex = max(sum(b.n_ex for b in self.block_list[i : i + window_blocks]) for i in range(len(self.block_list)))
+        self.max_window_rows = max_ex * view.n_tok
+        self._raw: list[np.ndarray] = []
+        self._out: list[torch.Tensor] = []
 
     @property
     def n_vectors(self) -> int:
@@ -151,73 +162,92 @@ class _StreamLoader:
     def _windows(self, epoch: int) -> list[Window]:
         raise NotImplementedError
 
-    def _buffers(self):
-        if self._raw_nd is None:
-            shape = (self.max_window_rows, self.view.d_model)
-            self._raw_nd = np.empty(shape, dtype=self.view.dtype)
-            self._ring = [torch.empty(shape, dtype=torch.from_numpy(self._raw_nd[:1]).dtype) for _ in range(self.n_buffers)]
-        return self._raw_nd, self._ring
+    def _allocate(self, shuffled: bool) -> None:
+        shape = (self.max_window_rows, self.view.d_model)
+        if shuffled and not self._raw:
+            self._raw = [np.empty(shape, dtype=self.view.dtype) for _ in range(self.N_RAW)]
+        if not self._out:
+            self._out = [torch.from_numpy(np.empty(shape, dtype=self.view.dtype)) for _ in range(self.N_OUT)]
 
-    def _fill(self, window: Window, out: torch.Tensor) -> torch.Tensor:
-        raw_nd, _ = self._buffers()
+    def _read(self, window: Window, out_nd: np.ndarray) -> None:
         row = 0
         for block in window.blocks:
             n = block.n_ex * self.view.n_tok
-            self.view.read_block(block, raw_nd[row : row + n])
+            self.view.read_block(block, out_nd[row : row + n])
             row += n
-        raw = torch.from_numpy(raw_nd[: window.n_rows])
-        if window.perm_seed is None:
-            out[: window.n_rows].copy_(raw)
-        else:
-            gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
-            torch.index_select(raw, 0, torch.randperm(window.n_rows, generator=gen), out=out[: window.n_rows])
-        return out[: window.n_rows]
 
     def iter_windows(self, windows: list[Window]) -> typing.Iterator[torch.Tensor]:
-        """Filled windows in order; the reader runs ahead by n_buffers - 1 windows on a background thread."""
-        _, ring = self._buffers()
-        q: queue.Queue = queue.Queue(maxsize=self.n_buffers - 2 if self.n_buffers > 2 else 1)
-        free: queue.Queue = queue.Queue()
-        for buf in ring:
-            free.put(buf)
+        """Each window's rows (n_rows, D), read and permuted ahead of the consumer by background threads."""
+        self._allocate(any(w.perm_seed is not None for w in windows))
+        raw_free: queue.Queue = queue.Queue()
+        out_free: queue.Queue = queue.Queue()
+        for buf in self._raw:
+            raw_free.put(buf)
+        for buf in self._out:
+            out_free.put(buf)
+        read_q: queue.Queue = queue.Queue()
+        out_q: queue.Queue = queue.Queue()
         stop = threading.Event()
 
-        def produce():
-            try:
-                for window in windows:
-                    buf = free.get()
-                    if stop.is_set():
-                        return
-                    q.put(self._fill(window, buf))
-                q.put(None)
-            except BaseException as err:  # surfaced in the consumer
-                q.put(err)
-
-        thread = threading.Thread(target=produce, name="saeflow-loader", daemon=True)
-        thread.start()
-        in_use: list[torch.Tensor] = []
-        try:
-            while True:
-                item = q.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                # The window yielded two steps ago is no longer referenced by the consumer's current batch.
-                in_use.append(item)
-                if len(in_use) > 2:
-                    free.put(_base(in_use.pop(0), ring))
-                yield item
-        finally:
-            stop.set()
-            for buf in ring:
-                free.put(buf)
-            while thread.is_alive():
+        def take(q: queue.Queue):
+            while not stop.is_set():
                 try:
-                    q.get(timeout=0.1)
+                    return q.get(timeout=0.05)
                 except queue.Empty:
                     pass
-            thread.join()
+            raise _Stopped
+
+        def reader():
+            try:
+                for window in windows:
+                    if window.perm_seed is None:
+                        out = take(out_free)
+                        self._read(window, out.numpy())
+                        read_q.put((window, None, out))
+                    else:
+                        raw = take(raw_free)
+                        self._read(window, raw)
+                        read_q.put((window, raw, None))
+                read_q.put(None)
+            except _Stopped:
+                pass
+            except BaseException as err:  # surfaced in the consumer
+                read_q.put(err)
+
+        def shuffler():
+            try:
+                while (item := take(read_q)) is not None and not isinstance(item, BaseException):
+                    window, raw, out = item
+                    if raw is not None:
+                        out = take(out_free)
+                        gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
+                        perm = torch.randperm(window.n_rows, generator=gen)
+                        torch.index_select(torch.from_numpy(raw[: window.n_rows]), 0, perm, out=out[: window.n_rows])
+                        raw_free.put(raw)
+                    out_q.put((out, window.n_rows))
+                out_q.put(item)
+            except _Stopped:
+                pass
+            except BaseException as err:
+                out_q.put(err)
+
+        threads = [threading.Thread(target=f, name=f"saeflow-{f.__name__}", daemon=True) for f in (reader, shuffler)]
+        for thread in threads:
+            thread.start()
+        in_use: list[torch.Tensor] = []
+        try:
+            while (item := out_q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                out, n_rows = item
+                in_use.append(out)
+                if len(in_use) > 2:  # the consumer no longer holds batches of the window before the last
+                    out_free.put(in_use.pop(0))
+                yield out[:n_rows]
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
         """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
@@ -254,11 +284,6 @@ class _StreamLoader:
 
     def close(self) -> None:
         self.view.close()
-
-
-def _base(window: torch.Tensor, ring: list[torch.Tensor]) -> torch.Tensor:
-    ptr = window.data_ptr()
-    return next(buf for buf in ring if buf.data_ptr() == ptr)
 
 
 def _seed_int(parts: tuple[int, ...]) -> int:

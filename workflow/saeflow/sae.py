@@ -101,7 +101,8 @@ class SAE(torch.nn.Module):
     # -- normalized space (training) ------------------------------------------------------------------------
 
     def pre_acts_normed(self, xn_bd: torch.Tensor) -> torch.Tensor:
-        return (xn_bd - self.b_dec) @ self.W_enc + self.b_enc
+        """(x_n - b_dec) @ W_enc + b_enc, written so b_dec's gradient costs a vector product, not a third matmul."""
+        return xn_bd @ self.W_enc + (self.b_enc - self.b_dec @ self.W_enc)
 
     def activate(self, pre_bs: torch.Tensor) -> torch.Tensor:
         """Pre-activations -> non-negative sparse codes. BatchTopK uses the batch in training, a threshold in eval."""
@@ -124,6 +125,12 @@ class SAE(torch.nn.Module):
         if n_latents is None:
             return f_bs @ self.W_dec + self.b_dec
         return f_bs[:, :n_latents] @ self.W_dec[:n_latents] + self.b_dec
+
+    def decode_sparse_normed(self, vals_bk: torch.Tensor, idx_bk: torch.Tensor, n_latents: int | None = None) -> torch.Tensor:
+        """`decode_normed` from k (value, latent index) pairs per vector: O(b k d) instead of a dense O(b s d)."""
+        if n_latents is not None:
+            vals_bk = vals_bk * (idx_bk < n_latents)
+        return torch.nn.functional.embedding_bag(idx_bk, self.W_dec, per_sample_weights=vals_bk, mode="sum") + self.b_dec
 
     # -- raw space (the public API) -------------------------------------------------------------------------
 

@@ -246,10 +246,17 @@ class Trainer:
         sae, cfg = self.sae, self.cfg
         xn_bd = x_bd * sae.scale
         pre_bs = sae.pre_acts_normed(xn_bd)
-        f_bs = sae.activate(pre_bs)
-        recon = [(sae.decode_normed(f_bs, m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.prefixes]
-        mse = torch.stack(recon).mean()
-        xn_hat_bd = sae.decode_normed(f_bs)
+        if cfg.arch == "topk":  # decode from the k active latents only (the dense decode would dominate the step)
+            vals_bk, idx_bk = pre_bs.topk(cfg.k, dim=-1, sorted=False)
+            vals_bk = torch.relu(vals_bk)
+            f_bs = torch.zeros_like(pre_bs).scatter_(-1, idx_bk, vals_bk.detach())  # for metrics only
+            decode = lambda m: sae.decode_sparse_normed(vals_bk, idx_bk, m)  # noqa: E731
+        else:
+            f_bs = sae.activate(pre_bs)
+            decode = lambda m: sae.decode_normed(f_bs, m)  # noqa: E731
+        xn_hat_bd = decode(None)
+        recon = [(decode(m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
+        mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
         terms = {"mse": mse}
         if cfg.arch == "relu":
             n_warm = int(cfg.sparsity_warmup_frac * self.n_steps)
@@ -265,11 +272,10 @@ class Trainer:
         n_dead = int(dead_s.sum())
         if n_dead == 0:
             return torch.zeros((), device=pre_bs.device)
-        masked_bs = torch.where(dead_s, torch.relu(pre_bs), torch.zeros_like(pre_bs))
-        vals_bk, idx_bk = masked_bs.topk(min(self.cfg.aux_k, n_dead), dim=-1, sorted=False)
-        aux_bs = torch.zeros_like(pre_bs).scatter_(-1, idx_bk, vals_bk)
+        vals_bk, idx_bk = pre_bs.masked_fill(~dead_s, -math.inf).topk(min(self.cfg.aux_k, n_dead), dim=-1, sorted=False)
+        vals_bk = torch.relu(vals_bk)
         resid_bd = resid_bd.detach()
-        err = (aux_bs @ self.sae.W_dec - resid_bd).square().sum(-1).mean()
+        err = (self.sae.decode_sparse_normed(vals_bk, idx_bk) - self.sae.b_dec - resid_bd).square().sum(-1).mean()
         return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
 
     def train_step(self, x_bd: torch.Tensor) -> None:
