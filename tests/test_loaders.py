@@ -85,12 +85,15 @@ def test_indexed_random_access(shard_dir, acts_nltd):
         reader.get([185])
 
 
-def test_contiguous_single_layer_fast_path(shards_root, acts_nltd):
-    sd = write_shards(shards_root, acts_nltd[:, :1], layers=(0,), cls_token=False, ex_per_shard=10)
-    loader = ShuffledLoader(sd, 0, batch_size=16, seed=0, tokens="all", block_bytes=4 * T * D * 4)
-    assert loader.view.contiguous
-    rows = _rows(loader)
-    np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 0].reshape(-1, D)))
+@pytest.mark.parametrize("tokens, sel", [("content", slice(1, T)), ("all", slice(0, T)), ("cls", slice(0, 1))])
+def test_single_layer_block_reads(shards_root, acts_nltd, tokens, sel):
+    """One stored layer: a block is one pread of whole examples (CLS skipped in RAM), except for CLS alone."""
+    sd = write_shards(shards_root, acts_nltd[:, :1], layers=(0,), cls_token=True, ex_per_shard=10)
+    expected = acts_nltd[:, 0, sel].reshape(-1, D)
+    loader = ShuffledLoader(sd, 0, batch_size=16, seed=0, tokens=tokens, block_bytes=4 * T * D * 4)
+    assert loader.view.contiguous == (tokens != "cls")
+    np.testing.assert_array_equal(_sorted(_rows(loader)), _sorted(expected))
+    np.testing.assert_array_equal(_rows(OrderedLoader(sd, 0, batch_size=9, tokens=tokens, block_bytes=3 * T * D * 4)), expected)
 
 
 def test_bad_selection_errors(shard_dir, shards_root, acts_nltd):

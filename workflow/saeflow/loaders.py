@@ -53,8 +53,11 @@ class LayerView:
         self.dtype = np.dtype(md.dtype)
         self.row_bytes = self.d_model * self.dtype.itemsize
         self.n_vectors = md.n_ex * self.n_tok
-        # One pread per block when the selected rows of consecutive examples are adjacent on disk.
-        self.contiguous = md.n_layers == 1 and self.n_tok == T
+        # The rows read per example ("span"). With one stored layer, a block of examples is one contiguous run on
+        # disk, so we read all T tokens in one pread (skipping CLS in RAM) unless that would read over 2x the rows.
+        self.contiguous = md.n_layers == 1 and 2 * self.n_tok >= T
+        self.span_lo, self.span = (0, T) if self.contiguous else (self.t_lo, self.n_tok)
+        self.compact = self.span == self.n_tok  # the rows read are exactly the rows selected
         self._fds: dict[int, int] = {}
 
     def __getstate__(self):  # file descriptors are per process
@@ -74,14 +77,19 @@ class LayerView:
             os.close(fd)
         self._fds.clear()
 
-    def offset(self, shard_idx: int, ex_in_shard: int, token_in_sel: int = 0) -> int:
-        """Byte offset (protocol 4.2) of a selected token of an example."""
+    def offset(self, shard_idx: int, ex_in_shard: int, token: int) -> int:
+        """Byte offset (protocol 4.2) of token `token` (0..T-1) of an example at this layer."""
         md = self.md
-        return ((ex_in_shard * md.n_layers + self.layer_idx) * md.tokens_per_ex + self.t_lo + token_in_sel) * self.row_bytes
+        return ((ex_in_shard * md.n_layers + self.layer_idx) * md.tokens_per_ex + token) * self.row_bytes
+
+    def selected_rows(self, n_ex: int) -> torch.Tensor:
+        """Positions of the selected tokens among the span rows of `n_ex` examples read by `read_block`."""
+        first = self.t_lo - self.span_lo
+        return (torch.arange(n_ex)[:, None] * self.span + torch.arange(first, first + self.n_tok)).reshape(-1)
 
     def blocks(self, block_bytes: int) -> list[Block]:
         """The directory cut into blocks of about `block_bytes` of selected rows, never crossing a shard."""
-        ex_per_block = max(1, block_bytes // (self.n_tok * self.row_bytes))
+        ex_per_block = max(1, block_bytes // (self.span * self.row_bytes))
         return [
             Block(shard_idx, start, min(ex_per_block, n - start))
             for shard_idx, n in enumerate(self.sd.shard_sizes)
@@ -89,15 +97,28 @@ class LayerView:
         ]
 
     def read_block(self, block: Block, out_nd: np.ndarray) -> None:
-        """Read a block's selected rows, in storage order, into `out_nd` (block.n_ex * n_tok, D)."""
+        """Read a block's span rows, in storage order, into `out_nd` (block.n_ex * span, D)."""
         fd = self.fd(block.shard_idx)
         mem = memoryview(out_nd.reshape(-1).view(np.uint8))
-        run = self.n_tok * self.row_bytes
+        run = self.span * self.row_bytes
         if self.contiguous:
-            self._pread(fd, mem[: block.n_ex * run], self.offset(block.shard_idx, block.ex_start), block)
+            self._pread(fd, mem[: block.n_ex * run], self.offset(block.shard_idx, block.ex_start, 0), block)
             return
         for i in range(block.n_ex):
-            self._pread(fd, mem[i * run : (i + 1) * run], self.offset(block.shard_idx, block.ex_start + i), block)
+            offset = self.offset(block.shard_idx, block.ex_start + i, self.span_lo)
+            self._pread(fd, mem[i * run : (i + 1) * run], offset, block)
+
+    def prefetch(self, block: Block) -> None:
+        """Ask the kernel to start reading a block now (asynchronously), so cold reads overlap with work."""
+        fd = self.fd(block.shard_idx)
+        if self.md.n_layers == 1:  # one advice for the whole run (the other tokens are in it anyway)
+            start = self.offset(block.shard_idx, block.ex_start, 0)
+            stop = self.offset(block.shard_idx, block.ex_start + block.n_ex, 0)
+            os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+            return
+        for i in range(block.n_ex):
+            offset = self.offset(block.shard_idx, block.ex_start + i, self.span_lo)
+            os.posix_fadvise(fd, offset, self.span * self.row_bytes, os.POSIX_FADV_WILLNEED)
 
     def _pread(self, fd: int, mem: memoryview, offset: int, block: Block) -> None:
         done = 0
@@ -136,7 +157,7 @@ class _StreamLoader:
     reader thread:   preads a window's blocks into a raw buffer (2 in rotation)
     shuffler thread: permutes the raw rows into an output buffer (3 in rotation: the consumer may still hold
                      batches of the previous window while the next one is being filled)
-    Ordered windows skip the shuffler's copy: they are read straight into an output buffer.
+    Ordered windows whose rows read are exactly the rows selected skip the copy: they go straight to an output buffer.
     """
 
     N_RAW, N_OUT = 2, 3
@@ -148,7 +169,8 @@ class _StreamLoader:
         self.block_list = view.blocks(block_bytes)
         self.window_blocks = window_blocks
         max_ex = max(sum(b.n_ex for b in self.block_list[i : i + window_blocks]) for i in range(len(self.block_list)))
-        self.max_window_rows = max_ex * view.n_tok
+        self.max_window_ex = max_ex
+        self._selected = view.selected_rows(max_ex)  # a prefix serves any smaller window
         self._raw: list[np.ndarray] = []
         self._out: list[torch.Tensor] = []
 
@@ -162,23 +184,25 @@ class _StreamLoader:
     def _windows(self, epoch: int) -> list[Window]:
         raise NotImplementedError
 
-    def _allocate(self, shuffled: bool) -> None:
-        shape = (self.max_window_rows, self.view.d_model)
-        if shuffled and not self._raw:
-            self._raw = [np.empty(shape, dtype=self.view.dtype) for _ in range(self.N_RAW)]
+    def _allocate(self, need_raw: bool) -> None:
+        d, dtype = self.view.d_model, self.view.dtype
+        if need_raw and not self._raw:
+            self._raw = [np.empty((self.max_window_ex * self.view.span, d), dtype=dtype) for _ in range(self.N_RAW)]
         if not self._out:
-            self._out = [torch.from_numpy(np.empty(shape, dtype=self.view.dtype)) for _ in range(self.N_OUT)]
+            shape = (self.max_window_ex * self.view.n_tok, d)
+            self._out = [torch.from_numpy(np.empty(shape, dtype=dtype)) for _ in range(self.N_OUT)]
 
     def _read(self, window: Window, out_nd: np.ndarray) -> None:
         row = 0
         for block in window.blocks:
-            n = block.n_ex * self.view.n_tok
+            n = block.n_ex * self.view.span
             self.view.read_block(block, out_nd[row : row + n])
             row += n
 
     def iter_windows(self, windows: list[Window]) -> typing.Iterator[torch.Tensor]:
         """Each window's rows (n_rows, D), read and permuted ahead of the consumer by background threads."""
-        self._allocate(any(w.perm_seed is not None for w in windows))
+        direct = self.view.compact  # ordered windows go straight into an output buffer
+        self._allocate(not direct or any(w.perm_seed is not None for w in windows))
         raw_free: queue.Queue = queue.Queue()
         out_free: queue.Queue = queue.Queue()
         for buf in self._raw:
@@ -199,8 +223,10 @@ class _StreamLoader:
 
         def reader():
             try:
-                for window in windows:
-                    if window.perm_seed is None:
+                for i, window in enumerate(windows):
+                    for block in windows[i + 1].blocks if i + 1 < len(windows) else ():
+                        self.view.prefetch(block)
+                    if window.perm_seed is None and direct:
                         out = take(out_free)
                         self._read(window, out.numpy())
                         read_q.put((window, None, out))
@@ -220,9 +246,13 @@ class _StreamLoader:
                     window, raw, out = item
                     if raw is not None:
                         out = take(out_free)
-                        gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
-                        perm = torch.randperm(window.n_rows, generator=gen)
-                        torch.index_select(torch.from_numpy(raw[: window.n_rows]), 0, perm, out=out[: window.n_rows])
+                        src = torch.from_numpy(raw[: window.n_rows // self.view.n_tok * self.view.span])
+                        index = None if self.view.compact else self._selected[: window.n_rows]
+                        if window.perm_seed is not None:
+                            gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
+                            perm = torch.randperm(window.n_rows, generator=gen)
+                            index = perm if index is None else index[perm]
+                        torch.index_select(src, 0, index, out=out[: window.n_rows])
                         raw_free.put(raw)
                     out_q.put((out, window.n_rows))
                 out_q.put(item)
@@ -360,7 +390,8 @@ class IndexedReader:
             ex, tok = divmod(int(idx_n[i]), self.view.n_tok)
             shard_idx = int(np.searchsorted(starts, ex, side="right") - 1)
             block = Block(shard_idx, ex - int(starts[shard_idx]), 1)
-            self.view._pread(self.view.fd(shard_idx), mem[i * rb : (i + 1) * rb], self.view.offset(shard_idx, block.ex_start, tok), block)
+            offset = self.view.offset(shard_idx, block.ex_start, self.view.t_lo + tok)
+            self.view._pread(self.view.fd(shard_idx), mem[i * rb : (i + 1) * rb], offset, block)
         return torch.from_numpy(out_nd)
 
     def close(self) -> None:
