@@ -19,6 +19,7 @@ include: "workflow/rules/extract.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/inference.smk"
 include: "workflow/rules/summary.smk"
+include: "workflow/rules/interop.smk"
 
 
 # Cheap bookkeeping runs where Snakemake runs (the login node under the Slurm profile).
@@ -32,3 +33,4 @@ rule all:
     default_target: True
     input:
         all_targets(),
+        export_targets(),

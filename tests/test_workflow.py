@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from saeflow import shards
+from saeflow import config, shards
 from saeflow.extract import plan_activation
 from saeflow.train import plan_runs
 from workflow_helpers import (
@@ -30,6 +30,11 @@ from workflow_helpers import (
 )
 
 
+def run_plans(cfg: dict, shard_hash: str):
+    """What the workflow plans: runs of the config with the schema's defaults filled in."""
+    return plan_runs(config.validate(json.loads(json.dumps(cfg))), {"docs": shard_hash})
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("workflow")
@@ -37,7 +42,7 @@ def prepared(tmp_path_factory):
     config_fpath = write_config(workdir, cfg)
     snakemake(workdir, config_fpath)
     shard_hash = plan_activation(cfg["activations"]["docs"]).hash
-    run_ids = [plan.run_id for plan in plan_runs(cfg, {"docs": shard_hash})]
+    run_ids = [plan.run_id for plan in run_plans(cfg, shard_hash)]
     return {"workdir": workdir, "cfg": cfg, "config": config_fpath, "hash": shard_hash, "run_ids": run_ids}
 
 
@@ -66,10 +71,18 @@ def test_unchanged_config_has_nothing_to_do(prepared):
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
+def test_report_embeds_the_summary_and_visuals(prepared):
+    report = prepared["workdir"] / "report.html"
+    snakemake(prepared["workdir"], prepared["config"], "--report", str(report))
+    html = report.read_text(encoding="utf-8", errors="replace")
+    for name in ("summary.csv", "pareto.png", "l0_hist.png", "freq_vs_mean.png"):
+        assert name in html, name
+
+
 def test_code_edit_and_fresh_mtimes_rerun_nothing(prepared, tmp_path):
     """An edited saeflow package (first on PYTHONPATH) and freshly touched shard files change no decision."""
     pkg_copy = tmp_path / "pkg" / "saeflow"
-    shutil.copytree(REPO_ROOT / "workflow" / "saeflow", pkg_copy, symlinks=True)
+    shutil.copytree(REPO_ROOT / "workflow" / "saeflow", pkg_copy)
     for module in ("extract.py", "train.py", "shards.py"):
         with open(pkg_copy / module, "a", encoding="utf-8") as fd:
             fd.write("\n# an edit to saeflow's code\n")
@@ -85,7 +98,7 @@ def test_changing_one_hyperparameter_reruns_only_that_run(prepared, tmp_path):
     proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
     counts = job_counts(proc.stdout)
     assert counts == {"create_run": 1, "train": 1, "inference": 1, "summary": 1, "all": 1}, proc.stdout
-    new_run = plan_runs(cfg, {"docs": prepared["hash"]})[1].run_id
+    new_run = run_plans(cfg, prepared["hash"])[1].run_id
     assert new_run not in prepared["run_ids"] and new_run in proc.stdout
     kept_run = prepared["run_ids"][0]
     assert f"runs/{kept_run}/checkpoint/sae.pt" not in proc.stdout.split("rule all:")[0].replace("input: ", "")
@@ -97,9 +110,8 @@ def test_layer_change_makes_a_new_shard_dir_and_keeps_the_old(prepared, tmp_path
     cfg = tiny_config(layer=2)
     new_hash = plan_activation(cfg["activations"]["docs"]).hash
     assert new_hash != prepared["hash"]
-    new_shards_json = workdir / "shards" / new_hash / "shards.json"
-    snakemake(workdir, write_config(tmp_path, cfg), str(new_shards_json))
-    assert shards.validate(new_shards_json.parent).ok
+    snakemake(workdir, write_config(tmp_path, cfg), f"shards/{new_hash}/shards.json")  # the target, relative
+    assert shards.validate(workdir / "shards" / new_hash).ok
     assert tree_state(old_dpath) == before, "the old shard directory was touched"
     assert all(not mode & 0o222 for mode, _, _ in before.values()), "the old shard directory must stay read-only"
 
@@ -110,8 +122,10 @@ def test_identical_activation_specs_share_one_shard_dir(prepared, tmp_path):
     cfg["saes"]["copy"] = {**cfg["saes"]["topk"], "train": "docs-copy", "k": 6}
     cfg["shards_root"] = str(tmp_path / "fresh-shards")
     proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
-    assert job_counts(proc.stdout)["extract"] == 1, proc.stdout
-    assert job_counts(proc.stdout)["train"] == 3
+    counts = job_counts(proc.stdout)
+    assert counts["extract"] == 1, proc.stdout
+    # Run ids name shard hashes, not roots: only the new `copy` run trains, the two prepared runs are reused.
+    assert counts["train"] == 1 and counts["create_run"] == 3, proc.stdout
 
 
 def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
@@ -121,7 +135,7 @@ def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
     try:
         proc = snakemake(workdir, prepared["config"], "-n")
         out = proc.stdout + proc.stderr
-        assert f"shard directory {shard_dpath} (activation 'docs') is missing" in out
+        assert f"shard directory shards/{prepared['hash']} (activation 'docs') is missing" in out
         assert "Nothing to be done" in out
         # A new run that needs the shards rebuilds them; finished runs are left alone.
         cfg = tiny_config(k=(4, 8, 16))
@@ -131,20 +145,28 @@ def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
         aside.rename(shard_dpath)
 
 
+def completed_shards(staging: pathlib.Path) -> int:
+    """Shards the extraction has made durable in its staging directory (0 while there is none)."""
+    try:
+        return len(json.loads((staging / "progress.json").read_text())["completed"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path):
-    cfg = tiny_config(n_ex=600, patches_per_shard=16 * 40)  # many small shards: a slow enough, resumable job
+    cfg = tiny_config(n_ex=320, patches_per_shard=16 * 32)  # 10 small shards: a slow enough, resumable job
     cfg["saes"] = {}
     config_fpath = write_config(tmp_path, cfg)
     shard_hash = plan_activation(cfg["activations"]["docs"]).hash
     final_dpath, staging = tmp_path / "shards" / shard_hash, tmp_path / "shards" / f".{shard_hash}.partial"
-    target = str(final_dpath / "shards.json")
+    target = f"shards/{shard_hash}/shards.json"
     proc = subprocess.Popen(
         snakemake_cmd(tmp_path, config_fpath, target), env=env(), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (staging / "progress.json").exists():
+        while not completed_shards(staging):
             assert proc.poll() is None, "the extraction finished before it could be killed"
             assert time.monotonic() < deadline, "no shard was ever written"
             time.sleep(0.05)
@@ -152,6 +174,7 @@ def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert not final_dpath.exists() or not any(final_dpath.iterdir()), "a partial directory was published"
+    snakemake(tmp_path, config_fpath, "--unlock")  # the killed Snakemake left its lock, as after any SIGKILL
     snakemake(tmp_path, config_fpath, target)
     assert shards.validate(final_dpath, deep=True).ok
     assert json.loads((final_dpath / "provenance.json").read_text())["resumed_from_ex"] > 0
@@ -188,11 +211,10 @@ def test_lint_and_format_are_clean():
     assert fmt.returncode == 0, fmt.stdout + fmt.stderr
 
 
-def test_default_config_validates():
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text())
-    from saeflow import config
-
-    config.validate(cfg)
+def test_default_and_example_configs_validate():
+    for example in sorted((REPO_ROOT / "config" / "examples").glob("*.yaml")):
+        config.validate(yaml.safe_load(example.read_text()))
+    cfg = config.validate(yaml.safe_load((REPO_ROOT / "config" / "config.yaml").read_text()))
     assert len(cfg["saes"]) >= 1 and any(
         isinstance(v, list) for spec in cfg["saes"].values() for v in spec.values()
     ), "the default config must hold a sweep"

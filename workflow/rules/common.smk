@@ -162,6 +162,37 @@ def report_purged_shards():
 report_purged_shards()
 
 
+# Interop exports (config key `exports`, rules in interop.smk): not content-addressed, one directory each.
+EXPORT_MARKERS = {
+    "lmprobe": "index/train-00000-of-00001.parquet",
+    "zarr": "manifest.json",
+    "pickle": "metadata.json",
+}
+
+
+def export_dpath(name):
+    spec = config["exports"][name]
+    return expand_path(spec.get("out") or f"results/exports/{name}")
+
+
+def export_config_fpath(name):
+    return CONFIG_CACHE_DIR / "exports" / f"{name}.json"
+
+
+def export_marker(name):
+    return export_dpath(name) / EXPORT_MARKERS[config["exports"][name]["format"]]
+
+
+def export_targets():
+    return [export_marker(name) for name in config["exports"]]
+
+
+for _name, _spec in config["exports"].items():
+    write_cli_config(
+        export_config_fpath(_name), {"activations": {}, "exports": {_name: _spec}}
+    )
+
+
 def all_targets():
     return [
         *(

@@ -1,34 +1,8 @@
 # Interop exports (config key `exports`; docs/interop.md): one job per export writes an lmprobe 2.0 dataset,
 # a Zarr store root (shards + manifest.json) or gzip-pickle shards with `saeflow export`. Exports are not
 # content-addressed: the output is <out> (or results/exports/<name>), rebuilt when the export's config changes.
-# Include after common.smk and add export_targets() to `rule all`.
 
-EXPORT_MARKERS = {
-    "lmprobe": "index/train-00000-of-00001.parquet",
-    "zarr": "manifest.json",
-    "pickle": "metadata.json",
-}
-
-
-def export_dpath(name):
-    spec = config["exports"][name]
-    return expand_path(spec.get("out") or f"results/exports/{name}")
-
-
-def export_config_fpath(name):
-    return CONFIG_CACHE_DIR / "exports" / f"{name}.json"
-
-
-def export_marker(name):
-    return export_dpath(name) / EXPORT_MARKERS[config["exports"][name]["format"]]
-
-
-def export_targets():
-    return [export_marker(name) for name in config["exports"]]
-
-
-for _name, _spec in config["exports"].items():
-    write_cli_config(export_config_fpath(_name), {"activations": {}, "exports": {_name: _spec}})
+# The paths come from common.smk (export_dpath, export_marker, export_config_fpath).
 
 
 # One rule per export (its output path comes from the config, not from a wildcard pattern).
