@@ -5,7 +5,7 @@ per-shard fsync, progress records, validation, atomic publish); the limit writes
 of times to one file and fsyncs it once. Runs alternate (limit, writer, limit, writer, ...) and the best of each
 is reported, so a noisy neighbour hurts both sides alike. Prints `ratio = writer GB/s / plain GB/s`; target >= 0.8.
 
-    python benchmarks/bench_writer.py              # ~2 GiB per run, 3 repeats, in a temp dir under /tmp
+    python benchmarks/bench_writer.py              # ~2 GiB per run, 5 repeats, in a temp dir under /tmp
     python benchmarks/bench_writer.py --gib 0.25 --repeats 1 --dir /fs/scratch/me
 """
 
@@ -30,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gib", type=float, default=2.0, help="bytes written per run, in GiB (default 2)")
     p.add_argument("--shard-mib", type=float, default=512, help="approximate shard size in MiB (default 512)")
     p.add_argument("--batch-ex", type=int, default=64, help="examples per write() call (default 64, ~77 MB)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each side; the best is reported (default 3)")
+    p.add_argument("--repeats", type=int, default=5, help="runs of each side; the best is reported (default 5)")
     p.add_argument("--dir", type=pathlib.Path, default=None, help="where to write (default: the system temp dir)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--tokens", type=int, default=197, help="tokens per example incl. CLS (default 197)")
