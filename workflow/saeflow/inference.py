@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import tqdm
 
-from saeflow import atomic, config, loaders, metrics, provenance, runs, sae
+from saeflow import atomic, config, extract, loaders, metrics, provenance, runs, sae
 from saeflow.csr import CsrWriter
 from saeflow.errors import SaeflowError
 from saeflow.hashing import file_sha256
@@ -52,6 +52,7 @@ class Config:
     top_k: int = DEFAULTS["top_k"]
     batch_size: int = DEFAULTS["batch_size"]
     dense_freq: float = DEFAULTS["dense_freq"]  # a latent firing on more than this fraction of rows is dense
+    device: str = DEFAULTS["device"]  # "auto": cuda when visible; does not change the result beyond float rounding
 
     def __post_init__(self):
         if self.top_k < 1:
@@ -188,6 +189,8 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
     max_act_s = np.zeros(d_sae, dtype=np.float32)
     l0_hist = np.zeros(d_sae + 1, dtype=np.int64)
     acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
+    device = extract.resolve_device(cfg.device)
+    model = model.to(device)
     # pread into reused buffers (saeflow.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
     loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all")
@@ -195,9 +198,9 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
     try:
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
             for x_bd in loader.iter_batches():
-                x_bd = x_bd.float()
+                x_bd = x_bd.to(device, torch.float32)
                 x_hat_bd, f_bs = model(x_bd)
-                f_np = f_bs.numpy()
+                f_np = f_bs.cpu().numpy()
                 rows_n, cols_n = np.nonzero(f_np)  # row-major: the CSR order
                 vals_n = f_np[rows_n, cols_n]
                 csr.append_nonzero(rows_n, cols_n, vals_n, n_rows=f_np.shape[0])

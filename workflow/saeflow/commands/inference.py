@@ -23,6 +23,7 @@ def register(subparsers):
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="rows per forward pass (default %(default)s)")
     p.add_argument("--dense-freq", type=float, default=d["dense_freq"],
                    help="firing frequency above which a latent counts as dense (default %(default)s)")
+    p.add_argument("--device", default=d["device"], help="torch device; auto = cuda when visible (default %(default)s)")
     p.set_defaults(func=cmd_inference)
 
     p = subparsers.add_parser(
@@ -56,7 +57,12 @@ def register(subparsers):
 
 def cmd_inference(args: argparse.Namespace) -> int:
     cfg = inference.Config(
-        run=args.run, shards=args.shards, top_k=args.top_k, batch_size=args.batch_size, dense_freq=args.dense_freq
+        run=args.run,
+        shards=args.shards,
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        dense_freq=args.dense_freq,
+        device=args.device,
     )
     print(inference.run_inference(cfg))
     return 0
