@@ -119,6 +119,9 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     assert resume_fpath.exists() and not killed.sae_fpath.exists()
     step_at_kill = torch.load(resume_fpath, weights_only=True)["step"]
     assert 0 < step_at_kill < 384
+    with open(killed.checkpoint_dpath / "metrics.jsonl", "a") as fd:  # as if the kill tore a line
+        fd.write('{"step": 99999, "lo')
+    (killed.checkpoint_dpath / ".resume.pt.tmp-12345").write_bytes(b"half")
     # Rerun through the CLI, as the workflow does.
     assert cli.main(["train", "--run", str(killed.root), "--device", "cpu", "--checkpoint-every", "20"]) == 0
 
@@ -129,6 +132,7 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
         assert torch.equal(tensor, _state(killed)[name]), name
     metrics_of = lambda run: (run.checkpoint_dpath / "metrics.jsonl").read_text()  # noqa: E731
     assert metrics_of(clean) == metrics_of(killed)
+    assert sorted(p.name for p in killed.checkpoint_dpath.iterdir()) == ["config.json", "metrics.json", "metrics.jsonl", "sae.pt"]
 
 
 def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):

@@ -207,6 +207,8 @@ class Trainer:
 
     def load_resume(self) -> bool:
         """Restore from checkpoint/resume.pt; False when there is none."""
+        for stale in self.run.checkpoint_dpath.glob(".*.tmp-*"):  # half-written by a killed process
+            stale.unlink()
         if not self.resume_fpath.exists():
             return False
         try:
@@ -236,8 +238,14 @@ class Trainer:
         """Drop metric lines logged after the resume point (they will be logged again, identically)."""
         if not self.metrics_fpath.exists():
             return
-        lines = self.metrics_fpath.read_text(encoding="utf-8").splitlines()
-        keep = [line for line in lines if line.strip() and json.loads(line).get("step", math.inf) <= self.step]
+        keep = []
+        for line in self.metrics_fpath.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line torn by the kill
+                continue
+            if record.get("step", math.inf) <= self.step:
+                keep.append(line)
         atomic.write_file_atomic(self.metrics_fpath, "".join(line + "\n" for line in keep).encode())
 
     # -- one step -------------------------------------------------------------------------------------------
