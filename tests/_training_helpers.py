@@ -8,7 +8,7 @@ from saeflow import config, runs, train
 from saeflow.shards import Metadata, ShardDir, ShardWriter
 
 
-def write_shards(root: pathlib.Path, acts_nltd: np.ndarray, layers=(0,), cls_token=False, ex_per_shard=None, tag="t"):
+def write_shards(root: pathlib.Path, acts_nltd: np.ndarray, layers=(0,), cls_token=False, ex_per_shard=None, tag="t", dtype="float32"):
     """Publish `acts_nltd` (n, L, T, D) as a saev shard directory; `tag` keeps different data sets apart."""
     n, L, T, D = acts_nltd.shape
     ex_per_shard = ex_per_shard or n
@@ -23,6 +23,7 @@ def write_shards(root: pathlib.Path, acts_nltd: np.ndarray, layers=(0,), cls_tok
         patches_per_shard=ex_per_shard * L * T,
         data={"__class__": "Synthetic", "tag": tag},
         dataset="/nonexistent",
+        dtype=dtype,
     )
     with ShardWriter(root, md) as writer:
         writer.write(acts_nltd)

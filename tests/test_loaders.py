@@ -124,3 +124,11 @@ def test_corrupt_or_purged_directory(shard_dir):
         _rows(_loader(shard_dir))
     with pytest.raises(ShardDirError, match="missing"):
         ShardDir(dpath)
+
+
+def test_float16_shards(shards_root, acts_nltd):
+    sd = write_shards(shards_root, acts_nltd, layers=(3, 7), cls_token=True, ex_per_shard=12, dtype="float16")
+    rows = _rows(OrderedLoader(sd, 7, batch_size=32))
+    assert rows.dtype == np.float16
+    np.testing.assert_array_equal(rows, acts_nltd[:, 1, 1:].reshape(-1, D).astype(np.float16))
+    np.testing.assert_array_equal(_sorted(_rows(_loader(sd))), _sorted(rows))
