@@ -132,3 +132,9 @@ def test_float16_shards(shards_root, acts_nltd):
     assert rows.dtype == np.float16
     np.testing.assert_array_equal(rows, acts_nltd[:, 1, 1:].reshape(-1, D).astype(np.float16))
     np.testing.assert_array_equal(_sorted(_rows(_loader(sd))), _sorted(rows))
+
+
+def test_batches_larger_than_several_windows(shard_dir, acts_nltd):
+    # Windows hold 24 rows here; a 100-row batch spans 5 of them while buffers are recycled underneath.
+    rows = _rows(_loader(shard_dir, batch_size=100).iter_batches(0))
+    np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))

@@ -295,7 +295,7 @@ class _StreamLoader:
             rows, skip = rows[skip:], 0
             if n_carry:
                 need = self.batch_size - n_carry
-                carry.append(rows[:need])
+                carry.append(rows[:need].clone())  # the window may be recycled before the batch is full
                 rows = rows[need:]
                 n_carry += carry[-1].shape[0]
                 if n_carry < self.batch_size:
