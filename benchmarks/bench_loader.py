@@ -80,7 +80,9 @@ def memmap_gather(sd: ShardDir, seconds: float, batch_size: int) -> float:
         ex = np.sort(rng.integers(shape[0], size=batch_size))
         tok = rng.integers(1, shape[2], size=batch_size)
         t0 = time.perf_counter()
-        acts = np.memmap(sd.shard_fpath(shard_idx), dtype=md.dtype, mode="r", shape=shape)  # fresh: unmapped pages can be evicted
+        acts = np.memmap(
+            sd.shard_fpath(shard_idx), dtype=md.dtype, mode="r", shape=shape
+        )  # fresh: unmapped pages can be evicted
         np.asarray(acts[ex, 0, tok])
         del acts
         spent += time.perf_counter() - t0

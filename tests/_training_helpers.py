@@ -8,7 +8,9 @@ from saeflow import config, runs, train
 from saeflow.shards import Metadata, ShardDir, ShardWriter
 
 
-def write_shards(root: pathlib.Path, acts_nltd: np.ndarray, layers=(0,), cls_token=False, ex_per_shard=None, tag="t", dtype="float32"):
+def write_shards(
+    root: pathlib.Path, acts_nltd: np.ndarray, layers=(0,), cls_token=False, ex_per_shard=None, tag="t", dtype="float32"
+):
     """Publish `acts_nltd` (n, L, T, D) as a saev shard directory; `tag` keeps different data sets apart."""
     n, L, T, D = acts_nltd.shape
     ex_per_shard = ex_per_shard or n

@@ -39,7 +39,9 @@ def _sorted(rows: np.ndarray) -> np.ndarray:
 
 def _loader(sd, seed=0, **kw):
     # Tiny blocks (3 examples) and windows of 2 blocks: many blocks, windows and shard boundaries.
-    return ShuffledLoader(sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, window_blocks=2, **kw)
+    return ShuffledLoader(
+        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, window_blocks=2, **kw
+    )
 
 
 @pytest.mark.parametrize("tokens, sel", [("content", slice(1, T)), ("cls", slice(0, 1)), ("all", slice(0, T))])
@@ -93,7 +95,9 @@ def test_single_layer_block_reads(shards_root, acts_nltd, tokens, sel):
     loader = ShuffledLoader(sd, 0, batch_size=16, seed=0, tokens=tokens, block_bytes=4 * T * D * 4)
     assert loader.view.contiguous == (tokens != "cls")
     np.testing.assert_array_equal(_sorted(_rows(loader)), _sorted(expected))
-    np.testing.assert_array_equal(_rows(OrderedLoader(sd, 0, batch_size=9, tokens=tokens, block_bytes=3 * T * D * 4)), expected)
+    np.testing.assert_array_equal(
+        _rows(OrderedLoader(sd, 0, batch_size=9, tokens=tokens, block_bytes=3 * T * D * 4)), expected
+    )
 
 
 def test_bad_selection_errors(shard_dir, shards_root, acts_nltd):

@@ -18,7 +18,9 @@ def test_known_codes_per_arch():
     topk = _identity_sae("topk", k=2).encode(x_bd)
     assert torch.equal(topk, torch.tensor([[3.0, 0, 2.0, 0], [0, 0, 0.3, 4.0]]))
     # BatchTopK in eval keeps what exceeds the stored threshold, per vector.
-    assert torch.equal(_identity_sae("batchtopk", threshold=1.0).encode(x_bd), torch.tensor([[3.0, 0, 2, 0], [0, 0, 0, 4]]))
+    assert torch.equal(
+        _identity_sae("batchtopk", threshold=1.0).encode(x_bd), torch.tensor([[3.0, 0, 2, 0], [0, 0, 0, 4]])
+    )
     sae = _identity_sae("batchtopk", k=2).train()
     f_bs = sae.encode(x_bd)
     assert (f_bs > 0).sum() == 4 and f_bs[0, 0] == 3.0 and f_bs[1, 3] == 4.0

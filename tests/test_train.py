@@ -72,7 +72,10 @@ def test_plan_runs_sweep_is_cartesian_and_content_addressed():
     assert len({p.run_id for p in plans}) == 12
     assert plans[0].train_config["train_shards"] == "h" * 64 and plans[0].train_config["val_shards"] == "v" * 64
     assert plans[0].train_activation == "x" and plans[0].val_activation == "y"
-    again = train.plan_runs(_cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]}), {"x": "h" * 64, "y": "v" * 64})
+    again = train.plan_runs(
+        _cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]}),
+        {"x": "h" * 64, "y": "v" * 64},
+    )
     assert [p.run_id for p in again] == [p.run_id for p in plans]
     # A flat matryoshka list is one value, not a sweep; another data hash is another run.
     (one,) = train.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "h" * 64})
@@ -89,7 +92,9 @@ def test_plan_runs_sweep_is_cartesian_and_content_addressed():
 def small_run(tmp_path):
     x_nd, _ = planted_data(4096, d_model=16, n_atoms=32, k=2, seed=1)
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), ex_per_shard=100, tag="small")
-    spec = dict(arch="batchtopk", k=2, expansion=4, batch_size=32, n_epochs=3, matryoshka=[0.25], dead_after_vectors=512)
+    spec = dict(
+        arch="batchtopk", k=2, expansion=4, batch_size=32, n_epochs=3, matryoshka=[0.25], dead_after_vectors=512
+    )
     return sd, spec
 
 
@@ -132,7 +137,12 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
         assert torch.equal(tensor, _state(killed)[name]), name
     metrics_of = lambda run: (run.checkpoint_dpath / "metrics.jsonl").read_text()  # noqa: E731
     assert metrics_of(clean) == metrics_of(killed)
-    assert sorted(p.name for p in killed.checkpoint_dpath.iterdir()) == ["config.json", "metrics.json", "metrics.jsonl", "sae.pt"]
+    assert sorted(p.name for p in killed.checkpoint_dpath.iterdir()) == [
+        "config.json",
+        "metrics.json",
+        "metrics.jsonl",
+        "sae.pt",
+    ]
 
 
 def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
@@ -163,8 +173,10 @@ def test_errors_name_the_problem(tmp_path, small_run):
     with pytest.raises(SaeflowError, match="does not exist"):
         train.train_runs([tmp_path / "nowhere"])
     with pytest.raises(SaeflowError, match="CUDA is not available"):
-        train.train_runs([run.root], device="cuda:0") if not torch.cuda.is_available() else (_ for _ in ()).throw(
-            SaeflowError("CUDA is not available (skipped)")
+        (
+            train.train_runs([run.root], device="cuda:0")
+            if not torch.cuda.is_available()
+            else (_ for _ in ()).throw(SaeflowError("CUDA is not available (skipped)"))
         )
     # A purged shard directory: the error names the missing files; nothing is written.
     os.chmod(sd.dpath, 0o755)
@@ -182,8 +194,7 @@ def test_lr_schedule_warms_up_then_decays():
 
 def test_cli_create_run(tmp_path, capsys):
     cfg_fpath = tmp_path / "config.yaml"
-    cfg_fpath.write_text(
-        """
+    cfg_fpath.write_text("""
 activations:
   vit:
     model: {random: {arch: vit, config: {hidden_size: 16, num_hidden_layers: 2, num_attention_heads: 2,
@@ -192,14 +203,24 @@ activations:
     dataset: {kind: generated_images, n_ex: 8, seed: 0, size: 16}
 saes:
   sweep: {train: vit, layer: 1, k: [4, 8]}
-"""
-    )
-    args = ["create-run", str(cfg_fpath), "--index", "1", "--shards-root", str(tmp_path / "s"), "--runs-root", str(tmp_path / "r")]
+""")
+    args = [
+        "create-run",
+        str(cfg_fpath),
+        "--index",
+        "1",
+        "--shards-root",
+        str(tmp_path / "s"),
+        "--runs-root",
+        str(tmp_path / "r"),
+    ]
     assert cli.main(args) == 0
     run_dpath = tmp_path / "r" / capsys.readouterr().out.strip().rsplit("/", 1)[-1]
     train_config = json.loads((run_dpath / "checkpoint" / "config.json").read_text())
     assert train_config["k"] == 8 and run_dpath.name == train.runs.run_id(train_config)
-    assert os.readlink(run_dpath / "links" / "train-shards") == str((tmp_path / "s" / train_config["train_shards"]).resolve())
+    assert os.readlink(run_dpath / "links" / "train-shards") == str(
+        (tmp_path / "s" / train_config["train_shards"]).resolve()
+    )
     assert cli.main(args) == 0 and capsys.readouterr().out.strip().endswith(run_dpath.name)  # idempotent
     assert cli.main([*args[:3], "2", *args[4:]]) == 1
     assert "--index 2 is out of range: saes.sweep expands into 2 runs" in capsys.readouterr().err

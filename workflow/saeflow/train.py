@@ -143,7 +143,15 @@ class TrainConfig:
 
     def loader_key(self) -> tuple:
         """Runs with equal keys see identical batches, so they can share one pass."""
-        return (self.train_shards, self.layer, self.tokens, self.batch_size, self.data_seed, self.n_epochs, self.n_train_vectors)
+        return (
+            self.train_shards,
+            self.layer,
+            self.tokens,
+            self.batch_size,
+            self.data_seed,
+            self.n_epochs,
+            self.n_train_vectors,
+        )
 
 
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
@@ -344,7 +352,8 @@ class Trainer:
         with open(self.metrics_fpath, "a", encoding="utf-8") as fd:
             fd.write(json.dumps({**result, "final": True}, sort_keys=True) + "\n")
         atomic.write_file_atomic(
-            self.run.checkpoint_dpath / FINAL_METRICS_FNAME, (json.dumps(result, indent=2, sort_keys=True) + "\n").encode()
+            self.run.checkpoint_dpath / FINAL_METRICS_FNAME,
+            (json.dumps(result, indent=2, sort_keys=True) + "\n").encode(),
         )
         self.sae.cpu()
         save_sae(self.sae, self.run.sae_fpath)
@@ -393,7 +402,9 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
     d_model = train_dir.metadata.d_model
     for (run, cfg), val_dir in zip(group, val_dirs):
         if val_dir.metadata.d_model != d_model:
-            raise SaeflowError(f"{run.link('val-shards')}: d_model {val_dir.metadata.d_model} differs from training's {d_model}")
+            raise SaeflowError(
+                f"{run.link('val-shards')}: d_model {val_dir.metadata.d_model} differs from training's {d_model}"
+            )
     per_epoch = len(loader)
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * per_epoch
     trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]

@@ -36,7 +36,9 @@ def register(subparsers):
     p.add_argument("--run", action="append", required=True, type=pathlib.Path, help="run directory (repeatable)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between resume checkpoints (500)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (resumable), e.g. to fit a job limit")
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many steps (resumable), e.g. to fit a job limit"
+    )
     p.set_defaults(func=cmd_train)
 
 
