@@ -172,6 +172,7 @@ def test_packing_tokenizer_matches_transformers_tokenizer():
     assert fast(texts)["input_ids"] == hf(texts, add_special_tokens=False)["input_ids"]
     for key in ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"):
         assert getattr(fast, key) == getattr(hf, key), key
+    assert models.load(models.ModelSpec(name=MINILM), info=info).tokenizer("a b")["input_ids"] == hf("a b")["input_ids"]
 
 
 def test_weights_load_offline_from_the_hf_cache(monkeypatch, tmp_path, shards_root):

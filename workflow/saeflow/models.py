@@ -16,6 +16,7 @@ plus weight file names and sizes). A random-init model is built from a `transfor
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -318,6 +319,13 @@ class Adapter:
     @property
     def d_model(self) -> int:
         return self.info.d_model
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The checkpoint's transformers tokenizer (text models; random-init models have none)."""
+        if self.info.modality != "text":
+            raise SaeflowError(f"{self.info.ckpt} is a vision model; it has no tokenizer")
+        return load_tokenizer(self.info, None)
 
     def _keep_tokens(self, acts_btd):
         """Drop register tokens (DINOv2 with registers): keep CLS then the patches, in model order."""
