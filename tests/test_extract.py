@@ -247,3 +247,15 @@ def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
     assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)  # shards written by two processes, same bytes
     assert shards.validate(resumed.dpath, deep=True).ok
     assert str(tmp_path) not in (clean.dpath / "metadata.json").read_text()  # no output paths in the hash
+
+
+def test_worker_processes_and_float16_storage(tmp_path):
+    """Decoding in DataLoader workers gives the same bytes (n_workers is not hashed); float16 storage is opt-in."""
+    serial = extract.extract(vision_spec(), tmp_path / "serial", progress=False)
+    parallel = extract.extract(vision_spec(n_workers=2), tmp_path / "parallel", progress=False)
+    assert parallel.dpath.name == serial.dpath.name
+    assert _file_bytes(parallel.dpath) == _file_bytes(serial.dpath)
+    half = shards.ShardDir(extract.extract(vision_spec(store_dtype="float16"), tmp_path / "half", progress=False).dpath)
+    full = shards.ShardDir(serial.dpath)
+    assert half.acts(0).dtype == np.float16
+    np.testing.assert_allclose(half.example(4, 2), full.example(4, 2), rtol=1e-3, atol=1e-3)
