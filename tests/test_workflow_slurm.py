@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 
+from saeflow import cli
 from saeflow.commands.workflow import install_profile
 from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
@@ -61,21 +62,16 @@ def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
     assert list((tmp_path / "scratch").glob("*/shards.json")) and list((tmp_path / "ess").glob("*/checkpoint/sae.pt"))
 
 
-def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path):
+def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path, capsys):
     dest = install_profile("PAS4321", tmp_path / "osc")
     text = (dest / "config.yaml").read_text()
     assert "PAS0000" not in text
     assert "slurm_account: PAS4321" in text and "/fs/scratch/PAS4321/$USER/saev/shards" in text
-    proc = subprocess.run(
-        [sys.executable, "-m", "saeflow", "install-profile", "--account", "PAS4321", "--dest", str(dest)],
-        capture_output=True, text=True, env=env(),
-    )  # fmt: skip
-    assert proc.returncode == 1 and "already exists" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "saeflow", "install-profile", "--account", "PAS 1", "--dest", str(tmp_path / "x")],
-        capture_output=True, text=True, env=env(),
-    )  # fmt: skip
-    assert proc.returncode == 1 and "not a Slurm account name" in proc.stderr
+    assert cli.main(["install-profile", "--account", "PAS4321", "--dest", str(dest)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["install-profile", "--account", "PAS 1", "--dest", str(tmp_path / "x")]) == 1
+    assert "not a Slurm account name" in capsys.readouterr().err
+    assert cli.main(["install-profile", "--account", "PAS4321", "--dest", str(dest), "--force"]) == 0
 
 
 def test_no_default_profile_is_shipped():
