@@ -165,6 +165,7 @@ def test_max_steps_then_resume(tmp_path, small_run):
     assert torch.load(run.checkpoint_dpath / train.RESUME_FNAME, weights_only=True)["step"] == 50
     (result,) = train.train_runs([run.root], device="cpu")
     assert result["step"] == 128 and load_sae(run.sae_fpath).threshold > 0
+    assert result["l0"] == pytest.approx(2, abs=0.5)  # BatchTopK's inference threshold keeps ~k latents per vector
 
 
 def test_errors_name_the_problem(tmp_path, small_run):
