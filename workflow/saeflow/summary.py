@@ -2,8 +2,8 @@
 
 Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json`; the row also
 carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read as a
-table. The Pareto plot puts L0 (active latents per token) against normalized MSE: lower-left is better, and the
-runs no other run beats on both are joined as the frontier.
+table. The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per evaluation shard
+directory: lower-left is better, and the runs no other run on the same data beats on both are joined as the front.
 """
 
 import csv
@@ -37,22 +37,36 @@ def flatten(obj: dict, prefix: str = "") -> dict:
     return flat
 
 
+def read_metrics(fpath: pathlib.Path) -> dict:
+    try:
+        metrics = json.loads(fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"{fpath}: unreadable metrics ({err})") from None
+    if not isinstance(metrics, dict):
+        raise SaeflowError(f"{fpath}: expected a JSON object of metrics")
+    return metrics
+
+
 def run_rows(run_dpath: pathlib.Path) -> list[dict]:
-    """One row per inference directory of the run (a run without inference yet gives no row)."""
+    """One row per inference directory of the run (a run without inference yet gives no row).
+
+    Columns: the inference metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json,
+    when present) and `config.*` (the run's training config).
+    """
     run = open_run(run_dpath)
     hparams = flatten(run.config(), "config.")
-    rows = []
-    for metrics_fpath in sorted((run.root / "inference").glob("*/metrics.json")):
-        try:
-            metrics = json.loads(metrics_fpath.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise SaeflowError(f"{metrics_fpath}: unreadable metrics ({err})") from None
-        if not isinstance(metrics, dict):
-            raise SaeflowError(f"{metrics_fpath}: expected a JSON object of metrics")
-        rows.append(
-            {"run_id": run.root.name, "shard_hash": metrics_fpath.parent.name, **flatten(metrics), **hparams}
-        )
-    return rows
+    train_fpath = run.checkpoint_dpath / "metrics.json"
+    train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
+    return [
+        {
+            "run_id": run.root.name,
+            "shard_hash": metrics_fpath.parent.name,
+            **flatten(read_metrics(metrics_fpath)),
+            **train,
+            **hparams,
+        }
+        for metrics_fpath in sorted((run.root / "inference").glob("*/metrics.json"))
+    ]
 
 
 def collect(run_dpaths: list[pathlib.Path]) -> list[dict]:
@@ -63,15 +77,16 @@ def collect(run_dpaths: list[pathlib.Path]) -> list[dict]:
 
 
 def to_csv(rows: list[dict]) -> str:
-    """Columns: run_id, shard_hash, metrics, then config.* (union over rows, stable order)."""
+    """Columns: run_id, shard_hash, inference metrics, train.*, then config.* (union over rows, sorted)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
     head = ["run_id", "shard_hash"]
-    metric_cols = sorted(c for c in columns if c not in head and not c.startswith("config."))
+    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(("config.", "train.")))
+    train_cols = sorted(c for c in columns if c.startswith("train."))
     config_cols = sorted(c for c in columns if c.startswith("config."))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=head + metric_cols + config_cols, lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=head + metric_cols + train_cols + config_cols, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -96,23 +111,30 @@ def pareto_front(points_n2: list[tuple[float, float]]) -> list[int]:
 
 
 def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
+    """One series per evaluation shard directory: runs on different data are not on one trade-off curve."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(_metric(r, L0_KEYS, "L0"), _metric(r, NMSE_KEYS, "normalized MSE")) for r in rows]
-    front = pareto_front(points)
     fig, ax = plt.subplots(figsize=(6, 4.5), dpi=120)
-    ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", label="runs")
-    ax.plot([points[i][0] for i in front], [points[i][1] for i in front], color="tab:red", marker="o", label="Pareto front")
-    for row, (x, y) in zip(rows, points):
-        ax.annotate(row["run_id"][:8], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for i, shard_hash in enumerate(sorted({r["shard_hash"] for r in rows})):
+        group = [r for r in rows if r["shard_hash"] == shard_hash]
+        points = [(_metric(r, L0_KEYS, "L0"), _metric(r, NMSE_KEYS, "normalized MSE")) for r in group]
+        front = pareto_front(points)
+        color = f"C{i % 10}"
+        ax.scatter([p[0] for p in points], [p[1] for p in points], color=color, alpha=0.5)
+        ax.plot(
+            [points[j][0] for j in front], [points[j][1] for j in front], color=color, marker="o",
+            label=f"shards {shard_hash[:8]} ({len(group)} runs)",
+        )  # fmt: skip
+        for row, (x, y) in zip(group, points):
+            ax.annotate(row["run_id"][:8], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("L0 (active latents per token)")
     ax.set_ylabel("normalized MSE")
-    ax.set_title(f"SAE sweep: sparsity vs reconstruction ({len(rows)} runs)")
+    ax.set_title(f"SAE sweep: sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

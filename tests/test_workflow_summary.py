@@ -1,0 +1,42 @@
+"""saeflow summary: the Pareto front, the CSV columns, and clear errors for runs without metrics."""
+
+import csv
+import io
+import json
+
+import pytest
+
+from saeflow import runs, summary
+from saeflow.errors import SaeflowError
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    points = [(8.0, 0.6), (32.0, 0.4), (16.0, 0.7), (64.0, 0.4), (128.0, 0.2)]
+    assert summary.pareto_front(points) == [0, 1, 4]
+
+
+def make_run(tmp_path, k: int, metrics: dict | None):
+    run = runs.create_run(tmp_path / "runs", {"arch": "topk", "k": k, "train_shards": "a" * 64}, tmp_path)
+    if metrics is not None:
+        dump = run.inference_dpath("b" * 64)
+        dump.mkdir(parents=True)
+        (dump / "metrics.json").write_text(json.dumps(metrics))
+    return run.root
+
+
+def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
+    run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
+    csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
+    rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
+    assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
+    assert list(rows[0])[:4] == ["run_id", "shard_hash", "l0", "nmse"] and "config.k" in rows[0]
+    assert png_fpath.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_errors_name_the_problem(tmp_path):
+    bare = make_run(tmp_path, 4, None)
+    with pytest.raises(SaeflowError, match="none of the 1 runs has inference metrics"):
+        summary.write_summary([bare], tmp_path / "out")
+    no_l0 = make_run(tmp_path, 8, {"nmse": 0.5})
+    with pytest.raises(SaeflowError, match="lack L0"):
+        summary.write_summary([no_l0], tmp_path / "out")
