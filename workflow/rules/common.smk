@@ -39,8 +39,15 @@ SUMMARY_DIR = expand_path(config["summary_dir"])
 CONFIG_CACHE_DIR = pathlib.Path(".snakemake", "saeflow")
 
 
+# The default config reads MiniLM through this link, which `make run` creates (see Makefile).
+DEFAULT_MODEL_LINK = "results/models/all-MiniLM-L6-v2"
+
+
 def planning_error(what, err):
-    raise WorkflowError(f"saeflow could not plan {what}: {err}") from None
+    hint = ""
+    if DEFAULT_MODEL_LINK in str(err):
+        hint = f"\n(the default config reads all-MiniLM-L6-v2 through {DEFAULT_MODEL_LINK}: run `make run` once)"
+    raise WorkflowError(f"saeflow could not plan {what}: {err}{hint}") from None
 
 
 try:
