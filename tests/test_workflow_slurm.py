@@ -74,6 +74,22 @@ def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path,
     assert cli.main(["install-profile", "--account", "PAS4321", "--dest", str(dest), "--force"]) == 0
 
 
+def test_literal_profile_osc_works_after_install(tmp_path):
+    """`saeflow install-profile` then the literal `snakemake --profile osc` (found in ~/.config/snakemake)."""
+    home = tmp_path / "home"
+    install_profile("PAS4321", home / ".config" / "snakemake" / "osc")
+    config_fpath = write_config(tmp_path, tiny_config(k=(4,)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
+         "--configfile", str(config_fpath), "--profile", "osc", "-n"],
+        env=env(HOME=str(home), USER="alice", PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}"),
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "output: /fs/scratch/PAS4321/alice/saev/shards/" in proc.stdout
+    assert "/fs/ess/PAS4321/alice/saev/runs/" in proc.stdout
+
+
 def test_no_default_profile_is_shipped():
     """profiles/default/ would be picked up automatically and override --profile keys."""
     assert not (REPO_ROOT / "profiles" / "default").exists()

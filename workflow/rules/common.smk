@@ -1,5 +1,6 @@
 # Every Python helper of the workflow: config -> activation specs -> shard hashes -> run plans -> paths.
 # Runs at parse time (also inside every Slurm job), so it only plans: no model weights, no data pass.
+import getpass
 import os
 import pathlib
 import sys
@@ -13,9 +14,16 @@ from saeflow.extract import plan_activation
 from saeflow.train import plan_runs
 
 
-def expand_path(value):
-    """Config paths may use $USER, $SAEV_SCRATCH or ~ (the OSC profile does)."""
-    return pathlib.Path(os.path.expanduser(os.path.expandvars(value)))
+def expand_path(value, key=None):
+    """Config paths may use $USER, $SAEV_SCRATCH or ~ (the OSC profile does); an unset variable is an error."""
+    # USER is unset in some batch and container shells.
+    os.environ.setdefault("USER", getpass.getuser())
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    if "$" in expanded:
+        raise WorkflowError(
+            f"config key {key or value}: {value!r} names an environment variable that is not set"
+        )
+    return pathlib.Path(expanded)
 
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
@@ -32,9 +40,9 @@ else:
     )
 SAEFLOW_ENV = "../../envs/saeflow.yaml"
 
-SHARDS_ROOT = expand_path(config["shards_root"])
-RUNS_ROOT = expand_path(config["runs_root"])
-SUMMARY_DIR = expand_path(config["summary_dir"])
+SHARDS_ROOT = expand_path(config["shards_root"], "shards_root")
+RUNS_ROOT = expand_path(config["runs_root"], "runs_root")
+SUMMARY_DIR = expand_path(config["summary_dir"], "summary_dir")
 # Where the workflow keeps the config files it hands to the `saeflow` CLI (content-addressed, never edited).
 CONFIG_CACHE_DIR = pathlib.Path(".snakemake", "saeflow")
 
@@ -179,7 +187,9 @@ EXPORT_MARKERS = {
 
 def export_dpath(name):
     spec = config["exports"][name]
-    return expand_path(spec.get("out") or f"results/exports/{name}")
+    return expand_path(
+        spec.get("out") or f"results/exports/{name}", f"exports.{name}.out"
+    )
 
 
 def export_config_fpath(name):
