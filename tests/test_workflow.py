@@ -218,3 +218,17 @@ def test_default_and_example_configs_validate():
     assert len(cfg["saes"]) >= 1 and any(
         isinstance(v, list) for spec in cfg["saes"].values() for v in spec.values()
     ), "the default config must hold a sweep"
+
+
+def test_moving_the_shards_root_reextracts_and_retrains_nothing(prepared, tmp_path):
+    """A new shards_root (e.g. a new scratch) gets the same hash-named directory; runs keep their ids and
+    checkpoints and only have their links repointed. Runs last: it repoints the prepared runs' links."""
+    workdir = prepared["workdir"]
+    sae_mtimes = {r: (workdir / "runs" / r / "checkpoint" / "sae.pt").stat().st_mtime for r in prepared["run_ids"]}
+    new_root = tmp_path / "new-scratch"
+    snakemake(workdir, prepared["config"], "--config", f"shards_root={new_root}")
+    assert shards.validate(new_root / prepared["hash"]).ok
+    for run_id, mtime in sae_mtimes.items():
+        run = workdir / "runs" / run_id
+        assert (run / "checkpoint" / "sae.pt").stat().st_mtime == mtime, "a run was retrained"
+        assert (run / "links" / "train-shards").resolve() == (new_root / prepared["hash"]).resolve()

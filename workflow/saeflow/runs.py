@@ -87,10 +87,22 @@ def _symlink(target: str | os.PathLike | None, link_fpath: pathlib.Path) -> None
         return
     target = pathlib.Path(target).resolve()
     if link_fpath.is_symlink():
-        if pathlib.Path(os.readlink(link_fpath)) == target:
+        current = pathlib.Path(os.readlink(link_fpath))
+        if current == target:
             return
-        raise SaeflowError(f"{link_fpath} points to {os.readlink(link_fpath)}, not {target}; refusing to relink")
+        if not _same_shard_hash(current, target):
+            raise SaeflowError(f"{link_fpath} points to {current}, not {target}; refusing to relink")
+        # The same content-addressed shard directory under a moved shards root: repoint the link atomically.
+        tmp_fpath = link_fpath.with_name(f".{link_fpath.name}.tmp-{os.getpid()}")
+        os.symlink(target, tmp_fpath, target_is_directory=True)
+        os.replace(tmp_fpath, link_fpath)
+        return
     os.symlink(target, link_fpath, target_is_directory=True)
+
+
+def _same_shard_hash(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Both paths name a shard directory by the same full sha256 (so the same bytes, wherever the root is)."""
+    return a.name == b.name and len(a.name) == 64 and all(c in "0123456789abcdef" for c in a.name)
 
 
 def create_run(
