@@ -80,3 +80,8 @@ def section_defaults(section: str) -> dict:
     """The schema defaults of one top-level section's keys (so dataclass and CLI defaults have one source)."""
     props = load_schema()["properties"][section]["properties"]
     return {key: copy.deepcopy(sub["default"]) for key, sub in props.items() if "default" in sub}
+
+
+def section_enum(section: str, key: str) -> tuple:
+    """The allowed values of one enumerated key of a top-level section."""
+    return tuple(load_schema()["properties"][section]["properties"][key]["enum"])

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 ASSETS_DPATH = pathlib.Path(__file__).resolve().parent / "assets"
 ASSET_FNAMES = ("index.html", "app.js", "style.css")
-SELECTIONS = ("top-frequency", "random", "list")
+SELECTIONS = config.section_enum("visuals", "selection")
 TEXT_PNG_WIDTH = 960
 LINE_PX = 20
 DEFAULTS = config.section_defaults("visuals")

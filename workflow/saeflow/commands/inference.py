@@ -3,7 +3,9 @@
 import argparse
 import pathlib
 
-from saeflow import inference, visuals
+from saeflow import config
+
+# inference/visuals import torch: load them only when their command runs, so `saeflow --help` stays fast.
 
 
 def register(subparsers):
@@ -18,7 +20,7 @@ def register(subparsers):
     )
     p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory (has checkpoint/sae.pt)")
     p.add_argument("--shards", type=pathlib.Path, required=True, metavar="DIR", help="a shard directory <root>/<hash>")
-    d = inference.DEFAULTS
+    d = config.section_defaults("inference")
     p.add_argument("--top-k", type=int, default=d["top_k"], help="rows kept per latent (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="rows per forward pass (default %(default)s)")
     p.add_argument("--dense-freq", type=float, default=d["dense_freq"],
@@ -37,8 +39,8 @@ def register(subparsers):
     )
     p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory")
     p.add_argument("--shards-hash", metavar="HASH", help="which inference dump (optional when the run has one)")
-    d = visuals.DEFAULTS
-    p.add_argument("--selection", choices=visuals.SELECTIONS, default=d["selection"],
+    d = config.section_defaults("visuals")
+    p.add_argument("--selection", choices=config.section_enum("visuals", "selection"), default=d["selection"],
                    help="which latents to draw (default %(default)s); `list` draws --latents")
     p.add_argument("--n-latents", type=int, default=d["n_latents"], help="how many (default %(default)s)")
     p.add_argument("--latents", type=int, nargs="+", default=d["latents"], metavar="ID",
@@ -56,6 +58,8 @@ def register(subparsers):
 
 
 def cmd_inference(args: argparse.Namespace) -> int:
+    from saeflow import inference
+
     cfg = inference.Config(
         run=args.run,
         shards=args.shards,
@@ -69,6 +73,8 @@ def cmd_inference(args: argparse.Namespace) -> int:
 
 
 def cmd_visuals(args: argparse.Namespace) -> int:
+    from saeflow import visuals
+
     cfg = visuals.Config(
         run=args.run,
         shards_hash=args.shards_hash,
