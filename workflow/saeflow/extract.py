@@ -239,6 +239,14 @@ def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
         yield torch.from_numpy(ids_nt[lo:hi].astype(np.int64)), ids_nt[lo:hi]
 
 
+def model_source(spec: models.ModelSpec) -> str | None:
+    """The absolute path of a local model directory, else the HF id; None for a random-init model."""
+    if spec.name is None:
+        return None
+    local = pathlib.Path(spec.name).expanduser()
+    return str(local.resolve()) if local.is_dir() else spec.name
+
+
 def extract(spec: dict, shards_root, device: str | None = None, progress: bool = True) -> Result:
     """Write (or reuse) `<shards_root>/<hash>/`. Every input is checked before the model is loaded."""
     from tqdm import tqdm
@@ -253,7 +261,9 @@ def extract(spec: dict, shards_root, device: str | None = None, progress: bool =
         dataset.check(progress)  # unreadable images fail here, before any weights are loaded
     device_ = resolve_device(plan_.device)
     provenance_extra = {
-        "extraction": {"batch_size": plan_.batch_size, "device": device_, "n_workers": plan_.n_workers}
+        "extraction": {"batch_size": plan_.batch_size, "device": device_, "n_workers": plan_.n_workers},
+        # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
+        "model_source": model_source(plan_.model_spec),
     }
     with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
         if writer.reused:

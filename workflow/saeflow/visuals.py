@@ -167,11 +167,12 @@ class TextExamples(Examples):
 
 
 def open_examples(sd, tokenizer: str | None = None) -> Examples:
-    """Text: `tokenizer`, else the name the shards were tokenized with (an HF id; a local model is only a
-    fingerprint in the metadata, so it needs `tokenizer`). Images: the dataset rebuilt from the metadata."""
+    """Text: `tokenizer`, else the model directory recorded in provenance.json by extraction, else the name the
+    shards were tokenized with (an HF id). Images: the dataset rebuilt from the metadata."""
     md = sd.metadata
     if sd.has_aux("tokens.bin"):
-        name = tokenizer or md.data.get("tokenization", {}).get("tokenizer") or md.ckpt
+        recorded = (sd.provenance() or {}).get("model_source")
+        name = tokenizer or recorded or md.data.get("tokenization", {}).get("tokenizer") or md.ckpt
         return TextExamples(sd.aux("tokens.bin"), name)
     cls = getattr(datasets, str(md.data.get("__class__")), None)
     if cls in (datasets.ImageFolder, datasets.SegFolder, datasets.GeneratedImages):
