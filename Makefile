@@ -32,7 +32,7 @@ $(MINILM): | venv
 run: venv $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/snakemake --cores $(CORES)
 
-test: venv browser
+test: venv browser $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
 
 clean-results:
