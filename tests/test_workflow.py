@@ -60,7 +60,7 @@ def test_default_run_publishes_every_stage(prepared):
         assert json.loads((dump / "metrics.json").read_text())["l0"] > 0
         assert (dump / "visuals" / "index.html").is_file() and (dump / "visuals" / "l0_hist.png").is_file()
     summary_csv = (workdir / "summary" / "summary.csv").read_text().splitlines()
-    assert len(summary_csv) == 1 + 2 and summary_csv[0].startswith("run_id,shard_hash,")
+    assert len(summary_csv) == 1 + 2 and summary_csv[0].startswith("name,run_id,shard_hash,")
     assert (workdir / "summary" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Nothing stray in the published directories: no Snakemake timestamp files, no staging leftovers.
     assert not list((workdir / "shards").glob(".*.partial")) and not list(workdir.rglob(".snakemake_timestamp"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from saeflow import runs, summary
+from saeflow import cli, runs, summary
 from saeflow.errors import SaeflowError
 
 
@@ -29,8 +29,18 @@ def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
     assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
-    assert list(rows[0])[:4] == ["run_id", "shard_hash", "l0", "nmse"] and "config.k" in rows[0]
+    assert list(rows[0])[:5] == ["name", "run_id", "shard_hash", "l0", "nmse"] and "config.k" in rows[0]
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_summary_labels_name_runs(tmp_path):
+    run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
+    labels = [f"--label={d.name}=topk[{i}]" for i, d in enumerate(run_dpaths)]
+    argv = ["summary", *[f"--run={d}" for d in run_dpaths], *labels, "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 0
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "out" / "summary.csv").read_text())))
+    assert {r["run_id"]: r["name"] for r in rows} == {d.name: f"topk[{i}]" for i, d in enumerate(run_dpaths)}
+    assert cli.main(["summary", f"--run={run_dpaths[0]}", "--label=nonsense", "--out", str(tmp_path / "o2")]) == 1
 
 
 def test_summary_errors_name_the_problem(tmp_path):

@@ -25,6 +25,10 @@ rule summary:
         SAEFLOW_ENV
     params:
         runs=[f"--run={run_dpath(run_id)}" for run_id in sorted(RUN_PLANS)],
+        labels=[
+            f"--label={run_id}={plan.sae_name}[{plan.index}]"
+            for run_id, plan in sorted(RUN_PLANS.items())
+        ],
         out=SUMMARY_DIR,
     shell:
-        "saeflow summary {params.runs:q} --out {params.out:q} >{log:q} 2>&1"
+        "saeflow summary {params.runs:q} {params.labels:q} --out {params.out:q} >{log:q} 2>&1"

@@ -47,10 +47,10 @@ def read_metrics(fpath: pathlib.Path) -> dict:
     return metrics
 
 
-def run_rows(run_dpath: pathlib.Path) -> list[dict]:
+def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
     """One row per inference directory of the run (a run without inference yet gives no row).
 
-    Columns: the inference metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json,
+    Columns: `name` (a label such as the SAE spec and sweep index; run ids are content hashes), the inference metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json,
     when present) and `config.*` (the run's training config).
     """
     run = open_run(run_dpath)
@@ -59,6 +59,7 @@ def run_rows(run_dpath: pathlib.Path) -> list[dict]:
     train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
     return [
         {
+            "name": name,
             "run_id": run.root.name,
             "shard_hash": metrics_fpath.parent.name,
             **flatten(read_metrics(metrics_fpath)),
@@ -69,19 +70,21 @@ def run_rows(run_dpath: pathlib.Path) -> list[dict]:
     ]
 
 
-def collect(run_dpaths: list[pathlib.Path]) -> list[dict]:
-    rows = [row for dpath in sorted(run_dpaths) for row in run_rows(dpath)]
+def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None) -> list[dict]:
+    """Rows of every run; `names` maps run ids to labels for the `name` column and the plot."""
+    names = names or {}
+    rows = [row for dpath in sorted(run_dpaths) for row in run_rows(dpath, names.get(pathlib.Path(dpath).name, ""))]
     if not rows:
         raise SaeflowError(f"none of the {len(run_dpaths)} runs has inference metrics (inference/*/metrics.json)")
     return rows
 
 
 def to_csv(rows: list[dict]) -> str:
-    """Columns: run_id, shard_hash, inference metrics, train.*, then config.* (union over rows, sorted)."""
+    """Columns: name, run_id, shard_hash, inference metrics, train.*, then config.* (union over rows, sorted)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
-    head = ["run_id", "shard_hash"]
+    head = ["name", "run_id", "shard_hash"]
     metric_cols = sorted(c for c in columns if c not in head and not c.startswith(("config.", "train.")))
     train_cols = sorted(c for c in columns if c.startswith("train."))
     config_cols = sorted(c for c in columns if c.startswith("config."))
@@ -129,7 +132,7 @@ def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
             label=f"shards {shard_hash[:8]} ({len(group)} runs)",
         )  # fmt: skip
         for row, (x, y) in zip(group, points):
-            ax.annotate(row["run_id"][:8], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(row["name"] or row["run_id"][:8], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("L0 (active latents per token)")
     ax.set_ylabel("normalized MSE")
     ax.set_title(f"SAE sweep: sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
@@ -142,9 +145,11 @@ def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
     atomic.write_file_atomic(out_fpath, buf.getvalue())
 
 
-def write_summary(run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+def write_summary(
+    run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path, names: dict[str, str] | None = None
+) -> tuple[pathlib.Path, pathlib.Path]:
     """Write `summary.csv` and `pareto.png` into `out_dpath` (each replaced atomically)."""
-    rows = collect(run_dpaths)
+    rows = collect(run_dpaths, names)
     out_dpath.mkdir(parents=True, exist_ok=True)
     csv_fpath, png_fpath = out_dpath / SUMMARY_FNAME, out_dpath / PARETO_FNAME
     atomic.write_file_atomic(csv_fpath, to_csv(rows).encode("utf-8"))

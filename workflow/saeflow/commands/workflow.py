@@ -26,6 +26,10 @@ def register(subparsers):
     which.add_argument("--runs-root", type=pathlib.Path, help="summarize every run directory under this root")
     which.add_argument("--run", type=pathlib.Path, action="append", help="a run directory (repeatable)")
     p.add_argument("--out", type=pathlib.Path, required=True, metavar="DIR", help="where summary.csv and pareto.png go")
+    p.add_argument(
+        "--label", action="append", default=[], metavar="RUN_ID=NAME",
+        help="a readable name for a run (the `name` column and the plot labels); the workflow passes <sae>[<index>]",
+    )  # fmt: skip
     p.set_defaults(func=cmd_summary)
 
     p = subparsers.add_parser(
@@ -50,7 +54,13 @@ def cmd_summary(args: argparse.Namespace) -> int:
         run_dpaths = [d for d in args.runs_root.iterdir() if d.is_dir() and not d.name.startswith(".")]
     else:
         run_dpaths = args.run
-    csv_fpath, png_fpath = summary.write_summary(run_dpaths, args.out)
+    names = {}
+    for label in args.label:
+        run_id, sep, name = label.partition("=")
+        if not sep or not run_id or not name:
+            raise SaeflowError(f"--label {label!r}: expected RUN_ID=NAME")
+        names[run_id] = name
+    csv_fpath, png_fpath = summary.write_summary(run_dpaths, args.out, names)
     print(csv_fpath)
     print(png_fpath)
     return 0
