@@ -15,6 +15,7 @@ shard hash. A local directory that is not a cache snapshot gets a content finger
 plus weight file names and sizes). A random-init model is built from a `transformers` config and a seed.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -283,7 +284,8 @@ class _StopForward(Exception):
     """Raised by the hook on the deepest requested block: the rest of the model never runs."""
 
 
-def _find_blocks(model):
+def find_blocks(model):
+    """The ModuleList of transformer blocks: block k's output is what saeflow calls layer k."""
     import torch
 
     for path in BLOCK_PATHS:
@@ -297,6 +299,33 @@ def _find_blocks(model):
     raise SaeflowError(f"cannot find the transformer blocks of {type(model).__name__} (looked at {BLOCK_PATHS})")
 
 
+@contextlib.contextmanager
+def record_blocks(blocks, layers: typing.Sequence[int], stop_after_deepest: bool) -> typing.Iterator[dict]:
+    """Forward hooks that store each requested block's output (B, T, D) in the yielded dict.
+
+    With `stop_after_deepest` the deepest block's hook ends the forward pass, so later blocks never run.
+    """
+    deepest = max(layers)
+    recorded: dict = {}
+
+    def make_hook(layer: int):
+        def hook(module, args, output):
+            recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+            if stop_after_deepest and layer == deepest:
+                raise _StopForward
+
+        return hook
+
+    handles = [blocks[layer].register_forward_hook(make_hook(layer)) for layer in layers]
+    try:
+        yield recorded
+    except _StopForward:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class Adapter:
     """A loaded model with one job: activations of chosen blocks for a batch, stopping after the deepest."""
 
@@ -308,7 +337,7 @@ class Adapter:
         self.compute_dtype = compute_dtype
         self.torch_dtype = getattr(torch, compute_dtype)
         self.device = torch.device(device)
-        self.blocks = _find_blocks(self.model)
+        self.blocks = find_blocks(self.model)
         if len(self.blocks) != info.n_layers:
             raise SaeflowError(f"{info.ckpt}: found {len(self.blocks)} blocks, config says {info.n_layers}")
 
@@ -344,31 +373,12 @@ class Adapter:
         import torch
 
         layers = tuple(layers)
-        deepest = max(layers)
-        recorded: dict[int, torch.Tensor] = {}
-
-        def make_hook(layer: int):
-            def hook(module, args, output):
-                hidden_btd = output[0] if isinstance(output, (tuple, list)) else output
-                recorded[layer] = hidden_btd.detach()
-                if layer == deepest:
-                    raise _StopForward
-
-            return hook
-
-        handles = [self.blocks[layer].register_forward_hook(make_hook(layer)) for layer in layers]
-        try:
-            with torch.inference_mode():
-                batch = batch.to(self.device)
-                if self.info.modality == "vision":
-                    self.model(pixel_values=batch.to(self.torch_dtype))
-                else:
-                    self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
+        with record_blocks(self.blocks, layers, stop_after_deepest=True) as recorded, torch.inference_mode():
+            batch = batch.to(self.device)
+            if self.info.modality == "vision":
+                self.model(pixel_values=batch.to(self.torch_dtype))
+            else:
+                self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
         return {layer: self._keep_tokens(recorded[layer]).float().cpu() for layer in layers}
 
 

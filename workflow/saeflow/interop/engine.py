@@ -64,32 +64,21 @@ class TextEngine:
         except (OSError, ValueError) as err:
             raise SaeflowError(f"cannot load the weights of {self.info.ckpt}: {err}") from None
         self.model.eval().to(cfg.device)
-        self.blocks = models._find_blocks(self.model.base_model)
+        self.blocks = models.find_blocks(self.model.base_model)
         self.d_model = self.info.d_model
 
     def _forward(self, ids_bt, mask_bt=None):
         """(logits (B, T, V) or None, {layer: (B, T, D) float32 block outputs}) for right-padded sequences."""
         import torch
 
-        recorded = {}
-
-        def make_hook(layer):
-            def hook(module, args, output):
-                recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output).float().cpu()
-
-            return hook
-
         if mask_bt is None:
             mask_bt = torch.ones_like(ids_bt)
-        handles = [self.blocks[layer].register_forward_hook(make_hook(layer)) for layer in self.layers]
-        try:
-            with torch.inference_mode():
-                out = self.model(input_ids=ids_bt.to(self.cfg.device), attention_mask=mask_bt.to(self.cfg.device),
-                                 use_cache=False)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return (out.logits.float().cpu() if self.causal else None), {layer: recorded[layer].numpy() for layer in self.layers}
+        # The whole model runs (logits are needed), so the hooks must not stop it after the deepest block.
+        with models.record_blocks(self.blocks, self.layers, stop_after_deepest=False) as recorded, torch.inference_mode():
+            out = self.model(input_ids=ids_bt.to(self.cfg.device), attention_mask=mask_bt.to(self.cfg.device),
+                             use_cache=False)
+        acts = {layer: recorded[layer].float().cpu().numpy() for layer in self.layers}
+        return (out.logits.float().cpu() if self.causal else None), acts
 
     def tokenize(self, text: str) -> list[int]:
         ids = self.tokenizer(text, truncation=True, max_length=self.cfg.max_tokens)["input_ids"]
