@@ -97,3 +97,16 @@ def test_remove_staging_handles_read_only_trees(tmp_path):
     atomic.remove_staging(tmp_path / "s")
     atomic.remove_staging(tmp_path / "never-existed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_building_dir_publishes_on_success_and_leaves_nothing_on_failure(tmp_path):
+    final = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with atomic.building_dir(final) as staging:
+            (staging / "half.bin").write_bytes(b"x")
+            raise RuntimeError("killed half-way")
+    assert not final.exists() and not atomic.staging_dpath(final).exists()
+    with atomic.building_dir(final) as staging:
+        (staging / "whole.bin").write_bytes(b"xy")
+    assert (final / "whole.bin").read_bytes() == b"xy" and not atomic.staging_dpath(final).exists()
+    assert not (final / "whole.bin").stat().st_mode & 0o222  # published read-only

@@ -80,6 +80,24 @@ def publish_dir(staging: pathlib.Path, final_dpath: pathlib.Path) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def building_dir(final_dpath: pathlib.Path) -> typing.Iterator[pathlib.Path]:
+    """A fresh, empty staging sibling in which to build `final_dpath`.
+
+    When the block ends normally the staging directory is published (`publish_dir`); when it raises, the staging
+    directory is removed, so a failure never leaves a partial output at the final path or beside it.
+    """
+    staging = staging_dpath(final_dpath)
+    remove_staging(staging)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        publish_dir(staging, final_dpath)
+    except BaseException:
+        remove_staging(staging)
+        raise
+
+
 def write_file_atomic(fpath: pathlib.Path, data: bytes, readonly: bool = False) -> None:
     """Write a single file through a temporary sibling and a rename."""
     tmp_fpath = fpath.parent / f".{fpath.name}.tmp-{os.getpid()}"

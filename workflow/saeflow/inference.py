@@ -147,10 +147,7 @@ def run_inference(cfg: Config) -> pathlib.Path:
             check_reusable(final_dpath, dump_config)
             logger.info("reusing %s", final_dpath)
             return final_dpath
-        staging = atomic.staging_dpath(final_dpath)
-        atomic.remove_staging(staging)
-        staging.mkdir()
-        try:
+        with atomic.building_dir(final_dpath) as staging:
             started_at = provenance.utc_now()
             atomic.write_json(staging / CONFIG_FNAME, dump_config)
             _dump(model, sd, layer, cfg, staging)
@@ -158,9 +155,6 @@ def run_inference(cfg: Config) -> pathlib.Path:
                 staging / provenance.PROVENANCE_FNAME,
                 {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
             )
-            atomic.publish_dir(staging, final_dpath)
-        finally:
-            atomic.remove_staging(staging)
     return final_dpath
 
 

@@ -138,10 +138,7 @@ def write(
 
     n, d_model = len(rows), last_nld[0].shape[-1]
     bounds = _shard_bounds(n, opts.prompts_per_shard)
-    staging = atomic.staging_dpath(out_dpath)
-    atomic.remove_staging(staging)
-    staging.mkdir(parents=True)
-    try:
+    with atomic.building_dir(out_dpath) as staging:
         shards_desc = _write_hidden(staging, layers, last_nld, rest_ntd, bounds, rows)
         hidden = {
             "type": "hidden", "layers": list(layers), "dim": int(d_model), "dtype": "float32",
@@ -167,10 +164,6 @@ def write(
         problems = validate(staging)
         if problems:
             raise SaeflowError("lmprobe export failed validation:\n" + "\n".join(f"  - {p}" for p in problems))
-        atomic.publish_dir(staging, out_dpath)
-    except BaseException:
-        atomic.remove_staging(staging)
-        raise
     return out_dpath
 
 

@@ -230,13 +230,10 @@ def write(
         raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output directory")
     if opts.samples_per_shard < 1:
         raise SaeflowError("pickle samples_per_shard must be >= 1")
-    staging = atomic.staging_dpath(out_dpath)
-    atomic.remove_staging(staging)
-    staging.mkdir(parents=True)
     started = provenance.utc_now()
     shards: list[dict] = []
     layers = None
-    try:
+    with atomic.building_dir(out_dpath) as staging:
         batch: list[Record] = []
         sample_idx = opts.first_sample_idx
         for rec in records:
@@ -262,10 +259,6 @@ def write(
         }
         atomic.write_json(staging / METADATA_FNAME, metadata)
         PickleShards(staging)  # metadata parses
-        atomic.publish_dir(staging, out_dpath)
-    except BaseException:
-        atomic.remove_staging(staging)
-        raise
     return out_dpath
 
 

@@ -84,9 +84,7 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
     layers, d_model = check_uniform([first], where)
     L = len(layers)
     want_resp = opts.response_max > 0
-    staging = atomic.staging_dpath(out_dpath)
-    atomic.remove_staging(staging)
-    try:
+    with atomic.building_dir(out_dpath) as staging:
         root = zarr.open_group(str(staging), mode="w")
         arrays = root.create_group("arrays")
 
@@ -160,10 +158,6 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
             **{k: prov[k] for k in ("saeflow_version", "git_commit", "torch_version", "transformers_version")},
         })
         zarr.consolidate_metadata(str(staging))
-        atomic.publish_dir(staging, out_dpath)
-    except BaseException:
-        atomic.remove_staging(staging)
-        raise
     return out_dpath
 
 
@@ -370,9 +364,7 @@ def merge(root_dpath, out_dpath) -> pathlib.Path:
         raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output")
     if any(d is None for s in reader.stores for d in s.direct.values()):
         raise SaeflowError(f"{root_dpath}: merge needs uncompressed (1, 1, T, H) chunks in every shard")
-    staging = atomic.staging_dpath(out_dpath)
-    atomic.remove_staging(staging)
-    try:
+    with atomic.building_dir(out_dpath) as staging:
         first = zarr.open_consolidated(str(reader.stores[0].dpath), mode="r")
         root = zarr.open_group(str(staging), mode="w")
         arrays = root.create_group("arrays")
@@ -400,10 +392,6 @@ def merge(root_dpath, out_dpath) -> pathlib.Path:
                            "response_truncated_fraction": n_r / reader.n if reader.attrs["R_max"] else 0.0,
                            "merged_from": [str(s.dpath.relative_to(reader.path)) for s in reader.stores]})
         zarr.consolidate_metadata(str(staging))
-        atomic.publish_dir(staging, out_dpath)
-    except BaseException:
-        atomic.remove_staging(staging)
-        raise
     return out_dpath
 
 
