@@ -5,6 +5,7 @@ same file, so the workflow and the CLI can never disagree on a default.
 """
 
 import copy
+import functools
 import pathlib
 import typing
 
@@ -16,8 +17,16 @@ from saeflow.errors import SaeflowError
 SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 
 
+@functools.cache
 def load_schema() -> dict:
+    """The parsed schema, read once per process. Read-only: validation deep-copies defaults into configs."""
     return yaml.safe_load(SCHEMA_FPATH.read_text(encoding="utf-8"))
+
+
+def def_schema(name: str) -> dict:
+    """A standalone schema for one `$defs` entry (e.g. one activation spec), its references still resolvable."""
+    schema = load_schema()
+    return {**schema["$defs"][name], "$defs": schema["$defs"]}
 
 
 def _extend_with_defaults(validator_cls):

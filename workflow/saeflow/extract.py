@@ -54,11 +54,9 @@ class Plan:
 
 def with_defaults(spec: dict) -> dict:
     """Validate one `activations.<name>` entry against the schema and fill its defaults (a copy)."""
-    schema = config_mod.load_schema()
-    sub = {**schema["$defs"]["activation_spec"], "$defs": schema["$defs"]}
     spec = copy.deepcopy(spec)
     try:
-        return config_mod.validate(spec, sub)
+        return config_mod.validate(spec, config_mod.def_schema("activation_spec"))
     except SaeflowError as err:
         raise SaeflowError(str(err).replace("config does not match", "activation spec does not match")) from None
 

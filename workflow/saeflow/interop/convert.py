@@ -22,8 +22,7 @@ SINK_FORMATS = ("lmprobe", "zarr", "pickle", "saev")
 
 def export_spec(spec: dict) -> dict:
     """Validate one export spec (from a config or from CLI flags) and fill its defaults from the schema."""
-    schema = config.load_schema()
-    return config.validate(spec, {**schema["$defs"]["export_spec"], "$defs": schema["$defs"]})
+    return config.validate(spec, config.def_schema("export_spec"))
 
 
 def zarr_options(spec: dict) -> zarr_store.ZarrOptions:
