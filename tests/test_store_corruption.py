@@ -129,3 +129,12 @@ def test_directory_without_checksums_is_valid_but_not_deep(published):
 def test_not_a_directory(tmp_path, capsys):
     assert cli.main(["validate", str(tmp_path / "nope")]) == 1
     assert "does not exist or is not a directory" in capsys.readouterr().out
+
+
+def test_empty_directory_at_the_final_path_counts_as_nothing(shards_root):
+    """Snakemake creates an output's parent directory before the job: the writer publishes over it."""
+    md = make_md(n_ex=7, ex_per_shard=3)
+    (shards_root / md.hash).mkdir()
+    writer = write_all(shards_root, md)
+    assert not writer.reused and shards.validate(writer.dpath).ok
+    assert shards.open_existing(writer.dpath) is not None

@@ -18,9 +18,8 @@ rule extract:
         config=lambda wc: shard_config_fpath(wc.shard_hash),
         shards_root=SHARDS_ROOT,
     shell:
-        # Snakemake creates the (empty) output directory first; saeflow publishes the whole directory itself.
+        # Snakemake creates the (empty) output directory first; saeflow publishes the whole directory over it.
         """
-        rmdir {params.shards_root:q}/{wildcards.shard_hash} 2>/dev/null || true
         published=$(saeflow extract {params.config:q} --shards-root {params.shards_root:q} 2>{log:q})
         if [ "$(basename "$published")" != {wildcards.shard_hash} ]; then
             echo "saeflow extract published '$published'; the workflow planned {output}" >>{log:q}

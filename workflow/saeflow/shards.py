@@ -428,8 +428,12 @@ class ShardDir:
 
 
 def open_existing(final_dpath: pathlib.Path) -> ShardDir | None:
-    """A valid published directory, None if nothing is there; ShardDirError if something broken is there."""
-    if not os.path.lexists(final_dpath):
+    """A valid published directory, None if nothing is there; ShardDirError if something broken is there.
+
+    An empty directory counts as nothing (Snakemake creates an output's parent before the job runs); publishing
+    replaces it in the same single rename.
+    """
+    if not os.path.lexists(final_dpath) or (final_dpath.is_dir() and not any(final_dpath.iterdir())):
         return None
     try:
         return ShardDir(final_dpath)
