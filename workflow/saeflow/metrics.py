@@ -38,9 +38,9 @@ class MetricsAccumulator:
         self.sq_err += float((x64 - x_hat_bd.detach().to("cpu", torch.float64)).square().sum())
         self.sum_d += x64.sum(0)
         self.sum_sq += float(x64.square().sum())
-        active_bs = f_bs.detach() > 0
-        self.n_active += int(active_bs.sum())
-        self.fires_s += active_bs.sum(0).to("cpu", torch.int64)
+        fires_s = (f_bs.detach() > 0).sum(0)  # the batch's total is the sum of these d_sae counts
+        self.n_active += int(fires_s.sum())
+        self.fires_s += fires_s.to("cpu", torch.int64)
 
     def result(self) -> dict:
         n = max(self.n_vectors, 1)
