@@ -129,11 +129,6 @@ class LayerView:
                 raise SaeflowError(f"{fpath}: ended early at byte {offset + done} (truncated after validation?)")
             done += n
 
-    def coords(self, index: int) -> tuple[int, int]:
-        """(global example index, token index in the example's T) of a global vector index."""
-        ex, tok = divmod(index, self.n_tok)
-        return ex, self.t_lo + tok
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Streaming loaders

@@ -49,14 +49,6 @@ class Run:
         """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset."""
         return self.links_dpath / name
 
-    @property
-    def train_shards_dpath(self) -> pathlib.Path:
-        return self.link("train-shards")
-
-    @property
-    def val_shards_dpath(self) -> pathlib.Path:
-        return self.link("val-shards")
-
     def inference_dpath(self, shard_hash: str) -> pathlib.Path:
         return self.root / "inference" / shard_hash
 
