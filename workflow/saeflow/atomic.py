@@ -14,6 +14,8 @@ import shutil
 import stat
 import typing
 
+from saeflow.layout import staging_dpath
+
 READONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
 READONLY_DIR_MODE = READONLY_FILE_MODE | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 
@@ -56,11 +58,6 @@ def remove_staging(dpath: pathlib.Path) -> None:
         shutil.rmtree(dpath)
 
 
-def staging_dpath(final_dpath: pathlib.Path, tag: str = "partial") -> pathlib.Path:
-    """The hidden sibling where `final_dpath` is built: `<parent>/.<name>.<tag>`."""
-    return final_dpath.parent / f".{final_dpath.name}.{tag}"
-
-
 def publish_dir(staging: pathlib.Path, final_dpath: pathlib.Path) -> bool:
     """fsync, make read-only and rename `staging` to `final_dpath` in one `os.rename`.
 
@@ -98,17 +95,36 @@ def building_dir(final_dpath: pathlib.Path) -> typing.Iterator[pathlib.Path]:
         raise
 
 
+TMP_INFIX = ".tmp-"  # `.<name>.tmp-<pid>`: a temporary left by a killed process matches `.*.tmp-*`
+
+
+@contextlib.contextmanager
+def replacing(fpath: pathlib.Path, fsync: bool = True) -> typing.Iterator[pathlib.Path]:
+    """Yield a temporary sibling of `fpath` to write; on success it replaces `fpath` in one rename.
+
+    The one write-temp-fsync-rename mechanism: a crash leaves the old file or the new one, never a torn one. On
+    failure the temporary is removed. `fsync=False` is for what has no data to sync (a symlink).
+    """
+    fpath = pathlib.Path(fpath)
+    tmp_fpath = fpath.parent / f".{fpath.name}{TMP_INFIX}{os.getpid()}"
+    try:
+        yield tmp_fpath
+        if fsync:
+            fsync_path(tmp_fpath)
+        os.replace(tmp_fpath, fpath)
+    except BaseException:
+        if os.path.lexists(tmp_fpath):
+            tmp_fpath.unlink()
+        raise
+    fsync_path(fpath.parent)
+
+
 def write_file_atomic(fpath: pathlib.Path, data: bytes, readonly: bool = False) -> None:
     """Write a single file through a temporary sibling and a rename."""
-    tmp_fpath = fpath.parent / f".{fpath.name}.tmp-{os.getpid()}"
-    with open(tmp_fpath, "wb") as fd:
-        fd.write(data)
-        fd.flush()
-        os.fsync(fd.fileno())
-    if readonly:
-        os.chmod(tmp_fpath, READONLY_FILE_MODE)
-    os.replace(tmp_fpath, fpath)
-    fsync_path(fpath.parent)
+    with replacing(fpath) as tmp_fpath:
+        tmp_fpath.write_bytes(data)
+        if readonly:
+            os.chmod(tmp_fpath, READONLY_FILE_MODE)
 
 
 def write_json(fpath: pathlib.Path, obj: typing.Any) -> None:

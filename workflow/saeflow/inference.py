@@ -26,18 +26,15 @@ import numpy as np
 import torch
 import tqdm
 
-from saeflow import atomic, config, extract, loaders, metrics, provenance, runs, sae
+from saeflow import atomic, config, layout, loaders, metrics, provenance, runs, sae
 from saeflow.csr import CsrWriter
+from saeflow.devices import resolve_device
 from saeflow.errors import SaeflowError
 from saeflow.hashing import file_sha256
 from saeflow.shards import ShardDir
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FNAME = "config.json"
-ACTS_FNAME = "patch_acts.npz"
-LATENTS_FNAME = "latents.npz"
-METRICS_FNAME = "metrics.json"
 # config.json keys that change the result; an existing dump must agree on them to be reused.
 RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k")
 DEFAULTS = config.section_defaults("inference")
@@ -140,29 +137,31 @@ def run_inference(cfg: Config) -> pathlib.Path:
         "tokens_per_ex": sd.metadata.tokens_per_ex,
         "row_order": "row = example * tokens_per_ex + token",
     }
-    final_dpath = run.inference_dpath(sd.hash)
-    final_dpath.parent.mkdir(parents=True, exist_ok=True)
-    with atomic.exclusive_lock(final_dpath.parent / f".{sd.hash}.lock"):
-        if final_dpath.exists():
-            check_reusable(final_dpath, dump_config)
-            logger.info("reusing %s", final_dpath)
-            return final_dpath
-        with atomic.building_dir(final_dpath) as staging:
+    final = run.dump(sd.hash)
+    final.dpath.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.exclusive_lock(final.dpath.parent / f".{sd.hash}.lock"):
+        if final.dpath.exists():
+            check_reusable(final, dump_config)
+            logger.info("reusing %s", final.dpath)
+            return final.dpath
+        with atomic.building_dir(final.dpath) as staging_dpath:
+            staging = layout.DumpLayout(staging_dpath)
             started_at = provenance.utc_now()
-            atomic.write_json(staging / CONFIG_FNAME, dump_config)
+            atomic.write_json(staging.config_fpath, dump_config)
             _dump(model, sd, layer, cfg, staging)
             atomic.write_json(
-                staging / provenance.PROVENANCE_FNAME,
+                staging.provenance_fpath,
                 {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
             )
-    return final_dpath
+    return final.dpath
 
 
-def check_reusable(dpath: pathlib.Path, dump_config: dict) -> None:
+def check_reusable(dump: layout.DumpLayout, dump_config: dict) -> None:
+    dpath = dump.dpath
     try:
-        existing = json.loads((dpath / CONFIG_FNAME).read_text(encoding="utf-8"))
+        existing = json.loads(dump.config_fpath.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
-        raise SaeflowError(f"{dpath / CONFIG_FNAME}: unreadable ({err}); remove {dpath} to redo it") from None
+        raise SaeflowError(f"{dump.config_fpath}: unreadable ({err}); remove {dpath} to redo it") from None
     differ = [k for k in RESULT_KEYS if existing.get(k) != dump_config[k]]
     if differ:
         raise SaeflowError(
@@ -173,17 +172,17 @@ def check_reusable(dpath: pathlib.Path, dump_config: dict) -> None:
 
 
 @torch.no_grad()
-def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: pathlib.Path) -> None:
+def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out: layout.DumpLayout) -> None:
     """One streaming pass: CSR rows, per-latent statistics, top-k and metrics."""
     T, d_sae = sd.metadata.tokens_per_ex, model.d_sae
     n_rows = sd.n_ex * T
-    csr = CsrWriter(out_dpath / ACTS_FNAME, d_sae)
+    csr = CsrWriter(out.acts_fpath, d_sae)
     topk = TopK(d_sae, cfg.top_k)
     sum_act_s = np.zeros(d_sae)
     max_act_s = np.zeros(d_sae, dtype=np.float32)
     l0_hist = np.zeros(d_sae + 1, dtype=np.int64)
     acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
-    device = extract.resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     model = model.to(device)
     # pread into reused buffers (saeflow.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
@@ -212,7 +211,7 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
     rows_sk = topk.rows_sk
     n_fires = acc.fires_s.numpy()
     np.savez(
-        out_dpath / LATENTS_FNAME,
+        out.latents_fpath,
         n_fires=n_fires,
         freq=n_fires / n_rows,
         mean_act=np.divide(sum_act_s, n_fires, out=np.zeros(d_sae), where=n_fires > 0),
@@ -222,7 +221,7 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out_dpath: path
         topk_token=np.where(rows_sk >= 0, rows_sk % T, 0),
         l0_hist=l0_hist,
     )
-    atomic.write_json(out_dpath / METRICS_FNAME, acc.result())
+    atomic.write_json(out.metrics_fpath, acc.result())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +239,11 @@ class Dump:
 
 
 def load_dump(dpath: str | os.PathLike) -> Dump:
-    dpath = pathlib.Path(dpath)
-    for fname in (CONFIG_FNAME, LATENTS_FNAME, METRICS_FNAME):
-        if not (dpath / fname).exists():
-            raise SaeflowError(f"{dpath / fname}: missing; run `saeflow inference` first")
-    with np.load(dpath / LATENTS_FNAME) as npz:
+    dump = layout.DumpLayout(pathlib.Path(dpath))
+    for fpath in (dump.config_fpath, dump.latents_fpath, dump.metrics_fpath):
+        if not fpath.exists():
+            raise SaeflowError(f"{fpath}: missing; run `saeflow inference` first")
+    with np.load(dump.latents_fpath) as npz:
         latents = {name: npz[name] for name in npz.files}
-    read = lambda fname: json.loads((dpath / fname).read_text(encoding="utf-8"))  # noqa: E731
-    return Dump(dpath, read(CONFIG_FNAME), latents, read(METRICS_FNAME))
+    read = lambda fpath: json.loads(fpath.read_text(encoding="utf-8"))  # noqa: E731
+    return Dump(dump.dpath, read(dump.config_fpath), latents, read(dump.metrics_fpath))

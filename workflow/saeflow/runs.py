@@ -1,21 +1,15 @@
-"""The run layout of storage-and-run-manifest v1: every path of a run resolved from its root.
+"""Run directories: create one from its training config, open one, read its config.
 
-    <runs_root>/<run_id>/
-      checkpoint/sae.pt, checkpoint/config.json      training output (sae.pt appears atomically, once)
-      links/train-shards, links/train-dataset         symlinks to the shard directory and the source dataset
-      links/val-shards, links/val-dataset
-      inference/<shard_hash>/{config.json, patch_acts.npz, metrics.json, ..., visuals/}
-
+A run is `<runs_root>/<run_id>/` in the layout of `saeflow.layout.RunLayout` (storage-and-run-manifest v1).
 `run_id` is the full sha256 of the canonical training config, which names the train/val shard hashes, so a run
 directory is content-addressed like a shard directory: same config and data, same run id.
 """
 
-import dataclasses
 import json
 import os
 import pathlib
 
-from saeflow import atomic
+from saeflow import atomic, layout
 from saeflow.errors import SaeflowError
 from saeflow.hashing import content_hash
 
@@ -25,35 +19,8 @@ def run_id(train_config: dict) -> str:
     return content_hash(train_config)
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    root: pathlib.Path
-
-    @property
-    def checkpoint_dpath(self) -> pathlib.Path:
-        return self.root / "checkpoint"
-
-    @property
-    def sae_fpath(self) -> pathlib.Path:
-        return self.checkpoint_dpath / "sae.pt"
-
-    @property
-    def config_fpath(self) -> pathlib.Path:
-        return self.checkpoint_dpath / "config.json"
-
-    @property
-    def links_dpath(self) -> pathlib.Path:
-        return self.root / "links"
-
-    def link(self, name: str) -> pathlib.Path:
-        """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset."""
-        return self.links_dpath / name
-
-    def inference_dpath(self, shard_hash: str) -> pathlib.Path:
-        return self.root / "inference" / shard_hash
-
-    def visuals_dpath(self, shard_hash: str) -> pathlib.Path:
-        return self.inference_dpath(shard_hash) / "visuals"
+class Run(layout.RunLayout):
+    """A run directory: its layout plus what reading it involves."""
 
     def config(self) -> dict:
         try:
@@ -85,9 +52,8 @@ def _symlink(target: str | os.PathLike | None, link_fpath: pathlib.Path) -> None
         if not _same_shard_hash(current, target):
             raise SaeflowError(f"{link_fpath} points to {current}, not {target}; refusing to relink")
         # The same content-addressed shard directory under a moved shards root: repoint the link atomically.
-        tmp_fpath = link_fpath.with_name(f".{link_fpath.name}.tmp-{os.getpid()}")
-        os.symlink(target, tmp_fpath, target_is_directory=True)
-        os.replace(tmp_fpath, link_fpath)
+        with atomic.replacing(link_fpath, fsync=False) as tmp_fpath:
+            os.symlink(target, tmp_fpath, target_is_directory=True)
         return
     os.symlink(target, link_fpath, target_is_directory=True)
 

@@ -184,12 +184,8 @@ def save_sae(sae: SAE, fpath: str | os.PathLike) -> None:
 
 def save_atomic(obj, fpath: str | os.PathLike) -> None:
     """`torch.save` through a temporary sibling, fsync and rename: a crash leaves the old file or the new one."""
-    fpath = pathlib.Path(fpath)
-    tmp_fpath = fpath.parent / f".{fpath.name}.tmp-{os.getpid()}"
-    torch.save(obj, tmp_fpath)
-    atomic.fsync_path(tmp_fpath)
-    os.replace(tmp_fpath, fpath)
-    atomic.fsync_path(fpath.parent)
+    with atomic.replacing(pathlib.Path(fpath)) as tmp_fpath:
+        torch.save(obj, tmp_fpath)
 
 
 def load_sae(fpath: str | os.PathLike) -> SAE:

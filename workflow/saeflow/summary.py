@@ -55,18 +55,19 @@ def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
     """
     run = open_run(run_dpath)
     hparams = flatten(run.config(), "config.")
-    train_fpath = run.checkpoint_dpath / "metrics.json"
+    train_fpath = run.final_metrics_fpath
     train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
     return [
         {
             "name": name,
             "run_id": run.root.name,
-            "shard_hash": metrics_fpath.parent.name,
-            **flatten(read_metrics(metrics_fpath)),
+            "shard_hash": dump_dpath.name,
+            **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
             **train,
             **hparams,
         }
-        for metrics_fpath in sorted((run.root / "inference").glob("*/metrics.json"))
+        for dump_dpath in sorted(run.inference_dpath.glob("*"))
+        if run.dump(dump_dpath.name).metrics_fpath.exists()
     ]
 
 

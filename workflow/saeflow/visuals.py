@@ -24,7 +24,7 @@ import torch
 import tqdm
 from PIL import Image, ImageDraw, ImageFont
 
-from saeflow import atomic, config, datasets, inference, runs
+from saeflow import atomic, config, datasets, inference, layout, runs
 from saeflow.errors import SaeflowError
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Config:
 
 def find_dump(run: runs.Run, shards_hash: str | None) -> pathlib.Path:
     """RUN/inference/<hash>/; the hash may be omitted when the run has exactly one dump."""
-    inference_dpath = run.root / "inference"
+    inference_dpath = run.inference_dpath
     hashes = sorted(p.name for p in inference_dpath.iterdir() if p.is_dir() and not p.name.startswith(".")) if (
         inference_dpath.is_dir()
     ) else []
@@ -78,8 +78,8 @@ def find_dump(run: runs.Run, shards_hash: str | None) -> pathlib.Path:
             )
         shards_hash = hashes[0]
     if shards_hash not in hashes:
-        raise SaeflowError(f"{inference_dpath / shards_hash}: no such inference dump; have {', '.join(hashes) or 'none'}")
-    return inference_dpath / shards_hash
+        raise SaeflowError(f"{run.dump(shards_hash).dpath}: no such inference dump; have {', '.join(hashes) or 'none'}")
+    return run.dump(shards_hash).dpath
 
 
 def choose_latents(cfg: Config, latents: dict[str, np.ndarray]) -> list[int]:
@@ -287,7 +287,7 @@ def draw_summary(latents: dict[str, np.ndarray], out_dpath: pathlib.Path) -> Non
     ax.set_ylabel("log10 mean activation when firing")
     ax.set_title(f"{int(alive.sum())} live latents of {len(alive)}")
     fig.tight_layout()
-    fig.savefig(out_dpath / "freq_vs_mean.png")
+    fig.savefig(out_dpath / layout.DumpLayout.plot_fname("freq_vs_mean"))
     plt.close(fig)
 
     hist = latents["l0_hist"]
@@ -297,7 +297,7 @@ def draw_summary(latents: dict[str, np.ndarray], out_dpath: pathlib.Path) -> Non
     ax.set_xlabel("active latents per token (L0)")
     ax.set_ylabel("tokens")
     fig.tight_layout()
-    fig.savefig(out_dpath / "l0_hist.png")
+    fig.savefig(out_dpath / layout.DumpLayout.plot_fname("l0_hist"))
     plt.close(fig)
 
 
@@ -338,7 +338,7 @@ def make_visuals(cfg: Config) -> pathlib.Path:
     dump = inference.load_dump(dump_dpath)
     run, model, sd, layer = inference.open_inputs(run.root, pathlib.Path(dump.config["shards"]))
     chosen = choose_latents(cfg, dump.latents)
-    final_dpath = dump_dpath / "visuals"
+    final_dpath = layout.DumpLayout(dump_dpath).visuals_dpath
     vis_config = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("run", "force")},
                   "latents_drawn": chosen}
     vis_config["shards_hash"] = dump_dpath.name
