@@ -1,10 +1,14 @@
 """Load and validate a saeflow config against the one schema (workflow/schemas/config.schema.yaml).
 
 The schema holds every key and every default; Snakemake's `validate(config, schema)` and this loader apply the
-same file, so the workflow and the CLI can never disagree on a default.
+same file, so the workflow and the CLI can never disagree on a default. The command-line options of a section's
+settings (`inference`, `visuals`, `train`) are generated from the same schema (`add_section_options`), and the
+workflow passes a section to the CLI as the flags that differ from the defaults (`section_flags`).
 """
 
+import argparse
 import copy
+import dataclasses
 import functools
 import pathlib
 import typing
@@ -85,12 +89,59 @@ def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:
     return name, section[name]
 
 
+def section_properties(section: str) -> dict:
+    """The schema of each key of one top-level settings section (`inference`, `visuals`, `train`)."""
+    return load_schema()["properties"][section]["properties"]
+
+
 def section_defaults(section: str) -> dict:
     """The schema defaults of one top-level section's keys (so dataclass and CLI defaults have one source)."""
-    props = load_schema()["properties"][section]["properties"]
-    return {key: copy.deepcopy(sub["default"]) for key, sub in props.items() if "default" in sub}
+    return {key: copy.deepcopy(sub["default"]) for key, sub in section_properties(section).items() if "default" in sub}
 
 
 def section_enum(section: str, key: str) -> tuple:
     """The allowed values of one enumerated key of a top-level section."""
-    return tuple(load_schema()["properties"][section]["properties"][key]["enum"])
+    return tuple(section_properties(section)[key]["enum"])
+
+
+_ARG_TYPES = {"integer": int, "number": float, "string": str}
+
+
+def option_flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def add_section_options(parser: argparse.ArgumentParser, section: str) -> None:
+    """One option per key of a settings section: its flag, type, choices, default and help all from the schema."""
+    for key, sub in section_properties(section).items():
+        kwargs = {"dest": key, "default": copy.deepcopy(sub.get("default")), "help": sub.get("description", "")}
+        if "enum" in sub:
+            kwargs["choices"] = sub["enum"]
+        elif sub.get("type") == "boolean":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif sub.get("type") == "array":
+            kwargs.update(nargs="+", type=_ARG_TYPES[sub["items"]["type"]], metavar=key.upper().rstrip("S"))
+        else:
+            kwargs["type"] = _ARG_TYPES[sub["type"]]
+        kwargs["help"] += " (default: %(default)s)"
+        parser.add_argument(option_flag(key), **kwargs)
+
+
+def section_flags(section: str, values: dict) -> list[str]:
+    """The command-line flags that set a section's `values` (validated config), omitting the defaults."""
+    flags = []
+    for key, value in values.items():
+        if value == section_properties(section)[key].get("default"):
+            continue
+        if isinstance(value, bool):
+            flags.append(option_flag(key) if value else "--no-" + key.replace("_", "-"))
+        else:
+            flags += [option_flag(key), *(str(v) for v in (value if isinstance(value, list) else [value]))]
+    return flags
+
+
+def from_args(cls, args: argparse.Namespace, **overrides):
+    """A settings dataclass from parsed arguments whose names are its fields (no field is copied by hand)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    return cls(**{**values, **overrides})
