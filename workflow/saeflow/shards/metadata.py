@@ -1,7 +1,7 @@
 """Shard metadata (protocol section 2.1) and the sizing maths every reader and writer shares (sections 3, 4).
 
 `Metadata` is the hashed description of a shard directory; from it follow the examples per shard, the shard sizes,
-the byte offset of any vector (`locate`), the side files' sizes and the shards.json the directory must hold.
+the byte offset of any vector (`locate`), the side files' sizes and the shard list the directory must hold.
 """
 
 import dataclasses
@@ -10,21 +10,13 @@ import typing
 
 import numpy as np
 
-from saeflow import provenance
 from saeflow.errors import SaeflowError
 from saeflow.hashing import content_hash
+from saeflow.layout import ShardLayout
 
 PROTOCOL = "2.0"
 DTYPES = ("float32", "float16")
 DEFAULT_PATCHES_PER_SHARD = 2_400_000
-METADATA_FNAME = "metadata.json"
-SHARDS_FNAME = "shards.json"
-CHECKSUMS_FNAME = "checksums.json"
-PROGRESS_FNAME = "progress.json"  # staging only: completed shards, for resume
-
-
-def shard_fname(shard_idx: int) -> str:
-    return f"acts{shard_idx:06d}.bin"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +28,9 @@ class AuxSpec:
 
 
 AUX_FILES: dict[str, AuxSpec] = {
-    "labels.bin": AuxSpec("uint8", lambda md: (md.patches_per_ex,)),
-    "tokens.bin": AuxSpec("int32", lambda md: (md.tokens_per_ex,)),
+    ShardLayout.LABELS_FNAME: AuxSpec("uint8", lambda md: (md.patches_per_ex,)),
+    ShardLayout.TOKENS_FNAME: AuxSpec("int32", lambda md: (md.tokens_per_ex,)),
 }
-KNOWN_FNAMES = {METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *AUX_FILES}
 
 
 def _is_int(x) -> bool:
@@ -47,7 +38,7 @@ def _is_int(x) -> bool:
 
 
 def _is_plain_json(x) -> bool:
-    """True when `x` survives a JSON round trip unchanged, so its hash is the hash of what metadata.json holds."""
+    """True when `x` survives a JSON round trip unchanged, so its hash is the hash of what the metadata file holds."""
     if x is None or isinstance(x, (str, bool, int)):
         return True
     if isinstance(x, float):
@@ -187,7 +178,8 @@ def locate(md: Metadata, ex: int, layer: int, token: int) -> tuple[int, int]:
 
 
 def expected_shards_json(md: Metadata) -> list[dict]:
-    return [{"name": shard_fname(i), "n_ex": n} for i, n in enumerate(md.shard_sizes)]
+    """The shard list (`ShardLayout.SHARDS_FNAME`) that `md` implies, entry for entry."""
+    return [{"name": ShardLayout.shard_fname(i), "n_ex": n} for i, n in enumerate(md.shard_sizes)]
 
 
 def aux_n_bytes(md: Metadata, fname: str) -> int:

@@ -1,4 +1,4 @@
-"""The reader: a validated, memory-mapped view of a published shard directory."""
+"""The reader: a validated, read-only view of a published shard directory, memory-mapped shard by shard."""
 
 import os
 import pathlib
@@ -6,9 +6,9 @@ import typing
 
 import numpy as np
 
-from saeflow import provenance
 from saeflow.errors import SaeflowError, ShardDirError
-from saeflow.shards.metadata import AUX_FILES, METADATA_FNAME, Metadata, locate, shard_fname
+from saeflow.layout import ShardLayout
+from saeflow.shards.metadata import AUX_FILES, Metadata, locate
 from saeflow.shards.validate import read_json, validate
 
 
@@ -20,7 +20,8 @@ class ShardDir:
         report = validate(self.dpath)
         if not report.ok:
             raise ShardDirError(self.dpath, report.problems)
-        self.metadata = Metadata.from_dict(read_json(self.dpath / METADATA_FNAME))
+        self.layout = ShardLayout(self.dpath)
+        self.metadata = Metadata.from_dict(read_json(self.layout.metadata_fpath))
         self.hash = self.dpath.resolve().name
         self.shard_sizes = self.metadata.shard_sizes
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_sizes)]).astype(np.int64)
@@ -31,7 +32,7 @@ class ShardDir:
         return self.metadata.n_ex
 
     def shard_fpath(self, shard_idx: int) -> pathlib.Path:
-        return self.dpath / shard_fname(shard_idx)
+        return self.layout.shard_fpath(shard_idx)
 
     def acts(self, shard_idx: int) -> np.memmap:
         """The memory map of one shard, shape (n_ex_in_shard, L, T, D)."""
@@ -63,18 +64,18 @@ class ShardDir:
                 yield int(self.shard_starts[shard_idx]) + start, np.ascontiguousarray(acts[start:stop, layer_idx])
 
     def has_aux(self, fname: str) -> bool:
-        return (self.dpath / fname).exists()
+        return self.layout.file(fname).exists()
 
     def aux(self, fname: str) -> np.memmap:
-        """labels.bin (n_ex, patches_per_ex) uint8 or tokens.bin (n_ex, T) int32."""
+        """A side file of AUX_FILES: the labels (n_ex, patches_per_ex) uint8 or the tokens (n_ex, T) int32."""
         spec = AUX_FILES[fname]
-        fpath = self.dpath / fname
+        fpath = self.layout.file(fname)
         if not fpath.exists():
             raise SaeflowError(f"{fpath}: this shard directory has no {fname}")
         return np.memmap(fpath, dtype=spec.dtype, mode="r", shape=(self.n_ex, *spec.row_shape(self.metadata)))
 
     def provenance(self) -> dict | None:
-        fpath = self.dpath / provenance.PROVENANCE_FNAME
+        fpath = self.layout.provenance_fpath
         return read_json(fpath) if fpath.exists() else None
 
 

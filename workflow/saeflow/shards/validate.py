@@ -1,4 +1,9 @@
-"""Validation of a shard directory without trusting it: sizes, hashes, listed files and (with `deep`) checksums."""
+"""Validation of a shard directory without trusting it: its name against the metadata hash, the shard list, every
+file's size, and (with `deep`) every file's sha256 against the checksums file.
+
+The listed files are the `ShardLayout` files, the shards and the side files; anything else is stray: validation
+ignores it and `saeflow validate` names it as a warning.
+"""
 
 import dataclasses
 import json
@@ -9,18 +14,16 @@ import tqdm
 
 from saeflow.errors import SaeflowError
 from saeflow.hashing import content_hash, file_sha256
-from saeflow.shards.metadata import (
-    AUX_FILES,
-    CHECKSUMS_FNAME,
-    KNOWN_FNAMES,
-    METADATA_FNAME,
-    SHARDS_FNAME,
-    Metadata,
-    _is_int,
-    aux_n_bytes,
-    expected_shards_json,
-    shard_fname,
-)
+from saeflow.layout import ShardLayout
+from saeflow.shards.metadata import AUX_FILES, Metadata, _is_int, aux_n_bytes, expected_shards_json
+
+KNOWN_FNAMES = {
+    ShardLayout.METADATA_FNAME,
+    ShardLayout.SHARDS_FNAME,
+    ShardLayout.CHECKSUMS_FNAME,
+    ShardLayout.PROVENANCE_FNAME,
+    *AUX_FILES,
+}
 
 
 def read_json(fpath: pathlib.Path):
@@ -48,11 +51,12 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
     dpath = pathlib.Path(dpath)
     if not dpath.is_dir():
         return Report([f"{dpath}: does not exist or is not a directory"], [])
+    layout = ShardLayout(dpath)
     problems: list[str] = []
     warnings: list[str] = []
-    checksums = _read_checksums(dpath, problems, warnings)
+    checksums = _read_checksums(layout, problems, warnings)
 
-    md_fpath = dpath / METADATA_FNAME
+    md_fpath = layout.metadata_fpath
     try:
         md_obj = read_json(md_fpath)
         md = Metadata.from_dict(md_obj)
@@ -63,10 +67,10 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
         problems.append(f"{md_fpath}: unreadable ({err})")
         md = md_obj = None
     if md is None:
-        # Without metadata the sizes are unknown, but every other file checksums.json names can still be missed.
-        for fname in sorted((checksums or {}).keys() - {METADATA_FNAME}):
-            if not (dpath / fname).exists():
-                problems.append(f"{dpath / fname}: missing")
+        # Without metadata the sizes are unknown, but every other file the checksums name can still be missed.
+        for fname in sorted((checksums or {}).keys() - {layout.METADATA_FNAME}):
+            if not layout.file(fname).exists():
+                problems.append(f"{layout.file(fname)}: missing")
         return Report(problems, warnings)
 
     actual_hash = content_hash(md_obj)
@@ -74,15 +78,15 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
     if actual_hash != expected_name:
         problems.append(
             f"{md_fpath}: its sha256 is {actual_hash}, but the directory must be named {expected_name} "
-            "(metadata.json was edited, or the directory was renamed)"
+            f"({layout.METADATA_FNAME} was edited, or the directory was renamed)"
         )
 
-    shards_fpath = dpath / SHARDS_FNAME
+    shards_fpath = layout.shards_fpath
     try:
         listed = read_json(shards_fpath)
         if listed != expected_shards_json(md):
             problems.append(
-                f"{shards_fpath}: lists {_describe_shards(listed)} but metadata.json implies "
+                f"{shards_fpath}: lists {_describe_shards(listed)} but {layout.METADATA_FNAME} implies "
                 f"{_describe_shards(expected_shards_json(md))}"
             )
     except FileNotFoundError:
@@ -90,16 +94,16 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         problems.append(f"{shards_fpath}: unreadable ({err})")
 
-    expected_bytes = {shard_fname(i): n * md.bytes_per_ex for i, n in enumerate(md.shard_sizes)}
-    for fname in AUX_FILES:  # side files are optional: required when checksums.json lists them
-        if (checksums is not None and fname in checksums) or (dpath / fname).exists():
+    expected_bytes = {layout.shard_fname(i): n * md.bytes_per_ex for i, n in enumerate(md.shard_sizes)}
+    for fname in AUX_FILES:  # side files are optional: required when the checksums list them
+        if (checksums is not None and fname in checksums) or layout.file(fname).exists():
             expected_bytes[fname] = aux_n_bytes(md, fname)
     if checksums is not None:
-        for fname in sorted(checksums.keys() - expected_bytes.keys() - {METADATA_FNAME, SHARDS_FNAME}):
-            problems.append(f"{dpath / CHECKSUMS_FNAME}: lists unexpected file {fname}")
+        for fname in sorted(checksums.keys() - expected_bytes.keys() - {layout.METADATA_FNAME, layout.SHARDS_FNAME}):
+            problems.append(f"{layout.checksums_fpath}: lists unexpected file {fname}")
 
     for fname, n_bytes in expected_bytes.items():
-        fpath = dpath / fname
+        fpath = layout.file(fname)
         try:
             size = fpath.stat().st_size
         except FileNotFoundError:
@@ -109,9 +113,9 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
             problems.append(f"{fpath}: {size} bytes, expected {n_bytes} (truncated or overwritten)")
 
     if deep and checksums is None:
-        problems.append(f"{dpath / CHECKSUMS_FNAME}: missing or unreadable, so checksums cannot be verified")
+        problems.append(f"{layout.checksums_fpath}: missing or unreadable, so checksums cannot be verified")
     elif deep:
-        problems.extend(_verify_checksums(dpath, checksums))
+        problems.extend(_verify_checksums(layout, checksums))
 
     known = KNOWN_FNAMES | expected_bytes.keys()
     for child in sorted(dpath.iterdir()):
@@ -120,9 +124,9 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
     return Report(problems, warnings)
 
 
-def _read_checksums(dpath: pathlib.Path, problems: list[str], warnings: list[str]) -> dict[str, dict] | None:
-    """checksums.json as {name: {"bytes", "sha256"}}; None (with a warning or problem) when absent or broken."""
-    fpath = dpath / CHECKSUMS_FNAME
+def _read_checksums(layout: ShardLayout, problems: list[str], warnings: list[str]) -> dict[str, dict] | None:
+    """The checksums file as {name: {"bytes", "sha256"}}; None (with a warning or problem) when absent or broken."""
+    fpath = layout.checksums_fpath
     try:
         files = read_json(fpath)["files"]
         if not isinstance(files, dict) or not all(
@@ -137,15 +141,17 @@ def _read_checksums(dpath: pathlib.Path, problems: list[str], warnings: list[str
     return None
 
 
-def _verify_checksums(dpath: pathlib.Path, checksums: dict[str, dict]) -> list[str]:
+def _verify_checksums(layout: ShardLayout, checksums: dict[str, dict]) -> list[str]:
     """Re-hash every listed file (the slow part of `--deep`), with a progress bar over bytes."""
     problems = []
-    present = {f: e for f, e in sorted(checksums.items()) if (dpath / f).exists()}
-    total = sum((dpath / f).stat().st_size for f in present)
+    present = {f: e for f, e in sorted(checksums.items()) if layout.file(f).exists()}
+    total = sum(layout.file(f).stat().st_size for f in present)
     with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=None, leave=False) as bar:
         for fname, entry in present.items():
-            if file_sha256(dpath / fname, progress=bar.update) != entry["sha256"]:
-                problems.append(f"{dpath / fname}: sha256 differs from checksums.json (the bytes changed)")
+            if file_sha256(layout.file(fname), progress=bar.update) != entry["sha256"]:
+                problems.append(
+                    f"{layout.file(fname)}: sha256 differs from {layout.CHECKSUMS_FNAME} (the bytes changed)"
+                )
     return problems
 
 

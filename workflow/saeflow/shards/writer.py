@@ -15,17 +15,8 @@ import numpy as np
 from saeflow import atomic, provenance
 from saeflow.errors import SaeflowError, ShardDirError
 from saeflow.hashing import file_sha256
-from saeflow.shards.metadata import (
-    AUX_FILES,
-    CHECKSUMS_FNAME,
-    METADATA_FNAME,
-    PROGRESS_FNAME,
-    SHARDS_FNAME,
-    Metadata,
-    aux_row_bytes,
-    expected_shards_json,
-    shard_fname,
-)
+from saeflow.layout import ShardLayout
+from saeflow.shards.metadata import AUX_FILES, Metadata, aux_row_bytes, expected_shards_json
 from saeflow.shards.reader import open_existing
 from saeflow.shards.validate import read_json, validate
 
@@ -61,9 +52,10 @@ class ShardWriter:
             if fname not in AUX_FILES:
                 raise SaeflowError(f"unknown side file {fname!r}; known: {sorted(AUX_FILES)}")
         self.provenance_extra = dict(provenance_extra or {})
-        self.dpath = self.root / metadata.hash
-        self.staging = atomic.staging_dpath(self.dpath)
-        self.lock_fpath = self.root / f".{metadata.hash}.lock"
+        self._layout = ShardLayout.at(self.root, metadata.hash)
+        self.dpath = self._layout.dpath
+        self.staging = self._layout.staging.dpath
+        self.lock_fpath = self._layout.lock_fpath
         self.reused = False
         self.n_written = 0  # examples accepted so far (durable up to the resume point at entry)
         self.resumed_from = 0
@@ -126,28 +118,35 @@ class ShardWriter:
 
     def _staging_has_our_metadata(self) -> bool:
         try:
-            return read_json(self.staging / METADATA_FNAME) == self.md.to_dict()
+            return read_json(self._layout.staging.metadata_fpath) == self.md.to_dict()
         except (OSError, ValueError):
             return False
 
     def _staging_is_sealed(self) -> bool:
         """True when staging holds a complete, valid directory with our side files (progress.json already gone)."""
-        if (self.staging / PROGRESS_FNAME).exists() or not self._staging_has_our_metadata():
+        if (self._layout.staging.progress_fpath).exists() or not self._staging_has_our_metadata():
             return False
         report = validate(self.staging, name=self.md.hash)
-        aux_present = tuple(f for f in AUX_FILES if (self.staging / f).exists())
-        if not report.ok or aux_present != self.aux_fnames or not (self.staging / CHECKSUMS_FNAME).exists():
+        aux_present = tuple(f for f in AUX_FILES if (self._layout.staging.file(f)).exists())
+        if not report.ok or aux_present != self.aux_fnames or not (self._layout.staging.checksums_fpath).exists():
             return False
         atomic.make_tree_writable(self.staging)  # a run killed inside publish_dir may have made it read-only
         shard_names = (s["name"] for s in expected_shards_json(self.md))
         self._remove_strays(
-            {METADATA_FNAME, SHARDS_FNAME, CHECKSUMS_FNAME, provenance.PROVENANCE_FNAME, *aux_present, *shard_names}
+            {
+                ShardLayout.METADATA_FNAME,
+                ShardLayout.SHARDS_FNAME,
+                ShardLayout.CHECKSUMS_FNAME,
+                ShardLayout.PROVENANCE_FNAME,
+                *aux_present,
+                *shard_names,
+            }
         )
         return True
 
     def _prepare_staging(self):
         """Resume from the last complete shard in the staging directory, or start it afresh."""
-        progress_fpath = self.staging / PROGRESS_FNAME
+        progress_fpath = self._layout.staging.progress_fpath
         try:
             completed = read_json(progress_fpath)["completed"] if self._staging_has_our_metadata() else None
         except (OSError, ValueError, KeyError, TypeError):
@@ -158,9 +157,9 @@ class ShardWriter:
             return
         atomic.remove_staging(self.staging)
         self.staging.mkdir(parents=True)
-        atomic.write_json(self.staging / METADATA_FNAME, self.md.to_dict())
+        atomic.write_json(self._layout.staging.metadata_fpath, self.md.to_dict())
         for fname in self.aux_fnames:
-            (self.staging / fname).touch()
+            (self._layout.staging.file(fname)).touch()
         atomic.write_file_atomic(progress_fpath, json.dumps({"completed": []}).encode())
 
     def _truncate_to(self, completed: list) -> bool:
@@ -168,10 +167,10 @@ class ShardWriter:
         sizes = self.md.shard_sizes
         try:
             for i, entry in enumerate(completed):
-                fpath = self.staging / shard_fname(i)
+                fpath = self._layout.staging.shard_fpath(i)
                 if (
                     i >= len(sizes)
-                    or entry["name"] != shard_fname(i)
+                    or entry["name"] != ShardLayout.shard_fname(i)
                     or entry["n_ex"] != sizes[i]
                     or entry["bytes"] != sizes[i] * self.md.bytes_per_ex
                     or not isinstance(entry["sha256"], str)
@@ -180,15 +179,17 @@ class ShardWriter:
                     return False
             n_done = sum(sizes[: len(completed)])
             for fname in self.aux_fnames:
-                if (self.staging / fname).stat().st_size < n_done * aux_row_bytes(self.md, fname):
+                if (self._layout.staging.file(fname)).stat().st_size < n_done * aux_row_bytes(self.md, fname):
                     return False
         except (OSError, KeyError, TypeError):
             return False
         # Trusted: remove the unfinished shard, other side files and temporary files, then cut the side files.
         atomic.make_tree_writable(self.staging)  # a run killed inside publish_dir may have made it read-only
-        self._remove_strays({METADATA_FNAME, PROGRESS_FNAME, *self.aux_fnames, *(s["name"] for s in completed)})
+        self._remove_strays(
+            {ShardLayout.METADATA_FNAME, ShardLayout.PROGRESS_FNAME, *self.aux_fnames, *(s["name"] for s in completed)}
+        )
         for fname in self.aux_fnames:
-            os.truncate(self.staging / fname, n_done * aux_row_bytes(self.md, fname))
+            os.truncate(self._layout.staging.file(fname), n_done * aux_row_bytes(self.md, fname))
         return True
 
     def _remove_strays(self, keep: set[str]):
@@ -282,11 +283,11 @@ class ShardWriter:
         finishing: concurrent.futures.Future | None = None
         aux_fds = {}
         try:
-            aux_fds = {fname: open(self.staging / fname, "ab") for fname in self.aux_fnames}
+            aux_fds = {fname: open(self._layout.staging.file(fname), "ab") for fname in self.aux_fnames}
             while (item := self._queue.get()) is not None:
                 shard_idx, acts, aux_rows = item
                 if shard is None:
-                    shard = _ShardFile(self.staging / shard_fname(shard_idx), hasher)
+                    shard = _ShardFile(self._layout.staging.shard_fpath(shard_idx), hasher)
                 shard.write(acts)
                 for fname, rows in aux_rows.items():
                     aux_fds[fname].write(_bytes_view(rows))
@@ -321,7 +322,7 @@ class ShardWriter:
             os.fsync(aux_fd.fileno())
         self._completed.append({"name": shard.fpath.name, **entry})
         progress = json.dumps({"completed": self._completed}).encode()
-        atomic.write_file_atomic(self.staging / PROGRESS_FNAME, progress)
+        atomic.write_file_atomic(self._layout.staging.progress_fpath, progress)
 
     # -- publishing -------------------------------------------------------------------------------------------
 
@@ -332,12 +333,12 @@ class ShardWriter:
                 f"only {self.n_written} of {md.n_ex} examples were written to {self.staging}; nothing was published. "
                 "Rerun to resume from the last complete shard."
             )
-        atomic.write_json(self.staging / SHARDS_FNAME, expected_shards_json(md))
+        atomic.write_json(self._layout.staging.shards_fpath, expected_shards_json(md))
         files = {s["name"]: {"bytes": s["bytes"], "sha256": s["sha256"]} for s in self._completed}
-        for fname in (METADATA_FNAME, SHARDS_FNAME, *self.aux_fnames):
-            fpath = self.staging / fname
+        for fname in (ShardLayout.METADATA_FNAME, ShardLayout.SHARDS_FNAME, *self.aux_fnames):
+            fpath = self._layout.staging.file(fname)
             files[fname] = {"bytes": fpath.stat().st_size, "sha256": file_sha256(fpath)}
-        atomic.write_json(self.staging / CHECKSUMS_FNAME, {"files": files})
+        atomic.write_json(self._layout.staging.checksums_fpath, {"files": files})
         prov = {
             **provenance.collect(),
             **self.provenance_extra,
@@ -345,9 +346,9 @@ class ShardWriter:
             "finished_at": provenance.utc_now(),
             "resumed_from_ex": self.resumed_from,
         }
-        atomic.write_json(self.staging / provenance.PROVENANCE_FNAME, prov)
+        atomic.write_json(self._layout.staging.provenance_fpath, prov)
         # From here the staging directory is sealed: a run killed before the rename publishes it on entry.
-        (self.staging / PROGRESS_FNAME).unlink()
+        (self._layout.staging.progress_fpath).unlink()
         report = validate(self.staging, name=md.hash)
         if not report.ok:
             raise ShardDirError(self.staging, report.problems, hint="nothing was published")
