@@ -1,7 +1,12 @@
 """Shard metadata (protocol section 2.1) and the sizing maths every reader and writer shares (sections 3, 4).
 
-`Metadata` is the hashed description of a shard directory; from it follow the examples per shard, the shard sizes,
-the byte offset of any vector (`locate`), the side files' sizes and the shard list the directory must hold.
+`Metadata` is the hashed description of a shard directory (named by the sha256 of its canonical JSON); from it
+follow the examples per shard, the shard sizes, the byte offset of any vector (`locate`), the side files' sizes and
+the shard list the directory must hold. What the data files hold (their names are `saeflow.layout.ShardLayout`'s):
+
+    shard i      C-order array of `dtype` (float32, or opt-in float16), shape (n_ex_in_shard, L, T, D), no header
+    AUX_FILES    optional side files, one row per example: labels uint8 (n_ex, patches_per_ex), one per patch,
+                 CLS excluded; tokens int32 (n_ex, T), the token id at every stored position (text models)
 """
 
 import dataclasses

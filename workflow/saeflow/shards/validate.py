@@ -1,8 +1,10 @@
 """Validation of a shard directory without trusting it: its name against the metadata hash, the shard list, every
 file's size, and (with `deep`) every file's sha256 against the checksums file.
 
-The listed files are the `ShardLayout` files, the shards and the side files; anything else is stray: validation
-ignores it and `saeflow validate` names it as a warning.
+The checksums file is {"files": {name: {"bytes": int, "sha256": hex}}} for every listed file but itself and the
+provenance (the only file that differs between two identical runs). The listed files are the `ShardLayout` files,
+the shards and the side files; anything else is stray: validation ignores it and `saeflow validate` names it as a
+warning.
 """
 
 import dataclasses
