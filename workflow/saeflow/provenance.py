@@ -10,8 +10,7 @@ import subprocess
 import sys
 
 import saeflow
-
-PROVENANCE_FNAME = "provenance.json"
+from saeflow.layout import PROVENANCE_FNAME  # noqa: F401 (importable here, as before)
 
 
 def utc_now() -> str:

@@ -1,0 +1,38 @@
+"""The saev protocol 2.0 shard store: content-addressed directories of activations, published atomically.
+
+`metadata` is the hashed description and the sizing maths, `validate` checks a directory without trusting it,
+`reader` memory-maps a published one and `writer` streams examples into one. Every path of a shard directory
+comes from `saeflow.layout.ShardLayout`; docs/store.md describes each file and the crash/resume/concurrency
+guarantees.
+"""
+
+from saeflow import atomic  # noqa: F401 (test_shards reaches it as `shards.atomic`, from when the store was one module)
+from saeflow.shards.metadata import (
+    AUX_FILES,
+    DEFAULT_PATCHES_PER_SHARD,
+    DTYPES,
+    PROTOCOL,
+    AuxSpec,
+    Metadata,
+    expected_shards_json,
+    locate,
+)
+from saeflow.shards.reader import ShardDir, open_existing
+from saeflow.shards.validate import Report, validate
+from saeflow.shards.writer import ShardWriter
+
+__all__ = [
+    "AUX_FILES",
+    "DEFAULT_PATCHES_PER_SHARD",
+    "DTYPES",
+    "PROTOCOL",
+    "AuxSpec",
+    "Metadata",
+    "Report",
+    "ShardDir",
+    "ShardWriter",
+    "expected_shards_json",
+    "locate",
+    "open_existing",
+    "validate",
+]
