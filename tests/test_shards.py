@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from saeflow import shards
+from saeflow import atomic, shards
 from saeflow.errors import SaeflowError
 from store_helpers import make_acts, make_aux, make_md, snapshot, write_all
 
@@ -111,7 +111,7 @@ def test_hash_is_sha256_of_canonical_json():
 
 HASH_SCRIPT = """
 import json, random, sys
-from saeflow import shards
+from saeflow import atomic, shards
 obj = json.loads(sys.argv[1])
 order = list(obj)
 random.Random(int(sys.argv[2])).shuffle(order)
@@ -229,7 +229,7 @@ def test_round_trip_many_shapes(shape, batch):
     shape = {**shape, "n_ex": shape["n_ex"] % 13 + 1, "ex_per_shard": shape["ex_per_shard"] % 6 + 1}
     with tempfile.TemporaryDirectory() as tmp:
         check_round_trip(pathlib.Path(tmp), md_from(shape, d_model=4), aux=("labels.bin",), batch=batch)
-        shards.atomic.make_tree_writable(pathlib.Path(tmp))
+        atomic.make_tree_writable(pathlib.Path(tmp))
 
 
 def test_write_across_shard_boundaries_in_one_call(shards_root):

@@ -6,7 +6,6 @@ comes from `saeflow.layout.ShardLayout`; docs/store.md describes each file and t
 guarantees.
 """
 
-from saeflow import atomic  # noqa: F401 (test_shards reaches it as `shards.atomic`, from when the store was one module)
 from saeflow.shards.metadata import (
     AUX_FILES,
     DEFAULT_PATCHES_PER_SHARD,
