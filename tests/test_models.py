@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _extract_helpers import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, vision_spec
-from saeflow import extract, models, shards
+from saeflow import extract, models, shards, tokenization
 from saeflow.errors import SaeflowError
 
 
@@ -167,7 +167,7 @@ def test_packing_tokenizer_matches_transformers_tokenizer():
     import transformers
 
     info = models.describe(models.ModelSpec(name=MINILM))
-    fast, hf = models.packing_tokenizer(info, None), transformers.AutoTokenizer.from_pretrained(MINILM)
+    fast, hf = tokenization.packing_tokenizer(info, None), transformers.AutoTokenizer.from_pretrained(MINILM)
     texts = ["Hello, World! Déjà vu.", "x" * 3000, "def f(a, b):\n    return a ** b  # comment"]
     assert fast(texts)["input_ids"] == hf(texts, add_special_tokens=False)["input_ids"]
     for key in ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"):

@@ -12,7 +12,6 @@ kernels can differ in the last bits between CPU and GPU; the hash names the comp
 
 import copy
 import dataclasses
-import functools
 import json
 import logging
 import pathlib
@@ -22,13 +21,11 @@ import typing
 import numpy as np
 
 from saeflow import config as config_mod
-from saeflow import datasets, models, shards
+from saeflow import datasets, models, shards, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
 
 logger = logging.getLogger(__name__)
-
-ENCODER_FAMILIES = ("bert", "roberta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +41,7 @@ class Plan:
     device: str
     n_workers: int
     preprocess: datasets.Preprocess | None = None
-    packing: datasets.Packing | None = None
+    packing: tokenization.Packing | None = None
     tokenizer: str | None = None  # the `tokenizer` option: None (the model's own), "bytes", or an id/path
 
     @property
@@ -95,10 +92,8 @@ def plan(spec: dict, device: str | None = None) -> Plan:
                 f"context_length={context_length} is larger than {info.ckpt} allows ({info.max_positions} positions)"
             )
         tokenizer = spec.get("tokenizer")
-        tok = _tokenizer(info, tokenizer)
-        encoder = info.family in ENCODER_FAMILIES
-        packing = datasets.packing_for(tok, _tokenizer_id(info, tokenizer, tok), context_length, encoder)
-        n_ex = len(_token_ids(info, tokenizer, dataset, packing))
+        packing = tokenization.model_packing(info, tokenizer, context_length)
+        n_ex = len(tokenization.token_ids(info, tokenizer, dataset, packing))
         data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": compute_dtype}
         patches_per_ex = context_length
         extra = dict(packing=packing, tokenizer=tokenizer)
@@ -130,38 +125,6 @@ def resolve_device(name: str) -> str:
 def plan_activation(spec: dict) -> shards.Metadata:
     """The shard metadata (and so `.hash`, the directory name) of one activation spec. Parse-time safe."""
     return plan(spec).metadata
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tokenization (memoized per process: Snakemake plans, then the CLI extracts, each once)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=8)
-def _tokenizer(info: models.ModelInfo, tokenizer: str | None):
-    return models.packing_tokenizer(info, tokenizer)
-
-
-def _tokenizer_id(info: models.ModelInfo, tokenizer: str | None, tok) -> str:
-    """The model's own tokenizer is identified by ckpt (revision included), another by its tokenizer.json sha256."""
-    if tokenizer is None:
-        return info.ckpt
-    if tokenizer == "bytes":
-        return tokenizer
-    return f"{tokenizer}@{getattr(tok, 'sha256', 'no-tokenizer.json')}"
-
-
-@functools.lru_cache(maxsize=4)
-def _token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: datasets.Packing) -> np.ndarray:
-    """int32 (n_ex, context_length): the packed corpus (the expensive part of planning a text spec)."""
-    ids_nt = packing.pack(datasets.tokenize(_tokenizer(info, tokenizer), dataset.documents()), n_ex=dataset.n_ex)
-    vocab = info.config.get("vocab_size")
-    if vocab is not None and ids_nt.max() >= vocab:
-        raise SaeflowError(
-            f"the tokenizer {packing.tokenizer} produces id {int(ids_nt.max())} but {info.ckpt} has a vocabulary of "
-            f"{vocab}: tokenizer and model do not match"
-        )
-    return ids_nt
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,7 +195,7 @@ def _collate(items):
 def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
     import torch
 
-    ids_nt = _token_ids(plan_.info, plan_.tokenizer, plan_.dataset, plan_.packing)
+    ids_nt = tokenization.token_ids(plan_.info, plan_.tokenizer, plan_.dataset, plan_.packing)
     for lo, hi in spans:
         yield torch.from_numpy(ids_nt[lo:hi].astype(np.int64)), ids_nt[lo:hi]
 

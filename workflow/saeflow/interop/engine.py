@@ -1,11 +1,11 @@
 """Run a Hugging Face text model over prompts and yield `Record`s: the engine behind every interop export.
 
-Models are resolved and tokenized by `saeflow.models` (the extraction engine's adapters), and layer k means the
-same thing there and here: the raw output of transformer block k, recorded by a forward hook. That equals
-Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2, Llama), where
-`hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also give top-k
-logits at the last prompt token, per-token NLL (perplexity) and a greedy response; encoders (BERT, MiniLM) give
-activations only.
+Models are resolved by `saeflow.models` (the extraction engine's adapters) and tokenized by `saeflow.tokenization`,
+and layer k means the same thing there and here: the raw output of transformer block k, recorded by a forward
+hook. That equals Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2,
+Llama), where `hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also
+give top-k logits at the last prompt token, per-token NLL (perplexity) and a greedy response; encoders (BERT,
+MiniLM) give activations only.
 """
 
 import dataclasses
@@ -14,12 +14,9 @@ import typing
 
 import numpy as np
 
-from saeflow import models
+from saeflow import models, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record
-
-
-ENCODERS = ("bert", "roberta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +46,12 @@ class TextEngine:
         if self.info.modality != "text":
             raise SaeflowError(f"model {cfg.model!r} is a {self.info.modality} model; interop exports need a text model")
         self.layers = self.info.resolve_layers(cfg.layers)
-        self.tokenizer = models.load_tokenizer(self.info, None)
+        self.tokenizer = tokenization.load_tokenizer(self.info, None)
         hf_config = transformers.AutoConfig.from_pretrained(self.info.source, revision=self.info.revision)
         # BERT-style configs map to an LM-head class too, but are bidirectional encoders: no next-token logits.
-        self.causal = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and self.info.family not in ENCODERS
+        self.causal = (
+            type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and self.info.family not in models.ENCODER_FAMILIES
+        )
         if not self.causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
             raise SaeflowError(
                 f"model {cfg.model!r} ({hf_config.model_type}) is not a causal LM: top-k logits, perplexity and "
