@@ -23,7 +23,7 @@ import typing
 
 import numpy as np
 
-from saeflow import datasets, models, shards, specs, tokenization
+from saeflow import datasets, devices, models, shards, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
 
@@ -95,15 +95,6 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
         dtype=spec.store_dtype,
     )
     return Plan(spec=spec, metadata=md, info=info, device=device or spec.device, **extra)
-
-
-def resolve_device(name: str) -> str:
-    """`auto` is cuda when a GPU is visible, else cpu; anything else is passed to torch as is."""
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def plan_activation(spec: specs.ActivationSpec) -> shards.Metadata:
@@ -204,7 +195,7 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
         return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
     if plan_.info.modality == "vision":
         dataset.check(progress)  # unreadable images fail here, before any weights are loaded
-    device_name = resolve_device(plan_.device)
+    device_name = str(devices.resolve_device(plan_.device))  # models.load and provenance.json take the name
     provenance_extra = {
         "extraction": {"batch_size": plan_.spec.batch_size, "device": device_name, "n_workers": plan_.spec.n_workers},
         # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
