@@ -19,7 +19,6 @@ import json
 import logging
 import pathlib
 import time
-import typing
 
 import numpy as np
 
@@ -109,13 +108,15 @@ def plan_activation(spec: specs.ActivationSpec) -> shards.Metadata:
 
 @dataclasses.dataclass
 class Result:
-    dpath: typing.Any
-    reused: bool
-    resumed_from: int
-    n_ex: int
-    forward_s: float = 0.0  # model time
-    write_s: float = 0.0  # time extraction waited on the writer: handing arrays over (blocked included) + publish
-    total_s: float = 0.0
+    """What `extract` did, and where the time went (seconds)."""
+
+    dpath: pathlib.Path  # the published shard directory <shards_root>/<hash>
+    reused: bool  # it already existed and was valid: nothing ran
+    resumed_from: int  # examples kept from an interrupted run (0: a fresh run)
+    n_ex: int  # examples in the directory
+    forward_sec: float = 0.0  # model time
+    write_sec: float = 0.0  # time extraction waited on the writer: handing arrays over (blocked included) + publish
+    total_sec: float = 0.0  # planning, checks, model loading, forward and writing
 
 
 def batches(n_ex: int, ex_per_shard: int, batch_size: int, start: int) -> list[tuple[int, int]]:
@@ -192,7 +193,7 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
     md = plan_.metadata
     dataset = plan_.dataset
     if shards.open_existing(pathlib.Path(shards_root) / md.hash) is not None:
-        return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
+        return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
     if plan_.info.modality == "vision":
         dataset.check(progress)  # unreadable images fail here, before any weights are loaded
     device_name = str(devices.resolve_device(plan_.device))  # models.load and provenance.json take the name
@@ -203,7 +204,7 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
     }
     with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
         if writer.reused:
-            return Result(writer.dpath, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
+            return Result(writer.dpath, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
         if writer.resumed_from:
             logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
         adapter = models.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
@@ -219,16 +220,16 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
                 t = time.perf_counter()
                 acts = adapter.run(inputs, md.layers)
                 acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
-                result.forward_s += time.perf_counter() - t
+                result.forward_sec += time.perf_counter() - t
                 t = time.perf_counter()
                 writer.write(acts_nltd, aux={plan_.aux_fname: aux_rows})
-                result.write_s += time.perf_counter() - t
+                result.write_sec += time.perf_counter() - t
                 n = acts_nltd.shape[0]
                 n_tokens += n * md.tokens_per_ex
                 bar.update(n)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"{n_tokens / elapsed:,.0f} tok/s")
         t = time.perf_counter()
-    result.write_s += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
-    result.total_s = time.perf_counter() - t0
+    result.write_sec += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
+    result.total_sec = time.perf_counter() - t0
     return result
