@@ -1,17 +1,23 @@
 """Typed, frozen views of the config's stage entries, built once at the edge from the schema-validated dict.
 
     spec = specs.ActivationSpec.from_dict(config["activations"]["docs"])  # then extract.plan_activation(spec), ...
+    export = specs.ExportSpec.from_dict(config["exports"]["probe"])       # then interop.convert.export(export, out)
 
 `from_dict` validates a copy of the entry against its `$defs` schema (workflow/schemas/config.schema.yaml), which
 fills the defaults: the schema is the only source of defaults, so these classes declare none. Stages take these
-objects and never look keys up in dicts.
+objects and never look keys up in dicts. Option classes that can also be built without a spec (lmprobe, Zarr,
+gzip-pickle, the interop engine) read their defaults from the schema too, through `export_defaults`.
 """
 
 import copy
 import dataclasses
+import typing
 
 from saeflow import config, datasets, models
 from saeflow.errors import SaeflowError
+
+if typing.TYPE_CHECKING:  # the interop modules import this one (export_defaults); ExportSpec.from_dict imports them
+    from saeflow.interop import lmprobe, pickle_shards, zarr_store
 
 # What `dataset.kind` can build (see datasets.from_config).
 Dataset = (
@@ -62,4 +68,86 @@ class ActivationSpec:
             batch_size=spec["batch_size"],
             device=spec["device"],
             n_workers=spec["n_workers"],
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exports (saeflow.interop)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def export_defaults(cls, *sections: str | None) -> dict:
+    """The schema defaults of dataclass `cls`'s fields, from an `exports.<name>` entry's own keys (section None)
+    and from its sections ("model", "lmprobe", "zarr", "pickle"), later sections winning."""
+    props = config.load_schema()["$defs"]["export_spec"]["properties"]
+    names = {f.name for f in dataclasses.fields(cls)}
+    found = {}
+    for section in sections:
+        section_props = props if section is None else props[section]["properties"]
+        for key, prop in section_props.items():
+            if key in names and "default" in prop:
+                found[key] = copy.deepcopy(prop["default"])
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A .jsonl, .csv or .parquet table of prompts: a text column, an optional label column, extra columns kept."""
+
+    path: str  # the table
+    text_key: str  # its text column
+    label_key: str  # its label column (rows without one have no label)
+    limit: int | None  # use only the first N prompts; None = all
+
+
+@dataclasses.dataclass(frozen=True)
+class ZarrExport:
+    """The `zarr` section: what each shard store holds, and how the stores are written."""
+
+    store: "zarr_store.ZarrOptions"  # the layout of every shard store
+    workers: int  # writer processes (each loads the model and writes its own shard stores)
+    merge: bool  # also write merged.zarr, one store with every sample
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSpec:
+    """One `exports.<name>` entry (or the ad-hoc flags of `saeflow export`): prompts -> text model -> a dataset."""
+
+    format: str  # "lmprobe", "zarr" or "pickle"
+    model_name: str  # HF id (from the HF cache when HF_HUB_OFFLINE=1) or local transformers directory
+    model_revision: str  # branch, tag or commit; the resolved commit is recorded
+    prompts: Prompts  # the prompt table
+    layers: tuple[int, ...]  # block indices (negative ones count from the end)
+    max_tokens: int  # prompts are truncated to this many tokens before the forward pass
+    batch_size: int  # prompts per forward pass, right-padded
+    device: str  # torch device of the forward pass
+    out: str | None  # output directory; None = results/exports/<name>
+    lmprobe: "lmprobe.LmprobeOptions"  # lmprobe 2.0 options (format lmprobe)
+    zarr: ZarrExport  # Zarr store options (format zarr)
+    pickle: "pickle_shards.PickleOptions"  # gzip-pickle options (format pickle)
+
+    @classmethod
+    def from_dict(cls, obj: dict) -> "ExportSpec":
+        """Validate one export entry (a copy), fill its defaults, build the per-format options."""
+        from saeflow.interop import lmprobe, pickle_shards, zarr_store
+
+        spec = _validated(obj, "export_spec")
+        zarr = spec["zarr"]
+        return cls(
+            format=spec["format"],
+            model_name=spec["model"]["name"],
+            model_revision=spec["model"]["revision"],
+            prompts=Prompts(**spec["prompts"]),
+            layers=tuple(spec["layers"]),
+            max_tokens=spec["max_tokens"],
+            batch_size=spec["batch_size"],
+            device=spec["device"],
+            out=spec["out"],
+            lmprobe=lmprobe.LmprobeOptions(**spec["lmprobe"]),
+            zarr=ZarrExport(
+                store=zarr_store.ZarrOptions(**{k: v for k, v in zarr.items() if k not in ("workers", "merge")}),
+                workers=zarr["workers"],
+                merge=zarr["merge"],
+            ),
+            pickle=pickle_shards.PickleOptions(**spec["pickle"]),
         )

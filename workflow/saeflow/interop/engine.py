@@ -14,24 +14,31 @@ import typing
 
 import numpy as np
 
-from saeflow import models, tokenization
+from saeflow import models, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """What the engine runs and what each record holds; `defaults` takes the schema's for `exports.<name>`."""
+
     model: str  # Hugging Face id or local directory
     layers: tuple[int, ...]  # block indices; negative ones count from the end
-    revision: str = "main"
-    max_tokens: int = 128  # prompts are truncated to this many tokens
-    top_k: int = 0  # 0: no logits
-    perplexity: bool = False
+    revision: str  # branch, tag or commit of an HF id
+    max_tokens: int  # prompts are truncated to this many tokens
+    batch_size: int  # prompts per forward pass (right-padded); 1 = every record from its own pass
+    device: str  # torch device of the forward pass
+    top_k: int = 0  # top-k logits at the last prompt token; 0: none
+    perplexity: bool = False  # per-token NLL
     response_max: int = 0  # greedy response tokens to generate (0: none)
-    token_strings: bool = False
-    batch_size: int = 1  # prompts per forward pass (right-padded); 1 = every record from its own pass
-    device: str = "cpu"
-    seed: int = 0
+    token_strings: bool = False  # the tokenizer's string of every prompt token
+    seed: int = 0  # torch seed, set before the model loads
+
+    @classmethod
+    def defaults(cls, **overrides) -> "EngineConfig":
+        """The schema's defaults (revision, max_tokens, batch_size, device), with `overrides` (model and layers)."""
+        return cls(**{**specs.export_defaults(cls, None, "model"), **overrides})
 
 
 class TextEngine:
