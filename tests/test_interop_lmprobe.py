@@ -21,7 +21,8 @@ TOP_K = 5
 
 @pytest.fixture(scope="module")
 def records(tiny_lm_dpath, prompts_fpath):  # noqa: F811
-    cfg = engine.EngineConfig(model=str(tiny_lm_dpath), layers=LAYERS, top_k=TOP_K, perplexity=True, token_strings=True)
+    cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=LAYERS, top_k=TOP_K, perplexity=True,
+                                       token_strings=True)
     return list(engine.TextEngine(cfg).records(read_prompts(prompts_fpath), progress=False))
 
 
@@ -29,7 +30,8 @@ def records(tiny_lm_dpath, prompts_fpath):  # noqa: F811
 def exports(records, tmp_path_factory):
     root = tmp_path_factory.mktemp("lmprobe")
     for storage in lmprobe.STORAGES:
-        opts = lmprobe.LmprobeOptions(storage=storage, prompts_per_shard=2, top_k=TOP_K, token_ids=True, token_strings=True)
+        opts = lmprobe.LmprobeOptions.defaults(storage=storage, prompts_per_shard=2, top_k=TOP_K, token_ids=True,
+                                               token_strings=True)
         lmprobe.write(records, root / storage, "tiny-gpt2", "0" * 40, opts)
     return root
 
@@ -101,17 +103,17 @@ def test_round_trip_through_our_reader(exports, records):
 def test_duplicate_texts_refused(records, tmp_path):
     dup = records[:2] + [records[0]]
     with pytest.raises(SaeflowError, match="duplicate prompt texts"):
-        lmprobe.write(dup, tmp_path / "dup", "m", None, lmprobe.LmprobeOptions(top_k=0))
+        lmprobe.write(dup, tmp_path / "dup", "m", None, lmprobe.LmprobeOptions.defaults(top_k=0))
     assert not (tmp_path / "dup").exists() and not list(tmp_path.iterdir())
-    lmprobe.write(dup, tmp_path / "ok", "m", None, lmprobe.LmprobeOptions(top_k=0, allow_duplicate_texts=True))
+    lmprobe.write(dup, tmp_path / "ok", "m", None, lmprobe.LmprobeOptions.defaults(top_k=0, allow_duplicate_texts=True))
 
 
 def test_writer_refuses_inconsistent_records_and_existing_output(records, exports, tmp_path):
     bad = Record(text="x", acts={0: np.zeros((3, 7), np.float32), 1: np.zeros((3, 7), np.float32)})
     with pytest.raises(SaeflowError, match="has no top-5 logits"):
-        lmprobe.write([bad], tmp_path / "a", "m", None, lmprobe.LmprobeOptions(top_k=TOP_K))
+        lmprobe.write([bad], tmp_path / "a", "m", None, lmprobe.LmprobeOptions.defaults(top_k=TOP_K))
     with pytest.raises(SaeflowError, match="already exists"):
-        lmprobe.write(records, exports / "pooled", "m", None)
+        lmprobe.write(records, exports / "pooled", "m", None, lmprobe.LmprobeOptions.defaults())
 
 
 def test_validator_catches_damage(exports, tmp_path):

@@ -52,7 +52,8 @@ def put_shard(dpath, payload: bytes, fname="shard_0001.pkl.gz"):
 def written(tmp_path_factory):
     recs = make_records()
     out = tmp_path_factory.mktemp("pkl") / "acts"
-    pickle_shards.write(recs, out, {"model_name": "m", "dataset_name": "d"}, pickle_shards.PickleOptions(samples_per_shard=2))
+    opts = pickle_shards.PickleOptions.defaults(samples_per_shard=2)
+    pickle_shards.write(recs, out, {"model_name": "m", "dataset_name": "d"}, opts)
     return recs, out
 
 
@@ -125,7 +126,8 @@ def test_numpy1_pickles_load(protocol):
 
 def test_numpy2_protocol5_loads(tmp_path):
     recs = make_records(n=2)
-    out = pickle_shards.write(recs, tmp_path / "p5", {"model_name": "m"}, pickle_shards.PickleOptions(protocol=5))
+    opts = pickle_shards.PickleOptions.defaults(protocol=5)
+    out = pickle_shards.write(recs, tmp_path / "p5", {"model_name": "m"}, opts)
     raw = gzip.decompress((out / "shard_0001.pkl.gz").read_bytes())
     assert raw[1] == 5 and b"numpy._core" in raw
     assert np.array_equal(next(pickle_shards.PickleShards(out).records()).acts[2], recs[0].acts[2])

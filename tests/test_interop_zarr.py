@@ -17,7 +17,8 @@ OPTS = zarr_store.ZarrOptions(prompt_max=8, response_max=4, t_chunk_prompt=4, sa
 
 @pytest.fixture(scope="module")
 def records(tiny_lm_dpath):  # noqa: F811
-    eng = engine.TextEngine(engine.EngineConfig(model=str(tiny_lm_dpath), layers=LAYERS, response_max=OPTS.response_max))
+    cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=LAYERS, response_max=OPTS.response_max)
+    eng = engine.TextEngine(cfg)
     return [eng.record(p["text"], p["label"], {"source": p["source"]}) for p in PROMPTS]
 
 
@@ -95,7 +96,8 @@ def test_fallback_to_zarr_when_compressed(tmp_path):
     import numcodecs
 
     recs = [Record(text=f"t{i}", label=None, acts={3: np.full((5, 6), i, np.float32)}) for i in range(2)]
-    dpath = zarr_store.write_store(recs, 2, tmp_path / "s.zarr", {"model_id": "m"}, zarr_store.ZarrOptions(prompt_max=4, response_max=0, t_chunk_prompt=2))
+    opts = zarr_store.ZarrOptions.defaults(prompt_max=4, response_max=0, t_chunk_prompt=2)
+    dpath = zarr_store.write_store(recs, 2, tmp_path / "s.zarr", {"model_id": "m"}, opts)
     assert (dpath / "arrays/prompt_activations/1.0.1.0").stat().st_size == 2 * 6 * 2  # raw chunk bytes
     acts = zarr.open(str(dpath / "arrays/prompt_activations"), mode="r")
     dpath.chmod(0o755)

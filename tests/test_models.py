@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from _extract_helpers import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, vision_spec
-from saeflow import extract, models, shards
+from _extract_helpers import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
+from saeflow import extract, models, shards, tokenization
 from saeflow.errors import SaeflowError
 
 
@@ -32,8 +32,8 @@ def _final_norm(model):
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_stored_vectors_equal_hidden_states(arch, shards_root):
     spec = text_spec(arch) if arch in TEXT_ARCHS else vision_spec(arch)
-    plan_ = extract.plan(spec)
-    result = extract.extract(spec, shards_root, progress=False)
+    plan_ = extract.plan(typed(spec))
+    result = extract.extract(typed(spec), shards_root, progress=False)
     sd = shards.ShardDir(result.dpath)
     adapter, hidden = _reference_hidden_states(plan_, sd)
     n_layers = plan_.info.n_layers
@@ -60,8 +60,8 @@ def test_real_minilm_matches_hidden_states(shards_root):
         "context_length": 24,
         "device": "cpu",
     }
-    plan_ = extract.plan(spec)
-    sd = shards.ShardDir(extract.extract(spec, shards_root, progress=False).dpath)
+    plan_ = extract.plan(typed(spec))
+    sd = shards.ShardDir(extract.extract(typed(spec), shards_root, progress=False).dpath)
     _, hidden = _reference_hidden_states(plan_, sd)
     ids = np.array(sd.aux("tokens.bin"))
     assert (ids[:, 0] == 101).all() and (ids[:, -1] == 102).all()  # [CLS] ... [SEP]
@@ -83,17 +83,17 @@ def test_forward_stops_after_deepest_requested_block():
 
 def test_negative_layers_resolve_before_hashing():
     last = ARCH_CONFIGS["vit"]["num_hidden_layers"] - 1
-    h1 = extract.plan_activation(vision_spec(layers=[-1])).hash
-    h2 = extract.plan_activation(vision_spec(layers=[last])).hash
-    h3 = extract.plan_activation(vision_spec(layers=[-1, 0])).hash
-    h4 = extract.plan_activation(vision_spec(layers=[0, last])).hash
+    h1 = extract.plan_activation(typed(vision_spec(layers=[-1]))).hash
+    h2 = extract.plan_activation(typed(vision_spec(layers=[last]))).hash
+    h3 = extract.plan_activation(typed(vision_spec(layers=[-1, 0]))).hash
+    h4 = extract.plan_activation(typed(vision_spec(layers=[0, last]))).hash
     assert h1 == h2 and h3 == h4 and h1 != h3
 
 
 @pytest.mark.parametrize("layers", [[3], [-4], [1, -2]])
 def test_layer_out_of_range_or_repeated(layers):
     with pytest.raises(SaeflowError, match="out of range|same block"):
-        extract.plan_activation(vision_spec(layers=layers))
+        extract.plan_activation(typed(vision_spec(layers=layers)))
 
 
 def test_unknown_model_is_a_clear_error(monkeypatch, tmp_path):
@@ -145,11 +145,12 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_bfloat16_compute_is_close_and_hashed(shards_root):
-    md32 = extract.plan_activation(vision_spec())
-    md16 = extract.plan_activation(vision_spec(compute_dtype="bfloat16"))
+    md32 = extract.plan_activation(typed(vision_spec()))
+    md16 = extract.plan_activation(typed(vision_spec(compute_dtype="bfloat16")))
     assert md32.hash != md16.hash and md16.data["compute_dtype"] == "bfloat16"
-    sd32 = shards.ShardDir(extract.extract(vision_spec(), shards_root, progress=False).dpath)
-    sd16 = shards.ShardDir(extract.extract(vision_spec(compute_dtype="bfloat16"), shards_root, progress=False).dpath)
+    sd32 = shards.ShardDir(extract.extract(typed(vision_spec()), shards_root, progress=False).dpath)
+    sd16_dpath = extract.extract(typed(vision_spec(compute_dtype="bfloat16")), shards_root, progress=False).dpath
+    sd16 = shards.ShardDir(sd16_dpath)
     a, b = sd32.example(0, 2), sd16.example(0, 2)
     assert not np.array_equal(a, b) and np.abs(a - b).max() < 0.1 * np.abs(a).max()
 
@@ -167,7 +168,7 @@ def test_packing_tokenizer_matches_transformers_tokenizer():
     import transformers
 
     info = models.describe(models.ModelSpec(name=MINILM))
-    fast, hf = models.packing_tokenizer(info, None), transformers.AutoTokenizer.from_pretrained(MINILM)
+    fast, hf = tokenization.packing_tokenizer(info, None), transformers.AutoTokenizer.from_pretrained(MINILM)
     texts = ["Hello, World! Déjà vu.", "x" * 3000, "def f(a, b):\n    return a ** b  # comment"]
     assert fast(texts)["input_ids"] == hf(texts, add_special_tokens=False)["input_ids"]
     for key in ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"):
@@ -190,10 +191,10 @@ def test_weights_load_offline_from_the_hf_cache(monkeypatch, tmp_path, shards_ro
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     spec = {"model": {"name": "acme/minilm"}, "layers": [0], "dataset": {"kind": "builtin_text", "n_ex": 2},
             "context_length": 16, "device": "cpu"}
-    sd = shards.ShardDir(extract.extract(spec, shards_root, progress=False).dpath)
+    sd = shards.ShardDir(extract.extract(typed(spec), shards_root, progress=False).dpath)
     assert sd.metadata.ckpt == f"acme/minilm@{commit}"
     local = {**spec, "model": {"name": MINILM}}
-    local_sd = shards.ShardDir(extract.extract(local, shards_root, progress=False).dpath)
+    local_sd = shards.ShardDir(extract.extract(typed(local), shards_root, progress=False).dpath)
     assert np.array_equal(sd.example(1, 0), local_sd.example(1, 0))  # same weights, same vectors
 
 
@@ -208,9 +209,9 @@ def test_local_vision_checkpoint_uses_its_preprocessor_config(tmp_path, shards_r
     assert (info.resize_size, info.image_size, info.patches_per_ex, info.mean) == (40, 24, 9, (0.4, 0.4, 0.4))
     assert info.ckpt.startswith("tiny-dino@local-")
     vspec = vision_spec("dinov2", model={"name": str(tmp_path / "tiny-dino")})
-    sd = shards.ShardDir(extract.extract(vspec, shards_root, progress=False).dpath)
+    sd = shards.ShardDir(extract.extract(typed(vspec), shards_root, progress=False).dpath)
     assert sd.metadata.data["preprocess"]["resize_size"] == 40 and sd.metadata.tokens_per_ex == 10
-    _, hidden = _reference_hidden_states(extract.plan(vspec), sd)
+    _, hidden = _reference_hidden_states(extract.plan(typed(vspec)), sd)
     torch.testing.assert_close(torch.from_numpy(sd.example(3, 0)), hidden[1][3], atol=1e-5, rtol=0)
 
 
@@ -227,9 +228,9 @@ def test_full_clip_checkpoint_uses_its_vision_tower(tmp_path, shards_root):
     clip = transformers.CLIPModel(config).eval()
     clip.save_pretrained(tmp_path / "tiny-clip")
     spec = vision_spec("clip_vision_model", model={"name": str(tmp_path / "tiny-clip")}, layers=[1])
-    plan_ = extract.plan(spec)
+    plan_ = extract.plan(typed(spec))
     assert (plan_.metadata.family, plan_.info.model_type, plan_.metadata.tokens_per_ex) == ("clip", "clip_vision_model", 17)
-    sd = shards.ShardDir(extract.extract(spec, shards_root, progress=False).dpath)
+    sd = shards.ShardDir(extract.extract(typed(spec), shards_root, progress=False).dpath)
     x = torch.from_numpy(plan_.dataset.example(0, plan_.preprocess)[0])[None]
     hidden = clip.vision_model(pixel_values=x, output_hidden_states=True).hidden_states
     torch.testing.assert_close(torch.from_numpy(sd.example(0, 1)), hidden[2][0], atol=1e-5, rtol=0)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from _cdp import Browser, find_chromium
+from _extract_helpers import typed
 from _inference_helpers import identity_sae, make_run, write_shards
 from PIL import Image
 
@@ -54,7 +55,7 @@ def test_vision_visuals_with_patch_labels(tmp_path):
         "layers": [1],
         "dataset": {"kind": "generated_images", "n_ex": 6, "size": 48},
     }
-    sd_dpath = extract.extract(spec, tmp_path / "shards", progress=False).dpath
+    sd_dpath = extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath
     torch.manual_seed(0)
     model = sae.SAE.from_weights(torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4)
     from saeflow.shards import ShardDir
@@ -137,7 +138,7 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
         "dataset": {"kind": "builtin_text", "n_ex": 4},
         "context_length": 16,
     }
-    sd_dpath = extract.extract(spec, tmp_path / "shards", progress=False).dpath
+    sd_dpath = extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath
     from saeflow.shards import ShardDir
 
     sd = ShardDir(sd_dpath)

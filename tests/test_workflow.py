@@ -15,6 +15,7 @@ import time
 import pytest
 import yaml
 
+from _extract_helpers import typed
 from saeflow import config, shards
 from saeflow.extract import plan_activation
 from saeflow.train import plan_runs
@@ -41,7 +42,7 @@ def prepared(tmp_path_factory):
     cfg = tiny_config()
     config_fpath = write_config(workdir, cfg)
     snakemake(workdir, config_fpath)
-    shard_hash = plan_activation(cfg["activations"]["docs"]).hash
+    shard_hash = plan_activation(typed(cfg["activations"]["docs"])).hash
     run_ids = [plan.run_id for plan in run_plans(cfg, shard_hash)]
     return {"workdir": workdir, "cfg": cfg, "config": config_fpath, "hash": shard_hash, "run_ids": run_ids}
 
@@ -108,7 +109,7 @@ def test_layer_change_makes_a_new_shard_dir_and_keeps_the_old(prepared, tmp_path
     workdir, old_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
     before = tree_state(old_dpath)
     cfg = tiny_config(layer=2)
-    new_hash = plan_activation(cfg["activations"]["docs"]).hash
+    new_hash = plan_activation(typed(cfg["activations"]["docs"])).hash
     assert new_hash != prepared["hash"]
     snakemake(workdir, write_config(tmp_path, cfg), f"shards/{new_hash}/shards.json")  # the target, relative
     assert shards.validate(workdir / "shards" / new_hash).ok
@@ -157,7 +158,7 @@ def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path
     cfg = tiny_config(n_ex=320, patches_per_shard=16 * 32)  # 10 small shards: a slow enough, resumable job
     cfg["saes"] = {}
     config_fpath = write_config(tmp_path, cfg)
-    shard_hash = plan_activation(cfg["activations"]["docs"]).hash
+    shard_hash = plan_activation(typed(cfg["activations"]["docs"])).hash
     final_dpath, staging = tmp_path / "shards" / shard_hash, tmp_path / "shards" / f".{shard_hash}.partial"
     target = f"shards/{shard_hash}/shards.json"
     proc = subprocess.Popen(

@@ -12,7 +12,7 @@ per patch (CLS excluded), written to labels.bin:
   majority value or, with `label_rule: prefer_foreground`, the most frequent non-background value when any;
 - GeneratedImages: the shape under each patch (0 background, 1 rectangle, 2 ellipse), majority rule.
 
-Text corpora yield documents (strings); `pack` turns their token ids into fixed-length examples.
+Text corpora yield documents (strings); `saeflow.tokenization` turns them into fixed-length examples.
 """
 
 import dataclasses
@@ -371,80 +371,6 @@ class BuiltinCorpus:
     def data(self) -> dict:
         digest = hashlib.sha256("\x00".join(self.documents()).encode("utf-8")).hexdigest()
         return {**_data_dict(self), "sha256": digest}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Packing text into fixed-length examples
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Packing:
-    """How documents become examples of exactly `context_length` tokens; hashed inside `data` as `tokenization`.
-
-    The documents' tokens (no special tokens) are concatenated with `separator` after every document, and cut
-    into bodies of `context_length - len(prefix) - len(suffix)` tokens; each example is prefix + body + suffix.
-    Decoders get prefix [BOS] when the tokenizer has one; BERT-style encoders get [CLS] ... [SEP]. The last
-    partial body is dropped.
-    """
-
-    tokenizer: str
-    context_length: int
-    prefix: tuple[int, ...]
-    suffix: tuple[int, ...]
-    separator: tuple[int, ...]
-
-    @property
-    def body_len(self) -> int:
-        return self.context_length - len(self.prefix) - len(self.suffix)
-
-    def pack(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> np.ndarray:
-        """int32 (n_ex, context_length); stops reading once `n_ex` examples are filled."""
-        if self.body_len < 1:
-            raise SaeflowError(f"context_length={self.context_length} leaves no room besides special tokens")
-        need = None if n_ex is None else n_ex * self.body_len
-        stream: list[int] = []
-        for ids in token_lists:
-            stream.extend(ids)
-            stream.extend(self.separator)
-            if need is not None and len(stream) >= need:
-                break
-        n_avail = len(stream) // self.body_len
-        if n_avail == 0 or (n_ex is not None and n_avail < n_ex):
-            raise SaeflowError(
-                f"the corpus has {len(stream)} tokens: {n_avail} examples of {self.body_len} tokens"
-                + (f", fewer than n_ex={n_ex}" if n_ex is not None else " (empty dataset)")
-            )
-        n = n_avail if n_ex is None else n_ex
-        body_nb = np.asarray(stream[: n * self.body_len], np.int64).reshape(n, self.body_len)
-        parts = [np.broadcast_to(np.asarray(self.prefix, np.int64), (n, len(self.prefix))), body_nb]
-        parts.append(np.broadcast_to(np.asarray(self.suffix, np.int64), (n, len(self.suffix))))
-        ids_nt = np.concatenate(parts, axis=1)
-        if ids_nt.max() > np.iinfo(np.int32).max:
-            raise SaeflowError("token ids do not fit tokens.bin (int32)")
-        return ids_nt.astype(np.int32)
-
-
-def packing_for(tokenizer, tokenizer_name: str, context_length: int, encoder: bool) -> Packing:
-    if encoder and tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None:
-        prefix, suffix, sep = (tokenizer.cls_token_id,), (tokenizer.sep_token_id,), (tokenizer.sep_token_id,)
-    else:
-        prefix = () if tokenizer.bos_token_id is None else (tokenizer.bos_token_id,)
-        suffix = ()
-        sep = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    return Packing(tokenizer_name, context_length, prefix, suffix, sep)
-
-
-def tokenize(tokenizer, documents: typing.Iterable[str], batch_docs: int = 64) -> typing.Iterator[list[int]]:
-    """Token ids of each document (no special tokens), in order, tokenized in batches."""
-    batch: list[str] = []
-    for doc in documents:
-        batch.append(doc)
-        if len(batch) == batch_docs:
-            yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
-            batch = []
-    if batch:
-        yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
 
 
 def from_config(obj: dict):

@@ -1,5 +1,9 @@
 """Activation spec -> shard metadata (plan, cheap) -> shards (extract, runs the model).
 
+    spec = specs.ActivationSpec.from_dict(config["activations"][name])   # validated, defaults filled, once
+    md = extract.plan_activation(spec)                                    # shards.Metadata; md.hash names the dir
+    result = extract.extract(spec, shards_root)                           # writes (or reuses) <shards_root>/<hash>/
+
 `plan_activation(spec)` is what Snakemake calls at parse time: it reads the model's config.json (never its
 weights) and lists the dataset, so it is fast. For text it tokenizes the corpus to count examples; give the
 dataset an `n_ex` and it stops reading as soon as that many examples are filled, so a large corpus stays cheap.
@@ -10,98 +14,72 @@ change what is computed (batch size, device, worker count) are not hashed and go
 kernels can differ in the last bits between CPU and GPU; the hash names the computation, not the hardware.
 """
 
-import copy
 import dataclasses
-import functools
 import json
 import logging
 import pathlib
 import time
-import typing
 
 import numpy as np
 
-from saeflow import config as config_mod
-from saeflow import datasets, models, shards
+from saeflow import datasets, devices, models, shards, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
 
 logger = logging.getLogger(__name__)
-
-ENCODER_FAMILIES = ("bert", "roberta")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A resolved activation spec: what will be computed, and where it will be stored."""
 
-    metadata: shards.Metadata
-    model_spec: models.ModelSpec
-    info: models.ModelInfo
-    dataset: typing.Any
-    compute_dtype: str
-    batch_size: int
-    device: str
-    n_workers: int
-    preprocess: datasets.Preprocess | None = None
-    packing: datasets.Packing | None = None
-    tokenizer: str | None = None  # the `tokenizer` option: None (the model's own), "bytes", or an id/path
+    spec: specs.ActivationSpec  # what was asked for
+    metadata: shards.Metadata  # what will be computed; its hash names the shard directory
+    info: models.ModelInfo  # the model, read from its config (no weights)
+    device: str  # the spec's device or the caller's override, resolved only when extracting (not hashed)
+    preprocess: datasets.Preprocess | None = None  # vision: how pixels reach the model
+    packing: tokenization.Packing | None = None  # text: how the corpus becomes examples
+
+    @property
+    def model_spec(self) -> models.ModelSpec:
+        return self.spec.model
+
+    @property
+    def dataset(self) -> specs.Dataset:
+        return self.spec.dataset
 
     @property
     def aux_fname(self) -> str:
         return "labels.bin" if self.info.modality == "vision" else "tokens.bin"
 
 
-def with_defaults(spec: dict) -> dict:
-    """Validate one `activations.<name>` entry against the schema and fill its defaults (a copy)."""
-    spec = copy.deepcopy(spec)
-    try:
-        return config_mod.validate(spec, config_mod.def_schema("activation_spec"))
-    except SaeflowError as err:
-        raise SaeflowError(str(err).replace("config does not match", "activation spec does not match")) from None
-
-
-def plan(spec: dict, device: str | None = None) -> Plan:
+def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
     """Resolve a spec without running the model (see module docstring for the cost)."""
-    spec = with_defaults(spec)
-    model_spec = models.ModelSpec.from_config(spec["model"])
-    info = models.describe(model_spec)
-    layers = info.resolve_layers(spec["layers"])
-    dataset = datasets.from_config(spec["dataset"])
-    compute_dtype = spec["compute_dtype"]
-    common = dict(
-        model_spec=model_spec,
-        info=info,
-        dataset=dataset,
-        compute_dtype=compute_dtype,
-        batch_size=spec["batch_size"],
-        device=device or spec["device"],
-        n_workers=spec["n_workers"],
-    )
+    info = models.describe(spec.model)
+    layers = info.resolve_layers(spec.layers)
+    dataset = spec.dataset
+    text_dataset = isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus))
     if info.modality == "vision":
-        if isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus)):
+        if text_dataset:
             raise SaeflowError(f"dataset: {info.ckpt} is a vision model but dataset.kind is text")
         pre = datasets.Preprocess(info.resize_size, info.image_size, info.patch_size, info.mean, info.std)
         n_ex = len(dataset)
-        data = {**dataset.data(), "preprocess": dataclasses.asdict(pre), "compute_dtype": compute_dtype}
+        data = {**dataset.data(), "preprocess": dataclasses.asdict(pre), "compute_dtype": spec.compute_dtype}
         patches_per_ex = info.patches_per_ex
         extra = dict(preprocess=pre)
     else:
-        if not isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus)):
+        if not text_dataset:
             raise SaeflowError(f"dataset: {info.ckpt} is a text model; use dataset.kind text or builtin_text")
-        context_length = spec["context_length"]
-        if context_length > info.max_positions:
+        if spec.context_length > info.max_positions:
             raise SaeflowError(
-                f"context_length={context_length} is larger than {info.ckpt} allows ({info.max_positions} positions)"
+                f"context_length={spec.context_length} is larger than {info.ckpt} allows "
+                f"({info.max_positions} positions)"
             )
-        tokenizer = spec.get("tokenizer")
-        tok = _tokenizer(info, tokenizer)
-        encoder = info.family in ENCODER_FAMILIES
-        packing = datasets.packing_for(tok, _tokenizer_id(info, tokenizer, tok), context_length, encoder)
-        n_ex = len(_token_ids(info, tokenizer, dataset, packing))
-        data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": compute_dtype}
-        patches_per_ex = context_length
-        extra = dict(packing=packing, tokenizer=tokenizer)
+        packing = tokenization.model_packing(info, spec.tokenizer, spec.context_length)
+        n_ex = len(tokenization.token_ids(info, spec.tokenizer, dataset, packing))
+        data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": spec.compute_dtype}
+        patches_per_ex = spec.context_length
+        extra = dict(packing=packing)
     md = shards.Metadata(
         family=info.family,
         ckpt=info.ckpt,
@@ -110,58 +88,17 @@ def plan(spec: dict, device: str | None = None) -> Plan:
         cls_token=info.cls_token,
         d_model=info.d_model,
         n_ex=n_ex,
-        patches_per_shard=spec["patches_per_shard"],
+        patches_per_shard=spec.patches_per_shard,
         data=json.loads(canonical_json(data)),  # plain JSON types, exactly as metadata.json will read back
         dataset=dataset.dataset_path,
-        dtype=spec["store_dtype"],
+        dtype=spec.store_dtype,
     )
-    return Plan(metadata=md, **common, **extra)
+    return Plan(spec=spec, metadata=md, info=info, device=device or spec.device, **extra)
 
 
-def resolve_device(name: str) -> str:
-    """`auto` is cuda when a GPU is visible, else cpu; anything else is passed to torch as is."""
-    if name != "auto":
-        return name
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def plan_activation(spec: dict) -> shards.Metadata:
+def plan_activation(spec: specs.ActivationSpec) -> shards.Metadata:
     """The shard metadata (and so `.hash`, the directory name) of one activation spec. Parse-time safe."""
     return plan(spec).metadata
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Tokenization (memoized per process: Snakemake plans, then the CLI extracts, each once)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=8)
-def _tokenizer(info: models.ModelInfo, tokenizer: str | None):
-    return models.packing_tokenizer(info, tokenizer)
-
-
-def _tokenizer_id(info: models.ModelInfo, tokenizer: str | None, tok) -> str:
-    """The model's own tokenizer is identified by ckpt (revision included), another by its tokenizer.json sha256."""
-    if tokenizer is None:
-        return info.ckpt
-    if tokenizer == "bytes":
-        return tokenizer
-    return f"{tokenizer}@{getattr(tok, 'sha256', 'no-tokenizer.json')}"
-
-
-@functools.lru_cache(maxsize=4)
-def _token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: datasets.Packing) -> np.ndarray:
-    """int32 (n_ex, context_length): the packed corpus (the expensive part of planning a text spec)."""
-    ids_nt = packing.pack(datasets.tokenize(_tokenizer(info, tokenizer), dataset.documents()), n_ex=dataset.n_ex)
-    vocab = info.config.get("vocab_size")
-    if vocab is not None and ids_nt.max() >= vocab:
-        raise SaeflowError(
-            f"the tokenizer {packing.tokenizer} produces id {int(ids_nt.max())} but {info.ckpt} has a vocabulary of "
-            f"{vocab}: tokenizer and model do not match"
-        )
-    return ids_nt
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -171,13 +108,15 @@ def _token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: 
 
 @dataclasses.dataclass
 class Result:
-    dpath: typing.Any
-    reused: bool
-    resumed_from: int
-    n_ex: int
-    forward_s: float = 0.0  # model time
-    write_s: float = 0.0  # time extraction waited on the writer: handing arrays over (blocked included) + publish
-    total_s: float = 0.0
+    """What `extract` did, and where the time went (seconds)."""
+
+    dpath: pathlib.Path  # the published shard directory <shards_root>/<hash>
+    reused: bool  # it already existed and was valid: nothing ran
+    resumed_from: int  # examples kept from an interrupted run (0: a fresh run)
+    n_ex: int  # examples in the directory
+    forward_sec: float = 0.0  # model time
+    write_sec: float = 0.0  # time extraction waited on the writer: handing arrays over (blocked included) + publish
+    total_sec: float = 0.0  # planning, checks, model loading, forward and writing
 
 
 def batches(n_ex: int, ex_per_shard: int, batch_size: int, start: int) -> list[tuple[int, int]]:
@@ -216,7 +155,7 @@ def _image_batches(plan_: Plan, spans: list[tuple[int, int]]):
     loader = torch.utils.data.DataLoader(
         examples,
         batch_sampler=[list(range(lo, hi)) for lo, hi in spans],
-        num_workers=plan_.n_workers,
+        num_workers=plan_.spec.n_workers,
         collate_fn=_collate,
     )
     yield from loader
@@ -232,7 +171,7 @@ def _collate(items):
 def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
     import torch
 
-    ids_nt = _token_ids(plan_.info, plan_.tokenizer, plan_.dataset, plan_.packing)
+    ids_nt = tokenization.token_ids(plan_.info, plan_.spec.tokenizer, plan_.dataset, plan_.packing)
     for lo, hi in spans:
         yield torch.from_numpy(ids_nt[lo:hi].astype(np.int64)), ids_nt[lo:hi]
 
@@ -245,7 +184,7 @@ def model_source(spec: models.ModelSpec) -> str | None:
     return str(local.resolve()) if local.is_dir() else spec.name
 
 
-def extract(spec: dict, shards_root, device: str | None = None, progress: bool = True) -> Result:
+def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, progress: bool = True) -> Result:
     """Write (or reuse) `<shards_root>/<hash>/`. Every input is checked before the model is loaded."""
     from tqdm import tqdm
 
@@ -254,22 +193,22 @@ def extract(spec: dict, shards_root, device: str | None = None, progress: bool =
     md = plan_.metadata
     dataset = plan_.dataset
     if shards.open_existing(pathlib.Path(shards_root) / md.hash) is not None:
-        return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
+        return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
     if plan_.info.modality == "vision":
         dataset.check(progress)  # unreadable images fail here, before any weights are loaded
-    device_ = resolve_device(plan_.device)
+    device_name = str(devices.resolve_device(plan_.device))  # models.load and provenance.json take the name
     provenance_extra = {
-        "extraction": {"batch_size": plan_.batch_size, "device": device_, "n_workers": plan_.n_workers},
+        "extraction": {"batch_size": plan_.spec.batch_size, "device": device_name, "n_workers": plan_.spec.n_workers},
         # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
         "model_source": model_source(plan_.model_spec),
     }
     with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
         if writer.reused:
-            return Result(writer.dpath, True, 0, md.n_ex, total_s=time.perf_counter() - t0)
+            return Result(writer.dpath, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
         if writer.resumed_from:
             logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
-        adapter = models.load(plan_.model_spec, plan_.compute_dtype, device_, info=plan_.info)
-        spans = batches(md.n_ex, md.ex_per_shard, plan_.batch_size, writer.n_written)
+        adapter = models.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
+        spans = batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, writer.n_written)
         source = _image_batches if plan_.info.modality == "vision" else _text_batches
         result = Result(writer.dpath, False, writer.resumed_from, md.n_ex)
         bar = tqdm(
@@ -281,16 +220,16 @@ def extract(spec: dict, shards_root, device: str | None = None, progress: bool =
                 t = time.perf_counter()
                 acts = adapter.run(inputs, md.layers)
                 acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
-                result.forward_s += time.perf_counter() - t
+                result.forward_sec += time.perf_counter() - t
                 t = time.perf_counter()
                 writer.write(acts_nltd, aux={plan_.aux_fname: aux_rows})
-                result.write_s += time.perf_counter() - t
+                result.write_sec += time.perf_counter() - t
                 n = acts_nltd.shape[0]
                 n_tokens += n * md.tokens_per_ex
                 bar.update(n)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"{n_tokens / elapsed:,.0f} tok/s")
         t = time.perf_counter()
-    result.write_s += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
-    result.total_s = time.perf_counter() - t0
+    result.write_sec += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
+    result.total_sec = time.perf_counter() - t0
     return result

@@ -25,7 +25,7 @@ import pathlib
 import typing
 
 from saeflow.errors import SaeflowError
-from saeflow.hashing import canonical_json, file_sha256
+from saeflow.hashing import canonical_json
 
 # model_type -> (family stored in metadata, modality, has a CLS token at position 0)
 ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -42,6 +42,8 @@ ARCHS: dict[str, tuple[str, str, bool]] = {
     "bert": ("bert", "text", False),
     "roberta": ("roberta", "text", False),
 }
+# Families of bidirectional encoders: text examples are [CLS] ... [SEP], and they have no next-token logits.
+ENCODER_FAMILIES = ("bert", "roberta")
 # Multi-modal checkpoints whose vision tower we use.
 VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 # Where the list of transformer blocks lives, per model class layout (first match wins).
@@ -65,9 +67,6 @@ CONFIG_DEFAULTS: dict[str, dict] = {
     "roberta": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 512, "vocab_size": 50265},
 }
 CONFIG_ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
-# Special tokens a tokenizer class sets by default when its files do not name them.
-DEFAULT_SPECIAL_TOKENS = {"gpt2": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}}
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "cls_token", "sep_token")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 # Normalization used when a checkpoint ships no preprocessor_config.json (e.g. random-init models).
@@ -197,7 +196,8 @@ def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str
     return config_fpath.parent, spec.name, commit, f"{spec.name}@{commit}"
 
 
-def _read_json(fpath: pathlib.Path) -> dict:
+def read_json(fpath: pathlib.Path) -> dict:
+    """A checkpoint's JSON file, {} when it is missing (most of them are optional)."""
     try:
         return json.loads(fpath.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -206,10 +206,23 @@ def _read_json(fpath: pathlib.Path) -> dict:
         raise SaeflowError(f"{fpath}: unreadable ({err})") from None
 
 
+def model_file(source: str, revision: str | None, fname: str) -> pathlib.Path | None:
+    """One file of a checkpoint (local directory or HF id through the cache), None when it has none."""
+    if pathlib.Path(source).is_dir():
+        fpath = pathlib.Path(source) / fname
+        return fpath if fpath.is_file() else None
+    import huggingface_hub
+
+    try:
+        return pathlib.Path(huggingface_hub.hf_hub_download(source, fname, revision=revision))
+    except Exception:  # not in the repo / not cached
+        return None
+
+
 def _preprocessor(source: str, revision: str | None) -> dict:
     """The checkpoint's preprocessor_config.json (image size, crop, mean/std), {} when it has none."""
-    fpath = _model_file(source, revision, "preprocessor_config.json")
-    return _read_json(fpath) if fpath else {}
+    fpath = model_file(source, revision, "preprocessor_config.json")
+    return read_json(fpath) if fpath else {}
 
 
 def _size(value, fallback: int) -> int:
@@ -230,7 +243,7 @@ def describe(spec: ModelSpec) -> ModelInfo:
         ckpt = f"random:{spec.random_arch}@seed{spec.seed}-{digest[:16]}"
         return _info(spec.random_arch, spec.random_config, ckpt, source=None, revision=None, preprocessor={})
     config_dpath, source, commit, ckpt = _resolve_source(spec)
-    raw = _read_json(config_dpath / "config.json")
+    raw = read_json(config_dpath / "config.json")
     model_type = raw.get("model_type")
     if model_type in VISION_TOWERS:
         raw, model_type = raw.get("vision_config") or {}, VISION_TOWERS[model_type]
@@ -354,7 +367,9 @@ class Adapter:
         """The checkpoint's transformers tokenizer (text models; random-init models have none)."""
         if self.info.modality != "text":
             raise SaeflowError(f"{self.info.ckpt} is a vision model; it has no tokenizer")
-        return load_tokenizer(self.info, None)
+        from saeflow import tokenization
+
+        return tokenization.load_tokenizer(self.info, None)
 
     def _keep_tokens(self, acts_btd):
         """Drop register tokens (DINOv2 with registers): keep CLS then the patches, in model order."""
@@ -421,98 +436,3 @@ def load(spec: ModelSpec, compute_dtype: str = "float32", device: str = "cpu", i
     model = build(info, spec, compute_dtype).to(device)
     return Adapter(info, model, compute_dtype, device)
 
-
-def load_tokenizer(info: ModelInfo, tokenizer: str | None):
-    """The model's own tokenizer, another checkpoint's (`tokenizer: <id or path>`), or the byte tokenizer."""
-    if tokenizer == "bytes":
-        return ByteTokenizer()
-    source = tokenizer or info.source
-    if source is None:
-        raise SaeflowError(
-            f"model {info.ckpt} has no tokenizer of its own (random init): set `tokenizer: bytes` or a checkpoint"
-        )
-    import transformers
-
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(source, revision=info.revision if tokenizer is None else None)
-    except (OSError, ValueError) as err:
-        raise SaeflowError(f"cannot load the tokenizer {source!r}: {err}") from None
-    tok.model_max_length = 1 << 62  # whole documents are tokenized, then packed; silences the length warning
-    return tok
-
-
-def _model_file(source: str, revision: str | None, fname: str) -> pathlib.Path | None:
-    """One file of a checkpoint (local directory or HF id through the cache), None when it has none."""
-    if pathlib.Path(source).is_dir():
-        fpath = pathlib.Path(source) / fname
-        return fpath if fpath.is_file() else None
-    import huggingface_hub
-
-    try:
-        return pathlib.Path(huggingface_hub.hf_hub_download(source, fname, revision=revision))
-    except Exception:  # not in the repo / not cached
-        return None
-
-
-def packing_tokenizer(info: ModelInfo, tokenizer: str | None):
-    """The tokenizer used to pack text: like `load_tokenizer`, but straight from tokenizer.json with the
-    `tokenizers` library when the checkpoint has one (no transformers import, so planning stays fast). Same ids as
-    the transformers fast tokenizer, which wraps the same file."""
-    if tokenizer == "bytes" or (tokenizer is None and info.source is None):
-        return load_tokenizer(info, tokenizer)
-    source, revision = (tokenizer, None) if tokenizer else (info.source, info.revision)
-    if not pathlib.Path(source).is_dir():
-        import huggingface_hub.errors
-
-        try:
-            huggingface_hub.hf_hub_download(source, "config.json", revision=revision)
-        except (huggingface_hub.errors.HFValidationError, ValueError):
-            raise SaeflowError(f"tokenizer {source!r}: not a local directory nor a valid Hugging Face id") from None
-        except Exception:  # tokenizer-only repositories have no config.json; the files below decide
-            pass
-    tokenizer_fpath = _model_file(source, revision, "tokenizer.json")
-    if tokenizer_fpath is None:
-        return load_tokenizer(info, tokenizer)
-    special = dict(DEFAULT_SPECIAL_TOKENS.get(info.family, {}) if tokenizer is None else {})
-    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
-        fpath = _model_file(source, revision, fname)
-        for key, value in (_read_json(fpath) if fpath else {}).items():
-            if key in SPECIAL_TOKEN_KEYS and value is not None:
-                special[key] = value["content"] if isinstance(value, dict) else value
-    return FileTokenizer(tokenizer_fpath, special)
-
-
-class FileTokenizer:
-    """A `tokenizers.Tokenizer` loaded from tokenizer.json, with the checkpoint's special tokens."""
-
-    def __init__(self, fpath: pathlib.Path, special: dict[str, str]):
-        import tokenizers
-
-        try:
-            self.tok = tokenizers.Tokenizer.from_file(str(fpath))
-        except Exception as err:  # the Rust library raises its own exception type
-            raise SaeflowError(f"{fpath}: unreadable tokenizer ({err})") from None
-        self.tok.no_truncation()  # whole documents are tokenized, then packed
-        self.tok.no_padding()
-        self.name_or_path = str(fpath.parent)
-        self.sha256 = file_sha256(fpath)
-        for key in SPECIAL_TOKEN_KEYS:
-            setattr(self, f"{key}_id", self.tok.token_to_id(special[key]) if key in special else None)
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
-        encodings = self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return {"input_ids": [e.ids for e in encodings]}
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens (ids 3..258) with BOS=1, EOS=2: needs no files, for random-init text models."""
-
-    name_or_path = "bytes"
-    bos_token_id = 1
-    eos_token_id = 2
-    cls_token_id = None
-    sep_token_id = None
-    vocab_size = 259
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
-        return {"input_ids": [[b + 3 for b in text.encode("utf-8")] for text in texts]}

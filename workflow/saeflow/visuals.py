@@ -24,7 +24,7 @@ import torch
 import tqdm
 from PIL import Image, ImageDraw, ImageFont
 
-from saeflow import atomic, config, datasets, inference, layout, runs
+from saeflow import atomic, config, datasets, inference, layout, runs, tokenization
 from saeflow.errors import SaeflowError
 
 logger = logging.getLogger(__name__)
@@ -151,9 +151,7 @@ class TextExamples(Examples):
     def __init__(self, token_ids_nt: np.ndarray, tokenizer_name: str):
         self.token_ids_nt = token_ids_nt
         try:
-            import transformers
-
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_name)
+            self.tokenizer = tokenization.from_pretrained(tokenizer_name)
         except Exception as err:  # noqa: BLE001 - any failure means "show ids"
             logger.warning("tokenizer %s not loadable (%s); showing token ids (pass --tokenizer PATH_OR_ID)",
                            tokenizer_name, err)

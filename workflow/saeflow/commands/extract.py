@@ -47,10 +47,10 @@ def _spec(args) -> tuple[dict, str, dict]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from saeflow import extract
+    from saeflow import extract, specs
 
     _, name, spec = _spec(args)
-    md = extract.plan_activation(spec)
+    md = extract.plan_activation(specs.ActivationSpec.from_dict(spec))
     if args.json:
         print(json.dumps({"name": name, "hash": md.hash, "metadata": md.to_dict()}, indent=2, sort_keys=True))
         return 0
@@ -64,10 +64,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     import sys
 
-    from saeflow import extract
+    from saeflow import extract, specs
 
     cfg, name, spec = _spec(args)
     shards_root = args.shards_root or pathlib.Path(cfg["shards_root"])
+    spec = specs.ActivationSpec.from_dict(spec)
     result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress)
     if result.reused:
         print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)

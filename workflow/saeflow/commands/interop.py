@@ -73,13 +73,14 @@ def _adhoc_spec(args) -> dict:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from saeflow.interop import convert
+    from saeflow.specs import ExportSpec
 
     if args.config is not None:
         name, spec = config.pick(config.load(args.config)["exports"], args.export, "export")
     else:
         name, spec = "adhoc", _adhoc_spec(args)
-    spec = convert.export_spec(spec)
-    out = args.out or pathlib.Path(spec["out"] or f"results/exports/{name}")
+    spec = ExportSpec.from_dict(spec)
+    out = args.out or pathlib.Path(spec.out or f"results/exports/{name}")
     path = convert.export(spec, out, parts=args.part, progress=not args.no_progress)
     print(path)
     return 0

@@ -11,23 +11,13 @@ import multiprocessing
 import pathlib
 import typing
 
-from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.interop import lmprobe, pickle_shards, saev_sink, zarr_store
 from saeflow.interop.records import Record, read_prompts
+from saeflow.specs import ExportSpec
 
 SOURCE_FORMATS = ("lmprobe", "zarr", "pickle")
 SINK_FORMATS = ("lmprobe", "zarr", "pickle", "saev")
-
-
-def export_spec(spec: dict) -> dict:
-    """Validate one export spec (from a config or from CLI flags) and fill its defaults from the schema."""
-    return config.validate(spec, config.def_schema("export_spec"))
-
-
-def zarr_options(spec: dict) -> zarr_store.ZarrOptions:
-    """The store layout options of a spec (`workers` and `merge` say how to run, not what to write)."""
-    return zarr_store.ZarrOptions(**{k: v for k, v in spec["zarr"].items() if k not in ("workers", "merge")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +43,9 @@ def detect(dpath: pathlib.Path) -> str:
     raise SaeflowError(f"{dpath}: not an lmprobe dataset, Zarr store or gzip-pickle shard directory")
 
 
-def default_spec() -> dict:
+def default_spec() -> ExportSpec:
     """The schema's per-format defaults (sections lmprobe/zarr/pickle), for conversions that have no export spec."""
-    return export_spec({"format": "pickle", "model": {"name": "-"}, "prompts": {"path": "-"}, "layers": [0]})
+    return ExportSpec.from_dict({"format": "pickle", "model": {"name": "-"}, "prompts": {"path": "-"}, "layers": [0]})
 
 
 def open_source(dpath: str | pathlib.Path, max_bytes: int | None = None) -> Source:
@@ -81,7 +71,7 @@ def open_source(dpath: str | pathlib.Path, max_bytes: int | None = None) -> Sour
                   ec.get("dataset_name", dpath.name), ec.get("model_architecture", "text"), ident)
 
 
-def write(source: Source, fmt: str, out: pathlib.Path, spec: dict) -> pathlib.Path:
+def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> pathlib.Path:
     """Write `source` as `fmt` at `out` (for saev: into the shards root `out`, returning <out>/<hash>).
 
     Optional parts the source does not have (logits, perplexity, responses) are left out instead of refused.
@@ -94,16 +84,14 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: dict) -> pathlib.Pa
         raise SaeflowError(f"{fmt} output: the source has no examples")
     records = itertools.chain([first], records)
     if fmt == "lmprobe":
-        opts = lmprobe.LmprobeOptions(**spec["lmprobe"])
-        opts = dataclasses.replace(opts, top_k=opts.top_k if first.topk_values is not None else 0,
-                                   perplexity=opts.perplexity and first.token_nll is not None)
+        opts = dataclasses.replace(spec.lmprobe, top_k=spec.lmprobe.top_k if first.topk_values is not None else 0,
+                                   perplexity=spec.lmprobe.perplexity and first.token_nll is not None)
         return lmprobe.write(records, out, source.model_name, source.model_revision, opts)
     if fmt == "pickle":
-        opts = pickle_shards.PickleOptions(**spec["pickle"])
         ec = {"model_name": source.model_name, "model_revision": source.model_revision, "dataset_name": source.dataset}
-        return pickle_shards.write(records, out, ec, opts)
+        return pickle_shards.write(records, out, ec, spec.pickle)
     if fmt == "zarr":
-        opts = zarr_options(spec)
+        opts = spec.zarr.store
         if first.response_acts is None:
             opts = dataclasses.replace(opts, response_max=0)
         attrs = {"model_id": source.model_name, "model_revision": source.model_revision, "dataset": source.dataset}
@@ -112,7 +100,7 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: dict) -> pathlib.Pa
             zarr_store.write_store(itertools.islice(records, stop - start), stop - start,
                                    out / "shards" / zarr_store.shard_dname(shard), attrs, opts)
         zarr_store.write_manifest(out, len(bounds))
-        if spec["zarr"]["merge"]:
+        if spec.zarr.merge:
             zarr_store.merge(out, out / "merged.zarr")
         return out
     sd = saev_sink.write(records, source.n, out, source.family, source.model_name, source.dataset, source.identity)
@@ -124,36 +112,38 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: dict) -> pathlib.Pa
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _engine_config(spec: dict, fmt: str):
+def _engine_config(spec: ExportSpec):
+    """What the engine computes for this export: logits and perplexity for lmprobe, responses for zarr."""
     from saeflow.interop import engine
 
+    lm = spec.format == "lmprobe"
     return engine.EngineConfig(
-        model=spec["model"]["name"],
-        revision=spec["model"]["revision"],
-        layers=tuple(spec["layers"]),
-        max_tokens=spec["max_tokens"],
-        batch_size=spec["batch_size"],
-        top_k=spec["lmprobe"]["top_k"] if fmt == "lmprobe" else 0,
-        perplexity=spec["lmprobe"]["perplexity"] if fmt == "lmprobe" else False,
-        token_strings=spec["lmprobe"]["token_strings"] if fmt == "lmprobe" else False,
-        response_max=spec["zarr"]["response_max"] if fmt == "zarr" else 0,
-        device=spec["device"],
+        model=spec.model_name,
+        revision=spec.model_revision,
+        layers=spec.layers,
+        max_tokens=spec.max_tokens,
+        batch_size=spec.batch_size,
+        top_k=spec.lmprobe.top_k if lm else 0,
+        perplexity=spec.lmprobe.perplexity if lm else False,
+        token_strings=spec.lmprobe.token_strings if lm else False,
+        response_max=spec.zarr.store.response_max if spec.format == "zarr" else 0,
+        device=spec.device,
     )
 
 
-def _prompts(spec: dict) -> list[dict]:
-    p = spec["prompts"]
-    rows = read_prompts(p["path"], p["text_key"], p["label_key"])
-    return rows[: p["limit"]] if p["limit"] else rows
+def _prompts(spec: ExportSpec) -> list[dict]:
+    p = spec.prompts
+    rows = read_prompts(p.path, p.text_key, p.label_key)
+    return rows[: p.limit] if p.limit else rows
 
 
-def export(spec: dict, out: pathlib.Path, parts: typing.Sequence[int] | None = None, progress: bool = True) -> pathlib.Path:
+def export(spec: ExportSpec, out: pathlib.Path, parts: typing.Sequence[int] | None = None,
+           progress: bool = True) -> pathlib.Path:
     """Run an export spec. Zarr exports write shard stores (only `parts` when given; existing ones are reused)
     and the manifest once every shard exists."""
     from saeflow.interop import engine
 
-    spec = export_spec(spec)
-    fmt = spec["format"]
+    fmt = spec.format
     prompts = _prompts(spec)
     if fmt == "zarr":
         return _export_zarr(spec, prompts, out, parts, progress)
@@ -161,39 +151,41 @@ def export(spec: dict, out: pathlib.Path, parts: typing.Sequence[int] | None = N
         raise SaeflowError("--part applies to zarr exports only (lmprobe and pickle datasets are written whole)")
     if out.exists():  # before the model runs over every prompt
         raise SaeflowError(f"{out} already exists; remove it or choose another output directory")
-    eng = engine.TextEngine(_engine_config(spec, fmt))
+    eng = engine.TextEngine(_engine_config(spec))
     if fmt == "lmprobe":  # cheap checks before the model runs over every prompt
-        lmprobe.check_duplicates([r["text"] for r in prompts], spec["lmprobe"]["allow_duplicate_texts"], str(spec["prompts"]["path"]))
-    source = Source(lambda: eng.records(prompts, progress), len(prompts), spec["model"]["name"], eng.info.revision,
-                    str(spec["prompts"]["path"]), eng.info.family, {})
+        texts = [r["text"] for r in prompts]
+        lmprobe.check_duplicates(texts, spec.lmprobe.allow_duplicate_texts, str(spec.prompts.path))
+    source = Source(lambda: eng.records(prompts, progress), len(prompts), spec.model_name, eng.info.revision,
+                    str(spec.prompts.path), eng.info.family, {})
     return write(source, fmt, out, spec)
 
 
-def _zarr_attrs(spec: dict, revision: str | None) -> dict:
-    return {"model_id": spec["model"]["name"], "model_revision": revision, "dataset": str(spec["prompts"]["path"]),
-            "max_tokens": spec["max_tokens"]}
+def _zarr_attrs(spec: ExportSpec, revision: str | None) -> dict:
+    return {"model_id": spec.model_name, "model_revision": revision, "dataset": str(spec.prompts.path),
+            "max_tokens": spec.max_tokens}
 
 
-def _export_zarr_part(spec: dict, prompts: list[dict], dpath: pathlib.Path, progress: bool) -> str:
+def _export_zarr_part(spec: ExportSpec, prompts: list[dict], dpath: pathlib.Path, progress: bool) -> str:
     from saeflow.interop import engine
 
-    eng = engine.TextEngine(_engine_config(spec, "zarr"))
-    zarr_store.write_store(eng.records(prompts, progress), len(prompts), dpath, _zarr_attrs(spec, eng.info.revision), zarr_options(spec))
+    eng = engine.TextEngine(_engine_config(spec))
+    attrs = _zarr_attrs(spec, eng.info.revision)
+    zarr_store.write_store(eng.records(prompts, progress), len(prompts), dpath, attrs, spec.zarr.store)
     return str(dpath)
 
 
-def _export_zarr(spec, prompts, out, parts, progress) -> pathlib.Path:
-    zspec = spec["zarr"]
-    bounds = zarr_store.shard_bounds(len(prompts), zspec["samples_per_shard"])
+def _export_zarr(spec: ExportSpec, prompts, out, parts, progress) -> pathlib.Path:
+    zspec = spec.zarr
+    bounds = zarr_store.shard_bounds(len(prompts), zspec.store.samples_per_shard)
     wanted = range(len(bounds)) if parts is None else parts
     bad = [p for p in wanted if not 0 <= p < len(bounds)]
     if bad:
         raise SaeflowError(f"--part {bad}: this export has shards 0..{len(bounds) - 1}")
     todo = [(p, out / "shards" / zarr_store.shard_dname(p)) for p in wanted]
     todo = [(p, d) for p, d in todo if not d.exists()]
-    if zspec["workers"] > 1 and len(todo) > 1:
+    if zspec.workers > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(zspec["workers"], mp_context=ctx) as pool:
+        with concurrent.futures.ProcessPoolExecutor(zspec.workers, mp_context=ctx) as pool:
             futures = [pool.submit(_export_zarr_part, spec, prompts[slice(*bounds[p])], d, False) for p, d in todo]
             for fut in concurrent.futures.as_completed(futures):
                 fut.result()
@@ -202,6 +194,6 @@ def _export_zarr(spec, prompts, out, parts, progress) -> pathlib.Path:
             _export_zarr_part(spec, prompts[slice(*bounds[p])], d, progress)
     if all((out / "shards" / zarr_store.shard_dname(p)).exists() for p in range(len(bounds))):
         zarr_store.write_manifest(out, len(bounds))
-        if zspec["merge"] and not (out / "merged.zarr").exists():
+        if zspec.merge and not (out / "merged.zarr").exists():
             zarr_store.merge(out, out / "merged.zarr")
     return out

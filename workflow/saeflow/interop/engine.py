@@ -1,11 +1,11 @@
 """Run a Hugging Face text model over prompts and yield `Record`s: the engine behind every interop export.
 
-Models are resolved and tokenized by `saeflow.models` (the extraction engine's adapters), and layer k means the
-same thing there and here: the raw output of transformer block k, recorded by a forward hook. That equals
-Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2, Llama), where
-`hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also give top-k
-logits at the last prompt token, per-token NLL (perplexity) and a greedy response; encoders (BERT, MiniLM) give
-activations only.
+Models are resolved by `saeflow.models` (the extraction engine's adapters) and tokenized by `saeflow.tokenization`,
+and layer k means the same thing there and here: the raw output of transformer block k, recorded by a forward
+hook. That equals Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2,
+Llama), where `hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also
+give top-k logits at the last prompt token, per-token NLL (perplexity) and a greedy response; encoders (BERT,
+MiniLM) give activations only.
 """
 
 import dataclasses
@@ -14,56 +14,96 @@ import typing
 
 import numpy as np
 
-from saeflow import models
+from saeflow import models, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record
 
 
-ENCODERS = ("bert", "roberta")
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
+    """What the engine runs and what each record holds; `defaults` takes the schema's for `exports.<name>`."""
+
     model: str  # Hugging Face id or local directory
     layers: tuple[int, ...]  # block indices; negative ones count from the end
-    revision: str = "main"
-    max_tokens: int = 128  # prompts are truncated to this many tokens
-    top_k: int = 0  # 0: no logits
-    perplexity: bool = False
+    revision: str  # branch, tag or commit of an HF id
+    max_tokens: int  # prompts are truncated to this many tokens
+    batch_size: int  # prompts per forward pass (right-padded); 1 = every record from its own pass
+    device: str  # torch device of the forward pass
+    top_k: int = 0  # top-k logits at the last prompt token; 0: none
+    perplexity: bool = False  # per-token NLL
     response_max: int = 0  # greedy response tokens to generate (0: none)
-    token_strings: bool = False
-    batch_size: int = 1  # prompts per forward pass (right-padded); 1 = every record from its own pass
-    device: str = "cpu"
-    seed: int = 0
+    token_strings: bool = False  # the tokenizer's string of every prompt token
+    seed: int = 0  # torch seed, set before the model loads
+
+    @classmethod
+    def defaults(cls, **overrides) -> "EngineConfig":
+        """The schema's defaults (revision, max_tokens, batch_size, device), with `overrides` (model and layers)."""
+        return cls(**{**specs.export_defaults(cls, None, "model"), **overrides})
+
+
+def _load_model(info: models.ModelInfo, cfg: EngineConfig):
+    """(transformers model in eval mode on cfg.device, whether it is a causal LM): causal LMs load with their head."""
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(info.source, revision=info.revision)
+    # BERT-style configs map to an LM-head class too, but are bidirectional encoders: no next-token logits.
+    causal = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and info.family not in models.ENCODER_FAMILIES
+    if not causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
+        raise SaeflowError(
+            f"model {cfg.model!r} ({hf_config.model_type}) is not a causal LM: top-k logits, perplexity and "
+            "responses need one (set top_k: 0, perplexity: false, response_max: 0)"
+        )
+    auto_cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    torch.manual_seed(cfg.seed)
+    try:
+        model = auto_cls.from_pretrained(info.source, revision=info.revision, dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"cannot load the weights of {info.ckpt}: {err}") from None
+    return model.eval().to(cfg.device), causal
+
+
+def _right_pad(ids_list: list[list[int]]):
+    """Token ids (B, T) long, zero-padded on the right to the longest, and the attention mask (B, T)."""
+    import torch
+
+    T = max(len(ids) for ids in ids_list)
+    ids_bt = torch.zeros(len(ids_list), T, dtype=torch.long)
+    mask_bt = torch.zeros(len(ids_list), T, dtype=torch.long)
+    for b, ids in enumerate(ids_list):
+        ids_bt[b, : len(ids)] = torch.tensor(ids)
+        mask_bt[b, : len(ids)] = 1
+    return ids_bt, mask_bt
+
+
+def _logit_fields(cfg: EngineConfig, ids: list[int], logits_tv) -> dict:
+    """Top-k logits at the last prompt token and per-token NLL, as `cfg` asks (logits_tv may be right-padded)."""
+    import torch
+
+    fields, T = {}, len(ids)
+    if cfg.top_k:
+        topk = torch.topk(logits_tv[T - 1], cfg.top_k)
+        fields["topk_values"] = topk.values.numpy()
+        fields["topk_indices"] = topk.indices.numpy().astype(np.int64)
+    if cfg.perplexity and T > 1:
+        log_probs = torch.log_softmax(logits_tv[: T - 1].double(), dim=-1)
+        targets = torch.tensor(ids[1:], dtype=torch.long)[:, None]
+        fields["token_nll"] = (-log_probs.gather(1, targets).squeeze(1)).numpy()
+    return fields
 
 
 class TextEngine:
-    def __init__(self, cfg: EngineConfig):
-        import torch
-        import transformers
+    """A text model loaded once, turning prompt rows into `Record`s (see the module docstring for what they hold)."""
 
+    def __init__(self, cfg: EngineConfig):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.info = models.describe(models.ModelSpec(name=cfg.model, revision=cfg.revision))
-        if self.info.modality != "text":
-            raise SaeflowError(f"model {cfg.model!r} is a {self.info.modality} model; interop exports need a text model")
+        if (modality := self.info.modality) != "text":
+            raise SaeflowError(f"model {cfg.model!r} is a {modality} model; interop exports need a text model")
         self.layers = self.info.resolve_layers(cfg.layers)
-        self.tokenizer = models.load_tokenizer(self.info, None)
-        hf_config = transformers.AutoConfig.from_pretrained(self.info.source, revision=self.info.revision)
-        # BERT-style configs map to an LM-head class too, but are bidirectional encoders: no next-token logits.
-        self.causal = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and self.info.family not in ENCODERS
-        if not self.causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
-            raise SaeflowError(
-                f"model {cfg.model!r} ({hf_config.model_type}) is not a causal LM: top-k logits, perplexity and "
-                "responses need one (set top_k: 0, perplexity: false, response_max: 0)"
-            )
-        auto_cls = transformers.AutoModelForCausalLM if self.causal else transformers.AutoModel
-        try:
-            self.model = auto_cls.from_pretrained(self.info.source, revision=self.info.revision, dtype=torch.float32)
-        except (OSError, ValueError) as err:
-            raise SaeflowError(f"cannot load the weights of {self.info.ckpt}: {err}") from None
-        self.model.eval().to(cfg.device)
+        self.tokenizer = tokenization.load_tokenizer(self.info, None)
+        self.model, self.causal = _load_model(self.info, cfg)
         self.blocks = models.find_blocks(self.model.base_model)
         self.d_model = self.info.d_model
 
@@ -74,7 +114,8 @@ class TextEngine:
         if mask_bt is None:
             mask_bt = torch.ones_like(ids_bt)
         # The whole model runs (logits are needed), so the hooks must not stop it after the deepest block.
-        with models.record_blocks(self.blocks, self.layers, stop_after_deepest=False) as recorded, torch.inference_mode():
+        recording = models.record_blocks(self.blocks, self.layers, stop_after_deepest=False)
+        with recording as recorded, torch.inference_mode():
             out = self.model(input_ids=ids_bt.to(self.cfg.device), attention_mask=mask_bt.to(self.cfg.device),
                              use_cache=False)
         acts = {layer: recorded[layer].float().cpu().numpy() for layer in self.layers}
@@ -110,18 +151,9 @@ class TextEngine:
 
     def _record(self, row: dict, ids: list[int], logits_tv, acts_td: dict, fields: dict) -> Record:
         """A record from one sequence's logits and activations (positions beyond len(ids) are ignored)."""
-        import torch
-
-        cfg, T = self.cfg, len(ids)
-        if cfg.top_k:
-            topk = torch.topk(logits_tv[T - 1], cfg.top_k)
-            fields["topk_values"] = topk.values.numpy()
-            fields["topk_indices"] = topk.indices.numpy().astype(np.int64)
-        if cfg.perplexity and T > 1:
-            log_probs = torch.log_softmax(logits_tv[: T - 1].double(), dim=-1)
-            targets = torch.tensor(ids[1:], dtype=torch.long)[:, None]
-            fields["token_nll"] = (-log_probs.gather(1, targets).squeeze(1)).numpy()
-        if cfg.token_strings:
+        T = len(ids)
+        fields.update(_logit_fields(self.cfg, ids, logits_tv))
+        if self.cfg.token_strings:
             fields["token_strings"] = tuple(self.tokenizer.convert_ids_to_tokens(ids))
         return Record(
             text=row["text"],
@@ -141,7 +173,6 @@ class TextEngine:
         Prompts run `batch_size` at a time, right-padded with an attention mask (valid positions never attend to
         padding; values agree with a batch of one up to float rounding). Responses are generated one by one.
         """
-        import torch
         import tqdm
 
         bar = tqdm.tqdm(total=len(prompts), desc=f"forward {self.cfg.model}", unit="prompt", disable=not progress)
@@ -153,13 +184,7 @@ class TextEngine:
                 fields, logits_tv, acts_td = self._respond(ids_list[0])
                 yield self._record(rows[0], ids_list[0], logits_tv, acts_td, fields)
             else:
-                T = max(len(ids) for ids in ids_list)
-                ids_bt = torch.zeros(len(rows), T, dtype=torch.long)
-                mask_bt = torch.zeros(len(rows), T, dtype=torch.long)
-                for b, ids in enumerate(ids_list):
-                    ids_bt[b, : len(ids)] = torch.tensor(ids)
-                    mask_bt[b, : len(ids)] = 1
-                logits, acts = self._forward(ids_bt, mask_bt)
+                logits, acts = self._forward(*_right_pad(ids_list))
                 for b, (row, ids) in enumerate(zip(rows, ids_list)):
                     acts_td = {layer: a[b] for layer, a in acts.items()}
                     yield self._record(row, ids, None if logits is None else logits[b], acts_td, {})

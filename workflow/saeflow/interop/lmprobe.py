@@ -17,7 +17,7 @@ import typing
 
 import numpy as np
 
-from saeflow import atomic, provenance
+from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record
 
@@ -38,13 +38,20 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class LmprobeOptions:
-    storage: str = "pooled"  # or "full_sequence"
-    prompts_per_shard: int = 4096
-    top_k: int = 50  # 0: no logits shards
-    perplexity: bool = True
-    token_ids: bool = False
-    token_strings: bool = False
-    allow_duplicate_texts: bool = False  # lmprobe maps text -> label, so duplicates are refused by default
+    """What an lmprobe dataset holds (`exports.<name>.lmprobe`); `defaults` are the schema's."""
+
+    storage: str  # "pooled" (last-token vectors) or "full_sequence" (every token, plus last-token shards)
+    prompts_per_shard: int  # prompts per safetensors shard
+    top_k: int  # top-k logits at the last token; 0: no logits shards
+    perplexity: bool  # perplexity_mean/min/max and token_perplexity columns
+    token_ids: bool  # a token_ids column
+    token_strings: bool  # a token_strings column
+    allow_duplicate_texts: bool  # lmprobe maps text -> label, so duplicates are refused unless set
+
+    @classmethod
+    def defaults(cls, **overrides) -> "LmprobeOptions":
+        """The schema's defaults, with `overrides` (for writing without an export spec)."""
+        return cls(**{**specs.export_defaults(cls, "lmprobe"), **overrides})
 
     def __post_init__(self):
         if self.storage not in STORAGES:
@@ -90,7 +97,7 @@ def write(
     out_dpath: str | pathlib.Path,
     model_name: str,
     model_revision: str | None,
-    opts: LmprobeOptions = LmprobeOptions(),
+    opts: LmprobeOptions,
 ) -> pathlib.Path:
     """Write an lmprobe 2.0 dataset to `out_dpath` (staged in a sibling, validated, then renamed into place)."""
     out_dpath = pathlib.Path(out_dpath)

@@ -18,7 +18,7 @@ import typing
 
 import numpy as np
 
-from saeflow import atomic, provenance
+from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record, check_uniform
 
@@ -211,18 +211,25 @@ class ActivationDataset:
 
 @dataclasses.dataclass(frozen=True)
 class PickleOptions:
-    samples_per_shard: int = 100
-    compressed: bool = True
-    protocol: int = pickle.HIGHEST_PROTOCOL
-    machine_id: int = 0
-    first_sample_idx: int = 0
+    """How gzip-pickle shards are written (`exports.<name>.pickle`); `defaults` are the schema's."""
+
+    samples_per_shard: int  # samples per shard file
+    compressed: bool  # gzip the pickles (.pkl.gz)
+    protocol: int  # pickle protocol (2..5)
+    machine_id: int = 0  # this writer's index in a multi-machine run (not in the schema: saeflow writes alone)
+    first_sample_idx: int = 0  # dataset index of the first sample written (likewise)
+
+    @classmethod
+    def defaults(cls, **overrides) -> "PickleOptions":
+        """The schema's defaults, with `overrides` (for writing without an export spec)."""
+        return cls(**{**specs.export_defaults(cls, "pickle"), **overrides})
 
 
 def write(
     records: typing.Iterable[Record],
     out_dpath: str | pathlib.Path,
     extraction_config: dict,
-    opts: PickleOptions = PickleOptions(),
+    opts: PickleOptions,
 ) -> pathlib.Path:
     """Write records as gzip-pickle shards + metadata.json (sizes, sha256 checksums), staged then renamed."""
     out_dpath = pathlib.Path(out_dpath)

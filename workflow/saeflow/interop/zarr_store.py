@@ -30,7 +30,7 @@ import typing
 
 import numpy as np
 
-from saeflow import atomic, provenance
+from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record, check_uniform
 
@@ -42,10 +42,17 @@ TEXT_FILES = {PROMPT: "text/prompts.jsonl", RESPONSE: "text/responses.jsonl", "e
 
 @dataclasses.dataclass(frozen=True)
 class ZarrOptions:
-    prompt_max: int = 128  # P_max: stored prompt tokens (pad/truncate)
-    response_max: int = 64  # R_max: stored response tokens; 0 = no response arrays
-    t_chunk_prompt: int = 128  # prompt chunk length along tokens (aim for 0.5-2 MB chunks)
-    samples_per_shard: int = 4096  # samples per writer shard
+    """The layout of a store (`exports.<name>.zarr` but workers/merge); `defaults` are the schema's."""
+
+    prompt_max: int  # P_max: stored prompt tokens (pad/truncate)
+    response_max: int  # R_max: stored response tokens; 0 = no response arrays
+    t_chunk_prompt: int  # prompt chunk length along tokens (aim for 0.5-2 MB chunks)
+    samples_per_shard: int  # samples per writer shard
+
+    @classmethod
+    def defaults(cls, **overrides) -> "ZarrOptions":
+        """The schema's defaults, with `overrides` (for writing without an export spec)."""
+        return cls(**{**specs.export_defaults(cls, "zarr"), **overrides})
 
     def __post_init__(self):
         if self.prompt_max < 1 or self.response_max < 0 or self.t_chunk_prompt < 1 or self.samples_per_shard < 1:
