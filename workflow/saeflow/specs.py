@@ -151,3 +151,18 @@ class ExportSpec:
             ),
             pickle=pickle_shards.PickleOptions(**spec["pickle"]),
         )
+
+    def out_dpath(self, name: str) -> str:
+        """Where export `name` goes: its `out`, else results/exports/<name>."""
+        return self.out or f"results/exports/{name}"
+
+    @property
+    def marker_fname(self) -> str:
+        """The file that stands for a finished export of this format (the workflow's output for it)."""
+        from saeflow.interop import lmprobe, pickle_shards, zarr_store
+
+        return {
+            "lmprobe": lmprobe.PARQUET_PATH,
+            "zarr": zarr_store.MANIFEST_FNAME,  # written once every shard store exists
+            "pickle": pickle_shards.METADATA_FNAME,
+        }[self.format]

@@ -80,7 +80,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         name, spec = "adhoc", _adhoc_spec(args)
     spec = ExportSpec.from_dict(spec)
-    out = args.out or pathlib.Path(spec.out or f"results/exports/{name}")
+    out = args.out or pathlib.Path(spec.out_dpath(name))
     path = convert.export(spec, out, parts=args.part, progress=not args.no_progress)
     print(path)
     return 0
