@@ -1,157 +1,44 @@
-"""Sweep planning (pure, fast: used at Snakemake parse time) and the resumable SAE training loop.
+"""The resumable SAE training loop: `train_runs` trains run directories made by `saeflow create-run`.
 
-A run is content-addressed by its training config (`runs.run_id`): the train/val shard hashes plus every
-hyper-parameter, seeds included. Training is a pure function of that config: the data order depends only on
-(data_seed, epoch, step) (see `loaders`), the initialization only on `seed`, and every `checkpoint_every` steps the
-full state (weights, Adam moments, dead-latent counters, BatchTopK threshold, step) is saved atomically to
+A run is content-addressed by its training config (`sweeps.TrainConfig`, `runs.run_id`): the train/val shard hashes
+plus every hyper-parameter, seeds included. Training is a pure function of that config: the data order depends only
+on (data_seed, epoch, step) (see `loaders`), the initialization only on `seed`, and every `checkpoint_every` steps
+the full state (weights, Adam moments, dead-latent counters, BatchTopK threshold, step) is saved atomically to
 `checkpoint/resume.pt`. A killed run restarts from there and ends with the same weights as an uninterrupted one.
 
 Runs that read the same vectors in the same order (same train shards, layer, tokens, batch size, data seed and
 length) train in one pass: each batch is read once and fed to every SAE of the group.
 """
 
-import dataclasses
-import itertools
 import json
 import logging
 import math
 import os
-import pathlib
 import time
 import typing
 
 import torch
 import tqdm
 
-from saeflow import atomic, runs
+from saeflow import atomic, devices, runs
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
 from saeflow.sae import SAE, SAEConfig, save_atomic, save_sae
 from saeflow.shards import ShardDir
+from saeflow.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.train")
 
-TRAINER = "saeflow-train-1"  # bump when the training maths change, so old run ids are not reused
-NOT_SWEPT = ("train", "val")
-RESUME_FNAME = "resume.pt"
-METRICS_FNAME = "metrics.jsonl"
-FINAL_METRICS_FNAME = "metrics.json"
 N_INIT_VECTORS = 16384
 LOG_EVERY = 10
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Planning (no data access)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    sae_name: str
-    index: int  # position in the sweep of `sae_name`
-    run_id: str
-    train_config: dict
-    train_activation: str
-    val_activation: str
-
-
-def _is_sweep(key: str, value) -> bool:
-    if key in NOT_SWEPT or not isinstance(value, list):
-        return False
-    return key != "matryoshka" or (bool(value) and all(isinstance(v, list) for v in value))
-
-
-def expand_sweep(spec: dict) -> list[dict]:
-    """The cartesian product of every list-valued key (in the spec's key order; the last key varies fastest)."""
-    keys = [key for key, value in spec.items() if _is_sweep(key, value)]
-    combos = itertools.product(*(spec[key] for key in keys))
-    return [{**spec, **dict(zip(keys, combo))} for combo in combos]
-
-
-def plan_runs(config: dict, shard_hashes: dict[str, str]) -> list[RunPlan]:
-    """Every run of every SAE spec in a validated config; `shard_hashes` maps activation names to shard hashes."""
-    plans = []
-    for sae_name, spec in config.get("saes", {}).items():
-        val_name = spec.get("val") or spec["train"]
-        for name in (spec["train"], val_name):
-            if name not in shard_hashes:
-                raise SaeflowError(
-                    f"saes.{sae_name}: activation {name!r} is not defined; known: {', '.join(shard_hashes) or 'none'}"
-                )
-        for index, point in enumerate(expand_sweep(spec)):
-            hyper = {k: v for k, v in point.items() if k not in NOT_SWEPT}
-            train_config = {
-                "trainer": TRAINER,
-                "train_shards": shard_hashes[spec["train"]],
-                "val_shards": shard_hashes[val_name],
-                **hyper,
-            }
-            plans.append(RunPlan(sae_name, index, runs.run_id(train_config), train_config, spec["train"], val_name))
-    return plans
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The hyper-parameters of one run (exactly the keys of checkpoint/config.json; defaults live in the schema)."""
-
-    trainer: str
-    train_shards: str
-    val_shards: str
-    layer: int
-    tokens: str
-    arch: str
-    expansion: int
-    k: int
-    matryoshka: tuple[float, ...]
-    l1_coeff: float
-    aux_k: int
-    aux_alpha: float
-    dead_after_vectors: int
-    lr: float
-    lr_warmup_frac: float
-    sparsity_warmup_frac: float
-    batch_size: int
-    n_epochs: int
-    n_train_vectors: int | None
-    n_val_vectors: int | None
-    seed: int
-    data_seed: int
-
-    @classmethod
-    def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing, extra = sorted(names - obj.keys()), sorted(obj.keys() - names)
-        if missing or extra:
-            raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
-        if obj["trainer"] != TRAINER:
-            raise SaeflowError(f"{where}: made by trainer {obj['trainer']!r}; this saeflow is {TRAINER!r}")
-        swept = [k for k, v in obj.items() if _is_sweep(k, v)]
-        if swept:
-            raise SaeflowError(f"{where}: {swept} are still lists; a run holds one point of a sweep")
-        return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
-
-    def sae_config(self, d_model: int) -> SAEConfig:
-        d_sae = self.expansion * d_model
-        prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
-        return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes)
-
-    def loader_key(self) -> tuple:
-        """Runs with equal keys see identical batches, so they can share one pass."""
-        return (
-            self.train_shards,
-            self.layer,
-            self.tokens,
-            self.batch_size,
-            self.data_seed,
-            self.n_epochs,
-            self.n_train_vectors,
-        )
+def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
+    """The architecture a run trains: Matryoshka fractions of d_sae become latent counts."""
+    d_sae = cfg.expansion * d_model
+    prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in cfg.matryoshka}))
+    return SAEConfig(d_model=d_model, d_sae=d_sae, arch=cfg.arch, k=cfg.k, matryoshka=prefixes)
 
 
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
@@ -163,37 +50,17 @@ def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise SaeflowError(f"unknown device {device!r} ({err})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SaeflowError(f"device {device!r} asked for, but CUDA is not available here")
-    return dev
-
-
 class Trainer:
     """One SAE being trained: its state, its loss, its checkpoints."""
 
     def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device):
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
-        self.sae = SAE(cfg.sae_config(d_model)).to(device).train()
+        self.sae = SAE(sae_config(cfg, d_model)).to(device).train()
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=cfg.lr)
         self.step = 0
         self.dead_steps = max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
         self.since_fired_s = torch.zeros(self.sae.d_sae, dtype=torch.int64, device=device)
         self.last: dict = {}
-
-    @property
-    def resume_fpath(self) -> pathlib.Path:
-        return self.run.checkpoint_dpath / RESUME_FNAME
-
-    @property
-    def metrics_fpath(self) -> pathlib.Path:
-        return self.run.checkpoint_dpath / METRICS_FNAME
 
     # -- state ----------------------------------------------------------------------------------------------
 
@@ -215,19 +82,19 @@ class Trainer:
 
     def load_resume(self) -> bool:
         """Restore from checkpoint/resume.pt; False when there is none."""
-        for stale in self.run.checkpoint_dpath.glob(".*.tmp-*"):  # half-written by a killed process
+        for stale in self.run.checkpoint_dpath.glob(f".*{atomic.TMP_INFIX}*"):  # half-written by a killed process
             stale.unlink()
-        if not self.resume_fpath.exists():
+        if not self.run.resume_fpath.exists():
             return False
         try:
-            state = torch.load(self.resume_fpath, map_location=self.device, weights_only=True)
+            state = torch.load(self.run.resume_fpath, map_location=self.device, weights_only=True)
             self.sae.load_state_dict(state["sae"])
             self.opt.load_state_dict(state["opt"])
             self.since_fired_s.copy_(state["since_fired_s"])
             self.step = int(state["step"])
         except Exception as err:
             raise SaeflowError(
-                f"{self.resume_fpath}: unreadable resume checkpoint ({err}); delete it to restart this run"
+                f"{self.run.resume_fpath}: unreadable resume checkpoint ({err}); delete it to restart this run"
             ) from None
         self._truncate_metrics()
         logger.info("%s: resuming at step %d of %d", self.run.root, self.step, self.n_steps)
@@ -240,21 +107,21 @@ class Trainer:
             "since_fired_s": self.since_fired_s,
             "step": self.step,
         }
-        save_atomic(state, self.resume_fpath)
+        save_atomic(state, self.run.resume_fpath)
 
     def _truncate_metrics(self) -> None:
         """Drop metric lines logged after the resume point (they will be logged again, identically)."""
-        if not self.metrics_fpath.exists():
+        if not self.run.metrics_log_fpath.exists():
             return
         keep = []
-        for line in self.metrics_fpath.read_text(encoding="utf-8").splitlines():
+        for line in self.run.metrics_log_fpath.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
             except ValueError:  # a line torn by the kill
                 continue
             if record.get("step", math.inf) <= self.step:
                 keep.append(line)
-        atomic.write_file_atomic(self.metrics_fpath, "".join(line + "\n" for line in keep).encode())
+        atomic.write_file_atomic(self.run.metrics_log_fpath, "".join(line + "\n" for line in keep).encode())
 
     # -- one step -------------------------------------------------------------------------------------------
 
@@ -328,7 +195,7 @@ class Trainer:
                 "n_dead": int((self.since_fired_s >= self.dead_steps).sum()),
             }
         self.last = record
-        with open(self.metrics_fpath, "a", encoding="utf-8") as fd:
+        with open(self.run.metrics_log_fpath, "a", encoding="utf-8") as fd:
             fd.write(json.dumps(record, sort_keys=True) + "\n")
 
     # -- the end --------------------------------------------------------------------------------------------
@@ -349,15 +216,15 @@ class Trainer:
                 break
         loader.close()
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, **acc.result()}
-        with open(self.metrics_fpath, "a", encoding="utf-8") as fd:
+        with open(self.run.metrics_log_fpath, "a", encoding="utf-8") as fd:
             fd.write(json.dumps({**result, "final": True}, sort_keys=True) + "\n")
         atomic.write_file_atomic(
-            self.run.checkpoint_dpath / FINAL_METRICS_FNAME,
+            self.run.final_metrics_fpath,
             (json.dumps(result, indent=2, sort_keys=True) + "\n").encode(),
         )
         self.sae.cpu()
         save_sae(self.sae, self.run.sae_fpath)
-        self.resume_fpath.unlink(missing_ok=True)
+        self.run.resume_fpath.unlink(missing_ok=True)
         return result
 
 
@@ -376,7 +243,7 @@ def train_runs(
     `max_steps` stops after that many steps (with a resume checkpoint), for tests and time-limited jobs.
     Returns the final validation metrics of runs that finished.
     """
-    dev = pick_device(device)
+    dev = devices.resolve_device(device)
     todo: dict[tuple, list[tuple[runs.Run, TrainConfig]]] = {}
     for path in run_paths:
         run = runs.open_run(path)
@@ -412,7 +279,7 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
     if fresh:
         init_nd = _first_vectors(loader, N_INIT_VECTORS)
         for t in fresh:
-            t.run.checkpoint_dpath.joinpath(METRICS_FNAME).unlink(missing_ok=True)
+            t.run.metrics_log_fpath.unlink(missing_ok=True)
             t.init_from_data(init_nd)
     start = min(t.step for t in trainers)
     stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
