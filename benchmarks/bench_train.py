@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from saeflow import runs, train
+from saeflow import devices, runs, sweeps, train
 
 
 def main():
@@ -28,9 +28,9 @@ def main():
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
 
-    dev = train.pick_device(args.device)
-    cfg = train.TrainConfig(
-        trainer=train.TRAINER, train_shards="bench", val_shards="bench", layer=0, tokens="content", arch="topk",
+    dev = devices.resolve_device(args.device)
+    cfg = sweeps.TrainConfig(
+        trainer=sweeps.TRAINER, train_shards="bench", val_shards="bench", layer=0, tokens="content", arch="topk",
         expansion=args.expansion, k=args.k, matryoshka=(), l1_coeff=0.0, aux_k=256, aux_alpha=1 / 32,
         dead_after_vectors=args.batch_size, lr=4e-4, lr_warmup_frac=0.05, sparsity_warmup_frac=0.0,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=0, data_seed=0,

@@ -4,7 +4,7 @@ import pathlib
 
 import numpy as np
 
-from saeflow import config, runs, train
+from saeflow import config, runs, sweeps
 from saeflow.shards import Metadata, ShardDir, ShardWriter
 
 
@@ -36,8 +36,9 @@ def make_run(runs_root: pathlib.Path, train_sd: ShardDir, val_sd: ShardDir | Non
     """A run directory for one SAE spec (schema defaults filled), exactly as `saeflow create-run` makes it."""
     val_sd = val_sd or train_sd
     cfg = config.validate({"activations": {}, "saes": {"s": {"train": "tr", "val": "va", "layer": 0, **spec}}})
-    (plan,) = train.plan_runs(cfg, {"tr": train_sd.hash, "va": val_sd.hash})
-    return runs.create_run(runs_root, plan.train_config, train_sd.dpath, val_sd.dpath)
+    sae_spec = sweeps.SAESpec.from_dict("s", cfg["saes"]["s"])
+    (plan,) = sweeps.plan_runs({"s": sae_spec}, {"tr": train_sd.hash, "va": val_sd.hash})
+    return runs.create_run(runs_root, plan.train_config.to_dict(), train_sd.dpath, val_sd.dpath)
 
 
 def planted_data(n: int, d_model: int, n_atoms: int, k: int, seed: int = 0):

@@ -3,7 +3,9 @@
 import json
 import multiprocessing
 import os
+import pathlib
 import signal
+import subprocess
 import sys
 import time
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from _training_helpers import make_run, planted_data, write_shards
-from saeflow import cli, config, train
+from saeflow import cli, config, sweeps, train
 from saeflow.errors import SaeflowError
 from saeflow.sae import load_sae
 
@@ -49,43 +51,53 @@ def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
         assert result["l0"] == 3.0
     lines = [json.loads(line) for line in (run.checkpoint_dpath / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["final"] and lines[0]["step"] == train.LOG_EVERY
-    assert not (run.checkpoint_dpath / train.RESUME_FNAME).exists()
+    assert not run.resume_fpath.exists()
     # Done runs are skipped, nothing is rewritten.
     mtime = run.sae_fpath.stat().st_mtime_ns
     assert train.train_runs([run.root]) == [] and run.sae_fpath.stat().st_mtime_ns == mtime
 
 
 def _cfg(**saes):
-    return config.validate({"activations": {}, "saes": saes})
+    """The typed SAE specs of a config holding `saes` (validated, so with the schema's defaults)."""
+    cfg = config.validate({"activations": {}, "saes": saes})
+    return {name: sweeps.SAESpec.from_dict(name, obj) for name, obj in cfg["saes"].items()}
 
 
 def test_plan_runs_sweep_is_cartesian_and_content_addressed():
     cfg = _cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]})
-    plans = train.plan_runs(cfg, {"x": "h" * 64, "y": "v" * 64})
+    plans = sweeps.plan_runs(cfg, {"x": "h" * 64, "y": "v" * 64})
     assert len(plans) == 12 and [p.index for p in plans] == list(range(12))
     # Key order of the spec, last key varies fastest.
-    assert [(p.train_config["k"], p.train_config["seed"], p.train_config["matryoshka"]) for p in plans[:3]] == [
+    assert [(c["k"], c["seed"], c["matryoshka"]) for c in (p.train_config.to_dict() for p in plans[:3])] == [
         (8, 0, [0.25]),
         (8, 0, [0.5]),
         (8, 1, [0.25]),
     ]
     assert len({p.run_id for p in plans}) == 12
-    assert plans[0].train_config["train_shards"] == "h" * 64 and plans[0].train_config["val_shards"] == "v" * 64
+    assert plans[0].train_config.train_shards == "h" * 64 and plans[0].train_config.val_shards == "v" * 64
     assert plans[0].train_activation == "x" and plans[0].val_activation == "y"
-    again = train.plan_runs(
+    again = sweeps.plan_runs(
         _cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]}),
         {"x": "h" * 64, "y": "v" * 64},
     )
     assert [p.run_id for p in again] == [p.run_id for p in plans]
     # A flat matryoshka list is one value, not a sweep; another data hash is another run.
-    (one,) = train.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "h" * 64})
-    assert one.train_config["matryoshka"] == [0.25, 0.5] and one.val_activation == "x"
-    (other,) = train.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "g" * 64})
+    (one,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "h" * 64})
+    assert one.train_config.to_dict()["matryoshka"] == [0.25, 0.5] and one.val_activation == "x"
+    (other,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "g" * 64})
     assert other.run_id != one.run_id
     with pytest.raises(SaeflowError, match="saes.a: activation 'nope' is not defined"):
-        train.plan_runs(_cfg(a={"train": "nope", "layer": 0}), {"x": "h" * 64})
+        sweeps.plan_runs(_cfg(a={"train": "nope", "layer": 0}), {"x": "h" * 64})
     with pytest.raises(SaeflowError, match="saes.a.arch"):
         _cfg(a={"train": "x", "layer": 0, "arch": "gated"})
+
+
+def test_sweep_planning_does_not_import_torch():
+    """Snakemake plans the runs at parse time, in every job: importing torch there would cost seconds each."""
+    package_root = str(pathlib.Path(sweeps.__file__).parents[1])  # the child imports the saeflow this test does
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    code = "import saeflow.sweeps, sys; assert 'torch' not in sys.modules, 'saeflow.sweeps imports torch'"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
 
 
 @pytest.fixture
@@ -113,7 +125,7 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     # A forked child (no interpreter start-up to wait for) trains until its first resume checkpoint, then dies.
     proc = multiprocessing.get_context("fork").Process(target=_train_quietly, args=(killed.root,))
     proc.start()
-    resume_fpath = killed.checkpoint_dpath / train.RESUME_FNAME
+    resume_fpath = killed.resume_fpath
     deadline = time.monotonic() + 60
     while not resume_fpath.exists() and proc.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -162,7 +174,7 @@ def test_max_steps_then_resume(tmp_path, small_run):
     sd, spec = small_run
     run = make_run(tmp_path, sd, **{**spec, "n_epochs": 1})
     assert train.train_runs([run.root], device="cpu", max_steps=50) == []
-    assert torch.load(run.checkpoint_dpath / train.RESUME_FNAME, weights_only=True)["step"] == 50
+    assert torch.load(run.resume_fpath, weights_only=True)["step"] == 50
     (result,) = train.train_runs([run.root], device="cpu")
     assert result["step"] == 128 and load_sae(run.sae_fpath).threshold > 0
     assert result["l0"] == pytest.approx(2, abs=0.5)  # BatchTopK's inference threshold keeps ~k latents per vector

@@ -18,7 +18,7 @@ import yaml
 from _extract_helpers import typed
 from saeflow import config, shards
 from saeflow.extract import plan_activation
-from saeflow.train import plan_runs
+from saeflow.sweeps import SAESpec, plan_runs
 from workflow_helpers import (
     REPO_ROOT,
     env,
@@ -33,7 +33,8 @@ from workflow_helpers import (
 
 def run_plans(cfg: dict, shard_hash: str):
     """What the workflow plans: runs of the config with the schema's defaults filled in."""
-    return plan_runs(config.validate(json.loads(json.dumps(cfg))), {"docs": shard_hash})
+    saes = config.validate(json.loads(json.dumps(cfg)))["saes"]
+    return plan_runs({name: SAESpec.from_dict(name, obj) for name, obj in saes.items()}, {"docs": shard_hash})
 
 
 @pytest.fixture(scope="module")

@@ -1,157 +1,45 @@
-"""Sweep planning (pure, fast: used at Snakemake parse time) and the resumable SAE training loop.
+"""The resumable SAE training loop: `train_runs` trains run directories made by `saeflow create-run`.
 
-A run is content-addressed by its training config (`runs.run_id`): the train/val shard hashes plus every
-hyper-parameter, seeds included. Training is a pure function of that config: the data order depends only on
-(data_seed, epoch, step) (see `loaders`), the initialization only on `seed`, and every `checkpoint_every` steps the
-full state (weights, Adam moments, dead-latent counters, BatchTopK threshold, step) is saved atomically to
+A run is content-addressed by its training config (`sweeps.TrainConfig`, `runs.run_id`): the train/val shard hashes
+plus every hyper-parameter, seeds included. Training is a pure function of that config: the data order depends only
+on (data_seed, epoch, step) (see `loaders`), the initialization only on `seed`, and every `checkpoint_every` steps
+the full state (weights, Adam moments, dead-latent counters, BatchTopK threshold, step) is saved atomically to
 `checkpoint/resume.pt`. A killed run restarts from there and ends with the same weights as an uninterrupted one.
 
 Runs that read the same vectors in the same order (same train shards, layer, tokens, batch size, data seed and
-length) train in one pass: each batch is read once and fed to every SAE of the group.
+length) train in one pass: each batch is read once and fed to every SAE of the group. The loss is `objectives`'.
 """
 
-import dataclasses
-import itertools
 import json
 import logging
 import math
 import os
-import pathlib
 import time
 import typing
 
 import torch
 import tqdm
 
-from saeflow import atomic, runs
+from saeflow import atomic, devices, runs
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
+from saeflow.objectives import DeadLatents, Loss, Objective
 from saeflow.sae import SAE, SAEConfig, save_atomic, save_sae
 from saeflow.shards import ShardDir
+from saeflow.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.train")
 
-TRAINER = "saeflow-train-1"  # bump when the training maths change, so old run ids are not reused
-NOT_SWEPT = ("train", "val")
-RESUME_FNAME = "resume.pt"
-METRICS_FNAME = "metrics.jsonl"
-FINAL_METRICS_FNAME = "metrics.json"
 N_INIT_VECTORS = 16384
 LOG_EVERY = 10
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Planning (no data access)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RunPlan:
-    sae_name: str
-    index: int  # position in the sweep of `sae_name`
-    run_id: str
-    train_config: dict
-    train_activation: str
-    val_activation: str
-
-
-def _is_sweep(key: str, value) -> bool:
-    if key in NOT_SWEPT or not isinstance(value, list):
-        return False
-    return key != "matryoshka" or (bool(value) and all(isinstance(v, list) for v in value))
-
-
-def expand_sweep(spec: dict) -> list[dict]:
-    """The cartesian product of every list-valued key (in the spec's key order; the last key varies fastest)."""
-    keys = [key for key, value in spec.items() if _is_sweep(key, value)]
-    combos = itertools.product(*(spec[key] for key in keys))
-    return [{**spec, **dict(zip(keys, combo))} for combo in combos]
-
-
-def plan_runs(config: dict, shard_hashes: dict[str, str]) -> list[RunPlan]:
-    """Every run of every SAE spec in a validated config; `shard_hashes` maps activation names to shard hashes."""
-    plans = []
-    for sae_name, spec in config.get("saes", {}).items():
-        val_name = spec.get("val") or spec["train"]
-        for name in (spec["train"], val_name):
-            if name not in shard_hashes:
-                raise SaeflowError(
-                    f"saes.{sae_name}: activation {name!r} is not defined; known: {', '.join(shard_hashes) or 'none'}"
-                )
-        for index, point in enumerate(expand_sweep(spec)):
-            hyper = {k: v for k, v in point.items() if k not in NOT_SWEPT}
-            train_config = {
-                "trainer": TRAINER,
-                "train_shards": shard_hashes[spec["train"]],
-                "val_shards": shard_hashes[val_name],
-                **hyper,
-            }
-            plans.append(RunPlan(sae_name, index, runs.run_id(train_config), train_config, spec["train"], val_name))
-    return plans
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The hyper-parameters of one run (exactly the keys of checkpoint/config.json; defaults live in the schema)."""
-
-    trainer: str
-    train_shards: str
-    val_shards: str
-    layer: int
-    tokens: str
-    arch: str
-    expansion: int
-    k: int
-    matryoshka: tuple[float, ...]
-    l1_coeff: float
-    aux_k: int
-    aux_alpha: float
-    dead_after_vectors: int
-    lr: float
-    lr_warmup_frac: float
-    sparsity_warmup_frac: float
-    batch_size: int
-    n_epochs: int
-    n_train_vectors: int | None
-    n_val_vectors: int | None
-    seed: int
-    data_seed: int
-
-    @classmethod
-    def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing, extra = sorted(names - obj.keys()), sorted(obj.keys() - names)
-        if missing or extra:
-            raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
-        if obj["trainer"] != TRAINER:
-            raise SaeflowError(f"{where}: made by trainer {obj['trainer']!r}; this saeflow is {TRAINER!r}")
-        swept = [k for k, v in obj.items() if _is_sweep(k, v)]
-        if swept:
-            raise SaeflowError(f"{where}: {swept} are still lists; a run holds one point of a sweep")
-        return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
-
-    def sae_config(self, d_model: int) -> SAEConfig:
-        d_sae = self.expansion * d_model
-        prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
-        return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes)
-
-    def loader_key(self) -> tuple:
-        """Runs with equal keys see identical batches, so they can share one pass."""
-        return (
-            self.train_shards,
-            self.layer,
-            self.tokens,
-            self.batch_size,
-            self.data_seed,
-            self.n_epochs,
-            self.n_train_vectors,
-        )
+def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
+    """The architecture a run trains: Matryoshka fractions of d_sae become latent counts."""
+    d_sae = cfg.expansion * d_model
+    prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in cfg.matryoshka}))
+    return SAEConfig(d_model=d_model, d_sae=d_sae, arch=cfg.arch, k=cfg.k, matryoshka=prefixes)
 
 
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
@@ -163,39 +51,77 @@ def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as err:
-        raise SaeflowError(f"unknown device {device!r} ({err})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SaeflowError(f"device {device!r} asked for, but CUDA is not available here")
-    return dev
+class Checkpoint:
+    """A run's files while it trains: resume.pt (the full state, for an exact restart) and metrics.jsonl."""
+
+    def __init__(self, run: runs.Run):
+        self.run = run
+
+    def restore(self, trainer: "Trainer") -> bool:
+        """Load resume.pt into `trainer` and drop the metric lines logged after it; False when there is none."""
+        for stale in self.run.checkpoint_dpath.glob(f".*{atomic.TMP_INFIX}*"):  # half-written by a killed process
+            stale.unlink()
+        fpath = self.run.resume_fpath
+        if not fpath.exists():
+            return False
+        try:
+            trainer.load_state_dict(torch.load(fpath, map_location=trainer.device, weights_only=True))
+        except Exception as err:
+            raise SaeflowError(
+                f"{fpath}: unreadable resume checkpoint ({err}); delete it to restart this run"
+            ) from None
+        self._truncate_log(trainer.step)
+        logger.info("%s: resuming at step %d of %d", self.run.root, trainer.step, trainer.n_steps)
+        return True
+
+    def save(self, state: dict) -> None:
+        save_atomic(state, self.run.resume_fpath)
+
+    def restart_log(self) -> None:
+        """A fresh run starts a fresh metrics.jsonl (one left by a run that never reached a resume point)."""
+        self.run.metrics_log_fpath.unlink(missing_ok=True)
+
+    def log(self, record: dict) -> None:
+        with open(self.run.metrics_log_fpath, "a", encoding="utf-8") as fd:
+            fd.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop metric lines logged after the resume point (they will be logged again, identically)."""
+        fpath = self.run.metrics_log_fpath
+        if not fpath.exists():
+            return
+        keep = []
+        for line in fpath.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line torn by the kill
+                continue
+            if record.get("step", math.inf) <= step:
+                keep.append(line)
+        atomic.write_file_atomic(fpath, "".join(line + "\n" for line in keep).encode())
+
+    def publish(self, result: dict, sae: SAE) -> None:
+        """The final validation line and metrics.json, then sae.pt (written last: its presence means done)."""
+        self.log({**result, "final": True})
+        atomic.write_file_atomic(
+            self.run.final_metrics_fpath, (json.dumps(result, indent=2, sort_keys=True) + "\n").encode()
+        )
+        save_sae(sae, self.run.sae_fpath)
+        self.run.resume_fpath.unlink(missing_ok=True)
 
 
 class Trainer:
-    """One SAE being trained: its state, its loss, its checkpoints."""
+    """One SAE being trained: its weights, optimizer, step and dead-latent counters."""
 
     def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device):
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
-        self.sae = SAE(cfg.sae_config(d_model)).to(device).train()
+        self.checkpoint = Checkpoint(run)
+        self.sae = SAE(sae_config(cfg, d_model)).to(device).train()
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=cfg.lr)
+        self.objective = Objective(cfg, n_steps)
         self.step = 0
-        self.dead_steps = max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
-        self.since_fired_s = torch.zeros(self.sae.d_sae, dtype=torch.int64, device=device)
-        self.last: dict = {}
-
-    @property
-    def resume_fpath(self) -> pathlib.Path:
-        return self.run.checkpoint_dpath / RESUME_FNAME
-
-    @property
-    def metrics_fpath(self) -> pathlib.Path:
-        return self.run.checkpoint_dpath / METRICS_FNAME
-
-    # -- state ----------------------------------------------------------------------------------------------
+        self.dead = DeadLatents(self.sae.d_sae, max(1, -(-cfg.dead_after_vectors // cfg.batch_size)), device)
+        self.last: dict = {}  # the latest metrics record (for the progress bar)
 
     @torch.no_grad()
     def init_from_data(self, x_nd: torch.Tensor) -> None:
@@ -213,156 +139,79 @@ class Trainer:
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.zero_()
 
-    def load_resume(self) -> bool:
-        """Restore from checkpoint/resume.pt; False when there is none."""
-        for stale in self.run.checkpoint_dpath.glob(".*.tmp-*"):  # half-written by a killed process
-            stale.unlink()
-        if not self.resume_fpath.exists():
-            return False
-        try:
-            state = torch.load(self.resume_fpath, map_location=self.device, weights_only=True)
-            self.sae.load_state_dict(state["sae"])
-            self.opt.load_state_dict(state["opt"])
-            self.since_fired_s.copy_(state["since_fired_s"])
-            self.step = int(state["step"])
-        except Exception as err:
-            raise SaeflowError(
-                f"{self.resume_fpath}: unreadable resume checkpoint ({err}); delete it to restart this run"
-            ) from None
-        self._truncate_metrics()
-        logger.info("%s: resuming at step %d of %d", self.run.root, self.step, self.n_steps)
-        return True
-
-    def save_resume(self) -> None:
-        state = {
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly (resume.pt)."""
+        return {
             "sae": self.sae.state_dict(),
             "opt": self.opt.state_dict(),
-            "since_fired_s": self.since_fired_s,
+            "since_fired_s": self.dead.since_fired_s,
             "step": self.step,
         }
-        save_atomic(state, self.resume_fpath)
 
-    def _truncate_metrics(self) -> None:
-        """Drop metric lines logged after the resume point (they will be logged again, identically)."""
-        if not self.metrics_fpath.exists():
-            return
-        keep = []
-        for line in self.metrics_fpath.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line torn by the kill
-                continue
-            if record.get("step", math.inf) <= self.step:
-                keep.append(line)
-        atomic.write_file_atomic(self.metrics_fpath, "".join(line + "\n" for line in keep).encode())
-
-    # -- one step -------------------------------------------------------------------------------------------
-
-    def loss(self, x_bd: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
-        sae, cfg = self.sae, self.cfg
-        xn_bd = x_bd * sae.scale
-        pre_bs = sae.pre_acts_normed(xn_bd)
-        if cfg.arch == "topk":  # decode from the k active latents only (the dense decode would dominate the step)
-            vals_bk, idx_bk = pre_bs.topk(cfg.k, dim=-1, sorted=False)
-            vals_bk = torch.relu(vals_bk)
-            f_bs = torch.zeros_like(pre_bs).scatter_(-1, idx_bk, vals_bk.detach())  # for metrics only
-            decode = lambda m: sae.decode_sparse_normed(vals_bk, idx_bk, m)  # noqa: E731
-        else:
-            f_bs = sae.activate(pre_bs)
-            decode = lambda m: sae.decode_normed(f_bs, m)  # noqa: E731
-        xn_hat_bd = decode(None)
-        recon = [(decode(m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
-        mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
-        terms = {"mse": mse}
-        if cfg.arch == "relu":
-            n_warm = int(cfg.sparsity_warmup_frac * self.n_steps)
-            ramp = min(1.0, (self.step + 1) / n_warm) if n_warm else 1.0
-            terms["l1"] = cfg.l1_coeff * ramp * (f_bs * sae.W_dec.norm(dim=-1)).sum(-1).mean()
-        else:
-            terms["aux"] = cfg.aux_alpha * self._aux_loss(pre_bs, xn_bd - xn_hat_bd)
-        return sum(terms.values()), terms, (xn_hat_bd, f_bs)
-
-    def _aux_loss(self, pre_bs: torch.Tensor, resid_bd: torch.Tensor) -> torch.Tensor:
-        """AuxK: the top-`aux_k` dead latents reconstruct the residual, so dead latents get gradient again."""
-        dead_s = self.since_fired_s >= self.dead_steps
-        n_dead = int(dead_s.sum())
-        if n_dead == 0:
-            return torch.zeros((), device=pre_bs.device)
-        vals_bk, idx_bk = pre_bs.masked_fill(~dead_s, -math.inf).topk(min(self.cfg.aux_k, n_dead), dim=-1, sorted=False)
-        vals_bk = torch.relu(vals_bk)
-        resid_bd = resid_bd.detach()
-        err = (self.sae.decode_sparse_normed(vals_bk, idx_bk) - self.sae.b_dec - resid_bd).square().sum(-1).mean()
-        return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
+    def load_state_dict(self, state: dict) -> None:
+        self.sae.load_state_dict(state["sae"])
+        self.opt.load_state_dict(state["opt"])
+        self.dead.since_fired_s.copy_(state["since_fired_s"])
+        self.step = int(state["step"])
 
     def train_step(self, x_bd: torch.Tensor) -> None:
         sae = self.sae
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, self.n_steps, self.cfg.lr, self.cfg.lr_warmup_frac)
-        loss, terms, (xn_hat_bd, f_bs) = self.loss(x_bd)
+        loss = self.objective(sae, x_bd, self.step, self.dead)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.total.backward()
         sae.remove_parallel_grad()
         self.opt.step()
         sae.normalize_decoder()
         with torch.no_grad():
-            fired_s = (f_bs > 0).any(0)
-            self.since_fired_s += 1
-            self.since_fired_s[fired_s] = 0
+            fired_s = (loss.f_bs > 0).any(0)
+            self.dead.update(fired_s)
             if self.cfg.arch == "batchtopk":  # inference threshold: running mean of the smallest kept activation
-                min_kept = f_bs[f_bs > 0].min() if fired_s.any() else sae.threshold
+                min_kept = loss.f_bs[loss.f_bs > 0].min() if fired_s.any() else sae.threshold
                 sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
-            self._log(x_bd, xn_hat_bd, f_bs, loss, terms)
-
-    def _log(self, x_bd, xn_hat_bd, f_bs, loss, terms) -> None:
-        with torch.no_grad():
-            record = {
-                "step": self.step,
-                "n_vectors": self.step * self.cfg.batch_size,
-                "lr": self.opt.param_groups[0]["lr"],
-                "loss": float(loss),
-                **{name: float(value) for name, value in terms.items()},
-                "nmse": batch_nmse(x_bd * self.sae.scale, xn_hat_bd),
-                "l0": float((f_bs > 0).sum(-1).float().mean()),
-                "n_dead": int((self.since_fired_s >= self.dead_steps).sum()),
-            }
-        self.last = record
-        with open(self.metrics_fpath, "a", encoding="utf-8") as fd:
-            fd.write(json.dumps(record, sort_keys=True) + "\n")
-
-    # -- the end --------------------------------------------------------------------------------------------
+            self.last = self._record(x_bd, loss)
+            self.checkpoint.log(self.last)
 
     @torch.no_grad()
+    def _record(self, x_bd: torch.Tensor, loss: Loss) -> dict:
+        return {
+            "step": self.step,
+            "n_vectors": self.step * self.cfg.batch_size,
+            "lr": self.opt.param_groups[0]["lr"],
+            "loss": float(loss.total),
+            **{name: float(value) for name, value in loss.terms.items()},
+            "nmse": batch_nmse(x_bd * self.sae.scale, loss.xn_hat_bd),
+            "l0": float((loss.f_bs > 0).sum(-1).float().mean()),
+            "n_dead": int(self.dead.dead_s.sum()),
+        }
+
     def finish(self, val_dir: ShardDir) -> dict:
-        """Validation metrics in raw space, then sae.pt (written last: its presence means the run is done)."""
+        """Validation metrics in raw space, then the run's final files (sae.pt last)."""
         self.sae.eval()
-        cfg = self.cfg
-        acc = MetricsAccumulator(self.sae.d_model, self.sae.d_sae)
-        loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens)
-        n_max = cfg.n_val_vectors or loader.n_vectors
-        for x_bd in loader:
-            x_bd = x_bd[: n_max - acc.n_vectors].to(self.device, torch.float32)
-            x_hat_bd, f_bs = self.sae(x_bd)
-            acc.update(x_bd, x_hat_bd, f_bs)
-            if acc.n_vectors >= n_max:
-                break
-        loader.close()
-        result = {"split": "val", "shards": val_dir.hash, "step": self.step, **acc.result()}
-        with open(self.metrics_fpath, "a", encoding="utf-8") as fd:
-            fd.write(json.dumps({**result, "final": True}, sort_keys=True) + "\n")
-        atomic.write_file_atomic(
-            self.run.checkpoint_dpath / FINAL_METRICS_FNAME,
-            (json.dumps(result, indent=2, sort_keys=True) + "\n").encode(),
-        )
+        metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
+        result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
         self.sae.cpu()
-        save_sae(self.sae, self.run.sae_fpath)
-        self.resume_fpath.unlink(missing_ok=True)
+        self.checkpoint.publish(result, self.sae)
         return result
 
 
-def _open_shards(run: runs.Run, link: str) -> ShardDir:
-    return ShardDir(run.link(link).resolve())
+@torch.no_grad()
+def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device) -> dict:
+    """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order."""
+    acc = MetricsAccumulator(sae.d_model, sae.d_sae)
+    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens)
+    n_max = cfg.n_val_vectors or loader.n_vectors
+    for x_bd in loader:
+        x_bd = x_bd[: n_max - acc.n_vectors].to(device, torch.float32)
+        x_hat_bd, f_bs = sae(x_bd)
+        acc.update(x_bd, x_hat_bd, f_bs)
+        if acc.n_vectors >= n_max:
+            break
+    loader.close()
+    return acc.result()
 
 
 def train_runs(
@@ -376,7 +225,7 @@ def train_runs(
     `max_steps` stops after that many steps (with a resume checkpoint), for tests and time-limited jobs.
     Returns the final validation metrics of runs that finished.
     """
-    dev = pick_device(device)
+    dev = devices.resolve_device(device)
     todo: dict[tuple, list[tuple[runs.Run, TrainConfig]]] = {}
     for path in run_paths:
         run = runs.open_run(path)
@@ -391,7 +240,12 @@ def train_runs(
     return results
 
 
-def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int | None) -> list[dict]:
+def _open_shards(run: runs.Run, link: str) -> ShardDir:
+    return ShardDir(run.link(link).resolve())
+
+
+def _open_data(group: list[tuple[runs.Run, TrainConfig]]) -> tuple[ShuffledLoader, list[ShardDir]]:
+    """The group's shared training loader and each run's validation shards, checked against the configs."""
     run0, cfg0 = group[0]
     train_dir = _open_shards(run0, "train-shards")
     for run, _ in group:
@@ -400,34 +254,52 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
     val_dirs = [_open_shards(run, "val-shards") for run, _ in group]
     loader = ShuffledLoader(train_dir, cfg0.layer, cfg0.batch_size, cfg0.data_seed, tokens=cfg0.tokens)
     d_model = train_dir.metadata.d_model
-    for (run, cfg), val_dir in zip(group, val_dirs):
+    for (run, _), val_dir in zip(group, val_dirs):
         if val_dir.metadata.d_model != d_model:
             raise SaeflowError(
                 f"{run.link('val-shards')}: d_model {val_dir.metadata.d_model} differs from training's {d_model}"
             )
-    per_epoch = len(loader)
-    n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * per_epoch
+    return loader, val_dirs
+
+
+def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int | None) -> list[dict]:
+    cfg0 = group[0][1]
+    loader, val_dirs = _open_data(group)
+    d_model = loader.view.d_model
+    n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]
-    fresh = [t for t in trainers if not t.load_resume()]
+    fresh = [t for t in trainers if not t.checkpoint.restore(t)]
     if fresh:
         init_nd = _first_vectors(loader, N_INIT_VECTORS)
         for t in fresh:
-            t.run.checkpoint_dpath.joinpath(METRICS_FNAME).unlink(missing_ok=True)
+            t.checkpoint.restart_log()
             t.init_from_data(init_nd)
     start = min(t.step for t in trainers)
     stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
-    bar = tqdm.tqdm(total=(stop - start) * cfg0.batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
+    _run_steps(trainers, loader, start, stop, checkpoint_every)
+    loader.close()
+    if stop < n_steps:
+        for t in trainers:
+            t.checkpoint.save(t.state_dict())
+        return []
+    return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
+
+
+def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> None:
+    """Steps `start..stop-1` of the group: each batch is read once and fed to every trainer at that step."""
+    batch_size, n_steps, per_epoch = loader.batch_size, trainers[0].n_steps, len(loader)
+    bar = tqdm.tqdm(total=(stop - start) * batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
     step = start
-    t0 = time.perf_counter()
+    t0_sec = time.perf_counter()
     while step < stop:
         epoch, batch_idx = divmod(step, per_epoch)
         for x_bd in loader.iter_batches(epoch, batch_idx):
-            x_bd = x_bd.to(dev, torch.float32, non_blocking=True)
+            x_bd = x_bd.to(trainers[0].device, torch.float32, non_blocking=True)
             for t in trainers:
                 if t.step == step:
                     t.train_step(x_bd)
                     if t.step % checkpoint_every == 0 and t.step < n_steps:
-                        t.save_resume()
+                        t.checkpoint.save(t.state_dict())
             step += 1
             bar.update(x_bd.shape[0])
             if trainers[0].last and step % LOG_EVERY == 0:
@@ -436,13 +308,7 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
             if step >= stop:
                 break
     bar.close()
-    loader.close()
-    logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0)
-    if stop < n_steps:
-        for t in trainers:
-            t.save_resume()
-        return []
-    return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
+    logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0_sec)
 
 
 def _first_vectors(loader: ShuffledLoader, n: int) -> torch.Tensor:

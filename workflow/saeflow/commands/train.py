@@ -5,7 +5,7 @@ import json
 import pathlib
 
 from saeflow import config as config_mod
-from saeflow import runs
+from saeflow import runs, sweeps
 from saeflow.errors import SaeflowError
 
 
@@ -50,19 +50,18 @@ def shard_hashes(config: dict) -> dict[str, str]:
 
 
 def cmd_create_run(args: argparse.Namespace) -> int:
-    from saeflow import train
-
     config = config_mod.load(args.config)
     name, _ = config_mod.pick(config.get("saes", {}), args.sae, "SAE spec")
-    plans = [p for p in train.plan_runs(config, shard_hashes(config)) if p.sae_name == name]
+    specs = {sae_name: sweeps.SAESpec.from_dict(sae_name, obj) for sae_name, obj in config.get("saes", {}).items()}
+    plans = [p for p in sweeps.plan_runs(specs, shard_hashes(config)) if p.sae_name == name]
     if not 0 <= args.index < len(plans):
         raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
     plan = plans[args.index]
-    train_dpath = args.shards_root / plan.train_config["train_shards"]
-    val_dpath = args.shards_root / plan.train_config["val_shards"]
+    train_dpath = args.shards_root / plan.train_config.train_shards
+    val_dpath = args.shards_root / plan.train_config.val_shards
     run = runs.create_run(
         args.runs_root,
-        plan.train_config,
+        plan.train_config.to_dict(),
         train_shards=train_dpath,
         val_shards=val_dpath,
         train_dataset=_dataset_of(train_dpath),

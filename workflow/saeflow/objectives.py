@@ -1,0 +1,129 @@
+"""The SAE training loss: reconstruction (with Matryoshka prefixes) plus L1 (relu) or AuxK (topk, batchtopk).
+
+`Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's loss; the loop (`saeflow.train`) owns the optimizer,
+the step and the dead-latent counters. Everything here is in the SAE's normalized space (x * scale). Runs with the
+same id train to the same weights, so the operations keep the order they had when `sweeps.TRAINER` was last bumped:
+reordering them moves roundings, which is a change of the training maths (and calls for a new TRAINER).
+
+Shapes: b batch, d d_model, s d_sae latents, k active latents per vector.
+"""
+
+import dataclasses
+import math
+
+import torch
+
+from saeflow.sae import SAE
+from saeflow.sweeps import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Codes:
+    """A batch encoded for training, and what decoding it needs."""
+
+    pre_bs: torch.Tensor  # pre-activations (AuxK picks dead latents among them)
+    f_bs: torch.Tensor  # activations; for TopK a copy without gradient (metrics, firing counts)
+    vals_bk: torch.Tensor | None  # TopK only: the k kept activations, with gradient
+    idx_bk: torch.Tensor | None  # TopK only: their latent ids
+
+    def decode(self, sae: SAE, n_latents: int | None = None) -> torch.Tensor:
+        """Reconstruction (b, d) from the first `n_latents` latents (None: all)."""
+        if self.idx_bk is not None:  # from the k active latents only (the dense decode would dominate the step)
+            return sae.decode_sparse_normed(self.vals_bk, self.idx_bk, n_latents)
+        return sae.decode_normed(self.f_bs, n_latents)
+
+
+def encode(sae: SAE, xn_bd: torch.Tensor, arch: str, k: int) -> Codes:
+    pre_bs = sae.pre_acts_normed(xn_bd)
+    if arch != "topk":
+        return Codes(pre_bs, sae.activate(pre_bs), None, None)
+    vals_bk, idx_bk = pre_bs.topk(k, dim=-1, sorted=False)
+    vals_bk = torch.relu(vals_bk)
+    f_bs = torch.zeros_like(pre_bs).scatter_(-1, idx_bk, vals_bk.detach())
+    return Codes(pre_bs, f_bs, vals_bk, idx_bk)
+
+
+def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error per vector, averaged over the Matryoshka prefixes and the full dictionary; and x_hat (b, d).
+
+    Each prefix must reconstruct on its own, so the first latents learn the coarse directions.
+    """
+    xn_hat_bd = codes.decode(sae)
+    recon = [(codes.decode(sae, m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
+    mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
+    return mse, xn_hat_bd
+
+
+def l1_ramp(step: int, n_steps: int, warmup_frac: float) -> float:
+    """The L1 weight's linear warm-up factor: a full penalty from step 0 would kill latents before they learn."""
+    n_warm = int(warmup_frac * n_steps)
+    return min(1.0, (step + 1) / n_warm) if n_warm else 1.0
+
+
+def l1_penalty(sae: SAE, f_bs: torch.Tensor) -> torch.Tensor:
+    """Activations weighted by their decoder norms, summed per vector (rescaling the decoder cannot game it)."""
+    return (f_bs * sae.W_dec.norm(dim=-1)).sum(-1).mean()
+
+
+class DeadLatents:
+    """Steps since each latent last fired; latents silent for `dead_steps` steps are dead and feed AuxK."""
+
+    def __init__(self, d_sae: int, dead_steps: int, device: torch.device):
+        self.dead_steps = dead_steps
+        self.since_fired_s = torch.zeros(d_sae, dtype=torch.int64, device=device)
+
+    @property
+    def dead_s(self) -> torch.Tensor:
+        return self.since_fired_s >= self.dead_steps
+
+    def update(self, fired_s: torch.Tensor) -> None:
+        self.since_fired_s += 1
+        self.since_fired_s[fired_s] = 0
+
+
+def aux_k_loss(
+    sae: SAE, pre_bs: torch.Tensor, resid_bd: torch.Tensor, dead_s: torch.Tensor, aux_k: int
+) -> torch.Tensor:
+    """AuxK: the top-`aux_k` dead latents reconstruct the residual, so dead latents get gradient again.
+
+    Normalized by the residual's energy, so the weight `aux_alpha` does not depend on how well the SAE does.
+    """
+    n_dead = int(dead_s.sum())
+    if n_dead == 0:
+        return torch.zeros((), device=pre_bs.device)
+    vals_bk, idx_bk = pre_bs.masked_fill(~dead_s, -math.inf).topk(min(aux_k, n_dead), dim=-1, sorted=False)
+    vals_bk = torch.relu(vals_bk)
+    resid_bd = resid_bd.detach()
+    err = (sae.decode_sparse_normed(vals_bk, idx_bk) - sae.b_dec - resid_bd).square().sum(-1).mean()
+    return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """One step's loss and what the step logs and updates from it."""
+
+    total: torch.Tensor  # what the optimizer minimizes: the sum of `terms`
+    terms: dict[str, torch.Tensor]  # mse, and l1 (relu) or aux (topk, batchtopk), weights applied
+    xn_hat_bd: torch.Tensor  # the full reconstruction
+    f_bs: torch.Tensor  # the activations (firing counts, the BatchTopK threshold, metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The loss of one run: its architecture's sparsity term on top of the Matryoshka reconstruction."""
+
+    cfg: TrainConfig  # arch, k, l1_coeff, sparsity_warmup_frac, aux_k, aux_alpha
+    n_steps: int  # of the whole run (the L1 warm-up is a fraction of it)
+
+    def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
+        cfg = self.cfg
+        xn_bd = x_bd * sae.scale
+        codes = encode(sae, xn_bd, cfg.arch, cfg.k)
+        mse, xn_hat_bd = reconstruction_loss(sae, codes, xn_bd)
+        terms = {"mse": mse}
+        if cfg.arch == "relu":
+            ramp = l1_ramp(step, self.n_steps, cfg.sparsity_warmup_frac)
+            terms["l1"] = cfg.l1_coeff * ramp * l1_penalty(sae, codes.f_bs)
+        else:
+            terms["aux"] = cfg.aux_alpha * aux_k_loss(sae, codes.pre_bs, xn_bd - xn_hat_bd, dead.dead_s, cfg.aux_k)
+        return Loss(sum(terms.values()), terms, xn_hat_bd, codes.f_bs)
