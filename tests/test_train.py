@@ -97,7 +97,7 @@ def test_sweep_planning_does_not_import_torch():
     package_root = str(pathlib.Path(sweeps.__file__).parents[1])  # the child imports the saeflow this test does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     code = "import saeflow.sweeps, sys; assert 'torch' not in sys.modules, 'saeflow.sweeps imports torch'"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
 @pytest.fixture

@@ -137,25 +137,169 @@ class LayerView:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    blocks: tuple[Block, ...]
-    n_rows: int
-    perm_seed: tuple[int, ...] | None  # None: keep storage order
+    """The unit read at once and shuffled in RAM: a few blocks."""
+
+    blocks: tuple[Block, ...]  # read one after another
+    n_rows: int  # selected rows in them (examples x selected tokens)
+    perm_seed: tuple[int, ...] | None  # seeds the permutation of the rows; None: keep storage order
 
 
 class _Stopped(Exception):
     """The consumer went away; pipeline threads unwind."""
 
 
-class _StreamLoader:
-    """Windows of blocks through a two-stage pipeline of background threads and reused buffers.
+def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
+    """A window's blocks one after another, `span` rows per example as `read_block` lays them out."""
+    row = 0
+    for block in window.blocks:
+        n = block.n_ex * view.span
+        view.read_block(block, out_nd[row : row + n])
+        row += n
+
+
+def _select_rows(
+    view: LayerView, selected: torch.Tensor, window: Window, raw_nd: np.ndarray, out_nd: torch.Tensor
+) -> None:
+    """Copy the window's selected rows of `raw_nd` into `out_nd`, permuted when the window has a seed."""
+    src = torch.from_numpy(raw_nd[: window.n_rows // view.n_tok * view.span])
+    index = None if view.compact else selected[: window.n_rows]
+    if window.perm_seed is not None:
+        gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
+        perm = torch.randperm(window.n_rows, generator=gen)
+        index = perm if index is None else index[perm]
+    torch.index_select(src, 0, index, out=out_nd[: window.n_rows])
+
+
+class _Pipeline:
+    """One pass over a list of windows, read and permuted ahead of the consumer by two background threads.
 
     reader thread:   preads a window's blocks into a raw buffer (2 in rotation)
     shuffler thread: permutes the raw rows into an output buffer (3 in rotation: the consumer may still hold
                      batches of the previous window while the next one is being filled)
     Ordered windows whose rows read are exactly the rows selected skip the copy: they go straight to an output buffer.
+    Buffers travel along queues, so each is owned by one stage at a time.
     """
 
-    N_RAW, N_OUT = 2, 3
+    def __init__(
+        self,
+        view: LayerView,
+        windows: list[Window],
+        raw_nds: list[np.ndarray],
+        out_nds: list[torch.Tensor],
+        selected: torch.Tensor,
+    ):
+        self.view, self.windows, self.selected = view, windows, selected
+        self.raw_free: queue.Queue = queue.Queue()
+        self.out_free: queue.Queue = queue.Queue()
+        for buf in raw_nds:
+            self.raw_free.put(buf)
+        for buf in out_nds:
+            self.out_free.put(buf)
+        self.read_q: queue.Queue = queue.Queue()  # (window, raw buffer or None, output buffer or None)
+        self.out_q: queue.Queue = queue.Queue()  # (output buffer, rows), then None or the error that ended the pass
+        self.stop = threading.Event()
+
+    def _take(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        raise _Stopped
+
+    def _reader(self) -> None:
+        windows = self.windows
+        try:
+            for i, window in enumerate(windows):
+                for block in windows[i + 1].blocks if i + 1 < len(windows) else ():
+                    self.view.prefetch(block)
+                if window.perm_seed is None and self.view.compact:
+                    out = self._take(self.out_free)
+                    _read_window(self.view, window, out.numpy())
+                    self.read_q.put((window, None, out))
+                else:
+                    raw = self._take(self.raw_free)
+                    _read_window(self.view, window, raw)
+                    self.read_q.put((window, raw, None))
+            self.read_q.put(None)
+        except _Stopped:
+            pass
+        except BaseException as err:  # surfaced in the consumer
+            self.read_q.put(err)
+
+    def _shuffler(self) -> None:
+        try:
+            while (item := self._take(self.read_q)) is not None and not isinstance(item, BaseException):
+                window, raw, out = item
+                if raw is not None:
+                    out = self._take(self.out_free)
+                    _select_rows(self.view, self.selected, window, raw, out)
+                    self.raw_free.put(raw)
+                self.out_q.put((out, window.n_rows))
+            self.out_q.put(item)
+        except _Stopped:
+            pass
+        except BaseException as err:
+            self.out_q.put(err)
+
+    def __iter__(self) -> typing.Iterator[torch.Tensor]:
+        """Each window's rows (n_rows, D); the threads stop when the consumer stops iterating."""
+        threads = [
+            threading.Thread(target=target, name=f"saeflow-{name}", daemon=True)
+            for name, target in (("reader", self._reader), ("shuffler", self._shuffler))
+        ]
+        for thread in threads:
+            thread.start()
+        in_use: list[torch.Tensor] = []
+        try:
+            while (item := self.out_q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                out, n_rows = item
+                in_use.append(out)
+                if len(in_use) > 2:  # the consumer no longer holds batches of the window before the last
+                    self.out_free.put(in_use.pop(0))
+                yield out[:n_rows]
+        finally:
+            self.stop.set()
+            for thread in threads:
+                thread.join()
+
+
+def _cut_batches(
+    windows_rows: typing.Iterable[torch.Tensor], batch_size: int, skip: int
+) -> typing.Iterator[torch.Tensor]:
+    """Batches of `batch_size` rows (the last one may be smaller) across window boundaries, after `skip` rows.
+
+    Batches inside a window are views of it; a batch spanning windows is copied together (the window may be recycled
+    before the batch is full).
+    """
+    carry: list[torch.Tensor] = []
+    n_carry = 0
+    for rows in windows_rows:
+        rows, skip = rows[skip:], 0
+        if n_carry:
+            need = batch_size - n_carry
+            carry.append(rows[:need].clone())
+            rows = rows[need:]
+            n_carry += carry[-1].shape[0]
+            if n_carry < batch_size:
+                continue
+            yield torch.cat(carry)
+            carry, n_carry = [], 0
+        n_full = rows.shape[0] // batch_size * batch_size
+        for i in range(0, n_full, batch_size):
+            yield rows[i : i + batch_size]
+        if n_full < rows.shape[0]:
+            carry, n_carry = [rows[n_full:].clone()], rows.shape[0] - n_full
+    if n_carry:
+        yield torch.cat(carry)
+
+
+class _StreamLoader:
+    """Batches cut from windows of blocks (the subclass orders them), read by a `_Pipeline` into reused buffers."""
+
+    N_RAW, N_OUT = 2, 3  # raw and output buffers in rotation (see `_Pipeline`)
 
     def __init__(self, view: LayerView, batch_size: int, block_bytes: int, window_blocks: int):
         if batch_size < 1:
@@ -187,92 +331,11 @@ class _StreamLoader:
             shape = (self.max_window_ex * self.view.n_tok, d)
             self._out = [torch.from_numpy(np.empty(shape, dtype=dtype)) for _ in range(self.N_OUT)]
 
-    def _read(self, window: Window, out_nd: np.ndarray) -> None:
-        row = 0
-        for block in window.blocks:
-            n = block.n_ex * self.view.span
-            self.view.read_block(block, out_nd[row : row + n])
-            row += n
-
     def iter_windows(self, windows: list[Window]) -> typing.Iterator[torch.Tensor]:
         """Each window's rows (n_rows, D), read and permuted ahead of the consumer by background threads."""
         direct = self.view.compact  # ordered windows go straight into an output buffer
         self._allocate(not direct or any(w.perm_seed is not None for w in windows))
-        raw_free: queue.Queue = queue.Queue()
-        out_free: queue.Queue = queue.Queue()
-        for buf in self._raw:
-            raw_free.put(buf)
-        for buf in self._out:
-            out_free.put(buf)
-        read_q: queue.Queue = queue.Queue()
-        out_q: queue.Queue = queue.Queue()
-        stop = threading.Event()
-
-        def take(q: queue.Queue):
-            while not stop.is_set():
-                try:
-                    return q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            raise _Stopped
-
-        def reader():
-            try:
-                for i, window in enumerate(windows):
-                    for block in windows[i + 1].blocks if i + 1 < len(windows) else ():
-                        self.view.prefetch(block)
-                    if window.perm_seed is None and direct:
-                        out = take(out_free)
-                        self._read(window, out.numpy())
-                        read_q.put((window, None, out))
-                    else:
-                        raw = take(raw_free)
-                        self._read(window, raw)
-                        read_q.put((window, raw, None))
-                read_q.put(None)
-            except _Stopped:
-                pass
-            except BaseException as err:  # surfaced in the consumer
-                read_q.put(err)
-
-        def shuffler():
-            try:
-                while (item := take(read_q)) is not None and not isinstance(item, BaseException):
-                    window, raw, out = item
-                    if raw is not None:
-                        out = take(out_free)
-                        src = torch.from_numpy(raw[: window.n_rows // self.view.n_tok * self.view.span])
-                        index = None if self.view.compact else self._selected[: window.n_rows]
-                        if window.perm_seed is not None:
-                            gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
-                            perm = torch.randperm(window.n_rows, generator=gen)
-                            index = perm if index is None else index[perm]
-                        torch.index_select(src, 0, index, out=out[: window.n_rows])
-                        raw_free.put(raw)
-                    out_q.put((out, window.n_rows))
-                out_q.put(item)
-            except _Stopped:
-                pass
-            except BaseException as err:
-                out_q.put(err)
-
-        threads = [threading.Thread(target=f, name=f"saeflow-{f.__name__}", daemon=True) for f in (reader, shuffler)]
-        for thread in threads:
-            thread.start()
-        in_use: list[torch.Tensor] = []
-        try:
-            while (item := out_q.get()) is not None:
-                if isinstance(item, BaseException):
-                    raise item
-                out, n_rows = item
-                in_use.append(out)
-                if len(in_use) > 2:  # the consumer no longer holds batches of the window before the last
-                    out_free.put(in_use.pop(0))
-                yield out[:n_rows]
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join()
+        yield from _Pipeline(self.view, windows, self._raw, self._out, self._selected)
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
         """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
@@ -284,26 +347,7 @@ class _StreamLoader:
         while windows and skip >= windows[0].n_rows:
             skip -= windows[0].n_rows
             windows = windows[1:]
-        carry: list[torch.Tensor] = []
-        n_carry = 0
-        for rows in self.iter_windows(windows):
-            rows, skip = rows[skip:], 0
-            if n_carry:
-                need = self.batch_size - n_carry
-                carry.append(rows[:need].clone())  # the window may be recycled before the batch is full
-                rows = rows[need:]
-                n_carry += carry[-1].shape[0]
-                if n_carry < self.batch_size:
-                    continue
-                yield torch.cat(carry)
-                carry, n_carry = [], 0
-            n_full = rows.shape[0] // self.batch_size * self.batch_size
-            for i in range(0, n_full, self.batch_size):
-                yield rows[i : i + self.batch_size]
-            if n_full < rows.shape[0]:
-                carry, n_carry = [rows[n_full:].clone()], rows.shape[0] - n_full
-        if n_carry:
-            yield torch.cat(carry)
+        yield from _cut_batches(self.iter_windows(windows), self.batch_size, skip)
 
     __iter__ = iter_batches
 
