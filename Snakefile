@@ -1,5 +1,5 @@
-# saeflow: config -> content-addressed shards -> SAE sweep -> inference -> visuals -> summary.
-# Every path is computed at parse time by workflow/rules/common.smk through saeflow's Python API.
+# saeflow: config -> content-addressed shards -> SAE sweep -> inference -> visuals -> summary (+ interop exports).
+# Every path is planned at parse time by saeflow.planning.WorkflowPlan (workflow/rules/common.smk).
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -32,5 +32,4 @@ localrules:
 rule all:
     default_target: True
     input:
-        all_targets(),
-        export_targets(),
+        PLAN.targets(),

@@ -16,7 +16,7 @@ def test_dry_run_plans_one_job_per_export(tmp_path):
         f'validate(config, "{ROOT}/workflow/schemas/config.schema.yaml")\n\n\n'
         f'include: "{ROOT}/workflow/rules/common.smk"\n'
         f'include: "{ROOT}/workflow/rules/interop.smk"\n\n\n'
-        "rule all:\n    input:\n        export_targets(),\n"
+        "rule all:\n    input:\n        [PLAN.export_marker(name) for name in PLAN.cfg.exports],\n"
     )
     spec = {"model": {"name": "m"}, "prompts": {"path": "p.jsonl"}, "layers": [0]}
     exports = {"a": {**spec, "format": "lmprobe"}, "b": {**spec, "format": "zarr", "out": "elsewhere/b"}}

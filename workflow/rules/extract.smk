@@ -6,7 +6,7 @@
 
 rule extract:
     output:
-        protected(f"{SHARDS_ROOT}/{{shard_hash}}/shards.json"),
+        protected(SHARDS.shards_fpath),
     log:
         "logs/extract/{shard_hash}.log",
     wildcard_constraints:
@@ -15,8 +15,8 @@ rule extract:
         SAEFLOW_ENV
     threads: 2
     params:
-        config=lambda wc: shard_config_fpath(wc.shard_hash),
-        shards_root=SHARDS_ROOT,
+        config=lambda wc: get_cli_config("shards", wc.shard_hash),
+        shards_root=PLAN.cfg.shards_root,
     shell:
         # Snakemake creates the (empty) output directory first; saeflow publishes the whole directory over it.
         """

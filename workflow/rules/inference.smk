@@ -1,27 +1,26 @@
 # Inference and visuals: every run's SAE over its validation shards -> RUN/inference/<shard_hash>/ (published in
 # one rename, read-only; metrics.json stands for it), then its visuals/ (visuals/index.html stands for it).
 # One job does both: Snakemake creates every output's parent directory before a job starts, which it could not
-# do inside a published, read-only dump directory.
-
-VISUALS_PLOTS = ("l0_hist", "freq_vs_mean")
+# do inside a published, read-only dump directory. The config's `inference` and `visuals` settings reach the CLI
+# as flags, so changing one reruns this job.
 
 
 rule inference:
     input:
-        sae=ancient(f"{RUNS_ROOT}/{{run_id}}/checkpoint/sae.pt"),
-        run_config=ancient(f"{RUNS_ROOT}/{{run_id}}/checkpoint/config.json"),
+        sae=ancient(RUNS.sae_fpath),
+        run_config=ancient(RUNS.config_fpath),
     output:
-        metrics=f"{RUNS_ROOT}/{{run_id}}/inference/{{shard_hash}}/metrics.json",
-        visuals=f"{RUNS_ROOT}/{{run_id}}/inference/{{shard_hash}}/visuals/index.html",
+        metrics=DUMPS.metrics_fpath,
+        visuals=DUMPS.index_fpath,
         plots=[
             report(
-                f"{RUNS_ROOT}/{{run_id}}/inference/{{shard_hash}}/visuals/{plot}.png",
+                DUMPS.plot_fpath(plot),
                 caption=f"../report/{plot}.rst",
                 category="Visuals",
                 subcategory="run {run_id}",
                 labels={"run": "{run_id}", "plot": plot},
             )
-            for plot in VISUALS_PLOTS
+            for plot in DUMPS.PLOTS
         ],
     log:
         "logs/inference/{run_id}/{shard_hash}.log",
@@ -32,13 +31,16 @@ rule inference:
         SAEFLOW_ENV
     threads: 2
     params:
-        run=lambda wc: run_dpath(wc.run_id),
-        shards=lambda wc: shard_dpath(wc.shard_hash),
+        run=lambda wc: PLAN.run(wc.run_id).root,
+        shards=lambda wc: PLAN.shard(wc.shard_hash).dpath,
+        dump=lambda wc: PLAN.run(wc.run_id).dump(wc.shard_hash).dpath,
+        dump_visuals=lambda wc: PLAN.run(wc.run_id).dump(wc.shard_hash).visuals_dpath,
+        inference=get_settings_flags("inference"),
+        visuals=get_settings_flags("visuals"),
     shell:
         # Remove the empty directories Snakemake made; saeflow publishes each directory by one rename.
         """
-        dump={params.run:q}/inference/{wildcards.shard_hash}
-        rmdir "$dump/visuals" "$dump" 2>/dev/null || true
-        saeflow inference --run {params.run:q} --shards {params.shards:q} >{log:q} 2>&1
-        saeflow visuals --run {params.run:q} --shards-hash {wildcards.shard_hash} >>{log:q} 2>&1
+        rmdir {params.dump_visuals:q} {params.dump:q} 2>/dev/null || true
+        saeflow inference --run {params.run:q} --shards {params.shards:q} {params.inference:q} >{log:q} 2>&1
+        saeflow visuals --run {params.run:q} --shards-hash {wildcards.shard_hash} {params.visuals:q} >>{log:q} 2>&1
         """

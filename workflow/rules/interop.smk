@@ -1,20 +1,18 @@
 # Interop exports (config key `exports`; docs/interop.md): one job per export writes an lmprobe 2.0 dataset,
 # a Zarr store root (shards + manifest.json) or gzip-pickle shards with `saeflow export`. Exports are not
-# content-addressed: the output is <out> (or results/exports/<name>), rebuilt when the export's config changes.
+# content-addressed: the output is the export's `out` (default results/exports/<name>), rebuilt when its config
+# changes. One rule per export: its output path comes from the config, not from a wildcard pattern.
 
-# The paths come from common.smk (export_dpath, export_marker, export_config_fpath).
 
-
-# One rule per export (its output path comes from the config, not from a wildcard pattern).
-for _name in config["exports"]:
+for _name in PLAN.cfg.exports:
 
     rule:
         name:
             f"export_{_name}"
         input:
-            config=export_config_fpath(_name),
+            config=get_cli_config("exports", _name),
         output:
-            marker=export_marker(_name),
+            marker=PLAN.export_marker(_name),
         log:
             f"logs/export/{_name}.log",
         conda:
@@ -22,7 +20,7 @@ for _name in config["exports"]:
         threads: 2
         params:
             name=_name,
-            out=export_dpath(_name),
+            out=PLAN.export_dpath(_name),
         shell:
             # Snakemake pre-creates the marker's parent directories; saeflow refuses an existing lmprobe/pickle
             # output, so empty directories are removed first (a zarr root keeps its finished shard stores).

@@ -4,18 +4,15 @@
 
 rule summary:
     input:
-        [
-            inference_dpath(run_id, shard_hash) / "metrics.json"
-            for run_id, shard_hash in inference_targets()
-        ],
+        get_dump_metrics(),
     output:
         csv=report(
-            SUMMARY_DIR / "summary.csv",
+            PLAN.summary_fpaths()[0],
             caption="../report/summary.rst",
             category="Summary",
         ),
         pareto=report(
-            SUMMARY_DIR / "pareto.png",
+            PLAN.summary_fpaths()[1],
             caption="../report/pareto.rst",
             category="Summary",
         ),
@@ -24,11 +21,11 @@ rule summary:
     conda:
         SAEFLOW_ENV
     params:
-        runs=[f"--run={run_dpath(run_id)}" for run_id in sorted(RUN_PLANS)],
+        runs=[f"--run={PLAN.run(run_id).root}" for run_id in sorted(PLAN.runs)],
         labels=[
             f"--label={run_id}={plan.sae_name}[{plan.index}]"
-            for run_id, plan in sorted(RUN_PLANS.items())
+            for run_id, plan in sorted(PLAN.runs.items())
         ],
-        out=SUMMARY_DIR,
+        out=PLAN.cfg.summary_dir,
     shell:
         "saeflow summary {params.runs:q} {params.labels:q} --out {params.out:q} >{log:q} 2>&1"

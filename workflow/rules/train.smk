@@ -7,11 +7,13 @@
 rule create_run:
     input:
         train_shards=lambda wc: ancient(
-            shards_json(RUN_PLANS[wc.run_id].train_activation)
+            get_activation_shards_json(PLAN.runs[wc.run_id].train_activation)
         ),
-        val_shards=lambda wc: ancient(shards_json(RUN_PLANS[wc.run_id].val_activation)),
+        val_shards=lambda wc: ancient(
+            get_activation_shards_json(PLAN.runs[wc.run_id].val_activation)
+        ),
     output:
-        f"{RUNS_ROOT}/{{run_id}}/checkpoint/config.json",
+        RUNS.config_fpath,
     log:
         "logs/create_run/{run_id}.log",
     wildcard_constraints:
@@ -19,11 +21,11 @@ rule create_run:
     conda:
         SAEFLOW_ENV
     params:
-        config=lambda wc: run_config_fpath(wc.run_id),
-        sae=lambda wc: RUN_PLANS[wc.run_id].sae_name,
-        index=lambda wc: RUN_PLANS[wc.run_id].index,
-        shards_root=SHARDS_ROOT,
-        runs_root=RUNS_ROOT,
+        config=lambda wc: get_cli_config("runs", wc.run_id),
+        sae=lambda wc: PLAN.runs[wc.run_id].sae_name,
+        index=lambda wc: PLAN.runs[wc.run_id].index,
+        shards_root=PLAN.cfg.shards_root,
+        runs_root=PLAN.cfg.runs_root,
     shell:
         """
         created=$(saeflow create-run {params.config:q} --sae {params.sae:q} --index {params.index} --shards-root {params.shards_root:q} --runs-root {params.runs_root:q} 2>{log:q})
@@ -36,9 +38,9 @@ rule create_run:
 
 rule train:
     input:
-        ancient(f"{RUNS_ROOT}/{{run_id}}/checkpoint/config.json"),
+        ancient(RUNS.config_fpath),
     output:
-        f"{RUNS_ROOT}/{{run_id}}/checkpoint/sae.pt",
+        RUNS.sae_fpath,
     log:
         "logs/train/{run_id}.log",
     wildcard_constraints:
@@ -47,6 +49,7 @@ rule train:
         SAEFLOW_ENV
     threads: 2
     params:
-        run=lambda wc: run_dpath(wc.run_id),
+        run=lambda wc: PLAN.run(wc.run_id).root,
+        settings=get_settings_flags("train"),
     shell:
-        "saeflow train --run {params.run:q} >{log:q} 2>&1"
+        "saeflow train --run {params.run:q} {params.settings:q} >{log:q} 2>&1"

@@ -5,7 +5,7 @@ import json
 import pathlib
 
 from saeflow import config as config_mod
-from saeflow import runs, sweeps
+from saeflow import layout, runs
 from saeflow.errors import SaeflowError
 
 
@@ -34,47 +34,40 @@ def register(subparsers):
         "reaches the same final weights. Finished runs are skipped.",
     )
     p.add_argument("--run", action="append", required=True, type=pathlib.Path, help="run directory (repeatable)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
-    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between resume checkpoints (500)")
+    config_mod.add_section_options(p, "train")
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many steps (resumable), e.g. to fit a job limit"
     )
     p.set_defaults(func=cmd_train)
 
 
-def shard_hashes(config: dict) -> dict[str, str]:
-    """Activation name -> shard hash, computed from the config alone (no model, no data)."""
-    from saeflow import extract
-
-    return {name: extract.plan_activation(spec).hash for name, spec in config["activations"].items()}
-
-
 def cmd_create_run(args: argparse.Namespace) -> int:
-    config = config_mod.load(args.config)
-    name, _ = config_mod.pick(config.get("saes", {}), args.sae, "SAE spec")
-    specs = {sae_name: sweeps.SAESpec.from_dict(sae_name, obj) for sae_name, obj in config.get("saes", {}).items()}
-    plans = [p for p in sweeps.plan_runs(specs, shard_hashes(config)) if p.sae_name == name]
+    from saeflow.planning import WorkflowPlan
+
+    cfg = config_mod.load(args.config)
+    name, _ = config_mod.pick(cfg["saes"], args.sae, "SAE spec")
+    plans = [p for p in WorkflowPlan.from_config(cfg).runs.values() if p.sae_name == name]
     if not 0 <= args.index < len(plans):
         raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
-    plan = plans[args.index]
-    train_dpath = args.shards_root / plan.train_config.train_shards
-    val_dpath = args.shards_root / plan.train_config.val_shards
+    train_config = plans[args.index].train_config
+    train_shards = layout.ShardLayout.at(args.shards_root, train_config.train_shards)
+    val_shards = layout.ShardLayout.at(args.shards_root, train_config.val_shards)
     run = runs.create_run(
         args.runs_root,
-        plan.train_config.to_dict(),
-        train_shards=train_dpath,
-        val_shards=val_dpath,
-        train_dataset=_dataset_of(train_dpath),
-        val_dataset=_dataset_of(val_dpath),
+        train_config.to_dict(),
+        train_shards=train_shards.dpath,
+        val_shards=val_shards.dpath,
+        train_dataset=_dataset_of(train_shards),
+        val_dataset=_dataset_of(val_shards),
     )
     print(run.root)
     return 0
 
 
-def _dataset_of(shards_dpath: pathlib.Path) -> str | None:
+def _dataset_of(shards: layout.ShardLayout) -> str | None:
     """The source dataset root recorded in a shard directory's metadata, when it exists on this machine."""
     try:
-        dataset = json.loads((shards_dpath / "metadata.json").read_text(encoding="utf-8"))["dataset"]
+        dataset = json.loads(shards.metadata_fpath.read_text(encoding="utf-8"))["dataset"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return dataset if isinstance(dataset, str) and pathlib.Path(dataset).is_dir() else None

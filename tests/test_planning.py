@@ -1,0 +1,108 @@
+"""saeflow.planning.WorkflowPlan: what the workflow will run and where it writes, from the config alone.
+
+The plans here come from the checked-in smallest config (.test/config/config.yaml: random-init models), so they
+cost no model weights; the workflow tests run the same plans through Snakemake.
+"""
+
+import argparse
+import copy
+import os
+
+import pytest
+import yaml
+
+from saeflow import config
+from saeflow.errors import SaeflowError
+from saeflow.planning import WorkflowPlan, expand_path
+from workflow_helpers import REPO_ROOT
+
+TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
+
+
+def smallest_config(tmp_path=None, **changes) -> dict:
+    cfg = copy.deepcopy(TEST_CONFIG)
+    if tmp_path is not None:
+        cfg.update(shards_root=str(tmp_path / "shards"), runs_root=str(tmp_path / "runs"))
+    cfg.update(changes)
+    return config.validate(cfg)
+
+
+def test_every_sweep_point_is_a_run_with_a_dump_on_its_validation_shards():
+    plan = WorkflowPlan.from_config(smallest_config())
+    assert sorted((p.sae_name, p.index) for p in plan.runs.values()) == [
+        ("images-relu", 0), ("text-topk", 0), ("text-topk", 1),
+    ]  # fmt: skip
+    assert len(set(plan.runs)) == 3
+    assert sorted(plan.dumps()) == sorted(
+        (run_id, plan.shard_hash[p.val_activation]) for run_id, p in plan.runs.items()
+    )
+
+
+def test_identical_activation_specs_share_one_shard_directory_named_for_the_first():
+    cfg = smallest_config()
+    cfg["activations"]["text-again"] = copy.deepcopy(cfg["activations"]["text"])
+    plan = WorkflowPlan.from_config(cfg)
+    assert plan.shard_hash["text-again"] == plan.shard_hash["text"]
+    assert plan.hash_activation[plan.shard_hash["text"]] == "text"
+    assert sum(1 for p in plan.cli_configs() if p.parts[0] == "shards") == 2
+
+
+def test_each_job_config_holds_only_what_that_job_reads_and_is_rewritten_only_on_change(tmp_path):
+    plan = WorkflowPlan.from_config(smallest_config())
+    configs = plan.cli_configs()
+    text_hash = plan.shard_hash["text"]
+    assert list(configs[plan.shard_cli_config(text_hash)]["activations"]) == ["text"]
+    for run_id, run_plan in plan.runs.items():
+        assert list(configs[plan.run_cli_config(run_id)]["saes"]) == [run_plan.sae_name]
+    plan.write_cli_configs(tmp_path)
+    fpath = tmp_path / plan.shard_cli_config(text_hash)
+    mtime_ns = fpath.stat().st_mtime_ns
+    WorkflowPlan.from_config(smallest_config()).write_cli_configs(tmp_path)
+    assert fpath.stat().st_mtime_ns == mtime_ns
+    assert config.validate(yaml.safe_load(fpath.read_text()))["activations"]["text"] == smallest_config()["activations"]["text"]
+
+
+def test_targets_are_every_dumps_visuals_and_the_summary():
+    plan = WorkflowPlan.from_config(smallest_config())
+    targets = plan.targets()
+    assert len(targets) == len(plan.runs) + 2
+    for run_id, shard_hash in plan.dumps():
+        assert plan.run(run_id).dump(shard_hash).index_fpath in targets
+
+
+def test_a_purged_shard_directory_is_reported_for_the_runs_built_on_it(tmp_path):
+    plan = WorkflowPlan.from_config(smallest_config(tmp_path))
+    assert plan.purged_shard_warnings() == []
+    run_id = next(r for r, p in plan.runs.items() if p.train_activation == "images")
+    plan.run(run_id).config_fpath.parent.mkdir(parents=True)
+    plan.run(run_id).config_fpath.write_text("{}")
+    (warning,) = plan.purged_shard_warnings()
+    assert "'images'" in warning and run_id[:12] in warning and "purged" in warning
+
+
+def test_an_sae_on_an_unknown_activation_is_refused_naming_its_key():
+    cfg = smallest_config()
+    cfg["saes"]["text-topk"]["train"] = "nope"
+    with pytest.raises(SaeflowError, match="text-topk.*'nope'"):
+        WorkflowPlan.from_config(cfg)
+
+
+def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
+    monkeypatch.delenv("SAEFLOW_UNSET_ROOT", raising=False)
+    with pytest.raises(SaeflowError, match="config key shards_root: .*not set"):
+        expand_path("$SAEFLOW_UNSET_ROOT/shards", "shards_root")
+    monkeypatch.delenv("USER", raising=False)
+    assert expand_path("/x/$USER", "runs_root").name == os.environ["USER"]
+
+
+@pytest.mark.parametrize("section", ["train", "inference", "visuals"])
+def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(section):
+    values = config.section_defaults(section)
+    changed = {"train": {"checkpoint_every": 7}, "inference": {"top_k": 3, "device": "cpu"},
+               "visuals": {"selection": "list", "latents": [3, 1]}}[section]  # fmt: skip
+    values.update(changed)
+    flags = config.section_flags(section, values)
+    assert len(flags) == sum(1 + len(v) if isinstance(v, list) else 2 for v in changed.values())
+    parser = argparse.ArgumentParser()
+    config.add_section_options(parser, section)
+    assert vars(parser.parse_args(flags)) == values

@@ -1,0 +1,190 @@
+"""The workflow's plan: a validated config -> typed specs -> shard hashes -> run plans -> every output path.
+
+Snakemake builds one `WorkflowPlan` at parse time (workflow/rules/common.smk, also inside every Slurm job) and asks
+it for paths through a few `get_*` helpers; tests build it directly. Planning reads model configs and lists
+datasets, never weights or activations. Paths come from `saeflow.layout`; nothing here spells one.
+
+    plan = WorkflowPlan.from_config(config_dict)       # validated (Snakemake's validate or config.validate)
+    plan.shard_hash["minilm-docs"]                     # the content address of an activation spec
+    plan.runs[run_id].train_activation                 # every point of every SAE sweep
+    plan.write_cli_configs(".snakemake/saeflow")       # the per-job configs the rules hand to the CLI
+"""
+
+import dataclasses
+import getpass
+import os
+import pathlib
+
+from saeflow import extract, hashing, layout, summary, sweeps
+from saeflow.atomic import write_file_atomic
+from saeflow.errors import SaeflowError
+from saeflow.specs import ActivationSpec, ExportSpec
+
+SETTINGS_SECTIONS = ("train", "inference", "visuals")  # passed to the CLI as flags (config.section_flags)
+
+
+def expand_path(value: str, key: str) -> pathlib.Path:
+    """Config paths may use $USER, $SAEV_SCRATCH or ~ (the OSC profile does); an unset variable is an error."""
+    os.environ.setdefault("USER", getpass.getuser())  # unset in some batch and container shells
+    expanded = os.path.expanduser(os.path.expandvars(value))
+    if "$" in expanded:
+        raise SaeflowError(f"config key {key}: {value!r} names an environment variable that is not set")
+    return pathlib.Path(expanded)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkflowConfig:
+    """The whole workflow config, typed: built once from the schema-validated dict."""
+
+    shards_root: pathlib.Path  # where shard directories <sha256>/ are published (scratch on a cluster)
+    runs_root: pathlib.Path  # where run directories <run_id>/ live (project storage on a cluster)
+    summary_dir: pathlib.Path  # summary.csv and pareto.png
+    activations: dict[str, ActivationSpec]  # name -> spec; each is one content-addressed shard directory
+    saes: dict[str, sweeps.SAESpec]  # name -> spec; list-valued hyper-parameters expand into a sweep
+    exports: dict[str, ExportSpec]  # name -> interop export
+    settings: dict[str, dict]  # `train`, `inference`, `visuals`: how stages run, handed to the CLI as flags
+    raw: dict = dataclasses.field(repr=False)  # the validated dict, for the per-job config files the CLI reads
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "WorkflowConfig":
+        return cls(
+            shards_root=expand_path(config["shards_root"], "shards_root"),
+            runs_root=expand_path(config["runs_root"], "runs_root"),
+            summary_dir=expand_path(config["summary_dir"], "summary_dir"),
+            activations={name: _typed(ActivationSpec.from_dict, spec, f"activations.{name}")
+                         for name, spec in config["activations"].items()},
+            saes={name: _typed(lambda s, n=name: sweeps.SAESpec.from_dict(n, s), spec, f"saes.{name}")
+                  for name, spec in config["saes"].items()},
+            exports={name: _typed(ExportSpec.from_dict, spec, f"exports.{name}")
+                     for name, spec in config["exports"].items()},
+            settings={section: dict(config[section]) for section in SETTINGS_SECTIONS},
+            raw=config,
+        )  # fmt: skip
+
+
+def _typed(build, obj, key: str):
+    try:
+        return build(obj)
+    except SaeflowError as err:
+        raise SaeflowError(f"{key}: {err}") from None
+
+
+class WorkflowPlan:
+    """Every job of the workflow and every path it writes, computed from the config alone."""
+
+    CLI_CONFIG_DNAMES = {"shards": "shards", "runs": "runs", "exports": "exports"}
+
+    def __init__(self, cfg: WorkflowConfig):
+        self.cfg = cfg
+        self.shard_hash = {name: _typed(lambda s: extract.plan_activation(s).hash, spec, f"activations.{name}")
+                           for name, spec in cfg.activations.items()}  # fmt: skip
+        # Two activation specs with identical content share one shard directory; the first name speaks for it.
+        self.hash_activation: dict[str, str] = {}
+        for name, shard_hash in self.shard_hash.items():
+            self.hash_activation.setdefault(shard_hash, name)
+        self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "WorkflowPlan":
+        return cls(WorkflowConfig.from_dict(config))
+
+    # -- layouts ----------------------------------------------------------------------------------------------
+
+    def shard(self, shard_hash: str) -> layout.ShardLayout:
+        return layout.ShardLayout.at(self.cfg.shards_root, shard_hash)
+
+    def run(self, run_id: str) -> layout.RunLayout:
+        return layout.RunLayout.at(self.cfg.runs_root, run_id)
+
+    def activation_shards(self, activation: str) -> layout.ShardLayout:
+        return self.shard(self.shard_hash[activation])
+
+    def dumps(self) -> list[tuple[str, str]]:
+        """(run_id, shard_hash) of every inference dump: each run on its validation activations."""
+        return [(run_id, self.shard_hash[plan.val_activation]) for run_id, plan in self.runs.items()]
+
+    def export_dpath(self, name: str) -> pathlib.Path:
+        return expand_path(self.cfg.exports[name].out_dpath(name), f"exports.{name}.out")
+
+    def export_marker(self, name: str) -> pathlib.Path:
+        """The file that stands for a finished export (written last by its format's writer)."""
+        return self.export_dpath(name) / self.cfg.exports[name].marker_fname
+
+    def summary_fpaths(self) -> tuple[pathlib.Path, pathlib.Path]:
+        return self.cfg.summary_dir / summary.SUMMARY_FNAME, self.cfg.summary_dir / summary.PARETO_FNAME
+
+    def targets(self) -> list[pathlib.Path]:
+        """What `snakemake` builds by default: every dump's visuals, the summary, every export."""
+        return [
+            *(self.run(run_id).dump(shard_hash).index_fpath for run_id, shard_hash in self.dumps()),
+            *self.summary_fpaths(),
+            *(self.export_marker(name) for name in self.cfg.exports),
+        ]
+
+    # -- the configs each job hands to the CLI ----------------------------------------------------------------
+
+    def cli_configs(self) -> dict[pathlib.Path, dict]:
+        """Relative path -> content of every per-job config, each named by what it holds (hash, run id, export).
+
+        A job's command line then depends on its own hash only, so renaming an activation or editing an SAE never
+        looks like a change to a protected shard directory.
+        """
+        raw = self.cfg.raw
+        roots = {"shards_root": str(self.cfg.shards_root), "runs_root": str(self.cfg.runs_root)}
+        configs = {}
+        for shard_hash, name in self.hash_activation.items():
+            configs[self.shard_cli_config(shard_hash)] = {**roots, "activations": {name: raw["activations"][name]}}
+        for run_id, plan in self.runs.items():
+            names = (plan.train_activation, plan.val_activation)
+            configs[self.run_cli_config(run_id)] = {
+                **roots,
+                "activations": {name: raw["activations"][name] for name in names},
+                "saes": {plan.sae_name: raw["saes"][plan.sae_name]},
+            }
+        for name in self.cfg.exports:
+            configs[self.export_cli_config(name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
+        return configs
+
+    def shard_cli_config(self, shard_hash: str) -> pathlib.Path:
+        return pathlib.Path("shards", f"{shard_hash}.json")
+
+    def run_cli_config(self, run_id: str) -> pathlib.Path:
+        return pathlib.Path("runs", f"{run_id}.json")
+
+    def export_cli_config(self, name: str) -> pathlib.Path:
+        return pathlib.Path("exports", f"{name}.json")
+
+    def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
+        """Write every per-job config under `cache_dpath`, atomically and only where its content changed."""
+        for rel_fpath, content in self.cli_configs().items():
+            fpath = cache_dpath / rel_fpath
+            text = hashing.canonical_json(content) + "\n"
+            if not fpath.exists() or fpath.read_text(encoding="utf-8") != text:
+                fpath.parent.mkdir(parents=True, exist_ok=True)
+                write_file_atomic(fpath, text.encode("utf-8"))
+
+    # -- what is gone -----------------------------------------------------------------------------------------
+
+    def purged_shard_warnings(self) -> list[str]:
+        """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
+
+        Nothing is rebuilt for complete runs: their jobs read shards through ancient() inputs behind the run's own
+        checkpoint/config.json; a shard directory is extracted again only when a job still needs it.
+        """
+        warnings = []
+        for shard_hash, name in self.hash_activation.items():
+            shards = self.shard(shard_hash)
+            if shards.shards_fpath.exists():
+                continue
+            users = [
+                run_id
+                for run_id, plan in self.runs.items()
+                if name in (plan.train_activation, plan.val_activation) and self.run(run_id).config_fpath.exists()
+            ]
+            if users:
+                warnings.append(
+                    f"saeflow: shard directory {shards.dpath} (activation {name!r}) is missing, purged from scratch? "
+                    f"{len(users)} existing run(s) were built on it: {', '.join(u[:12] for u in users)}. Complete "
+                    "runs are kept as they are; the directory is extracted again only if a job still needs it."
+                )
+        return warnings
