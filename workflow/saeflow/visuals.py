@@ -30,7 +30,7 @@ from saeflow.errors import SaeflowError
 logger = logging.getLogger(__name__)
 
 ASSETS_DPATH = pathlib.Path(__file__).resolve().parent / "assets"
-ASSET_FNAMES = ("index.html", "app.js", "style.css")
+ASSET_FNAMES = (layout.DumpLayout.INDEX_FNAME, "app.js", "style.css")
 SELECTIONS = config.section_enum("visuals", "selection")
 TEXT_PNG_WIDTH = 960
 LINE_PX = 20
