@@ -20,7 +20,7 @@ import typing
 import torch
 import tqdm
 
-from saeflow import atomic, devices, runs
+from saeflow import atomic, config, devices, runs
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
@@ -33,6 +33,7 @@ logger = logging.getLogger("saeflow.train")
 
 N_INIT_VECTORS = 16384
 LOG_EVERY = 10
+TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
 
 
 def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
@@ -216,8 +217,8 @@ def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: to
 
 def train_runs(
     run_paths: typing.Sequence[str | os.PathLike],
-    device: str = "auto",
-    checkpoint_every: int = 500,
+    device: str = TRAIN_DEFAULTS["device"],
+    checkpoint_every: int = TRAIN_DEFAULTS["checkpoint_every"],
     max_steps: int | None = None,
 ) -> list[dict]:
     """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
