@@ -13,7 +13,6 @@ import argparse
 import hashlib
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 import time

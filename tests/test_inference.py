@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 import scipy.sparse
-from _inference_helpers import identity_sae, make_run, write_shards
 
-from saeflow import cli, inference, sae
+from _inference_helpers import identity_sae, make_run, write_shards
+from saeflow import cli, inference
 from saeflow.csr import CsrWriter
 from saeflow.errors import SaeflowError
 

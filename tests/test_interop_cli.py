@@ -6,8 +6,8 @@ import pathlib
 import numpy as np
 import pytest
 import yaml
-from _interop_fixtures import prompts_fpath, tiny_lm_dpath  # noqa: F401
 
+from _interop_fixtures import prompts_fpath, tiny_lm_dpath  # noqa: F401
 from saeflow import cli, shards
 from saeflow.interop import engine, pickle_shards, zarr_store
 from saeflow.interop.records import read_prompts

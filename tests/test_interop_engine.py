@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
 
+from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
 from saeflow import models
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-from _interop_fixtures import PROMPTS, prompts_fpath, tiny_lm_dpath  # noqa: F401
 
+from _interop_fixtures import PROMPTS, prompts_fpath, tiny_lm_dpath  # noqa: F401
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, lmprobe
 from saeflow.interop.records import Record, read_prompts

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 import zarr
-from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
 
+from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, zarr_store
 from saeflow.interop.records import Record

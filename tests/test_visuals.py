@@ -1,16 +1,15 @@
 """Visuals: real PNGs for a text run and a tiny vision run, a latent browser that works in headless Chromium."""
 
 import json
-import pathlib
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+
 from _cdp import Browser, find_chromium
 from _extract_helpers import typed
 from _inference_helpers import identity_sae, make_run, write_shards
-from PIL import Image
-
 from saeflow import cli, extract, inference, sae, visuals
 from saeflow.errors import SaeflowError
 

@@ -38,7 +38,7 @@ def fsync_tree(dpath: pathlib.Path) -> None:
 
 def make_tree_readonly(dpath: pathlib.Path) -> None:
     """Files r--r--r--, directories r-xr-xr-x (deepest first so we can still descend)."""
-    for sub_dpath, dnames, fnames in os.walk(dpath, topdown=False):
+    for sub_dpath, _, fnames in os.walk(dpath, topdown=False):
         for fname in fnames:
             os.chmod(pathlib.Path(sub_dpath) / fname, READONLY_FILE_MODE)
         os.chmod(sub_dpath, READONLY_DIR_MODE)

@@ -75,7 +75,6 @@ class Preprocess:
     resample: str = "bicubic"
 
     def _resize_crop(self, img, resample):
-        from PIL import Image
 
         w, h = img.size
         scale = self.resize_size / min(w, h)
