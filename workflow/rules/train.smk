@@ -1,5 +1,6 @@
-# Training: each planned run gets <runs_root>/<run_id>/ (create-run: checkpoint/config.json and links/ to its
-# shard directories), then checkpoint/sae.pt (train). Run ids hash the training config and the shard hashes.
+# Training: each planned run gets its run directory (create-run: the hashed training config and links to its shard
+# directories), then its trained SAE (train). Run ids hash the training config and the shard hashes. Paths:
+# saeflow.layout.RunLayout.
 # Shards come in through ancient() and training depends on the run's own config.json, so a shard directory
 # purged from scratch does not retrain a finished run, and an extraction rerun for a new run leaves it alone.
 

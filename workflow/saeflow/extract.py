@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from saeflow import datasets, devices, models, shards, specs, tokenization
+from saeflow import datasets, devices, layout, models, shards, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
 
@@ -50,7 +50,8 @@ class Plan:
 
     @property
     def aux_fname(self) -> str:
-        return "labels.bin" if self.info.modality == "vision" else "tokens.bin"
+        is_vision = self.info.modality == "vision"
+        return layout.ShardLayout.LABELS_FNAME if is_vision else layout.ShardLayout.TOKENS_FNAME
 
 
 def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:

@@ -158,7 +158,9 @@ class RunLayout:
     CHECKPOINT_DNAME = "checkpoint"
     LINKS_DNAME = "links"
     INFERENCE_DNAME = "inference"
-    LINK_NAMES = ("train-shards", "train-dataset", "val-shards", "val-dataset")
+    TRAIN_SHARDS, TRAIN_DATASET = "train-shards", "train-dataset"  # links/: symlinks to the shard dirs and datasets
+    VAL_SHARDS, VAL_DATASET = "val-shards", "val-dataset"
+    LINK_NAMES = (TRAIN_SHARDS, TRAIN_DATASET, VAL_SHARDS, VAL_DATASET)
 
     @classmethod
     def at(cls, runs_root: str | os.PathLike, run_id: str) -> "RunLayout":

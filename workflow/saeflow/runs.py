@@ -85,8 +85,8 @@ def create_run(
         atomic.write_file_atomic(
             run.config_fpath, (json.dumps(train_config, indent=2, sort_keys=True) + "\n").encode(), readonly=True
         )
-    _symlink(train_shards, run.link("train-shards"))
-    _symlink(val_shards, run.link("val-shards"))
-    _symlink(train_dataset, run.link("train-dataset"))
-    _symlink(val_dataset, run.link("val-dataset"))
+    _symlink(train_shards, run.link(run.TRAIN_SHARDS))
+    _symlink(val_shards, run.link(run.VAL_SHARDS))
+    _symlink(train_dataset, run.link(run.TRAIN_DATASET))
+    _symlink(val_dataset, run.link(run.VAL_DATASET))
     return run

@@ -59,7 +59,7 @@ class SAESpec:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The hyper-parameters of one run (exactly the keys of checkpoint/config.json; defaults live in the schema)."""
+    """The hyper-parameters of one run (exactly the keys of the run's config.json; defaults live in the schema)."""
 
     trainer: str
     train_shards: str
@@ -98,7 +98,7 @@ class TrainConfig:
         return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
 
     def to_dict(self) -> dict:
-        """checkpoint/config.json, whose hash is the run id: values as the config gave them, matryoshka a list."""
+        """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list."""
         return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
 
     def loader_key(self) -> tuple:

@@ -248,17 +248,17 @@ def _open_shards(run: runs.Run, link: str) -> ShardDir:
 def _open_data(group: list[tuple[runs.Run, TrainConfig]]) -> tuple[ShuffledLoader, list[ShardDir]]:
     """The group's shared training loader and each run's validation shards, checked against the configs."""
     run0, cfg0 = group[0]
-    train_dir = _open_shards(run0, "train-shards")
+    train_dir = _open_shards(run0, run0.TRAIN_SHARDS)
     for run, _ in group:
-        if _open_shards(run, "train-shards").hash != cfg0.train_shards or train_dir.hash != cfg0.train_shards:
-            raise SaeflowError(f"{run.link('train-shards')}: does not point to shards {cfg0.train_shards}")
-    val_dirs = [_open_shards(run, "val-shards") for run, _ in group]
+        if _open_shards(run, run.TRAIN_SHARDS).hash != cfg0.train_shards or train_dir.hash != cfg0.train_shards:
+            raise SaeflowError(f"{run.link(run.TRAIN_SHARDS)}: does not point to shards {cfg0.train_shards}")
+    val_dirs = [_open_shards(run, run.VAL_SHARDS) for run, _ in group]
     loader = ShuffledLoader(train_dir, cfg0.layer, cfg0.batch_size, cfg0.data_seed, tokens=cfg0.tokens)
     d_model = train_dir.metadata.d_model
     for (run, _), val_dir in zip(group, val_dirs):
         if val_dir.metadata.d_model != d_model:
             raise SaeflowError(
-                f"{run.link('val-shards')}: d_model {val_dir.metadata.d_model} differs from training's {d_model}"
+                f"{run.link(run.VAL_SHARDS)}: d_model {val_dir.metadata.d_model} differs from training's {d_model}"
             )
     return loader, val_dirs
 

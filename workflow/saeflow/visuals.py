@@ -168,10 +168,10 @@ def open_examples(sd, tokenizer: str | None = None) -> Examples:
     """Text: `tokenizer`, else the model directory recorded in provenance.json by extraction, else the name the
     shards were tokenized with (an HF id). Images: the dataset rebuilt from the metadata."""
     md = sd.metadata
-    if sd.has_aux("tokens.bin"):
+    if sd.has_aux(layout.ShardLayout.TOKENS_FNAME):
         recorded = (sd.provenance() or {}).get("model_source")
         name = tokenizer or recorded or md.data.get("tokenization", {}).get("tokenizer") or md.ckpt
-        return TextExamples(sd.aux("tokens.bin"), name)
+        return TextExamples(sd.aux(layout.ShardLayout.TOKENS_FNAME), name)
     cls = getattr(datasets, str(md.data.get("__class__")), None)
     if cls in (datasets.ImageFolder, datasets.SegFolder, datasets.GeneratedImages):
         names = {f.name for f in dataclasses.fields(cls)}
@@ -383,8 +383,8 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     examples = open_examples(sd, cfg.tokenizer)
     md = sd.metadata
     lat = dump.latents
-    show_labels = examples.kind == "image" and examples.patch_labels and sd.has_aux("labels.bin")
-    labels = sd.aux("labels.bin") if show_labels else None
+    show_labels = examples.kind == "image" and examples.patch_labels and sd.has_aux(layout.ShardLayout.LABELS_FNAME)
+    labels = sd.aux(layout.ShardLayout.LABELS_FNAME) if show_labels else None
     drawn = {}
     for latent in tqdm.tqdm(chosen, desc="visuals", unit="latent", disable=None):
         top = top_rows(lat, latent, cfg.top_k, one_per_example=examples.kind == "image")
