@@ -1,0 +1,95 @@
+"""The house rules of docs/style.md, checked: lint-clean, each layout path spelled once, no unit too long to read."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE_DPATH = REPO_ROOT / "workflow" / "saeflow"
+RULES_DPATH = REPO_ROOT / "workflow" / "rules"
+LAYOUT_FPATH = PACKAGE_DPATH / "layout.py"
+MAX_UNIT_LINES = 120
+# Names of the shard and run layouts (saeflow/layout.py). "metadata.json" is also the gzip-pickle format's own file
+# (activation-shard-pickle-format-1.0), which its module names.
+LAYOUT_NAMES = {
+    "shards.json": (),
+    "checksums.json": (),
+    "progress.json": (),
+    "provenance.json": (),
+    "labels.bin": (),
+    "tokens.bin": (),
+    "metadata.json": ("interop/pickle_shards.py",),
+    "checkpoint": (),
+    "links": (),
+    "sae.pt": (),
+    "resume.pt": (),
+    "metrics.jsonl": (),
+    "metrics.json": (),
+    "patch_acts.npz": (),
+    "latents.npz": (),
+    "train-shards": (),
+    "val-shards": (),
+    "train-dataset": (),
+    "val-dataset": (),
+    "index.html": (),
+}
+
+
+def package_modules() -> list[pathlib.Path]:
+    return sorted(PACKAGE_DPATH.rglob("*.py"))
+
+
+def string_constants(fpath: pathlib.Path) -> set[str]:
+    """Every string literal in a module, including the literal parts of f-strings."""
+    return {node.value for node in ast.walk(ast.parse(fpath.read_text())) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)}  # fmt: skip
+
+
+def test_ruff_finds_nothing():
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "workflow", "tests", "benchmarks"],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_NAMES))
+def test_layout_names_are_spelled_only_in_the_layout_module(name):
+    spelled = []
+    for fpath in package_modules():
+        rel = str(fpath.relative_to(PACKAGE_DPATH))
+        if fpath != LAYOUT_FPATH and rel not in LAYOUT_NAMES[name]:
+            if any(s == name or s.endswith("/" + name) or s.startswith(name + "/") for s in string_constants(fpath)):
+                spelled.append(rel)
+    for fpath in sorted(RULES_DPATH.glob("*.smk")):
+        text = fpath.read_text()
+        if f'"{name}"' in text or f"/{name}" in text or f"{name}/" in text:
+            spelled.append(fpath.name)
+    assert name in string_constants(LAYOUT_FPATH)
+    assert not spelled, f"{name!r} is spelled outside saeflow/layout.py in {spelled}"
+
+
+def test_rules_take_every_layout_path_from_the_layout_patterns():
+    for fpath in sorted(RULES_DPATH.glob("*.smk")):
+        text = fpath.read_text()
+        assert "{RUNS_ROOT}" not in text and "{SHARDS_ROOT}" not in text, f"{fpath.name} spells a path by hand"
+
+
+def test_no_class_or_function_is_longer_than_a_screenful():
+    too_long = []
+    for fpath in package_modules():
+        for node in ast.walk(ast.parse(fpath.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                n_lines = node.end_lineno - node.lineno + 1
+                if n_lines > MAX_UNIT_LINES:
+                    too_long.append(f"{fpath.relative_to(PACKAGE_DPATH)}:{node.lineno} {node.name} ({n_lines} lines)")
+    assert not too_long, "split these (docs/style.md): " + "; ".join(too_long)
+
+
+def test_sweep_planning_imports_no_torch():
+    """Snakemake plans at parse time, inside every Slurm job: planning must not pay torch's import."""
+    code = "import sys, saeflow.planning; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
