@@ -51,11 +51,11 @@ def test_each_job_config_holds_only_what_that_job_reads_and_is_rewritten_only_on
     plan = WorkflowPlan.from_config(smallest_config())
     configs = plan.cli_configs()
     text_hash = plan.shard_hash["text"]
-    assert list(configs[plan.shard_cli_config(text_hash)]["activations"]) == ["text"]
+    assert list(configs[plan.cli_config("shards", text_hash)]["activations"]) == ["text"]
     for run_id, run_plan in plan.runs.items():
-        assert list(configs[plan.run_cli_config(run_id)]["saes"]) == [run_plan.sae_name]
+        assert list(configs[plan.cli_config("runs", run_id)]["saes"]) == [run_plan.sae_name]
     plan.write_cli_configs(tmp_path)
-    fpath = tmp_path / plan.shard_cli_config(text_hash)
+    fpath = tmp_path / plan.cli_config("shards", text_hash)
     mtime_ns = fpath.stat().st_mtime_ns
     WorkflowPlan.from_config(smallest_config()).write_cli_configs(tmp_path)
     assert fpath.stat().st_mtime_ns == mtime_ns

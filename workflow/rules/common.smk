@@ -54,13 +54,8 @@ DUMPS = RUNS.dump(SHARD_HASH_WILDCARD)  # {run_id}, {shard_hash}
 
 
 def get_cli_config(kind, key):
-    """The per-job config file of a shard hash, run id or export name."""
-    rel_fpath = {
-        "shards": PLAN.shard_cli_config,
-        "runs": PLAN.run_cli_config,
-        "exports": PLAN.export_cli_config,
-    }[kind](key)
-    return CLI_CONFIG_DPATH / rel_fpath
+    """The per-job config file of a shard hash, run id or export name (kind: shards, runs, exports)."""
+    return CLI_CONFIG_DPATH / PLAN.cli_config(kind, key)
 
 
 def get_activation_shards_json(activation):

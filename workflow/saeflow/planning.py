@@ -72,8 +72,6 @@ def _typed(build, obj, key: str):
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
-    CLI_CONFIG_DNAMES = {"shards": "shards", "runs": "runs", "exports": "exports"}
-
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
         self.shard_hash = {name: _typed(lambda s: extract.plan_activation(s).hash, spec, f"activations.{name}")
@@ -133,26 +131,23 @@ class WorkflowPlan:
         roots = {"shards_root": str(self.cfg.shards_root), "runs_root": str(self.cfg.runs_root)}
         configs = {}
         for shard_hash, name in self.hash_activation.items():
-            configs[self.shard_cli_config(shard_hash)] = {**roots, "activations": {name: raw["activations"][name]}}
+            configs[self.cli_config("shards", shard_hash)] = {**roots, "activations": {name: raw["activations"][name]}}
         for run_id, plan in self.runs.items():
             names = (plan.train_activation, plan.val_activation)
-            configs[self.run_cli_config(run_id)] = {
+            configs[self.cli_config("runs", run_id)] = {
                 **roots,
                 "activations": {name: raw["activations"][name] for name in names},
                 "saes": {plan.sae_name: raw["saes"][plan.sae_name]},
             }
         for name in self.cfg.exports:
-            configs[self.export_cli_config(name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
+            configs[self.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
         return configs
 
-    def shard_cli_config(self, shard_hash: str) -> pathlib.Path:
-        return pathlib.Path("shards", f"{shard_hash}.json")
-
-    def run_cli_config(self, run_id: str) -> pathlib.Path:
-        return pathlib.Path("runs", f"{run_id}.json")
-
-    def export_cli_config(self, name: str) -> pathlib.Path:
-        return pathlib.Path("exports", f"{name}.json")
+    @staticmethod
+    def cli_config(kind: str, key: str) -> pathlib.Path:
+        """Where the config of one job lives under the cache directory: kind is shards, runs or exports, key the
+        shard hash, run id or export name."""
+        return pathlib.Path(kind, f"{key}.json")
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
         """Write every per-job config under `cache_dpath`, atomically and only where its content changed."""
