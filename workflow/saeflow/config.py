@@ -89,6 +89,24 @@ def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:
     return name, section[name]
 
 
+def schema_default(def_name: str, *path: str):
+    """The default of a nested key of a `$defs` entry, e.g. ("model", "revision") of "activation_spec"."""
+    node = load_schema()["$defs"][def_name]
+    for key in path:
+        node = node["properties"][key]
+    return copy.deepcopy(node["default"])
+
+
+def dataset_defaults() -> dict[str, dict]:
+    """{dataset kind: {key: default}}, from each kind's branch of the activation spec's dataset schema."""
+    defaults = {}
+    for branch in load_schema()["$defs"]["activation_spec"]["properties"]["dataset"]["allOf"]:
+        props = branch["then"]["properties"]
+        kind = branch["if"]["properties"]["kind"]["const"]
+        defaults[kind] = {key: copy.deepcopy(sub["default"]) for key, sub in props.items() if "default" in sub}
+    return defaults
+
+
 def section_properties(section: str) -> dict:
     """The schema of each key of one top-level settings section (`inference`, `visuals`, `train`)."""
     return load_schema()["properties"][section]["properties"]

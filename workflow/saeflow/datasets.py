@@ -24,6 +24,7 @@ import typing
 
 import numpy as np
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -31,6 +32,8 @@ MASK_SUFFIXES = (".png", ".bmp", ".gif", ".tif", ".tiff")
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 LABEL_RULES = ("majority", "prefer_foreground")
 BUILTIN_CORPORA = ("python-docs",)
+# Field defaults of every dataset kind: the schema's (config.schema.yaml), never a second copy here.
+_DEFAULTS = config.dataset_defaults()
 
 
 def _data_dict(cfg) -> dict:
@@ -149,7 +152,7 @@ class ImageFolder(_Folder):
     """root/<class>/<image>: sorted class names give label indices."""
 
     root: str
-    n_ex: int | None = None
+    n_ex: int | None = _DEFAULTS["image_folder"]["n_ex"]
 
     @functools.cached_property
     def classes(self) -> list[str]:
@@ -175,11 +178,11 @@ class SegFolder(_Folder):
     """root/<images>/<stem>.<ext> with root/<masks>/<stem>.png (pixel value = class) -> per-patch labels."""
 
     root: str
-    images: str = "images"
-    masks: str = "masks"
-    label_rule: str = "majority"
-    background: int = 0
-    n_ex: int | None = None
+    images: str = _DEFAULTS["segmentation_folder"]["images"]
+    masks: str = _DEFAULTS["segmentation_folder"]["masks"]
+    label_rule: str = _DEFAULTS["segmentation_folder"]["label_rule"]
+    background: int = _DEFAULTS["segmentation_folder"]["background"]
+    n_ex: int | None = _DEFAULTS["segmentation_folder"]["n_ex"]
 
     @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, pathlib.Path]]:
@@ -208,9 +211,9 @@ class SegFolder(_Folder):
 class GeneratedImages:
     """Procedural images from a seed (rectangles and ellipses on a colored background): no files, no download."""
 
-    n_ex: int = 64
-    seed: int = 0
-    size: int = 64
+    n_ex: int = _DEFAULTS["generated_images"]["n_ex"]
+    seed: int = _DEFAULTS["generated_images"]["seed"]
+    size: int = _DEFAULTS["generated_images"]["size"]
 
     dataset_path = "generated-images"  # not a directory: the images exist only as this recipe
 
@@ -285,8 +288,8 @@ class TextCorpus:
     directory of such files (sorted by name)."""
 
     path: str
-    field: str = "text"
-    n_ex: int | None = None
+    field: str = _DEFAULTS["text"]["field"]
+    n_ex: int | None = _DEFAULTS["text"]["n_ex"]
 
     @property
     def dataset_path(self) -> str:
@@ -353,8 +356,8 @@ class BuiltinCorpus:
     No download; its sha256 is hashed, so a different Python release (different text) gives a different directory.
     """
 
-    name: str = "python-docs"
-    n_ex: int | None = None
+    name: str = _DEFAULTS["builtin_text"]["name"]
+    n_ex: int | None = _DEFAULTS["builtin_text"]["n_ex"]
 
     dataset_path = "builtin-corpus"  # not a directory: the text ships with Python
 

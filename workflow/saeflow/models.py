@@ -24,6 +24,7 @@ import os
 import pathlib
 import typing
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
 
@@ -82,10 +83,10 @@ class ModelSpec:
     """What the user asked for: a checkpoint (id or path, revision) or a random-init architecture."""
 
     name: str | None = None
-    revision: str = "main"
+    revision: str = config.schema_default("activation_spec", "model", "revision")
     random_arch: str | None = None
     random_config: dict = dataclasses.field(default_factory=dict)
-    seed: int = 0
+    seed: int = config.schema_default("activation_spec", "model", "random", "seed")
 
     @classmethod
     def from_config(cls, obj: dict) -> "ModelSpec":
@@ -93,8 +94,9 @@ class ModelSpec:
         if (obj.get("name") is None) == (random is None):
             raise SaeflowError("model: give exactly one of `name` (HF id or local path) or `random` (arch + config)")
         if random is None:
-            return cls(name=str(obj["name"]), revision=str(obj.get("revision", "main")))
-        return cls(random_arch=random["arch"], random_config=dict(random.get("config", {})), seed=random.get("seed", 0))
+            return cls(name=str(obj["name"]), revision=str(obj.get("revision", cls.revision)))
+        random_config = dict(random.get("config", {}))
+        return cls(random_arch=random["arch"], random_config=random_config, seed=random.get("seed", cls.seed))
 
 
 @dataclasses.dataclass(frozen=True)

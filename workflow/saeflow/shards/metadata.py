@@ -15,13 +15,14 @@ import typing
 
 import numpy as np
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.hashing import content_hash
 from saeflow.layout import ShardLayout
 
 PROTOCOL = "2.0"
 DTYPES = ("float32", "float16")
-DEFAULT_PATCHES_PER_SHARD = 2_400_000
+DEFAULT_PATCHES_PER_SHARD = config.schema_default("activation_spec", "patches_per_shard")  # protocol section 3
 
 
 @dataclasses.dataclass(frozen=True)
