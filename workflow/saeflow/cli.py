@@ -3,6 +3,7 @@
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from saeflow import __version__
@@ -51,3 +52,6 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"saeflow {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`saeflow plan ... | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
