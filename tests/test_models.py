@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from _extract_helpers import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
+from builders import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
 from saeflow import extract, models, shards, tokenization
 from saeflow.errors import SaeflowError
 
