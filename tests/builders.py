@@ -10,6 +10,7 @@
   and visuals).
 - Extraction specs: tiny random model configs (`ARCH_CONFIGS`, `TEXT_ARCHS`), `vision_spec` / `text_spec` spec dicts,
   `typed` (the ActivationSpec the CLI builds from one), `MINILM` (the local all-MiniLM-L6-v2 directory).
+- Interop: `PROMPTS`, the prompts behind the `prompts_fpath` fixture (conftest.py).
 - Inspection: `snapshot` (bytes, mtime and mode of every path under a root), `file_bytes` (a directory's files).
 
 Run as a script (`python tests/builders.py ROOT N_EX`) it writes the standard test directory and prints
@@ -205,6 +206,17 @@ def text_spec(arch="gpt2", **overrides) -> dict:
 def typed(spec: dict) -> ActivationSpec:
     """The typed spec extraction takes, built from a spec dict as the CLI builds it from a config entry."""
     return ActivationSpec.from_dict(spec)
+
+
+# Interop
+
+PROMPTS = [
+    {"text": "The cat sat on the mat.", "label": 0, "source": "a"},
+    {"text": "Paris is the capital of France.", "label": 1, "source": "b"},
+    {"text": "Two plus two is four", "label": 1, "source": "a"},
+    {"text": "Snow is black and hot.", "label": 0, "source": "c"},
+    {"text": "Hello", "label": 0, "source": "b"},
+]
 
 
 # Inspection

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zarr
 
-from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
+from builders import PROMPTS
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, zarr_store
 from saeflow.interop.records import Record
@@ -16,7 +16,7 @@ OPTS = zarr_store.ZarrOptions(prompt_max=8, response_max=4, t_chunk_prompt=4, sa
 
 
 @pytest.fixture(scope="module")
-def records(tiny_lm_dpath):  # noqa: F811
+def records(tiny_lm_dpath):
     cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=LAYERS, response_max=OPTS.response_max)
     eng = engine.TextEngine(cfg)
     return [eng.record(p["text"], p["label"], {"source": p["source"]}) for p in PROMPTS]
