@@ -18,7 +18,8 @@ def dumped(tmp_path):
     acts = rng.standard_normal((11, 2, 5, 6)).astype(np.float32)  # 11 examples, layers (1, 3), CLS + 4 patches
     sd = write_shards(tmp_path / "shards", acts, layers=(1, 3), cls_token=True, ex_per_shard=3)
     run = run_around_sae(tmp_path / "runs", sd, identity_sae(6), layer=3)
-    assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]) == 0
+    argv = ["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]
+    assert cli.main(argv) == 0
     return acts, sd, run, run.dump(sd.hash).dpath
 
 

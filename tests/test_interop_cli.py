@@ -95,11 +95,13 @@ def test_bad_input_is_reported(tiny_lm_dpath, tmp_path, capsys):
     assert rc == 1 and "nope.jsonl does not exist" in err and not (tmp_path / "o").exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"label": 1}\n')
-    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", bad, "--layers", "0"], capsys)
+    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", bad, "--layers", "0"],
+                     capsys)
     assert rc == 1 and "row 1 has no non-empty string column 'text'" in err
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"text": "a"}\n{"text": "a"}\n')
-    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0"], capsys)
+    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0"],
+                     capsys)
     assert rc == 1 and "duplicate prompt texts" in err
     (tmp_path / "exists").mkdir()
     rc, _, err = run(["export", "--format", "pickle", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0",

@@ -79,7 +79,8 @@ def test_lmprobe_reads_our_exports_exactly(exports, records, lmprobe_site, tmp_p
                 ds = lmprobe.LmprobeDataset(exports / storage)
                 starts = np.cumsum([0] + [s.get("num_tokens", s["num_prompts"]) for s in ds.hidden["shards"]])
                 for i, rec in enumerate(records):
-                    rows = [starts[s] + o for s, o in zip(ds.index["token_shard_ids"][i], ds.index["token_shard_offsets"][i])]
+                    shard_offsets = zip(ds.index["token_shard_ids"][i], ds.index["token_shard_offsets"][i])
+                    rows = [starts[s] + o for s, o in shard_offsets]
                     assert np.array_equal(raw_nd[rows], rec.acts[layer])
 
 

@@ -40,7 +40,9 @@ def planted(tmp_path_factory):
 )
 def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
     sd, atoms_ad = planted
-    run = run_from_sae_spec(tmp_path, sd, arch=arch, expansion=2, batch_size=128, lr=0.003, dead_after_vectors=8192, **spec)
+    run = run_from_sae_spec(
+        tmp_path, sd, arch=arch, expansion=2, batch_size=128, lr=0.003, dead_after_vectors=8192, **spec
+    )
     (result,) = train.train_runs([run.root], device="cpu")
     sae = load_sae(run.sae_fpath)
     cos_a = (atoms_ad @ sae.W_dec.detach().numpy().T).max(1)

