@@ -40,7 +40,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         empty = pathlib.Path(tmp) / "Snakefile"
         empty.write_text("rule all:\n    output:\n        'x'\n    shell:\n        'touch {output}'\n")
-        floor_s = statistics.median(timed([*snakemake, "-s", str(empty)], pathlib.Path(tmp), env) for _ in range(args.repeat))
+        floor_s = statistics.median(
+            timed([*snakemake, "-s", str(empty)], pathlib.Path(tmp), env) for _ in range(args.repeat)
+        )
     cmd = [*snakemake, "-s", str(REPO_ROOT / "Snakefile"), "--configfile", str(args.config.resolve())]
     timed(cmd, REPO_ROOT, env)  # warm the page cache and the content-addressed config files
     dry_s = statistics.median(timed(cmd, REPO_ROOT, env) for _ in range(args.repeat))

@@ -41,8 +41,9 @@ def measure(run_dpath, shards_dpath, batch_size: int) -> tuple[float, float]:
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); sys.exit(rc)"
     )
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, "inference", "--run", str(run_dpath), "--shards", str(shards_dpath),
-                          "--batch-size", str(batch_size)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, "inference", "--run", str(run_dpath),
+                          "--shards", str(shards_dpath), "--batch-size", str(batch_size)],
+                         capture_output=True, text=True, check=True)
     return time.perf_counter() - start, int(out.stderr.strip().splitlines()[-1]) / 1024
 
 

@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     plain_gbs, writer_gbs = gb / best["plain"], gb / best["writer"]
     ratio = writer_gbs / plain_gbs
     print(
-        f"{md.n_bytes / 2**30:.2f} GiB per run, best of {args.repeats}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        f"{md.n_bytes / 2**30:.2f} GiB per run, best of {args.repeats}; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
     )
     print(f"plain sequential write+fsync: {plain_gbs:.2f} GB/s")
     print(f"sha256 alone, one core (context: the writer's ceiling on a fast disk): {gb / best['sha256']:.2f} GB/s")

@@ -99,7 +99,9 @@ def run_batches(args):
         t0 = time.perf_counter()
         ours, _ = reader.batch(idx, layer_pairs)
         t1 = time.perf_counter()
-        theirs = np.stack([np.stack([z[i, reader.layer_pos(layer)] for layer in pair]) for i, pair in zip(idx, layer_pairs)])
+        theirs = np.stack(
+            [np.stack([z[i, reader.layer_pos(layer)] for layer in pair]) for i, pair in zip(idx, layer_pairs)]
+        )
         t2 = time.perf_counter()
         out["ours"].append(t1 - t0)
         out["zarr"].append(t2 - t1)
@@ -141,18 +143,23 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench-zarr-") as tmp:
         dpath = pathlib.Path(tmp) / "store.zarr"
         t0 = time.perf_counter()
-        zarr_store.write_store(SyntheticRecords(args.n, layers, args.p_max, args.r_max, args.d), args.n, dpath, {"model_id": "synthetic"}, opts)
+        records = SyntheticRecords(args.n, layers, args.p_max, args.r_max, args.d)
+        zarr_store.write_store(records, args.n, dpath, {"model_id": "synthetic"}, opts)
         n_bytes = sum(f.stat().st_size for f in dpath.rglob("*") if f.is_file())
         print(f"store: N={args.n} L={args.layers} P_max={args.p_max} R_max={args.r_max} H={args.d} float16, "
               f"{n_bytes / 2**20:.0f} MiB written in {time.perf_counter() - t0:.1f} s")
-        print("latency per read in microseconds (mean / median / p95); ratios on the median (robust to a noisy machine)")
+        print("latency per read in microseconds (mean / median / p95); "
+              "ratios on the median (robust to a noisy machine)")
         for kind in (zarr_store.RESPONSE, zarr_store.PROMPT):
             for workers in args.workers:
                 queries = [(int(rng.integers(args.n)), int(rng.choice(layers))) for _ in range(args.k)]
                 res = in_workers(run_reads, (dpath, kind), queries, workers)
                 s = {name: stats_us(v) for name, v in res.items()}
-                row = "  ".join(f"{name} {v['mean']:7.1f} / {v['median']:7.1f} / {v['p95']:7.1f}" for name, v in s.items())
-                print(f"{kind:8s} k={args.k} workers={workers}: {row}   ours/limit {s['ours']['median'] / s['limit']['median']:.2f}"
+                row = "  ".join(
+                    f"{name} {v['mean']:7.1f} / {v['median']:7.1f} / {v['p95']:7.1f}" for name, v in s.items()
+                )
+                print(f"{kind:8s} k={args.k} workers={workers}: {row}"
+                      f"   ours/limit {s['ours']['median'] / s['limit']['median']:.2f}"
                       f"   zarr/ours {s['zarr']['median'] / s['ours']['median']:.1f}x")
         for workers in args.workers:
             batches = []

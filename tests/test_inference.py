@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse
 
-from _inference_helpers import identity_sae, make_run, write_shards
+from builders import identity_sae, run_around_sae, write_shards
 from saeflow import cli, inference
 from saeflow.csr import CsrWriter
 from saeflow.errors import SaeflowError
@@ -16,9 +16,10 @@ from saeflow.errors import SaeflowError
 def dumped(tmp_path):
     rng = np.random.default_rng(0)
     acts = rng.standard_normal((11, 2, 5, 6)).astype(np.float32)  # 11 examples, layers (1, 3), CLS + 4 patches
-    sd = write_shards(tmp_path / "shards", acts, layers=(1, 3), cls_token=True)
-    run = make_run(tmp_path / "runs", sd, identity_sae(6), layer=3)
-    assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]) == 0
+    sd = write_shards(tmp_path / "shards", acts, layers=(1, 3), cls_token=True, ex_per_shard=3)
+    run = run_around_sae(tmp_path / "runs", sd, identity_sae(6), layer=3)
+    argv = ["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]
+    assert cli.main(argv) == 0
     return acts, sd, run, run.dump(sd.hash).dpath
 
 
@@ -101,14 +102,14 @@ def test_existing_dump_is_reused_not_rewritten(dumped, capsys):
 
 def test_clear_errors(tmp_path, capsys):
     acts = np.ones((2, 1, 3, 4), np.float32)
-    sd = write_shards(tmp_path / "shards", acts, layers=(2,))
-    no_ckpt = make_run(tmp_path / "runs", sd, None, layer=2)
+    sd = write_shards(tmp_path / "shards", acts, layers=(2,), ex_per_shard=3)
+    no_ckpt = run_around_sae(tmp_path / "runs", sd, None, layer=2)
     with pytest.raises(SaeflowError, match="no checkpoint"):
         inference.run_inference(inference.Config(no_ckpt.root, sd.dpath))
-    wrong_layer = make_run(tmp_path / "runs", sd, identity_sae(4), layer=5)
+    wrong_layer = run_around_sae(tmp_path / "runs", sd, identity_sae(4), layer=5)
     with pytest.raises(SaeflowError, match="trained on layer 5.*stores layers \\[2\\]"):
         inference.run_inference(inference.Config(wrong_layer.root, sd.dpath))
-    wrong_d = make_run(tmp_path / "runs", sd, identity_sae(8), layer=2, tag="d8")
+    wrong_d = run_around_sae(tmp_path / "runs", sd, identity_sae(8), layer=2, tag="d8")
     with pytest.raises(SaeflowError, match="d_model=8.*d_model=4"):
         inference.run_inference(inference.Config(wrong_d.root, sd.dpath))
     assert not wrong_d.dump(sd.hash).dpath.exists()

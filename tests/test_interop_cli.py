@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import yaml
 
-from _interop_fixtures import prompts_fpath, tiny_lm_dpath  # noqa: F401
 from saeflow import cli, shards
 from saeflow.interop import engine, pickle_shards, zarr_store
 from saeflow.interop.records import read_prompts
@@ -23,7 +22,7 @@ def engine_records(model_dpath, prompts_fpath, response_max=0):
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_lm_dpath, prompts_fpath):  # noqa: F811
+def expected(tiny_lm_dpath, prompts_fpath):
     return engine_records(tiny_lm_dpath, prompts_fpath)
 
 
@@ -33,7 +32,7 @@ def run(argv, capsys):
     return rc, captured.out.strip().splitlines()[-1] if captured.out.strip() else "", captured.err
 
 
-def test_export_pickle_adhoc_then_import_to_saev(tiny_lm_dpath, prompts_fpath, expected, tmp_path, capsys):  # noqa: F811
+def test_export_pickle_adhoc_then_import_to_saev(tiny_lm_dpath, prompts_fpath, expected, tmp_path, capsys):
     out = tmp_path / "pkl"
     rc, printed, err = run(["export", "--format", "pickle", "--model", tiny_lm_dpath, "--prompts", prompts_fpath,
                             "--layers", "0", "1", "--out", out, "--no-progress"], capsys)
@@ -63,7 +62,7 @@ def test_convert_numpy1_pickles_to_saev(tmp_path, capsys):
     assert np.array_equal(sd.example(2, 2), mod.expected_activation(2, 2))
 
 
-def test_export_zarr_from_config_in_parts(tiny_lm_dpath, prompts_fpath, tmp_path, capsys):  # noqa: F811
+def test_export_zarr_from_config_in_parts(tiny_lm_dpath, prompts_fpath, tmp_path, capsys):
     # prompt activations come from the prompt + response forward pass: equal up to float16 rounding
     expected = engine_records(tiny_lm_dpath, prompts_fpath, response_max=2)
     out = tmp_path / "z"
@@ -90,17 +89,19 @@ def test_export_zarr_from_config_in_parts(tiny_lm_dpath, prompts_fpath, tmp_path
     assert rc == 1 and "shards 0..2" in err
 
 
-def test_bad_input_is_reported(tiny_lm_dpath, tmp_path, capsys):  # noqa: F811
+def test_bad_input_is_reported(tiny_lm_dpath, tmp_path, capsys):
     rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", tmp_path / "nope.jsonl",
                       "--layers", "0", "--out", tmp_path / "o"], capsys)
     assert rc == 1 and "nope.jsonl does not exist" in err and not (tmp_path / "o").exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"label": 1}\n')
-    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", bad, "--layers", "0"], capsys)
+    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", bad, "--layers", "0"],
+                     capsys)
     assert rc == 1 and "row 1 has no non-empty string column 'text'" in err
     dup = tmp_path / "dup.jsonl"
     dup.write_text('{"text": "a"}\n{"text": "a"}\n')
-    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0"], capsys)
+    rc, _, err = run(["export", "--format", "lmprobe", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0"],
+                     capsys)
     assert rc == 1 and "duplicate prompt texts" in err
     (tmp_path / "exists").mkdir()
     rc, _, err = run(["export", "--format", "pickle", "--model", tiny_lm_dpath, "--prompts", dup, "--layers", "0",

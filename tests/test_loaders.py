@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from _training_helpers import write_shards
+from builders import write_shards
 from saeflow.errors import SaeflowError, ShardDirError
 from saeflow.loaders import IndexedReader, OrderedLoader, ShuffledLoader
 from saeflow.shards import ShardDir

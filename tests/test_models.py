@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from _extract_helpers import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
+from builders import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
 from saeflow import extract, models, shards, tokenization
 from saeflow.errors import SaeflowError
 
@@ -229,7 +229,9 @@ def test_full_clip_checkpoint_uses_its_vision_tower(tmp_path, shards_root):
     clip.save_pretrained(tmp_path / "tiny-clip")
     spec = vision_spec("clip_vision_model", model={"name": str(tmp_path / "tiny-clip")}, layers=[1])
     plan_ = extract.plan(typed(spec))
-    assert (plan_.metadata.family, plan_.info.model_type, plan_.metadata.tokens_per_ex) == ("clip", "clip_vision_model", 17)
+    assert (plan_.metadata.family, plan_.info.model_type, plan_.metadata.tokens_per_ex) == (
+        "clip", "clip_vision_model", 17
+    )
     sd = shards.ShardDir(extract.extract(typed(spec), shards_root, progress=False).dpath)
     x = torch.from_numpy(plan_.dataset.example(0, plan_.preprocess)[0])[None]
     hidden = clip.vision_model(pixel_values=x, output_hidden_states=True).hidden_states

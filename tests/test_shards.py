@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from builders import make_acts, make_aux, make_md, snapshot, write_all
 from saeflow import atomic, shards
 from saeflow.errors import SaeflowError
-from store_helpers import make_acts, make_aux, make_md, snapshot, write_all
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sizing and indexing maths (sections 3 and 4) against brute force

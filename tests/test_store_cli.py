@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
+from builders import make_md, write_all
 from saeflow import cli, shards
-from store_helpers import make_md, write_all
 
 
 def test_validate_and_info(shards_root, capsys):

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
+from builders import make_md, snapshot, write_all
 from saeflow import atomic, cli, shards
 from saeflow.errors import ShardDirError
-from store_helpers import make_md, snapshot, write_all
 
 
 @pytest.fixture

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from builders import file_bytes, make_md, write_all
 from saeflow import atomic, shards
 from saeflow.errors import SaeflowError
-from store_helpers import file_bytes, make_md, write_all
 
-HELPERS = os.path.join(os.path.dirname(__file__), "store_helpers.py")
+BUILDERS = os.path.join(os.path.dirname(__file__), "builders.py")
 
 
 def run_in_child(fn) -> int:
@@ -139,7 +139,7 @@ def test_two_processes_publish_the_same_hash(tmp_path):
     n_ex = 60
     procs = [
         subprocess.Popen(
-            [sys.executable, HELPERS, str(root), str(n_ex)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, BUILDERS, str(root), str(n_ex)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
         for _ in range(2)
     ]

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from _training_helpers import make_run, planted_data, write_shards
+from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow import cli, config, sweeps, train
 from saeflow.errors import SaeflowError
 from saeflow.sae import load_sae
@@ -30,7 +30,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     x_nd, atoms_ad = planted_data(8192, d_model=64, n_atoms=64, k=3)
-    sd = write_shards(tmp_path_factory.mktemp("shards"), x_nd.reshape(-1, 1, 16, 64), tag="planted")
+    sd = write_shards(tmp_path_factory.mktemp("shards"), x_nd.reshape(-1, 1, 16, 64), layers=(0,), tag="planted")
     return sd, atoms_ad
 
 
@@ -40,7 +40,9 @@ def planted(tmp_path_factory):
 )
 def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
     sd, atoms_ad = planted
-    run = make_run(tmp_path, sd, arch=arch, expansion=2, batch_size=128, lr=0.003, dead_after_vectors=8192, **spec)
+    run = run_from_sae_spec(
+        tmp_path, sd, arch=arch, expansion=2, batch_size=128, lr=0.003, dead_after_vectors=8192, **spec
+    )
     (result,) = train.train_runs([run.root], device="cpu")
     sae = load_sae(run.sae_fpath)
     cos_a = (atoms_ad @ sae.W_dec.detach().numpy().T).max(1)
@@ -102,7 +104,7 @@ def test_sweep_planning_does_not_import_torch():
 @pytest.fixture
 def small_run(tmp_path):
     x_nd, _ = planted_data(4096, d_model=16, n_atoms=32, k=2, seed=1)
-    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), ex_per_shard=100, tag="small")
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=100, tag="small")
     spec = dict(
         arch="batchtopk", k=2, expansion=4, batch_size=32, n_epochs=3, matryoshka=[0.25], dead_after_vectors=512
     )
@@ -120,7 +122,7 @@ def _train_quietly(run_root):
 
 def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     sd, spec = small_run
-    killed = make_run(tmp_path / "killed", sd, **spec)
+    killed = run_from_sae_spec(tmp_path / "killed", sd, **spec)
     # A forked child (no interpreter start-up to wait for) trains until its first resume checkpoint, then dies.
     proc = multiprocessing.get_context("fork").Process(target=_train_quietly, args=(killed.root,))
     proc.start()
@@ -141,7 +143,7 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     # Rerun through the CLI, as the workflow does.
     assert cli.main(["train", "--run", str(killed.root), "--device", "cpu", "--checkpoint-every", "20"]) == 0
 
-    clean = make_run(tmp_path / "clean", sd, **spec)
+    clean = run_from_sae_spec(tmp_path / "clean", sd, **spec)
     assert clean.root.name == killed.root.name  # same config, same run id
     train.train_runs([clean.root], device="cpu", checkpoint_every=10**6)
     for name, tensor in _state(clean).items():
@@ -159,10 +161,10 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
 def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
     sd, spec = small_run
     spec = {**spec, "n_epochs": 1}
-    together = [make_run(tmp_path / "together", sd, **{**spec, "seed": s}) for s in (0, 1)]
+    together = [run_from_sae_spec(tmp_path / "together", sd, **{**spec, "seed": s}) for s in (0, 1)]
     results = train.train_runs([r.root for r in together], device="cpu")
     assert {r["run"] for r in results} == {str(r.root) for r in together}
-    alone = make_run(tmp_path / "alone", sd, **{**spec, "seed": 1})
+    alone = run_from_sae_spec(tmp_path / "alone", sd, **{**spec, "seed": 1})
     train.train_runs([alone.root], device="cpu")
     for name, tensor in _state(alone).items():
         assert torch.equal(tensor, _state(together[1])[name]), name
@@ -171,7 +173,7 @@ def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
 
 def test_max_steps_then_resume(tmp_path, small_run):
     sd, spec = small_run
-    run = make_run(tmp_path, sd, **{**spec, "n_epochs": 1})
+    run = run_from_sae_spec(tmp_path, sd, **{**spec, "n_epochs": 1})
     assert train.train_runs([run.root], device="cpu", max_steps=50) == []
     assert torch.load(run.resume_fpath, weights_only=True)["step"] == 50
     (result,) = train.train_runs([run.root], device="cpu")
@@ -181,7 +183,7 @@ def test_max_steps_then_resume(tmp_path, small_run):
 
 def test_errors_name_the_problem(tmp_path, small_run):
     sd, spec = small_run
-    run = make_run(tmp_path, sd, **spec)
+    run = run_from_sae_spec(tmp_path, sd, **spec)
     with pytest.raises(SaeflowError, match="does not exist"):
         train.train_runs([tmp_path / "nowhere"])
     with pytest.raises(SaeflowError, match="CUDA is not available"):

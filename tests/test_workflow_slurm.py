@@ -49,7 +49,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
         by_rule[rule] = line
     # create_run and summary are local rules: they never reach Slurm.
     assert set(by_rule) == {"extract", "train", "inference"}, sorted(by_rule)
-    for rule, line in by_rule.items():
+    for line in by_rule.values():
         assert "-A PAS1234" in line or "--account PAS1234" in line or "--account=PAS1234" in line, line
         assert "-p gpu" in line or "--partition gpu" in line or "--partition=gpu" in line, line
         assert "--gpus=1" in line or "--gres=gpu:1" in line or "--gpus 1" in line, line

@@ -189,7 +189,9 @@ class SegFolder(_Folder):
         root = _root(self.root, "root")
         if self.label_rule not in LABEL_RULES:
             raise SaeflowError(f"dataset.label_rule must be one of {LABEL_RULES}, got {self.label_rule!r}")
-        masks = {p.relative_to(root / self.masks).with_suffix(""): p for p in _images_in(root / self.masks, MASK_SUFFIXES)}
+        masks = {
+            p.relative_to(root / self.masks).with_suffix(""): p for p in _images_in(root / self.masks, MASK_SUFFIXES)
+        }
         items = []
         for img in _images_in(root / self.images):
             key = img.relative_to(root / self.images).with_suffix("")
@@ -339,7 +341,9 @@ def _read_documents(fpath: pathlib.Path, field: str) -> typing.Iterator[str]:
 
             pf = pq.ParquetFile(fpath)
             if field not in pf.schema_arrow.names:
-                raise SaeflowError(f"{fpath}: no column {field!r}; columns are {pf.schema_arrow.names} (set dataset.field)")
+                raise SaeflowError(
+                    f"{fpath}: no column {field!r}; columns are {pf.schema_arrow.names} (set dataset.field)"
+                )
             for batch in pf.iter_batches(columns=[field]):
                 for value in batch.column(0).to_pylist():
                     if not isinstance(value, str):

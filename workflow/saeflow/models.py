@@ -184,7 +184,9 @@ def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str
     try:
         config_fpath = pathlib.Path(huggingface_hub.hf_hub_download(spec.name, "config.json", revision=spec.revision))
     except (huggingface_hub.errors.HFValidationError, ValueError) as err:
-        raise SaeflowError(f"unknown model {spec.name!r}: not a local directory nor a valid Hugging Face id ({err})") from None
+        raise SaeflowError(
+            f"unknown model {spec.name!r}: not a local directory nor a valid Hugging Face id ({err})"
+        ) from None
     except Exception as err:  # offline cache miss, unknown repo, network failure: all mean "cannot find it"
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
         hint = (
@@ -193,7 +195,9 @@ def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str
             if offline
             else "check the id and revision, or give a local path"
         )
-        raise SaeflowError(f"unknown model {spec.name!r} (revision {spec.revision!r}): {type(err).__name__}; {hint}") from None
+        raise SaeflowError(
+            f"unknown model {spec.name!r} (revision {spec.revision!r}): {type(err).__name__}; {hint}"
+        ) from None
     commit = config_fpath.parent.name
     return config_fpath.parent, spec.name, commit, f"{spec.name}@{commit}"
 
@@ -430,7 +434,9 @@ def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):
     return model
 
 
-def load(spec: ModelSpec, compute_dtype: str = "float32", device: str = "cpu", info: ModelInfo | None = None) -> Adapter:
+def load(
+    spec: ModelSpec, compute_dtype: str = "float32", device: str = "cpu", info: ModelInfo | None = None
+) -> Adapter:
     """Describe (unless given) and load a model, ready to `run`."""
     if compute_dtype not in COMPUTE_DTYPES:
         raise SaeflowError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")

@@ -30,7 +30,9 @@ class Run(layout.RunLayout):
 
     def require_checkpoint(self) -> pathlib.Path:
         if not self.sae_fpath.exists():
-            raise SaeflowError(f"{self.sae_fpath}: no checkpoint; train this run first (saeflow train --run {self.root})")
+            raise SaeflowError(
+                f"{self.sae_fpath}: no checkpoint; train this run first (saeflow train --run {self.root})"
+            )
         return self.sae_fpath
 
 

@@ -50,8 +50,9 @@ def read_metrics(fpath: pathlib.Path) -> dict:
 def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
     """One row per inference directory of the run (a run without inference yet gives no row).
 
-    Columns: `name` (a label such as the SAE spec and sweep index; run ids are content hashes), the inference metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json,
-    when present) and `config.*` (the run's training config).
+    Columns: `name` (a label such as the SAE spec and sweep index; run ids are content hashes), the inference
+    metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
+    `config.*` (the run's training config).
     """
     run = open_run(run_dpath)
     hparams = flatten(run.config(), "config.")

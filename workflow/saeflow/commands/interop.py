@@ -41,17 +41,20 @@ def register(subparsers):
     p.add_argument("--storage", choices=("pooled", "full_sequence"), help="ad hoc lmprobe: storage mode")
     p.add_argument("--top-k", type=int, help="ad hoc lmprobe: top-k logits (0 = none)")
     p.add_argument("--response-max", type=int, help="ad hoc zarr: greedy response tokens (0 = none)")
-    p.add_argument("--out", type=pathlib.Path, help="output directory (default: the spec's `out`, else results/exports/<name>)")
+    p.add_argument("--out", type=pathlib.Path,
+                   help="output directory (default: the spec's `out`, else results/exports/<name>)")
     p.add_argument("--part", type=int, action="append", metavar="I", help="zarr: write only shard store I (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
 
     p = subparsers.add_parser("convert", help="convert between interop formats, or import into saev shards",
                               description=CONVERT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", type=pathlib.Path, metavar="SRC", help="lmprobe dataset, Zarr store or root, or gzip-pickle directory")
+    p.add_argument("src", type=pathlib.Path, metavar="SRC",
+                   help="lmprobe dataset, Zarr store or root, or gzip-pickle directory")
     p.add_argument("--to", required=True, choices=("lmprobe", "zarr", "pickle", "saev"), help="output format")
     p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (for saev: the shards root)")
-    p.add_argument("--max-bytes", type=int, help="gzip-pickle: refuse shards that decompress beyond this (default 4 GiB)")
+    p.add_argument("--max-bytes", type=int,
+                   help="gzip-pickle: refuse shards that decompress beyond this (default 4 GiB)")
     p.set_defaults(func=cmd_convert)
 
 
@@ -61,8 +64,10 @@ def _adhoc_spec(args) -> dict:
     if missing:
         from saeflow.errors import SaeflowError
 
-        raise SaeflowError(f"give CONFIG (and --export NAME), or all of --format --model --prompts --layers; missing {missing}")
-    spec = {"format": args.format, "model": {"name": args.model}, "prompts": {"path": args.prompts}, "layers": args.layers}
+        raise SaeflowError("give CONFIG (and --export NAME), or all of --format --model --prompts --layers; "
+                           f"missing {missing}")
+    spec = {"format": args.format, "model": {"name": args.model}, "prompts": {"path": args.prompts},
+            "layers": args.layers}
     lm = {k: v for k, v in (("storage", args.storage), ("top_k", args.top_k)) if v is not None}
     if lm:
         spec["lmprobe"] = lm

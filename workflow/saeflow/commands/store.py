@@ -65,10 +65,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"  model        {md.family} {md.ckpt}")
     print(f"  dataset      {md.dataset} ({md.data.get('__class__')})")
     print(f"  layers       {list(md.layers)}")
-    print(f"  examples     {md.n_ex} x {md.tokens_per_ex} tokens ({'CLS + ' if md.cls_token else ''}{md.patches_per_ex} patches)")
+    print(f"  examples     {md.n_ex} x {md.tokens_per_ex} tokens "
+          f"({'CLS + ' if md.cls_token else ''}{md.patches_per_ex} patches)")
     print(f"  d_model      {md.d_model} ({md.dtype})")
     print(f"  shards       {summary['n_shards']} x up to {md.ex_per_shard} examples, {md.n_bytes / 2**30:.3f} GiB")
     print(f"  side files   {', '.join(summary['side_files']) or 'none'}")
     if prov:
-        print(f"  made         {prov.get('finished_at')} on {prov.get('host')} by saeflow {prov.get('saeflow_version')}")
+        print(f"  made         {prov.get('finished_at')} on {prov.get('host')} "
+              f"by saeflow {prov.get('saeflow_version')}")
     return 0

@@ -41,7 +41,10 @@ def register(subparsers):
     )
     p.add_argument("--account", required=True, help="your OSC project account, e.g. PAS1234")
     p.add_argument(
-        "--dest", type=pathlib.Path, default=DEFAULT_PROFILE_DPATH, help=f"profile directory (default {DEFAULT_PROFILE_DPATH})"
+        "--dest",
+        type=pathlib.Path,
+        default=DEFAULT_PROFILE_DPATH,
+        help=f"profile directory (default {DEFAULT_PROFILE_DPATH})",
     )
     p.add_argument("--force", action="store_true", help="replace an existing profile at --dest")
     p.set_defaults(func=cmd_install_profile)

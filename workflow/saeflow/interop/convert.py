@@ -60,7 +60,8 @@ def open_source(dpath: str | pathlib.Path, max_bytes: int | None = None) -> Sour
     if fmt == "zarr":
         reader = zarr_store.ZarrReader(dpath)
         keys = [row["sample_key"] for row in reader.text("prompt")]
-        ident = {"__class__": "ZarrActivationStore", "attrs": {k: reader.attrs[k] for k in ("layers", "P_max", "R_max")},
+        ident = {"__class__": "ZarrActivationStore",
+                 "attrs": {k: reader.attrs[k] for k in ("layers", "P_max", "R_max")},
                  "sample_keys_sha256": zarr_store.sample_key("".join(keys)).decode()}
         model = reader.attrs.get("model_id", "unknown")
         return Source(reader.records, reader.n, model, reader.attrs.get("model_revision"), dpath.name, "text", ident)

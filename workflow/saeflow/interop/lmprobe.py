@@ -85,7 +85,8 @@ def check_duplicates(texts: list[str], allow: bool, where: str) -> None:
         seen.setdefault(text, i)
     if not dups:
         return
-    msg = f"{where}: {len(dups)} duplicate prompt texts, e.g. rows {dups[0][0]} and {dups[0][1]} ({texts[dups[0][1]][:60]!r})"
+    msg = (f"{where}: {len(dups)} duplicate prompt texts, "
+           f"e.g. rows {dups[0][0]} and {dups[0][1]} ({texts[dups[0][1]][:60]!r})")
     if not allow:
         raise SaeflowError(msg + "; lmprobe looks prompts up by text, so their labels would collide. Deduplicate "
                            "the prompts or set allow_duplicate_texts.")
@@ -325,7 +326,9 @@ def _validate(dpath: pathlib.Path) -> list[str]:
                 continue
             shape = _tensor_shapes(fpath).get(key)
             if shape != (shard_rows[shard], dim):
-                problems.append(f"{fpath}: tensor {key!r} has shape {shape}, descriptor says ({shard_rows[shard]}, {dim})")
+                problems.append(
+                    f"{fpath}: tensor {key!r} has shape {shape}, descriptor says ({shard_rows[shard]}, {dim})"
+                )
     lt_rows = [d["num_prompts"] for d in shards[:n_lt]]
     if sum(lt_rows) != n:
         problems.append(f"{parquet_fpath}: last-token shards hold {sum(lt_rows)} rows for {n} prompts")
@@ -341,7 +344,9 @@ def _validate(dpath: pathlib.Path) -> list[str]:
             return problems + [f"{parquet_fpath}: full_sequence storage without token_shard_ids/token_shard_offsets"]
         for i, (ids, offs) in enumerate(zip(index["token_shard_ids"], index["token_shard_offsets"])):
             if len(ids) != index["num_tokens"][i] or len(offs) != len(ids):
-                problems.append(f"{parquet_fpath}: row {i}: {len(ids)} token addresses for {index['num_tokens'][i]} tokens")
+                problems.append(
+                    f"{parquet_fpath}: row {i}: {len(ids)} token addresses for {index['num_tokens'][i]} tokens"
+                )
             bad = [(si, off) for si, off in zip(ids, offs) if not (0 <= si < len(shards) and 0 <= off < shard_rows[si])]
             if bad:
                 problems.append(f"{parquet_fpath}: row {i}: token address {bad[0]} out of range")
@@ -356,7 +361,8 @@ def _validate(dpath: pathlib.Path) -> list[str]:
             keys = LOGITS_KEYS if LOGITS_KEYS[0] in shapes else SPEC_LOGITS_KEYS
             for key in keys:
                 if shapes.get(key) != (desc["num_prompts"], logits["k"]):
-                    problems.append(f"{fpath}: {key!r} has shape {shapes.get(key)}, expected ({desc['num_prompts']}, {logits['k']})")
+                    problems.append(f"{fpath}: {key!r} has shape {shapes.get(key)}, "
+                                    f"expected ({desc['num_prompts']}, {logits['k']})")
     return problems
 
 
@@ -391,7 +397,9 @@ class LmprobeDataset:
 
     def last_token(self, layer: int) -> np.ndarray:
         """(n_prompts, D) last-token vectors in index order."""
-        return np.stack([self._hidden(layer, s)[o] for s, o in zip(self.index["shard_index"], self.index["row_offset"])])
+        return np.stack(
+            [self._hidden(layer, s)[o] for s, o in zip(self.index["shard_index"], self.index["row_offset"])]
+        )
 
     def tokens(self, i: int, layer: int) -> np.ndarray:
         """(num_tokens, D) every token of prompt i (full-sequence datasets only)."""

@@ -188,7 +188,9 @@ class ActivationDataset:
     def __init__(self, dpath: str | pathlib.Path, layer: int, max_bytes: int = DEFAULT_MAX_BYTES):
         self.store = PickleShards(dpath, max_bytes)
         self.layer = layer
-        self.index = [(k, i) for k, s in enumerate(self.store.shards) if layer in s["layers"] for i in range(s["num_samples"])]
+        self.index = [
+            (k, i) for k, s in enumerate(self.store.shards) if layer in s["layers"] for i in range(s["num_samples"])
+        ]
         if not self.index:
             raise SaeflowError(f"{dpath}: no shard holds layer {layer}; layers: {self.store.layers}")
         self._cached: tuple[int, list] | None = None
@@ -201,7 +203,11 @@ class ActivationDataset:
         if self._cached is None or self._cached[0] != k:
             self._cached = (k, self.store.load_shard(self.store.shards[k])[f"layer_{self.layer}"])
         item = self._cached[1][i]
-        return {"activation": item["activation"], "sample_idx": int(item["sample_idx"]), "text": item.get("text_preview", "")}
+        return {
+            "activation": item["activation"],
+            "sample_idx": int(item["sample_idx"]),
+            "text": item.get("text_preview", ""),
+        }
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def check_uniform(records: typing.Sequence[Record], where: str) -> tuple[tuple[i
         for layer, acts_td in rec.acts.items():
             if acts_td.ndim != 2 or acts_td.shape[1] != d_model or acts_td.shape[0] != rec.n_tokens:
                 raise SaeflowError(
-                    f"{where}: example {i} layer {layer} has shape {acts_td.shape}, expected ({rec.n_tokens}, {d_model})"
+                    f"{where}: example {i} layer {layer} has shape {acts_td.shape}, "
+                    f"expected ({rec.n_tokens}, {d_model})"
                 )
     return layers, d_model
 

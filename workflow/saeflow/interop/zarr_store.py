@@ -111,7 +111,8 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
                 raise SaeflowError(f"{where}: more than the declared {n} examples")
             if check_uniform([rec], where) != (layers, d_model):
                 raise SaeflowError(f"{where}: example {i} has layers {list(rec.layers)} of width "
-                                   f"{rec.acts[rec.layers[0]].shape[-1]}; example 0 has {list(layers)} of width {d_model}")
+                                   f"{rec.acts[rec.layers[0]].shape[-1]}; "
+                                   f"example 0 has {list(layers)} of width {d_model}")
             if want_resp and rec.response_acts is None:
                 raise SaeflowError(f"{where}: response_max={opts.response_max} but example {i} has no response")
             keys.append(sample_key(rec.text))
@@ -212,7 +213,9 @@ class _Store:
             raise SaeflowError(f"{zmeta_fpath}: unreadable ({err})") from None
         self.attrs = self.meta[".zattrs"]
         if self.attrs.get("schema_version") != SCHEMA_VERSION:
-            raise SaeflowError(f"{dpath}: schema_version {self.attrs.get('schema_version')!r}, expected {SCHEMA_VERSION!r}")
+            raise SaeflowError(
+                f"{dpath}: schema_version {self.attrs.get('schema_version')!r}, expected {SCHEMA_VERSION!r}"
+            )
         self.n = self.attrs["num_samples"]
         self.lens = {PROMPT: self._small("prompt_len")}
         if self.attrs["R_max"]:
@@ -304,7 +307,9 @@ class ZarrReader:
         try:
             return self.layers.index(layer)
         except ValueError:
-            raise SaeflowError(f"{self.path}: layer {layer} is not stored; stored layers are {list(self.layers)}") from None
+            raise SaeflowError(
+                f"{self.path}: layer {layer} is not stored; stored layers are {list(self.layers)}"
+            ) from None
 
     def prompt(self, i: int, layer: int) -> np.ndarray:
         """(prompt_len[i], H) float16 activations of sample i at block `layer`."""

