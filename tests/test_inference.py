@@ -10,6 +10,7 @@ from builders import identity_sae, run_around_sae, write_shards
 from saeflow import cli, inference
 from saeflow.csr import CsrWriter
 from saeflow.errors import SaeflowError
+from saeflow.layout import DumpLayout
 
 
 @pytest.fixture
@@ -25,12 +26,12 @@ def dumped(tmp_path):
 
 def test_codes_are_exact_and_scipy_loadable(dumped):
     acts, sd, run, out = dumped
-    codes = scipy.sparse.load_npz(out / "patch_acts.npz")
+    codes = scipy.sparse.load_npz(DumpLayout(out).acts_fpath)
     expected_rd = np.maximum(acts[:, 1].reshape(-1, 6), 0)  # layer 3 is index 1; row = example * T + token
     assert codes.shape == (11 * 5, 6) and codes.format == "csr"
     assert np.array_equal(codes.toarray(), expected_rd)
     assert codes.nnz == np.count_nonzero(expected_rd)
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads(DumpLayout(out).config_fpath.read_text())
     assert config["layer"] == 3 and config["shard_hash"] == sd.hash and config["tokens_per_ex"] == 5
     assert not any(p.name.startswith(".") for p in out.parent.iterdir() if p.is_dir())  # no staging left
 
@@ -49,7 +50,7 @@ def test_stats_and_topk_match_brute_force(dumped):
         assert np.array_equal(lat["topk_example"][s], rows // 5)
         assert np.array_equal(lat["topk_token"][s], rows % 5)
         assert np.allclose(lat["topk_values"][s], f_rs[rows, s])
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads(DumpLayout(out).metrics_fpath.read_text())
     x_rd = acts[:, 1].reshape(-1, 6).astype(np.float64)
     nmse = ((x_rd - f_rs) ** 2).sum() / ((x_rd - x_rd.mean(0)) ** 2).sum()
     assert metrics["nmse"] == pytest.approx(nmse) and metrics["l0"] == pytest.approx(fires_rs.sum(1).mean())
@@ -93,9 +94,9 @@ def test_csr_writer_streams_in_pieces(tmp_path):
 
 def test_existing_dump_is_reused_not_rewritten(dumped, capsys):
     _, sd, run, out = dumped
-    before = (out / "patch_acts.npz").stat().st_mtime_ns
+    before = DumpLayout(out).acts_fpath.stat().st_mtime_ns
     assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4"]) == 0
-    assert (out / "patch_acts.npz").stat().st_mtime_ns == before
+    assert DumpLayout(out).acts_fpath.stat().st_mtime_ns == before
     assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "5"]) == 1
     assert "different top_k" in capsys.readouterr().err
 

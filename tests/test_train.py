@@ -15,6 +15,7 @@ import torch
 from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow import cli, config, sweeps, train
 from saeflow.errors import SaeflowError
+from saeflow.layout import RunLayout, ShardLayout
 from saeflow.sae import load_sae
 
 
@@ -50,7 +51,7 @@ def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
     assert result["nmse"] < 0.2 and result["split"] == "val"
     if arch == "topk":
         assert result["l0"] == 3.0
-    lines = [json.loads(line) for line in (run.checkpoint_dpath / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in run.metrics_log_fpath.read_text().splitlines()]
     assert lines[-1]["final"] and lines[0]["step"] == train.LOG_EVERY
     assert not run.resume_fpath.exists()
     # Done runs are skipped, nothing is rewritten.
@@ -137,7 +138,7 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     assert resume_fpath.exists() and not killed.sae_fpath.exists()
     step_at_kill = torch.load(resume_fpath, weights_only=True)["step"]
     assert 0 < step_at_kill < 384
-    with open(killed.checkpoint_dpath / "metrics.jsonl", "a") as fd:  # as if the kill tore a line
+    with open(killed.metrics_log_fpath, "a") as fd:  # as if the kill tore a line
         fd.write('{"step": 99999, "lo')
     (killed.checkpoint_dpath / ".resume.pt.tmp-12345").write_bytes(b"half")
     # Rerun through the CLI, as the workflow does.
@@ -148,14 +149,11 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     train.train_runs([clean.root], device="cpu", checkpoint_every=10**6)
     for name, tensor in _state(clean).items():
         assert torch.equal(tensor, _state(killed)[name]), name
-    metrics_of = lambda run: (run.checkpoint_dpath / "metrics.jsonl").read_text()  # noqa: E731
+    metrics_of = lambda run: run.metrics_log_fpath.read_text()  # noqa: E731
     assert metrics_of(clean) == metrics_of(killed)
-    assert sorted(p.name for p in killed.checkpoint_dpath.iterdir()) == [
-        "config.json",
-        "metrics.json",
-        "metrics.jsonl",
-        "sae.pt",
-    ]
+    assert sorted(killed.checkpoint_dpath.iterdir()) == sorted(
+        [killed.config_fpath, killed.final_metrics_fpath, killed.metrics_log_fpath, killed.sae_fpath]
+    )
 
 
 def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
@@ -197,7 +195,7 @@ def test_errors_name_the_problem(tmp_path, small_run):
     (sd.dpath / "acts000003.bin").unlink()
     with pytest.raises(SaeflowError, match="acts000003.bin: missing"):
         train.train_runs([run.root], device="cpu")
-    assert not run.sae_fpath.exists() and not (run.checkpoint_dpath / "metrics.jsonl").exists()
+    assert not run.sae_fpath.exists() and not run.metrics_log_fpath.exists()
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -229,11 +227,12 @@ saes:
         str(tmp_path / "r"),
     ]
     assert cli.main(args) == 0
-    run_dpath = tmp_path / "r" / capsys.readouterr().out.strip().rsplit("/", 1)[-1]
-    train_config = json.loads((run_dpath / "checkpoint" / "config.json").read_text())
+    run = RunLayout.at(tmp_path / "r", capsys.readouterr().out.strip().rsplit("/", 1)[-1])
+    run_dpath = run.root
+    train_config = json.loads(run.config_fpath.read_text())
     assert train_config["k"] == 8 and run_dpath.name == train.runs.run_id(train_config)
-    assert os.readlink(run_dpath / "links" / "train-shards") == str(
-        (tmp_path / "s" / train_config["train_shards"]).resolve()
+    assert os.readlink(run.link(run.TRAIN_SHARDS)) == str(
+        ShardLayout.at(tmp_path / "s", train_config["train_shards"]).dpath.resolve()
     )
     assert cli.main(args) == 0 and capsys.readouterr().out.strip().endswith(run_dpath.name)  # idempotent
     assert cli.main([*args[:3], "2", *args[4:]]) == 1

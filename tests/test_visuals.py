@@ -11,6 +11,7 @@ from _cdp import Browser, find_chromium
 from builders import identity_sae, run_around_sae, typed, write_shards
 from saeflow import cli, extract, inference, sae, visuals
 from saeflow.errors import SaeflowError
+from saeflow.layout import DumpLayout
 
 
 @pytest.fixture
@@ -88,7 +89,7 @@ def test_selection_and_errors(text_visuals, capsys):
     assert rand == visuals.choose_latents(visuals.Config(run.root, selection="random", n_latents=3, seed=1), lat)
     assert cli.main(["visuals", "--run", str(run.root), "--latents", "2", "99", "--force"]) == 1
     assert "unknown latent id(s) [99]" in capsys.readouterr().err
-    assert out.exists() and (out / "index.html").exists()  # the failed call destroyed nothing
+    assert out.exists() and (out / DumpLayout.INDEX_FNAME).exists()  # the failed call destroyed nothing
     assert cli.main(["visuals", "--run", str(run.root), "--latents", "2", "--force"]) == 0
     assert json.loads((out / "config.json").read_text())["latents_drawn"] == [2]
     assert sorted(p.name for p in (out / "latents").iterdir()) == ["2.png"]
@@ -105,7 +106,7 @@ def test_index_html_in_headless_chromium(text_visuals, tmp_path):
     drawn = json.loads((out / "config.json").read_text())["latents_drawn"]
     browser = Browser(exe, tmp_path / "chromium-profile")
     try:
-        session = browser.open_page((out / "index.html").as_uri())
+        session = browser.open_page((out / DumpLayout.INDEX_FNAME).as_uri())
         assert browser.evaluate(session, "document.querySelectorAll('#rows .row').length") == 8
         browser.evaluate(session, f"document.querySelector('#row-{drawn[0]}').click()")
         browser.evaluate(session, "new Promise(r => setTimeout(r, 200))")

@@ -18,6 +18,7 @@ import yaml
 from builders import typed
 from saeflow import config, shards
 from saeflow.extract import plan_activation
+from saeflow.layout import RunLayout, ShardLayout
 from saeflow.sweeps import SAESpec, plan_runs
 from workflow_helpers import (
     REPO_ROOT,
@@ -49,18 +50,19 @@ def prepared(tmp_path_factory):
 
 
 def test_default_run_publishes_every_stage(prepared):
-    workdir, shard_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
+    workdir, published = prepared["workdir"], ShardLayout.at(prepared["workdir"] / "shards", prepared["hash"])
+    shard_dpath = published.dpath
     assert shards.validate(shard_dpath).ok
-    assert not os.access(shard_dpath / "acts000000.bin", os.W_OK) or os.geteuid() == 0
-    assert not (shard_dpath / "acts000000.bin").stat().st_mode & 0o222, "published shards must be read-only"
+    assert not os.access(published.shard_fpath(0), os.W_OK) or os.geteuid() == 0
+    assert not published.shard_fpath(0).stat().st_mode & 0o222, "published shards must be read-only"
     assert len(prepared["run_ids"]) == 2
     for run_id in prepared["run_ids"]:
-        run = workdir / "runs" / run_id
-        assert (run / "checkpoint" / "sae.pt").is_file()
-        assert (run / "links" / "train-shards").resolve() == shard_dpath.resolve()
-        dump = run / "inference" / prepared["hash"]
-        assert json.loads((dump / "metrics.json").read_text())["l0"] > 0
-        assert (dump / "visuals" / "index.html").is_file() and (dump / "visuals" / "l0_hist.png").is_file()
+        run = RunLayout.at(workdir / "runs", run_id)
+        assert run.sae_fpath.is_file()
+        assert run.link(run.TRAIN_SHARDS).resolve() == shard_dpath.resolve()
+        dump = run.dump(prepared["hash"])
+        assert json.loads(dump.metrics_fpath.read_text())["l0"] > 0
+        assert dump.index_fpath.is_file() and dump.plot_fpath("l0_hist").is_file()
     summary_csv = (workdir / "summary" / "summary.csv").read_text().splitlines()
     assert len(summary_csv) == 1 + 2 and summary_csv[0].startswith("name,run_id,shard_hash,")
     assert (workdir / "summary" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -131,7 +133,8 @@ def test_identical_activation_specs_share_one_shard_dir(prepared, tmp_path):
 
 
 def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
-    workdir, shard_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
+    workdir, published = prepared["workdir"], ShardLayout.at(prepared["workdir"] / "shards", prepared["hash"])
+    shard_dpath = published.dpath
     aside = workdir / "purged"
     shard_dpath.rename(aside)
     try:
@@ -179,7 +182,7 @@ def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path
     snakemake(tmp_path, config_fpath, "--unlock")  # the killed Snakemake left its lock, as after any SIGKILL
     snakemake(tmp_path, config_fpath, target)
     assert shards.validate(final_dpath, deep=True).ok
-    assert json.loads((final_dpath / "provenance.json").read_text())["resumed_from_ex"] > 0
+    assert json.loads(ShardLayout(final_dpath).provenance_fpath.read_text())["resumed_from_ex"] > 0
 
 
 def test_malformed_config_fails_validation_naming_the_key(prepared, tmp_path):
@@ -226,11 +229,12 @@ def test_moving_the_shards_root_reextracts_and_retrains_nothing(prepared, tmp_pa
     """A new shards_root (e.g. a new scratch) gets the same hash-named directory; runs keep their ids and
     checkpoints and only have their links repointed. Runs last: it repoints the prepared runs' links."""
     workdir = prepared["workdir"]
-    sae_mtimes = {r: (workdir / "runs" / r / "checkpoint" / "sae.pt").stat().st_mtime for r in prepared["run_ids"]}
+    runs = {r: RunLayout.at(workdir / "runs", r) for r in prepared["run_ids"]}
+    sae_mtimes = {r: run.sae_fpath.stat().st_mtime for r, run in runs.items()}
     new_root = tmp_path / "new-scratch"
     snakemake(workdir, prepared["config"], "--config", f"shards_root={new_root}")
     assert shards.validate(new_root / prepared["hash"]).ok
     for run_id, mtime in sae_mtimes.items():
-        run = workdir / "runs" / run_id
-        assert (run / "checkpoint" / "sae.pt").stat().st_mtime == mtime, "a run was retrained"
-        assert (run / "links" / "train-shards").resolve() == (new_root / prepared["hash"]).resolve()
+        run = runs[run_id]
+        assert run.sae_fpath.stat().st_mtime == mtime, "a run was retrained"
+        assert run.link(run.TRAIN_SHARDS).resolve() == (new_root / prepared["hash"]).resolve()

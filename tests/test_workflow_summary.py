@@ -18,9 +18,9 @@ def test_pareto_front_keeps_only_undominated_points():
 def make_run(tmp_path, k: int, metrics: dict | None):
     run = runs.create_run(tmp_path / "runs", {"arch": "topk", "k": k, "train_shards": "a" * 64}, tmp_path)
     if metrics is not None:
-        dump = run.dump("b" * 64).dpath
-        dump.mkdir(parents=True)
-        (dump / "metrics.json").write_text(json.dumps(metrics))
+        dump = run.dump("b" * 64)
+        dump.dpath.mkdir(parents=True)
+        dump.metrics_fpath.write_text(json.dumps(metrics))
     return run.root
 
 
