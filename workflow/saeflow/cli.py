@@ -7,7 +7,7 @@ import os
 import sys
 
 from saeflow import __version__
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, one_line
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
 COMMAND_MODULES = ("store", "extract", "train", "inference", "interop", "workflow")
@@ -26,11 +26,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="saeflow", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"saeflow {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="show debug logging and full tracebacks")
+    _add_global_options(parser, default=False)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"saeflow.commands.{name}").register(subparsers)
+    for sub in subparsers.choices.values():  # `saeflow validate DIR --debug` works as well as `saeflow --debug ...`
+        _add_global_options(sub, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, default) -> None:
+    parser.add_argument("-v", "--verbose", action="store_true", default=default, help="show debug logging")
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="show the full traceback when a command fails"
+    )
 
 
 def main(argv=None) -> int:
@@ -44,14 +53,33 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.func(args) or 0
-    except SaeflowError as err:
-        if args.verbose:
+    except SaeflowError as err:  # the specific messages: what and where, raised where the fault was found
+        if args.debug:
             raise
-        print(f"saeflow {args.command}: error: {err}", file=sys.stderr)
-        return 1
+        return error(args.command, one_line(err))
     except KeyboardInterrupt:
         print(f"saeflow {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`saeflow plan ... | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 141
+    except Exception as err:  # noqa: BLE001 -- the last resort: never a traceback unless asked for (--debug)
+        if args.debug:
+            raise
+        return error(args.command, f"{unexpected(err)} (rerun with --debug for the traceback)")
+
+
+def error(command: str, message: str) -> int:
+    """Print the one-line error of a failed command and return its exit code."""
+    print(f"saeflow {command}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def unexpected(err: BaseException) -> str:
+    """An exception nobody turned into a message: its type and message on one line (an OSError names its file)."""
+    if isinstance(err, MemoryError):
+        return f"MemoryError: out of memory{f' ({one_line(err)})' if str(err) else ''}"
+    if isinstance(err, OSError) and err.filename is not None:
+        target = f" -> {err.filename2}" if err.filename2 is not None else ""
+        return f"{type(err).__name__}: {err.filename}{target}: {err.strerror or one_line(err)}"
+    return f"{type(err).__name__}: {one_line(err) or '(no message)'}"

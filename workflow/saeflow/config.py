@@ -16,7 +16,7 @@ import typing
 import jsonschema
 import yaml
 
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, read_problem
 
 SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 
@@ -59,23 +59,60 @@ def validate(config: dict, schema: dict | None = None) -> dict:
         for err in errors[:10]:
             where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
             lines.append(f"  {where}: {err.message}")
-        raise SaeflowError("config does not match the schema:\n" + "\n".join(lines))
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        raise SaeflowError("config does not match the schema:\n" + "\n".join(lines) + more)
     return config
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a mapping that repeats a key (plain YAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            self.flatten_mapping(node)
+            first_line = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first_line.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if seen is not None:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"found duplicate key {key!r} (first given on line {seen})", key_node.start_mark,
+                    )  # fmt: skip
+                first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """`line N: what` for a YAML error (the mark of the problem, else of its context), on one line."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    what = " ".join(str(getattr(err, "problem", None) or err).split())
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
 
 
 def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
     """Read a YAML/JSON config file, apply top-level overrides, validate and fill defaults."""
     fpath = pathlib.Path(fpath)
     try:
-        config = yaml.safe_load(fpath.read_text(encoding="utf-8"))
+        config = yaml.load(fpath.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (safe subclass)
     except FileNotFoundError:
         raise SaeflowError(f"config file {fpath} does not exist") from None
+    except OSError as err:
+        raise SaeflowError(f"config file {fpath}: {read_problem(err)}") from None
+    except UnicodeDecodeError as err:
+        raise SaeflowError(f"config file {fpath}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except yaml.YAMLError as err:
-        raise SaeflowError(f"config file {fpath} is not valid YAML: {err}") from None
+        raise SaeflowError(f"config file {fpath}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(config, dict):
         raise SaeflowError(f"config file {fpath} must hold a mapping, got {type(config).__name__}")
     config.update(overrides or {})
-    return validate(config)
+    try:
+        return validate(config)
+    except SaeflowError as err:
+        raise SaeflowError(f"config file {fpath}: {err}") from None
 
 
 def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:

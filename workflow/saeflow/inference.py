@@ -29,7 +29,7 @@ import tqdm
 from saeflow import atomic, config, layout, loaders, metrics, provenance, runs, sae
 from saeflow.csr import CsrWriter
 from saeflow.devices import resolve_device
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, unreadable
 from saeflow.hashing import file_sha256
 from saeflow.shards import ShardDir
 
@@ -239,11 +239,28 @@ class Dump:
 
 
 def load_dump(dpath: str | os.PathLike) -> Dump:
+    """A published dump read back; a missing, unreadable or garbled file is a SaeflowError naming it."""
     dump = layout.DumpLayout(pathlib.Path(dpath))
     for fpath in (dump.config_fpath, dump.latents_fpath, dump.metrics_fpath):
         if not fpath.exists():
             raise SaeflowError(f"{fpath}: missing; run `saeflow inference` first")
-    with np.load(dump.latents_fpath) as npz:
-        latents = {name: npz[name] for name in npz.files}
-    read = lambda fpath: json.loads(fpath.read_text(encoding="utf-8"))  # noqa: E731
-    return Dump(dump.dpath, read(dump.config_fpath), latents, read(dump.metrics_fpath))
+    try:
+        with np.load(dump.latents_fpath, allow_pickle=False) as npz:
+            latents = {name: npz[name] for name in npz.files}
+    except OSError as err:
+        raise unreadable(dump.latents_fpath, err) from None
+    except Exception as err:  # zipfile.BadZipFile, ValueError, EOFError: a damaged archive
+        raise SaeflowError(f"{dump.latents_fpath}: not a readable .npz archive (damaged? {err})") from None
+    return Dump(dump.dpath, _read_json_object(dump.config_fpath), latents, _read_json_object(dump.metrics_fpath))
+
+
+def _read_json_object(fpath: pathlib.Path) -> dict:
+    try:
+        obj = json.loads(fpath.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise unreadable(fpath, err) from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise SaeflowError(f"{fpath}: unreadable (not valid JSON: {err})") from None
+    if not isinstance(obj, dict):
+        raise SaeflowError(f"{fpath}: holds a {type(obj).__name__}, not a JSON object")
+    return obj

@@ -10,7 +10,7 @@ import os
 import pathlib
 
 from saeflow import atomic, layout
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, unreadable
 from saeflow.hashing import content_hash
 
 
@@ -24,9 +24,16 @@ class Run(layout.RunLayout):
 
     def config(self) -> dict:
         try:
-            return json.loads(self.config_fpath.read_text(encoding="utf-8"))
+            obj = json.loads(self.config_fpath.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise SaeflowError(f"{self.config_fpath}: missing; is {self.root} a run directory?") from None
+        except OSError as err:
+            raise unreadable(self.config_fpath, err) from None
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise SaeflowError(f"{self.config_fpath}: unreadable (not valid JSON: {err})") from None
+        if not isinstance(obj, dict):
+            raise SaeflowError(f"{self.config_fpath}: holds a {type(obj).__name__}, not a training config object")
+        return obj
 
     def require_checkpoint(self) -> pathlib.Path:
         if not self.sae_fpath.exists():

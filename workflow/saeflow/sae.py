@@ -15,11 +15,12 @@ squared norm is d_model (so hyper-parameters transfer across models and layers):
 import dataclasses
 import os
 import pathlib
+import warnings
 
 import torch
 
 from saeflow import atomic
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, unreadable
 
 ARCHS = ("relu", "topk", "batchtopk")
 FORMAT = "saeflow-sae"
@@ -192,11 +193,17 @@ def load_sae(fpath: str | os.PathLike) -> SAE:
     """Load `sae.pt` into an SAE in eval mode on CPU. Only tensors and plain data are unpickled."""
     fpath = pathlib.Path(fpath)
     try:
-        obj = torch.load(fpath, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about odd pickle protocols before failing on a damaged file
+            warnings.simplefilter("ignore")
+            obj = torch.load(fpath, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise SaeflowError(f"{fpath}: no such SAE checkpoint") from None
-    except Exception as err:
-        raise SaeflowError(f"{fpath}: not a readable SAE checkpoint ({err})") from None
+    except OSError as err:
+        raise unreadable(fpath, err) from None
+    except Exception as err:  # torch raises many types (and long messages) for a damaged file
+        raise SaeflowError(
+            f"{fpath}: not a readable SAE checkpoint (damaged, or not written by torch.save: {type(err).__name__})"
+        ) from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise SaeflowError(f"{fpath}: not a saeflow SAE checkpoint (no format={FORMAT!r} marker)")
     if obj.get("version") != FORMAT_VERSION:

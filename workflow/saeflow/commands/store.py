@@ -5,6 +5,7 @@ import json
 import pathlib
 
 from saeflow import shards
+from saeflow.errors import SaeflowError
 
 
 def register(subparsers):
@@ -12,8 +13,9 @@ def register(subparsers):
         "validate",
         help="check a shard directory (exit 0 when valid)",
         description="Check a saev protocol 2.0 shard directory: metadata.json parses and hashes to the directory "
-        "name, shards.json matches the sizing maths, every shard and side file is present with its exact size. "
-        "All problems are listed at once, each with its path. Stray files are reported as warnings only.",
+        "name, shards.json matches the sizing maths, every shard and side file is a regular file this user can "
+        "read, of its exact size. All problems are listed at once on stdout, each with its path; the exit code is 1 "
+        "and stderr holds one line naming the first. Stray files are reported as warnings only.",
     )
     p.add_argument("dpath", type=pathlib.Path, metavar="DIR", help="the shard directory <shards_root>/<hash>")
     p.add_argument("--deep", action="store_true", help="also verify every file's sha256 against checksums.json")
@@ -39,7 +41,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"invalid: {args.dpath}")
     for problem in report.problems:
         print(f"  - {problem}")
-    return 1
+    more = f" (and {len(report.problems) - 1} more, listed above)" if len(report.problems) > 1 else ""
+    raise SaeflowError(f"invalid shard directory {args.dpath}: {report.problems[0]}{more}")
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import typing
 
 import numpy as np
 
-from saeflow.errors import SaeflowError, ShardDirError
+from saeflow.errors import SaeflowError, ShardDirError, unreadable
 from saeflow.layout import ShardLayout
 from saeflow.shards.metadata import AUX_FILES, Metadata, locate
 from saeflow.shards.validate import read_json, validate
@@ -76,7 +76,14 @@ class ShardDir:
 
     def provenance(self) -> dict | None:
         fpath = self.layout.provenance_fpath
-        return read_json(fpath) if fpath.exists() else None
+        if not fpath.exists():
+            return None
+        try:
+            return read_json(fpath)
+        except OSError as err:
+            raise unreadable(fpath, err) from None
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            raise SaeflowError(f"{fpath}: unreadable (not valid JSON: {err})") from None
 
 
 def open_existing(final_dpath: pathlib.Path) -> ShardDir | None:
@@ -85,8 +92,10 @@ def open_existing(final_dpath: pathlib.Path) -> ShardDir | None:
     An empty directory counts as nothing (Snakemake creates an output's parent before the job runs); publishing
     replaces it in the same single rename.
     """
-    if not os.path.lexists(final_dpath) or (final_dpath.is_dir() and not any(final_dpath.iterdir())):
-        return None
+    if not os.path.lexists(final_dpath) or (
+        final_dpath.is_dir() and os.access(final_dpath, os.R_OK) and not any(final_dpath.iterdir())
+    ):
+        return None  # an unreadable directory is not "nothing": ShardDir below reports it
     try:
         return ShardDir(final_dpath)
     except ShardDirError as err:

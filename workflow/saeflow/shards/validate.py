@@ -11,10 +11,11 @@ import dataclasses
 import json
 import os
 import pathlib
+import stat
 
 import tqdm
 
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, read_problem
 from saeflow.hashing import content_hash, file_sha256
 from saeflow.layout import ShardLayout
 from saeflow.shards.metadata import AUX_FILES, Metadata, _is_int, aux_n_bytes, expected_shards_json
@@ -30,6 +31,40 @@ KNOWN_FNAMES = {
 
 def read_json(fpath: pathlib.Path):
     return json.loads(fpath.read_text(encoding="utf-8"))
+
+
+class _Unreadable(Exception):
+    """A file that could not be read or parsed; the message is the problem (without the path)."""
+
+
+def _load_json(fpath: pathlib.Path):
+    """The parsed JSON of a file; `_Unreadable` says why not (missing, a directory, permission, not JSON)."""
+    try:
+        return read_json(fpath)
+    except OSError as err:
+        raise _Unreadable(read_problem(err)) from None
+    except UnicodeDecodeError as err:
+        raise _Unreadable(f"unreadable (not UTF-8 text: {err.reason} at byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise _Unreadable(f"unreadable (not valid JSON: {err})") from None
+
+
+def file_problem(fpath: pathlib.Path, n_bytes: int | None = None) -> str | None:
+    """Why `fpath` is not a regular file this user can read (of `n_bytes` bytes); None when it is. Cheap: a stat
+    and an access check, no read."""
+    try:
+        st = fpath.stat()
+    except OSError as err:
+        return f"{fpath}: {read_problem(err)}"
+    if stat.S_ISDIR(st.st_mode):
+        return f"{fpath}: is a directory, not a file"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{fpath}: not a regular file"
+    if not os.access(fpath, os.R_OK):
+        return f"{fpath}: cannot read (permission denied)"
+    if n_bytes is not None and st.st_size != n_bytes:
+        return f"{fpath}: {st.st_size} bytes, expected {n_bytes} (truncated or overwritten)"
+    return None
 
 
 @dataclasses.dataclass
@@ -53,6 +88,8 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
     dpath = pathlib.Path(dpath)
     if not dpath.is_dir():
         return Report([f"{dpath}: does not exist or is not a directory"], [])
+    if not os.access(dpath, os.R_OK | os.X_OK):
+        return Report([f"{dpath}: cannot read the directory (permission denied)"], [])
     layout = ShardLayout(dpath)
     problems: list[str] = []
     warnings: list[str] = []
@@ -60,12 +97,12 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
 
     md_fpath = layout.metadata_fpath
     try:
-        md_obj = read_json(md_fpath)
+        md_obj = _load_json(md_fpath)
         md = Metadata.from_dict(md_obj)
-    except FileNotFoundError:
-        problems.append(f"{md_fpath}: missing")
+    except _Unreadable as err:
+        problems.append(f"{md_fpath}: {err}")
         md = md_obj = None
-    except (json.JSONDecodeError, UnicodeDecodeError, SaeflowError, TypeError) as err:
+    except (SaeflowError, TypeError) as err:
         problems.append(f"{md_fpath}: unreadable ({err})")
         md = md_obj = None
     if md is None:
@@ -85,16 +122,14 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
 
     shards_fpath = layout.shards_fpath
     try:
-        listed = read_json(shards_fpath)
+        listed = _load_json(shards_fpath)
         if listed != expected_shards_json(md):
             problems.append(
                 f"{shards_fpath}: lists {_describe_shards(listed)} but {layout.METADATA_FNAME} implies "
                 f"{_describe_shards(expected_shards_json(md))}"
             )
-    except FileNotFoundError:
-        problems.append(f"{shards_fpath}: missing")
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        problems.append(f"{shards_fpath}: unreadable ({err})")
+    except _Unreadable as err:
+        problems.append(f"{shards_fpath}: {err}")
 
     expected_bytes = {layout.shard_fname(i): n * md.bytes_per_ex for i, n in enumerate(md.shard_sizes)}
     for fname in AUX_FILES:  # side files are optional: required when the checksums list them
@@ -105,14 +140,8 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
             problems.append(f"{layout.checksums_fpath}: lists unexpected file {fname}")
 
     for fname, n_bytes in expected_bytes.items():
-        fpath = layout.file(fname)
-        try:
-            size = fpath.stat().st_size
-        except FileNotFoundError:
-            problems.append(f"{fpath}: missing")
-            continue
-        if size != n_bytes:
-            problems.append(f"{fpath}: {size} bytes, expected {n_bytes} (truncated or overwritten)")
+        if problem := file_problem(layout.file(fname), n_bytes):
+            problems.append(problem)
 
     if deep and checksums is None:
         problems.append(f"{layout.checksums_fpath}: missing or unreadable, so checksums cannot be verified")
@@ -129,16 +158,19 @@ def validate(dpath: str | os.PathLike, deep: bool = False, name: str | None = No
 def _read_checksums(layout: ShardLayout, problems: list[str], warnings: list[str]) -> dict[str, dict] | None:
     """The checksums file as {name: {"bytes", "sha256"}}; None (with a warning or problem) when absent or broken."""
     fpath = layout.checksums_fpath
+    if not os.path.lexists(fpath):
+        warnings.append(f"{fpath}: missing (not written by saeflow?): side files and checksums are not checked")
+        return None
     try:
-        files = read_json(fpath)["files"]
+        files = _load_json(fpath)["files"]
         if not isinstance(files, dict) or not all(
             isinstance(e, dict) and _is_int(e.get("bytes")) and isinstance(e.get("sha256"), str) for e in files.values()
         ):
             raise TypeError("expected {'files': {name: {'bytes': int, 'sha256': hex}}}")
         return files
-    except FileNotFoundError:
-        warnings.append(f"{fpath}: missing (not written by saeflow?): side files and checksums are not checked")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+    except _Unreadable as err:
+        problems.append(f"{fpath}: {err}")
+    except (KeyError, TypeError) as err:
         problems.append(f"{fpath}: unreadable ({err})")
     return None
 
@@ -146,11 +178,17 @@ def _read_checksums(layout: ShardLayout, problems: list[str], warnings: list[str
 def _verify_checksums(layout: ShardLayout, checksums: dict[str, dict]) -> list[str]:
     """Re-hash every listed file (the slow part of `--deep`), with a progress bar over bytes."""
     problems = []
-    present = {f: e for f, e in sorted(checksums.items()) if layout.file(f).exists()}
+    # Files that are missing, not regular or unreadable are already problems of the shallow check.
+    present = {f: e for f, e in sorted(checksums.items()) if file_problem(layout.file(f)) is None}
     total = sum(layout.file(f).stat().st_size for f in present)
     with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc="sha256", disable=None, leave=False) as bar:
         for fname, entry in present.items():
-            if file_sha256(layout.file(fname), progress=bar.update) != entry["sha256"]:
+            try:
+                digest = file_sha256(layout.file(fname), progress=bar.update)
+            except OSError as err:  # an I/O error deep in the file, or it changed under us
+                problems.append(f"{layout.file(fname)}: {read_problem(err)}")
+                continue
+            if digest != entry["sha256"]:
                 problems.append(
                     f"{layout.file(fname)}: sha256 differs from {layout.CHECKSUMS_FNAME} (the bytes changed)"
                 )
