@@ -49,8 +49,10 @@ def safe_loads_file(fpath: pathlib.Path, compressed: bool, memory_budget: int = 
         inner = gzip.GzipFile(fileobj=raw) if compressed else raw
         try:
             return BudgetUnpickler(BoundedStream(inner, memory_budget, str(fpath)), budget).load()
-        except SaeflowError:
-            raise
+        except SaeflowError as err:
+            if str(err).startswith(str(fpath)):
+                raise
+            raise SaeflowError(f"{fpath}: {err}") from None
         except (Exception, RecursionError) as err:  # a hostile stream must never escape as a traceback
             raise SaeflowError(f"{fpath}: not a safe activation pickle ({type(err).__name__}: "
                                f"{' '.join(str(err).split())[:160]})") from None

@@ -75,7 +75,13 @@ class BoundedStream:
         return self._took(self.inner.read(self.left + 1 if n is None or n < 0 else min(n, self.left + 1)))
 
     def readline(self, n: int = -1) -> bytes:
-        return self._took(self.inner.readline(self.left + 1 if n is None or n < 0 else min(n, self.left + 1)))
+        """One line of at most a quarter of the budget (protocol 0 text fields; readline buffers it twice)."""
+        cap = max(1, self.limit_bytes // 4)
+        line = self._took(self.inner.readline(min(cap, self.left + 1) if n is None or n < 0 else min(n, cap)))
+        if len(line) >= cap and not line.endswith(b"\n"):
+            raise SaeflowError(f"{self.where}: a pickle text line longer than {fmt_bytes(cap)} (a quarter of the "
+                               "memory budget); refusing")
+        return line
 
 
 def _costed(load, cost: int):

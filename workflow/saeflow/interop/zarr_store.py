@@ -238,24 +238,7 @@ class _Store:
         self._zarr = None
 
     def _zarray(self, array: str, ndim: int) -> dict:
-        """The array's checked .zarray: shape/chunks of `ndim` sizes, a chunk within the budget."""
-        where = f"{self.dpath / array}/.zarray"
-        zarray = self.meta.get(f"{array}/.zarray")
-        if not isinstance(zarray, dict):
-            raise SaeflowError(f"{self.dpath}: no {array}")
-        try:
-            itemsize = np.dtype(zarray["dtype"]).itemsize
-        except (KeyError, TypeError, ValueError) as err:
-            raise SaeflowError(f"{where}: bad dtype ({type(err).__name__}: {err})") from None
-        shape = check_shape(zarray.get("shape"), where, "the array")
-        chunks = check_shape(zarray.get("chunks"), where, "a chunk")
-        if len(shape) != ndim or len(chunks) != ndim or not all(chunks):
-            raise SaeflowError(f"{where}: shape {list(shape)} and chunks {list(chunks)} must both have {ndim} "
-                               "positive sizes")
-        check_alloc(chunks, itemsize, self.memory_budget, where, "a chunk")
-        if zarray.get("dimension_separator", ".") not in (".", "/"):
-            raise SaeflowError(f"{where}: dimension_separator must be '.' or '/'")
-        return zarray
+        return _checked_zarray(self.meta, self.dpath, array, ndim, self.memory_budget)
 
     def _small(self, name: str) -> np.ndarray:
         import zarr
@@ -263,7 +246,8 @@ class _Store:
         array = f"arrays/{name}"
         zarray = self._zarray(array, 1)
         if zarray["shape"] != [self.n]:
-            raise SaeflowError(f"{self.dpath / array}/.zarray: shape {zarray['shape']}, expected [{self.n}] samples")
+            raise SaeflowError(f"{self.dpath / '.zmetadata'} ({array}/.zarray): shape {zarray['shape']}, "
+                               f"expected [{self.n}] samples")
         _check_chunk_files(self.dpath / array, zarray, self.memory_budget)
         try:
             lens = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"][name][:]
@@ -277,7 +261,7 @@ class _Store:
         """The array's .zarray when its chunks are raw C-order bytes we can read ourselves, else None."""
         zarray = self._zarray(array, 4)
         kind = PROMPT if array.startswith(f"arrays/{PROMPT}") else RESPONSE
-        shape, where = zarray["shape"], f"{self.dpath / array}/.zarray"
+        shape, where = zarray["shape"], f"{self.dpath / '.zmetadata'} ({array}/.zarray)"
         if shape[0] != self.n or int(self.lens[kind].max(initial=0)) > shape[2] or self.lens[kind].min(initial=0) < 0:
             raise SaeflowError(f"{where}: shape {shape} does not hold {self.n} samples of the stored lengths")
         check_alloc(shape[2:], np.dtype(zarray["dtype"]).itemsize, self.memory_budget, where, "one sample")
@@ -337,6 +321,27 @@ class _Store:
         if len(rows) != self.n or not all(isinstance(r, dict) and type(r.get("i")) is int and want in r for r in rows):
             raise SaeflowError(f"{fpath}: expected {self.n} rows, each an object with 'i' and {want!r}")
         return rows
+
+
+def _checked_zarray(meta: dict, dpath: pathlib.Path, array: str, ndim: int, memory_budget: int) -> dict:
+    """The array's checked .zarray: shape/chunks of `ndim` sizes, a chunk within the budget."""
+    where = f"{dpath / '.zmetadata'} ({array}/.zarray)"
+    zarray = meta.get(f"{array}/.zarray")
+    if not isinstance(zarray, dict):
+        raise SaeflowError(f"{dpath}: no {array}")
+    try:
+        itemsize = np.dtype(zarray["dtype"]).itemsize
+    except (KeyError, TypeError, ValueError) as err:
+        raise SaeflowError(f"{where}: bad dtype ({type(err).__name__}: {err})") from None
+    shape = check_shape(zarray.get("shape"), where, "the array")
+    chunks = check_shape(zarray.get("chunks"), where, "a chunk")
+    if len(shape) != ndim or len(chunks) != ndim or not all(chunks):
+        raise SaeflowError(f"{where}: shape {list(shape)} and chunks {list(chunks)} must both have {ndim} "
+                           "positive sizes")
+    check_alloc(chunks, itemsize, memory_budget, where, "a chunk")
+    if zarray.get("dimension_separator", ".") not in (".", "/"):
+        raise SaeflowError(f"{where}: dimension_separator must be '.' or '/'")
+    return zarray
 
 
 def _check_attrs(attrs: dict, where: pathlib.Path) -> None:
