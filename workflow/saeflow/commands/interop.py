@@ -4,6 +4,7 @@ import argparse
 import pathlib
 
 from saeflow import config
+from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 
 EXPORT_DESCRIPTION = """\
 Run a text model over a prompt dataset and write an interop dataset:
@@ -26,6 +27,11 @@ another format, through saeflow's in-memory per-example records. `--to saev` imp
 into a saev protocol 2.0 shard directory OUT/<sha256>/ (OUT is a shards root) so they can be trained on; the
 shard hash covers the source's checksums. gzip-pickle sources are checksum-verified and unpickled with an
 allow-list (numpy arrays and plain containers only), never with pickle.load.
+
+Sources are read as untrusted input within --memory-budget: declared sizes (pickle arrays and strings,
+safetensors headers, .zarray shapes and chunks) are checked against the budget and the file sizes before anything
+is allocated, and a gzip stream is cut off at the budget while it is decompressed. A refused file is named in a
+one-line error.
 """
 
 
@@ -53,9 +59,21 @@ def register(subparsers):
                    help="lmprobe dataset, Zarr store or root, or gzip-pickle directory")
     p.add_argument("--to", required=True, choices=("lmprobe", "zarr", "pickle", "saev"), help="output format")
     p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (for saev: the shards root)")
-    p.add_argument("--max-bytes", type=int,
-                   help="gzip-pickle: refuse shards that decompress beyond this (default 4 GiB)")
+    p.add_argument("--memory-budget", type=_positive_bytes, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
+                   help="refuse any source file that would need more memory than this to read: a gzip-pickle shard "
+                        "(decompressed stream and unpickled objects), an lmprobe safetensors shard, a Zarr array "
+                        f"chunk or metadata file (default {DEFAULT_MEMORY_BUDGET} = 1 GiB; sources are untrusted)")
     p.set_defaults(func=cmd_convert)
+
+
+def _positive_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of bytes")
+    return value
 
 
 def _adhoc_spec(args) -> dict:
@@ -94,6 +112,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from saeflow.interop import convert
 
-    source = convert.open_source(args.src, max_bytes=args.max_bytes)
+    source = convert.open_source(args.src, memory_budget=args.memory_budget)
     print(convert.write(source, args.to, args.out, convert.default_spec()))
     return 0

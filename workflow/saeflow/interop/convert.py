@@ -13,6 +13,7 @@ import typing
 
 from saeflow.errors import SaeflowError
 from saeflow.interop import lmprobe, pickle_shards, saev_sink, zarr_store
+from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 from saeflow.interop.records import Record, read_prompts
 from saeflow.specs import ExportSpec
 
@@ -48,24 +49,25 @@ def default_spec() -> ExportSpec:
     return ExportSpec.from_dict({"format": "pickle", "model": {"name": "-"}, "prompts": {"path": "-"}, "layers": [0]})
 
 
-def open_source(dpath: str | pathlib.Path, max_bytes: int | None = None) -> Source:
-    """Records of an existing interop directory; `max_bytes` caps each gzip-pickle shard once decompressed."""
+def open_source(dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Source:
+    """Records of an existing interop directory, read as untrusted input: every reader refuses a file that would
+    need more than `memory_budget` bytes (declared shapes, decompressed sizes, unpickled objects)."""
     dpath = pathlib.Path(dpath)
     fmt = detect(dpath)
     if fmt == "lmprobe":
-        ds = lmprobe.LmprobeDataset(dpath)
+        ds = lmprobe.LmprobeDataset(dpath, memory_budget)
         model = ds.info["model"]
         ident = {"__class__": "LmprobeDataset", "info": ds.info["tensors"], "model": model}
         return Source(ds.records, ds.n_prompts, model["name"], model.get("revision"), dpath.name, "text", ident)
     if fmt == "zarr":
-        reader = zarr_store.ZarrReader(dpath)
+        reader = zarr_store.ZarrReader(dpath, memory_budget)
         keys = [row["sample_key"] for row in reader.text("prompt")]
         ident = {"__class__": "ZarrActivationStore",
                  "attrs": {k: reader.attrs[k] for k in ("layers", "P_max", "R_max")},
                  "sample_keys_sha256": zarr_store.sample_key("".join(keys)).decode()}
         model = reader.attrs.get("model_id", "unknown")
         return Source(reader.records, reader.n, model, reader.attrs.get("model_revision"), dpath.name, "text", ident)
-    store = pickle_shards.PickleShards(dpath, max_bytes or pickle_shards.DEFAULT_MAX_BYTES)
+    store = pickle_shards.PickleShards(dpath, memory_budget)
     ec = store.metadata["extraction_config"]
     ident = {"__class__": "GzipPickleShards", "checksums": [s["checksum"] for s in store.shards]}
     return Source(store.records, store.n_samples, ec.get("model_name", "unknown"), None,

@@ -1,17 +1,17 @@
 """gzip-pickle activation shards (specs/activation-shard-pickle-format-1.0.md): writer and a safe reader.
 
 `pickle.load` runs arbitrary code, so shards from elsewhere are read only after (1) their sha256 matches the
-`checksum` in metadata.json and (2) through `SafeUnpickler`, whose `find_class` admits only what numpy arrays
-need (array reconstruction and dtypes, under both the numpy 1.x `numpy.core` and 2.x `numpy._core` names, plus
-`_codecs.encode`, which protocol 2 uses for bytes); everything else (os.system, builtins.eval, ...) is refused
-before it can run. Decompressed input is capped (`max_bytes`) so a gzip bomb fails instead of filling memory.
+`checksum` in metadata.json and (2) through `safe_unpickle.BudgetUnpickler`, which admits only what numpy arrays
+need (array reconstruction and plain dtypes, under both the numpy 1.x `numpy.core` and 2.x `numpy._core` names,
+plus `_codecs.encode`, which protocol 2 uses for bytes); everything else (os.system, builtins.eval, ...) is
+refused before it can run. A memory budget (`memory_budget`, `saeflow convert --memory-budget`) bounds both the
+decompressed stream and what the unpickler allocates, so a gzip bomb or a memo blow-up fails instead of filling
+memory.
 """
 
 import dataclasses
 import gzip
 import hashlib
-import io
-import json
 import pathlib
 import pickle
 import typing
@@ -20,23 +20,13 @@ import numpy as np
 
 from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
+from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET, Budget, read_json
 from saeflow.interop.records import Record, check_uniform
+from saeflow.interop.safe_unpickle import BoundedStream, BudgetUnpickler
 
 VERSION = "1.0"
 METADATA_FNAME = "metadata.json"
-DEFAULT_MAX_BYTES = 4 << 30
 PREVIEW_CHARS = 200
-ALLOWED_GLOBALS = {
-    (numpy_core, name)
-    for numpy_core in ("numpy.core.multiarray", "numpy._core.multiarray")
-    for name in ("_reconstruct", "scalar")
-} | {
-    ("numpy.core.numeric", "_frombuffer"),
-    ("numpy._core.numeric", "_frombuffer"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("_codecs", "encode"),
-}
 
 
 def shard_fname(shard_id: int, compressed: bool = True) -> str:
@@ -48,41 +38,24 @@ def shard_fname(shard_id: int, compressed: bool = True) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """Unpickles numpy arrays and plain containers only; any other global is refused without being imported."""
+def safe_loads_file(fpath: pathlib.Path, compressed: bool, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+    """Unpickle a (gzip) file with `BudgetUnpickler` within `memory_budget` bytes (verify its checksum first).
 
-    def find_class(self, module: str, name: str):
-        if (module, name) in ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in an activation shard")
-
-
-class _CappedReader(io.RawIOBase):
-    """A read-only stream that fails once more than `max_bytes` have been read from `inner`."""
-
-    def __init__(self, inner, max_bytes: int, where: str):
-        self.inner, self.left, self.where, self.max_bytes = inner, max_bytes, where, max_bytes
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:
-        n = self.inner.readinto(memoryview(buf)[: self.left + 1])
-        self.left -= n
-        if self.left < 0:
-            raise SaeflowError(f"{self.where}: decompresses to more than {self.max_bytes} bytes (limit); refusing")
-        return n
-
-
-def safe_loads_file(fpath: pathlib.Path, compressed: bool, max_bytes: int = DEFAULT_MAX_BYTES):
-    """Unpickle a (gzip) file with `SafeUnpickler` under a decompressed-size cap. Verify its checksum first."""
+    The decompressed stream is capped at the budget while it is read, and everything the unpickler allocates is
+    charged to the same budget before it is allocated; every failure is a one-line SaeflowError naming the file.
+    """
+    budget = Budget(memory_budget, str(fpath))
     with open(fpath, "rb") as raw:
         inner = gzip.GzipFile(fileobj=raw) if compressed else raw
-        stream = io.BufferedReader(_CappedReader(inner, max_bytes, str(fpath)))
         try:
-            return SafeUnpickler(stream).load()
-        except (pickle.UnpicklingError, EOFError, gzip.BadGzipFile, ValueError, TypeError, AttributeError) as err:
-            raise SaeflowError(f"{fpath}: not a safe activation pickle ({err})") from None
+            return BudgetUnpickler(BoundedStream(inner, memory_budget, str(fpath)), budget).load()
+        except SaeflowError as err:
+            if str(err).startswith(str(fpath)):
+                raise
+            raise SaeflowError(f"{fpath}: {err}") from None
+        except (Exception, RecursionError) as err:  # a hostile stream must never escape as a traceback
+            raise SaeflowError(f"{fpath}: not a safe activation pickle ({type(err).__name__}: "
+                               f"{' '.join(str(err).split())[:160]})") from None
 
 
 def file_checksum(fpath: pathlib.Path) -> str:
@@ -96,25 +69,14 @@ def file_checksum(fpath: pathlib.Path) -> str:
 class PickleShards:
     """A gzip-pickle shard directory: metadata.json is read at once, shards are verified and loaded on demand."""
 
-    def __init__(self, dpath: str | pathlib.Path, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_BUDGET):
         self.dpath = pathlib.Path(dpath)
-        self.max_bytes = max_bytes
+        self.memory_budget = memory_budget
         md_fpath = self.dpath / METADATA_FNAME
-        try:
-            self.metadata = json.loads(md_fpath.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise SaeflowError(f"{md_fpath}: missing (not a gzip-pickle shard directory)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise SaeflowError(f"{md_fpath}: not valid JSON ({err})") from None
-        missing = [k for k in ("version", "extraction_config", "shards") if k not in self.metadata]
-        if missing:
-            raise SaeflowError(f"{md_fpath}: missing required keys {missing}")
-        for i, shard in enumerate(self.shards):
-            for key in ("shard_id", "filename", "num_samples", "layers", "checksum"):
-                if key not in shard:
-                    raise SaeflowError(f"{md_fpath}: shards[{i}] has no {key!r}")
-            if pathlib.PurePath(shard["filename"]).name != shard["filename"]:
-                raise SaeflowError(f"{md_fpath}: shards[{i}].filename {shard['filename']!r} must be a plain file name")
+        if not md_fpath.is_file():
+            raise SaeflowError(f"{md_fpath}: missing (not a gzip-pickle shard directory)")
+        self.metadata = read_json(md_fpath, memory_budget, "metadata JSON")
+        _check_metadata(self.metadata, md_fpath)
 
     @property
     def shards(self) -> list[dict]:
@@ -137,7 +99,7 @@ class PickleShards:
         if got != shard["checksum"]:
             raise SaeflowError(f"{fpath}: checksum {got} differs from {METADATA_FNAME} ({shard['checksum']}); "
                                "the file is corrupt or was replaced, so it is not unpickled")
-        data = safe_loads_file(fpath, shard.get("compressed", fpath.suffix == ".gz"), self.max_bytes)
+        data = safe_loads_file(fpath, shard.get("compressed", fpath.suffix == ".gz"), self.memory_budget)
         _check_shard(data, shard, fpath)
         return data
 
@@ -160,6 +122,50 @@ class PickleShards:
                              extra={"sample_idx": int(item["sample_idx"]), **md})
 
 
+def _check_metadata(md, md_fpath: pathlib.Path) -> None:
+    """metadata.json has the keys and types the reader relies on (so a broken one is an error, not a crash)."""
+    if not isinstance(md, dict):
+        raise SaeflowError(f"{md_fpath}: top level is {type(md).__name__}, expected an object")
+    missing = [k for k in ("version", "extraction_config", "shards") if k not in md]
+    if missing:
+        raise SaeflowError(f"{md_fpath}: missing required keys {missing}")
+    if not isinstance(md["extraction_config"], dict) or not isinstance(md["shards"], list) or not md["shards"]:
+        raise SaeflowError(f"{md_fpath}: extraction_config must be an object and shards a non-empty list")
+    types = {"shard_id": int, "filename": str, "num_samples": int, "layers": list, "checksum": str}
+    for i, shard in enumerate(md["shards"]):
+        if not isinstance(shard, dict):
+            raise SaeflowError(f"{md_fpath}: shards[{i}] is {type(shard).__name__}, expected an object")
+        for key, typ in types.items():
+            if key not in shard:
+                raise SaeflowError(f"{md_fpath}: shards[{i}] has no {key!r}")
+            if not isinstance(shard[key], typ) or isinstance(shard[key], bool):
+                raise SaeflowError(f"{md_fpath}: shards[{i}].{key} is {type(shard[key]).__name__}, "
+                                   f"expected {typ.__name__}")
+        if shard["num_samples"] < 0 or not shard["layers"] or not all(
+                type(layer) is int for layer in shard["layers"]):
+            raise SaeflowError(f"{md_fpath}: shards[{i}] needs num_samples >= 0 and a non-empty list of int layers")
+        if pathlib.PurePath(shard["filename"]).name != shard["filename"] or shard["filename"] in ("", ".", ".."):
+            raise SaeflowError(f"{md_fpath}: shards[{i}].filename {shard['filename']!r} must be a plain file name")
+    layers = md["extraction_config"].get("layers_extracted")
+    if layers is not None and not (isinstance(layers, list) and all(type(x) is int for x in layers)):
+        raise SaeflowError(f"{md_fpath}: extraction_config.layers_extracted must be a list of ints")
+
+
+def _check_item(item, where: str) -> None:
+    if not isinstance(item, dict):
+        raise SaeflowError(f"{where} is {type(item).__name__}, expected a dict")
+    missing = [k for k in ("sample_idx", "activation") if k not in item]
+    if missing:
+        raise SaeflowError(f"{where} has no {missing[0]!r}")
+    act = item["activation"]
+    if not isinstance(act, np.ndarray) or act.dtype.kind not in "biuf" or act.ndim != 2:
+        raise SaeflowError(f"{where}: 'activation' must be a 2-D (tokens, hidden) numeric numpy array")
+    if not isinstance(item["sample_idx"], (int, np.integer)) or isinstance(item["sample_idx"], bool):
+        raise SaeflowError(f"{where}: 'sample_idx' is {type(item['sample_idx']).__name__}, expected an integer")
+    if not isinstance(item.get("text_preview", ""), str) or not isinstance(item.get("metadata") or {}, dict):
+        raise SaeflowError(f"{where}: 'text_preview' must be a str and 'metadata' a dict")
+
+
 def _check_shard(data, shard: dict, fpath: pathlib.Path) -> None:
     if not isinstance(data, dict):
         raise SaeflowError(f"{fpath}: top level is {type(data).__name__}, expected a dict of layer_<idx> lists")
@@ -169,9 +175,8 @@ def _check_shard(data, shard: dict, fpath: pathlib.Path) -> None:
         if not isinstance(items, list) or len(items) != shard["num_samples"]:
             n = len(items) if isinstance(items, list) else None
             raise SaeflowError(f"{fpath}: layer_{layer} holds {n} items, {METADATA_FNAME} says {shard['num_samples']}")
-        for item in items:
-            if not isinstance(item, dict) or not isinstance(item.get("activation"), np.ndarray):
-                raise SaeflowError(f"{fpath}: layer_{layer} has an item without a numpy 'activation'")
+        for j, item in enumerate(items):
+            _check_item(item, f"{fpath}: layer_{layer}[{j}]")
         ids = [int(item["sample_idx"]) for item in items]
         if sample_ids is not None and ids != sample_ids:
             raise SaeflowError(f"{fpath}: layer_{layer} lists samples in a different order than other layers")
@@ -185,8 +190,8 @@ class ActivationDataset:
     differs fails when loaded.
     """
 
-    def __init__(self, dpath: str | pathlib.Path, layer: int, max_bytes: int = DEFAULT_MAX_BYTES):
-        self.store = PickleShards(dpath, max_bytes)
+    def __init__(self, dpath: str | pathlib.Path, layer: int, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        self.store = PickleShards(dpath, memory_budget)
         self.layer = layer
         self.index = [
             (k, i) for k, s in enumerate(self.store.shards) if layer in s["layers"] for i in range(s["num_samples"])

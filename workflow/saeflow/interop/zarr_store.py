@@ -23,15 +23,25 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import pathlib
 import shutil
 import typing
+import zlib
 
 import numpy as np
 
 from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
+from saeflow.interop.budget import (
+    DEFAULT_MEMORY_BUDGET,
+    JSON_AMPLIFICATION,
+    check_alloc,
+    check_shape,
+    fmt_bytes,
+    read_json,
+)
 from saeflow.interop.records import Record, check_uniform
 
 SCHEMA_VERSION = "saeflow-zarr-activations-1"
@@ -200,22 +210,26 @@ def write_manifest(root_dpath, n_shards: int) -> pathlib.Path:
 
 
 class _Store:
-    """One consolidated store: its metadata, small arrays in memory, and the direct chunk-read plan."""
+    """One consolidated store: its metadata, small arrays in memory, and the direct chunk-read plan.
 
-    def __init__(self, dpath: pathlib.Path):
-        self.dpath = dpath
+    Stores are untrusted: `.zmetadata` is size-checked before it is parsed, every `.zarray` shape and chunk is
+    checked against `memory_budget`, and chunks zarr-python decodes are first checked to decompress to no more
+    than their declared size (`_check_chunk_files`).
+    """
+
+    def __init__(self, dpath: pathlib.Path, memory_budget: int = DEFAULT_MEMORY_BUDGET):
+        self.dpath, self.memory_budget = dpath, memory_budget
         zmeta_fpath = dpath / ".zmetadata"
-        try:
-            self.meta = json.loads(zmeta_fpath.read_text())["metadata"]
-        except FileNotFoundError:
-            raise SaeflowError(f"{zmeta_fpath}: missing (not a consolidated zarr v2 store)") from None
-        except (json.JSONDecodeError, KeyError) as err:
-            raise SaeflowError(f"{zmeta_fpath}: unreadable ({err})") from None
+        zmeta = read_json(zmeta_fpath, memory_budget, "consolidated zarr metadata")
+        self.meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
+        if not isinstance(self.meta, dict) or not isinstance(self.meta.get(".zattrs"), dict):
+            raise SaeflowError(f"{zmeta_fpath}: no metadata/.zattrs object (not a consolidated zarr v2 store)")
         self.attrs = self.meta[".zattrs"]
         if self.attrs.get("schema_version") != SCHEMA_VERSION:
             raise SaeflowError(
                 f"{dpath}: schema_version {self.attrs.get('schema_version')!r}, expected {SCHEMA_VERSION!r}"
             )
+        _check_attrs(self.attrs, zmeta_fpath)
         self.n = self.attrs["num_samples"]
         self.lens = {PROMPT: self._small("prompt_len")}
         if self.attrs["R_max"]:
@@ -223,19 +237,39 @@ class _Store:
         self.direct = {kind: self._direct_ok(f"arrays/{kind}_activations") for kind in self.lens}
         self._zarr = None
 
+    def _zarray(self, array: str, ndim: int) -> dict:
+        return _checked_zarray(self.meta, self.dpath, array, ndim, self.memory_budget)
+
     def _small(self, name: str) -> np.ndarray:
         import zarr
 
-        return zarr.open_consolidated(str(self.dpath), mode="r")["arrays"][name][:]
+        array = f"arrays/{name}"
+        zarray = self._zarray(array, 1)
+        if zarray["shape"] != [self.n]:
+            raise SaeflowError(f"{self.dpath / '.zmetadata'} ({array}/.zarray): shape {zarray['shape']}, "
+                               f"expected [{self.n}] samples")
+        _check_chunk_files(self.dpath / array, zarray, self.memory_budget)
+        try:
+            lens = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"][name][:]
+        except Exception as err:  # zarr-python and numcodecs raise many types; the file is named either way
+            raise SaeflowError(f"{self.dpath / array}: unreadable ({type(err).__name__}: {err})") from None
+        if lens.dtype.kind not in "iu" or lens.shape != (self.n,):
+            raise SaeflowError(f"{self.dpath / array}: expected {self.n} integer lengths")
+        return lens
 
     def _direct_ok(self, array: str) -> dict | None:
         """The array's .zarray when its chunks are raw C-order bytes we can read ourselves, else None."""
-        zarray = self.meta.get(f"{array}/.zarray")
-        if zarray is None:
-            raise SaeflowError(f"{self.dpath}: no {array}")
-        ok = (zarray["compressor"] is None and not zarray["filters"] and zarray["order"] == "C"
+        zarray = self._zarray(array, 4)
+        kind = PROMPT if array.startswith(f"arrays/{PROMPT}") else RESPONSE
+        shape, where = zarray["shape"], f"{self.dpath / '.zmetadata'} ({array}/.zarray)"
+        if shape[0] != self.n or int(self.lens[kind].max(initial=0)) > shape[2] or self.lens[kind].min(initial=0) < 0:
+            raise SaeflowError(f"{where}: shape {shape} does not hold {self.n} samples of the stored lengths")
+        check_alloc(shape[2:], np.dtype(zarray["dtype"]).itemsize, self.memory_budget, where, "one sample")
+        ok = (zarray.get("compressor") is None and not zarray.get("filters") and zarray.get("order") == "C"
               and np.dtype(zarray["dtype"]) == np.dtype("<f2") and zarray["chunks"][:2] == [1, 1]
               and zarray["chunks"][3] == zarray["shape"][3])
+        if not ok:
+            _check_chunk_files(self.dpath / array, zarray, self.memory_budget)
         return zarray if ok else None
 
     def read(self, kind: str, i: int, li: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -265,26 +299,114 @@ class _Store:
     def _zarr_array(self, kind: str):
         import zarr
 
-        if self._zarr is None:
-            self._zarr = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"]
-        return self._zarr[f"{kind}_activations"]
+        try:
+            if self._zarr is None:
+                self._zarr = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"]
+            return self._zarr[f"{kind}_activations"]
+        except Exception as err:  # zarr-python raises many types; the store is named either way
+            raise SaeflowError(f"{self.dpath}: unreadable {kind} activations ({type(err).__name__}: {err})") from None
 
     def text(self, key: str) -> list[dict]:
         fpath = self.dpath / TEXT_FILES[key]
-        return [json.loads(line) for line in fpath.read_text(encoding="utf-8").splitlines()] if fpath.exists() else []
+        if not fpath.exists():
+            return []
+        if fpath.stat().st_size * JSON_AMPLIFICATION > self.memory_budget:
+            raise SaeflowError(f"{fpath}: {fmt_bytes(fpath.stat().st_size)} of text rows is too large for the "
+                               f"memory budget of {fmt_bytes(self.memory_budget)}; refusing")
+        try:
+            rows = [json.loads(line) for line in fpath.read_text(encoding="utf-8").splitlines()]
+        except (ValueError, RecursionError) as err:
+            raise SaeflowError(f"{fpath}: not JSON lines ({type(err).__name__}: {err})") from None
+        want = {PROMPT: "prompt", RESPONSE: "response", "extra": "i"}[key]
+        if len(rows) != self.n or not all(isinstance(r, dict) and type(r.get("i")) is int and want in r for r in rows):
+            raise SaeflowError(f"{fpath}: expected {self.n} rows, each an object with 'i' and {want!r}")
+        return rows
+
+
+def _checked_zarray(meta: dict, dpath: pathlib.Path, array: str, ndim: int, memory_budget: int) -> dict:
+    """The array's checked .zarray: shape/chunks of `ndim` sizes, a chunk within the budget."""
+    where = f"{dpath / '.zmetadata'} ({array}/.zarray)"
+    zarray = meta.get(f"{array}/.zarray")
+    if not isinstance(zarray, dict):
+        raise SaeflowError(f"{dpath}: no {array}")
+    try:
+        itemsize = np.dtype(zarray["dtype"]).itemsize
+    except (KeyError, TypeError, ValueError) as err:
+        raise SaeflowError(f"{where}: bad dtype ({type(err).__name__}: {err})") from None
+    shape = check_shape(zarray.get("shape"), where, "the array")
+    chunks = check_shape(zarray.get("chunks"), where, "a chunk")
+    if len(shape) != ndim or len(chunks) != ndim or not all(chunks):
+        raise SaeflowError(f"{where}: shape {list(shape)} and chunks {list(chunks)} must both have {ndim} "
+                           "positive sizes")
+    check_alloc(chunks, itemsize, memory_budget, where, "a chunk")
+    if zarray.get("dimension_separator", ".") not in (".", "/"):
+        raise SaeflowError(f"{where}: dimension_separator must be '.' or '/'")
+    return zarray
+
+
+def _check_attrs(attrs: dict, where: pathlib.Path) -> None:
+    """The .zattrs the reader relies on, with the types it relies on."""
+    ints = {k: attrs.get(k) for k in ("num_samples", "R_max", "P_max", "hidden_size")}
+    layers = attrs.get("layers")
+    if (not all(type(v) is int and v >= 0 for v in ints.values()) or not isinstance(layers, list) or not layers
+            or not all(type(x) is int for x in layers)):
+        raise SaeflowError(f"{where}: .zattrs needs non-negative integers {sorted(ints)} and a list of int layers")
+
+
+def _check_chunk_files(array_dpath: pathlib.Path, zarray: dict, memory_budget: int) -> None:
+    """Every chunk file of a zarr-python-decoded array decompresses to at most its declared size."""
+    chunk_bytes = math.prod(zarray["chunks"]) * np.dtype(zarray["dtype"]).itemsize
+    comp = zarray.get("compressor")
+    cid = comp.get("id") if isinstance(comp, dict) else comp
+    if cid not in (None, "zlib", "gzip", "blosc") or zarray.get("filters"):
+        raise SaeflowError(f"{array_dpath}/.zarray: compressor {cid!r} / filters {zarray.get('filters')!r} are not "
+                           "supported in untrusted stores (use none, zlib, gzip or blosc, no filters)")
+    for fpath in array_dpath.rglob("*"):
+        if fpath.name.startswith(".") or not fpath.is_file():
+            continue
+        if fpath.stat().st_size > memory_budget:
+            raise SaeflowError(f"{fpath}: chunk file larger than the memory budget; refusing")
+        data = fpath.read_bytes()
+        if cid == "blosc":
+            n_out = int.from_bytes(data[4:8], "little") if len(data) >= 16 else chunk_bytes + 1
+        elif cid is None:
+            n_out = len(data)
+        else:
+            try:
+                dec = zlib.decompressobj(zlib.MAX_WBITS | (16 if cid == "gzip" else 0))
+                n_out = len(dec.decompress(data, chunk_bytes + 1))
+            except zlib.error as err:
+                raise SaeflowError(f"{fpath}: corrupt {cid} chunk ({err})") from None
+        if n_out > chunk_bytes:
+            raise SaeflowError(f"{fpath}: chunk decompresses to more than its declared {chunk_bytes} bytes; refusing")
+
+
+def _manifest_stores(root: pathlib.Path, memory_budget: int) -> list[pathlib.Path]:
+    fpath = root / MANIFEST_FNAME
+    manifest = read_json(fpath, memory_budget, "manifest JSON")
+    entries = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise SaeflowError(f"{fpath}: no list of shards")
+    dpaths = []
+    for k, entry in enumerate(entries):
+        rel = entry.get("path") if isinstance(entry, dict) else None
+        parts = pathlib.PurePosixPath(rel).parts if isinstance(rel, str) else ("..",)
+        if not parts or parts[0] == "/" or ".." in parts:
+            raise SaeflowError(f"{fpath}: shards[{k}].path must be a relative path inside the root")
+        dpaths.append(root / rel)
+    return dpaths
 
 
 class ZarrReader:
     """Global-index reads over one store or a manifest of shard stores. Safe in DataLoader workers: it holds
     no open files (every read opens its chunk files), so it can be pickled into worker processes."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, memory_budget: int = DEFAULT_MEMORY_BUDGET):
         path = pathlib.Path(path)
         if (path / MANIFEST_FNAME).exists():
-            manifest = json.loads((path / MANIFEST_FNAME).read_text())
-            self.stores = [_Store(path / entry["path"]) for entry in manifest["shards"]]
+            self.stores = [_Store(d, memory_budget) for d in _manifest_stores(path, memory_budget)]
         elif (path / ".zmetadata").exists():
-            self.stores = [_Store(path)]
+            self.stores = [_Store(path, memory_budget)]
         else:
             raise SaeflowError(f"{path}: neither a zarr store (.zmetadata) nor a sharded root ({MANIFEST_FNAME})")
         self.path = path
@@ -349,6 +471,8 @@ class ZarrReader:
     def records(self) -> typing.Iterator[Record]:
         """float32 records of the prompt (and response) activations, for converters."""
         prompts, responses, extras = self.text(PROMPT), self.text(RESPONSE), self.text("extra")
+        if len(prompts) != self.n or len(extras) != self.n:
+            raise SaeflowError(f"{self.path}: {TEXT_FILES[PROMPT]} and {TEXT_FILES['extra']} need a row per sample")
         for i in range(self.n):
             extra = {k: v for k, v in extras[i].items() if k not in ("i", "sample_key", "label")}
             resp = None
