@@ -343,23 +343,25 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
     bar = tqdm.tqdm(total=(stop - start) * batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
     step = start
     t0_sec = time.perf_counter()
-    while step < stop:
-        epoch, batch_idx = divmod(step, per_epoch)
-        for x_bd in loader.iter_batches(epoch, batch_idx):
-            x_bd = x_bd.to(trainers[0].device, torch.float32, non_blocking=True)
-            for t in trainers:
-                if t.step == step:
-                    t.train_step(x_bd)
-                    if t.step % checkpoint_every == 0 and t.step < n_steps:
-                        t.checkpoint.save(t.state_dict())
-            step += 1
-            bar.update(x_bd.shape[0])
-            if trainers[0].last and step % LOG_EVERY == 0:
-                last = trainers[0].last
-                bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
-            if step >= stop:
-                break
-    bar.close()
+    try:
+        while step < stop:
+            epoch, batch_idx = divmod(step, per_epoch)
+            for x_bd in loader.iter_batches(epoch, batch_idx):
+                x_bd = x_bd.to(trainers[0].device, torch.float32, non_blocking=True)
+                for t in trainers:
+                    if t.step == step:
+                        t.train_step(x_bd)
+                        if t.step % checkpoint_every == 0 and t.step < n_steps:
+                            t.checkpoint.save(t.state_dict())
+                step += 1
+                bar.update(x_bd.shape[0])
+                if trainers[0].last and step % LOG_EVERY == 0:
+                    last = trainers[0].last
+                    bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
+                if step >= stop:
+                    break
+    finally:
+        bar.close()  # the error message starts on a line of its own
     logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0_sec)
 
 
