@@ -30,6 +30,14 @@ def test_run_layout_is_the_manifest_specs():
         run.link("train")
 
 
+def test_run_lock_and_publish_staging_sit_beside_their_outputs():
+    run = RunLayout.at(ROOT / "runs", "r" * 64)
+    base = ROOT / "runs" / ("r" * 64)
+    assert run.lock_fpath == ROOT / "runs" / f".{'r' * 64}.lock"  # outside the run, like a shard hash's lock
+    assert run.publish_dpath == base / "checkpoint" / ".publish.partial"
+    assert run.dump_lock_fpath(HASH) == base / "inference" / f".{HASH}.lock"
+
+
 def test_dump_layout_sits_under_the_run_by_shard_hash():
     dump = RunLayout.at(ROOT, "r" * 64).dump(HASH)
     base = ROOT / ("r" * 64) / "inference" / HASH

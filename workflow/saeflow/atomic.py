@@ -6,6 +6,7 @@ directory at the final path.
 """
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -14,6 +15,7 @@ import shutil
 import stat
 import typing
 
+from saeflow.errors import SaeflowError
 from saeflow.layout import staging_dpath
 
 READONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
@@ -58,6 +60,43 @@ def remove_staging(dpath: pathlib.Path) -> None:
         shutil.rmtree(dpath)
 
 
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE_TEXT = "No space left on device"
+
+
+def is_no_space(err: BaseException | None) -> bool:
+    """A full disk (or quota), anywhere in the exception chain; also what torch/pyarrow wrap without an errno."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in NO_SPACE_ERRNOS:
+            return True
+        if not isinstance(err, SaeflowError) and any(
+            text in str(err) for text in (NO_SPACE_TEXT, "Disk quota exceeded")
+        ):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def no_space_error(path: pathlib.Path, cleaned: str) -> SaeflowError:
+    """The one-line message of a full disk: the path, what was cleaned up, what to do."""
+    return SaeflowError(f"{NO_SPACE_TEXT} writing {path}; {cleaned}. Free space there and rerun.")
+
+
+@contextlib.contextmanager
+def no_space_as_error(path: pathlib.Path, cleaned: str = "nothing was published") -> typing.Iterator[None]:
+    """Turn a full disk (OSError ENOSPC/EDQUOT, torch's or pyarrow's wrapped ones) into a one-line SaeflowError."""
+    try:
+        yield
+    except SaeflowError:
+        raise
+    except Exception as err:
+        if is_no_space(err):
+            raise no_space_error(path, cleaned) from None
+        raise
+
+
 def publish_dir(staging: pathlib.Path, final_dpath: pathlib.Path) -> bool:
     """fsync, make read-only and rename `staging` to `final_dpath` in one `os.rename`.
 
@@ -78,21 +117,24 @@ def publish_dir(staging: pathlib.Path, final_dpath: pathlib.Path) -> bool:
 
 
 @contextlib.contextmanager
-def building_dir(final_dpath: pathlib.Path) -> typing.Iterator[pathlib.Path]:
+def building_dir(final_dpath: pathlib.Path, publish_lock: pathlib.Path | None = None) -> typing.Iterator[pathlib.Path]:
     """A fresh, empty staging sibling in which to build `final_dpath`.
 
-    When the block ends normally the staging directory is published (`publish_dir`); when it raises, the staging
-    directory is removed, so a failure never leaves a partial output at the final path or beside it.
+    When the block ends normally the staging directory is published (`publish_dir`, under an exclusive flock on
+    `publish_lock` when given); when it raises, the staging directory is removed, so a failure never leaves a
+    partial output at the final path or beside it. A full disk raises a one-line SaeflowError that says so.
     """
     staging = staging_dpath(final_dpath)
     remove_staging(staging)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-        publish_dir(staging, final_dpath)
-    except BaseException:
-        remove_staging(staging)
-        raise
+    with no_space_as_error(final_dpath, f"removed its staging directory {staging.name}, nothing was published"):
+        try:
+            staging.mkdir(parents=True)
+            yield staging
+            with exclusive_lock(publish_lock) if publish_lock else contextlib.nullcontext():
+                publish_dir(staging, final_dpath)
+        except BaseException:
+            remove_staging(staging)
+            raise
 
 
 TMP_INFIX = ".tmp-"  # `.<name>.tmp-<pid>`: a temporary left by a killed process matches `.*.tmp-*`
@@ -103,20 +145,22 @@ def replacing(fpath: pathlib.Path, fsync: bool = True) -> typing.Iterator[pathli
     """Yield a temporary sibling of `fpath` to write; on success it replaces `fpath` in one rename.
 
     The one write-temp-fsync-rename mechanism: a crash leaves the old file or the new one, never a torn one. On
-    failure the temporary is removed. `fsync=False` is for what has no data to sync (a symlink).
+    failure the temporary is removed; a full disk raises a one-line SaeflowError that names `fpath` and says so.
+    `fsync=False` is for what has no data to sync (a symlink).
     """
     fpath = pathlib.Path(fpath)
     tmp_fpath = fpath.parent / f".{fpath.name}{TMP_INFIX}{os.getpid()}"
-    try:
-        yield tmp_fpath
-        if fsync:
-            fsync_path(tmp_fpath)
-        os.replace(tmp_fpath, fpath)
-    except BaseException:
-        if os.path.lexists(tmp_fpath):
-            tmp_fpath.unlink()
-        raise
-    fsync_path(fpath.parent)
+    with no_space_as_error(fpath, f"removed its temporary {tmp_fpath.name}, {fpath.name} is unchanged"):
+        try:
+            yield tmp_fpath
+            if fsync:
+                fsync_path(tmp_fpath)
+            os.replace(tmp_fpath, fpath)
+        except BaseException:
+            if os.path.lexists(tmp_fpath):
+                tmp_fpath.unlink()
+            raise
+        fsync_path(fpath.parent)
 
 
 def write_file_atomic(fpath: pathlib.Path, data: bytes, readonly: bool = False) -> None:

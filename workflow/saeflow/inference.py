@@ -11,7 +11,8 @@
     metrics.json       NMSE, L0, explained variance, dead/dense counts on this data (saeflow.metrics definitions)
     provenance.json    versions, host, times (not part of the result)
 
-The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.atomic); an
+The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.atomic), under
+the run's lock (`RunLayout.lock_fpath`); a full disk removes the staging directory and says so in one line. An
 existing complete directory with the same result-defining settings is reused. Memory is bounded by the batch size
 and top_k (the CSR is streamed to disk), not by the number of rows.
 """
@@ -138,13 +139,13 @@ def run_inference(cfg: Config) -> pathlib.Path:
         "row_order": "row = example * tokens_per_ex + token",
     }
     final = run.dump(sd.hash)
-    final.dpath.parent.mkdir(parents=True, exist_ok=True)
-    with atomic.exclusive_lock(final.dpath.parent / f".{sd.hash}.lock"):
+    with atomic.no_space_as_error(final.dpath), atomic.exclusive_lock(run.dump_lock_fpath(sd.hash)):
         if final.dpath.exists():
             check_reusable(final, dump_config)
             logger.info("reusing %s", final.dpath)
             return final.dpath
-        with atomic.building_dir(final.dpath) as staging_dpath:
+        # Built under the dump's lock, published under the run's (as training publishes sae.pt).
+        with atomic.building_dir(final.dpath, publish_lock=run.lock_fpath) as staging_dpath:
             staging = layout.DumpLayout(staging_dpath)
             started_at = provenance.utc_now()
             atomic.write_json(staging.config_fpath, dump_config)

@@ -11,10 +11,13 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
 
     <runs_root>/<run_id>/                        RunLayout (storage-and-run-manifest v1)
       checkpoint/config.json  sae.pt  resume.pt  metrics.jsonl  metrics.json
+      checkpoint/.publish.partial/               the final files staged together, renamed out sae.pt last
       links/train-shards  train-dataset  val-shards  val-dataset
       inference/<shard_hash>/                    DumpLayout
         config.json  patch_acts.npz  latents.npz  metrics.json  provenance.json
         visuals/index.html  l0_hist.png  freq_vs_mean.png  ...
+      inference/.<shard_hash>.lock               flock: one builder per dump
+    <runs_root>/.<run_id>.lock                   flock: one writer per run (create-run, train, dump publishing)
 """
 
 import dataclasses
@@ -194,6 +197,16 @@ class RunLayout:
         return self.checkpoint_dpath / "resume.pt"
 
     @property
+    def publish_dpath(self) -> pathlib.Path:
+        """checkpoint/.publish.partial/: metrics.jsonl, metrics.json and sae.pt staged together (sae.pt last)."""
+        return self.checkpoint_dpath / ".publish.partial"
+
+    @property
+    def lock_fpath(self) -> pathlib.Path:
+        """`<runs_root>/.<run_id>.lock`: flock held while creating, training or publishing into the run."""
+        return self.root.parent / f".{self.root.name}.lock"
+
+    @property
     def metrics_log_fpath(self) -> pathlib.Path:
         """checkpoint/metrics.jsonl: one line per logged training step, then the final validation line."""
         return self.checkpoint_dpath / "metrics.jsonl"
@@ -220,3 +233,7 @@ class RunLayout:
     def dump(self, shard_hash: str) -> DumpLayout:
         """The inference dump of this run's SAE on the shard directory `shard_hash`."""
         return DumpLayout(self.inference_dpath / shard_hash)
+
+    def dump_lock_fpath(self, shard_hash: str) -> pathlib.Path:
+        """`inference/.<shard_hash>.lock`: flock held while one process builds that dump."""
+        return self.inference_dpath / f".{shard_hash}.lock"

@@ -82,20 +82,21 @@ def create_run(
 ) -> Run:
     """Create (or find, unchanged) `<runs_root>/<run_id>/` with checkpoint/config.json and links/.
 
-    Idempotent: the same training config gives the same run and rewrites nothing.
+    Idempotent: the same training config gives the same run and rewrites nothing. Runs under the run's lock, so
+    two workflows creating the same run do not race on its links.
     """
     run = Run(pathlib.Path(runs_root) / run_id(train_config))
-    run.checkpoint_dpath.mkdir(parents=True, exist_ok=True)
-    run.links_dpath.mkdir(parents=True, exist_ok=True)
-    if run.config_fpath.exists():
-        if json.loads(run.config_fpath.read_text(encoding="utf-8")) != train_config:
-            raise SaeflowError(f"{run.config_fpath} differs from the config whose hash names this run")
-    else:
-        atomic.write_file_atomic(
-            run.config_fpath, (json.dumps(train_config, indent=2, sort_keys=True) + "\n").encode(), readonly=True
-        )
-    _symlink(train_shards, run.link(run.TRAIN_SHARDS))
-    _symlink(val_shards, run.link(run.VAL_SHARDS))
-    _symlink(train_dataset, run.link(run.TRAIN_DATASET))
-    _symlink(val_dataset, run.link(run.VAL_DATASET))
+    with atomic.exclusive_lock(run.lock_fpath):
+        run.checkpoint_dpath.mkdir(parents=True, exist_ok=True)
+        run.links_dpath.mkdir(parents=True, exist_ok=True)
+        if run.config_fpath.exists():
+            if json.loads(run.config_fpath.read_text(encoding="utf-8")) != train_config:
+                raise SaeflowError(f"{run.config_fpath} differs from the config whose hash names this run")
+        else:
+            config_bytes = (json.dumps(train_config, indent=2, sort_keys=True) + "\n").encode()
+            atomic.write_file_atomic(run.config_fpath, config_bytes, readonly=True)
+        _symlink(train_shards, run.link(run.TRAIN_SHARDS))
+        _symlink(val_shards, run.link(run.VAL_SHARDS))
+        _symlink(train_dataset, run.link(run.TRAIN_DATASET))
+        _symlink(val_dataset, run.link(run.VAL_DATASET))
     return run

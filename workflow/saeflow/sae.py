@@ -13,6 +13,7 @@ squared norm is d_model (so hyper-parameters transfer across models and layers):
 """
 
 import dataclasses
+import io
 import os
 import pathlib
 import warnings
@@ -172,21 +173,30 @@ class SAE(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def save_sae(sae: SAE, fpath: str | os.PathLike) -> None:
-    """Write `sae.pt` atomically: weights + architecture + normalization."""
+def save_sae(sae: SAE, fpath: str | os.PathLike, readonly: bool = False) -> None:
+    """Write `sae.pt` atomically (read-only when `readonly`): weights + architecture + normalization."""
     obj = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "config": dataclasses.asdict(sae.cfg),
         "state_dict": {name: t.detach().cpu().clone() for name, t in sae.state_dict().items()},
     }
-    save_atomic(obj, fpath)
+    save_atomic(obj, fpath, readonly=readonly)
 
 
-def save_atomic(obj, fpath: str | os.PathLike) -> None:
-    """`torch.save` through a temporary sibling, fsync and rename: a crash leaves the old file or the new one."""
+def save_atomic(obj, fpath: str | os.PathLike, readonly: bool = False) -> None:
+    """`torch.save` through a temporary sibling, fsync and rename: a crash leaves the old file or the new one.
+
+    The archive is built in memory and written with plain file I/O, so a full disk is an OSError(ENOSPC) that
+    `atomic.replacing` reports (torch's own writer says only "enforce fail at inline_container.cc"), and the bytes
+    do not depend on the temporary's name (torch names the archive's records after the file).
+    """
+    buf = io.BytesIO()
+    torch.save(obj, buf)
     with atomic.replacing(pathlib.Path(fpath)) as tmp_fpath:
-        torch.save(obj, tmp_fpath)
+        tmp_fpath.write_bytes(buf.getbuffer())
+        if readonly:
+            os.chmod(tmp_fpath, atomic.READONLY_FILE_MODE)
 
 
 def load_sae(fpath: str | os.PathLike) -> SAE:

@@ -10,6 +10,7 @@ Runs that read the same vectors in the same order (same train shards, layer, tok
 length) train in one pass: each batch is read once and fed to every SAE of the group. The loss is `objectives`'.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -62,6 +63,8 @@ class Checkpoint:
         """Load resume.pt into `trainer` and drop the metric lines logged after it; False when there is none."""
         for stale in self.run.checkpoint_dpath.glob(f".*{atomic.TMP_INFIX}*"):  # half-written by a killed process
             stale.unlink()
+        atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
+        self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
         fpath = self.run.resume_fpath
         if not fpath.exists():
             return False
@@ -83,8 +86,17 @@ class Checkpoint:
         self.run.metrics_log_fpath.unlink(missing_ok=True)
 
     def log(self, record: dict) -> None:
-        with open(self.run.metrics_log_fpath, "a", encoding="utf-8") as fd:
-            fd.write(json.dumps(record, sort_keys=True) + "\n")
+        """Append one line; a failed append (a full disk) is cut back, so the log never holds a torn line."""
+        fpath = self.run.metrics_log_fpath
+        size_bytes = fpath.stat().st_size if fpath.exists() else 0
+        try:
+            with open(fpath, "a", encoding="utf-8") as fd:
+                fd.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as err:
+            os.truncate(fpath, size_bytes)
+            if atomic.is_no_space(err):
+                raise atomic.no_space_error(fpath, "the log was cut back to its last whole line") from None
+            raise
 
     def _truncate_log(self, step: int) -> None:
         """Drop metric lines logged after the resume point (they will be logged again, identically)."""
@@ -102,13 +114,48 @@ class Checkpoint:
         atomic.write_file_atomic(fpath, "".join(line + "\n" for line in keep).encode())
 
     def publish(self, result: dict, sae: SAE) -> None:
-        """The final validation line and metrics.json, then sae.pt (written last: its presence means done)."""
-        self.log({**result, "final": True})
-        atomic.write_file_atomic(
-            self.run.final_metrics_fpath, (json.dumps(result, indent=2, sort_keys=True) + "\n").encode()
-        )
-        save_sae(sae, self.run.sae_fpath)
-        self.run.resume_fpath.unlink(missing_ok=True)
+        """Stage metrics.jsonl (with the final line), metrics.json and sae.pt together, then rename them out.
+
+        The staging directory is sealed once its sae.pt exists (written last, after the other two are fsynced);
+        `finish_pending` completes a sealed publish after a crash and an unsealed one is redone, so a run never
+        shows metrics.json without sae.pt. sae.pt is renamed out last: its presence means "done". All three are
+        published read-only.
+        """
+        staging = self.run.publish_dpath
+        atomic.remove_staging(staging)
+        log_fpath = self.run.metrics_log_fpath
+        log_text = log_fpath.read_text(encoding="utf-8") if log_fpath.exists() else ""
+        final_line = json.dumps({**result, "final": True}, sort_keys=True) + "\n"
+        with atomic.no_space_as_error(self.run.sae_fpath, f"removed {staging.name}, nothing was published"):
+            try:
+                staging.mkdir()
+                for fname, text in (
+                    (log_fpath.name, log_text + final_line),
+                    (self.run.final_metrics_fpath.name, json.dumps(result, indent=2, sort_keys=True) + "\n"),
+                ):
+                    (staging / fname).write_text(text, encoding="utf-8")
+                    atomic.fsync_path(staging / fname)
+                    os.chmod(staging / fname, atomic.READONLY_FILE_MODE)
+                save_sae(sae, staging / self.run.sae_fpath.name, readonly=True)  # seals the staging directory
+            except BaseException:
+                atomic.remove_staging(staging)
+                raise
+        self.finish_pending()
+
+    def finish_pending(self) -> bool:
+        """Complete a sealed publish (rename out metrics.jsonl, metrics.json, then sae.pt) and drop what a
+        finished run no longer needs. True when the run is trained (sae.pt present)."""
+        run, staging = self.run, self.run.publish_dpath
+        if not run.sae_fpath.exists() and (staging / run.sae_fpath.name).exists():
+            for final_fpath in (run.metrics_log_fpath, run.final_metrics_fpath, run.sae_fpath):
+                if (staging / final_fpath.name).exists():
+                    os.replace(staging / final_fpath.name, final_fpath)
+            atomic.fsync_path(run.checkpoint_dpath)
+        if not run.sae_fpath.exists():
+            return False
+        atomic.remove_staging(staging)
+        run.resume_fpath.unlink(missing_ok=True)
+        return True
 
 
 class Trainer:
@@ -224,20 +271,24 @@ def train_runs(
     """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
 
     `max_steps` stops after that many steps (with a resume checkpoint), for tests and time-limited jobs.
-    Returns the final validation metrics of runs that finished.
+    Returns the final validation metrics of runs that finished. Each run's lock (`RunLayout.lock_fpath`) is held
+    throughout, so a second trainer of the same run waits and then finds it done.
     """
     dev = devices.resolve_device(device)
-    todo: dict[tuple, list[tuple[runs.Run, TrainConfig]]] = {}
-    for path in run_paths:
-        run = runs.open_run(path)
-        if run.sae_fpath.exists():
-            logger.info("%s: already trained (%s exists)", run.root, run.sae_fpath)
-            continue
-        cfg = TrainConfig.from_dict(run.config(), str(run.config_fpath))
-        todo.setdefault(cfg.loader_key(), []).append((run, cfg))
-    results = []
-    for group in todo.values():
-        results.extend(_train_group(group, dev, checkpoint_every, max_steps))
+    opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
+    with contextlib.ExitStack() as locks:
+        for key in sorted(opened):  # one order for every process: no deadlock between overlapping run lists
+            locks.enter_context(atomic.exclusive_lock(opened[key].lock_fpath))
+        todo: dict[tuple, list[tuple[runs.Run, TrainConfig]]] = {}
+        for run in opened.values():
+            if Checkpoint(run).finish_pending():
+                logger.info("%s: already trained (%s exists)", run.root, run.sae_fpath)
+                continue
+            cfg = TrainConfig.from_dict(run.config(), str(run.config_fpath))
+            todo.setdefault(cfg.loader_key(), []).append((run, cfg))
+        results = []
+        for group in todo.values():
+            results.extend(_train_group(group, dev, checkpoint_every, max_steps))
     return results
 
 
@@ -292,23 +343,25 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
     bar = tqdm.tqdm(total=(stop - start) * batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
     step = start
     t0_sec = time.perf_counter()
-    while step < stop:
-        epoch, batch_idx = divmod(step, per_epoch)
-        for x_bd in loader.iter_batches(epoch, batch_idx):
-            x_bd = x_bd.to(trainers[0].device, torch.float32, non_blocking=True)
-            for t in trainers:
-                if t.step == step:
-                    t.train_step(x_bd)
-                    if t.step % checkpoint_every == 0 and t.step < n_steps:
-                        t.checkpoint.save(t.state_dict())
-            step += 1
-            bar.update(x_bd.shape[0])
-            if trainers[0].last and step % LOG_EVERY == 0:
-                last = trainers[0].last
-                bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
-            if step >= stop:
-                break
-    bar.close()
+    try:
+        while step < stop:
+            epoch, batch_idx = divmod(step, per_epoch)
+            for x_bd in loader.iter_batches(epoch, batch_idx):
+                x_bd = x_bd.to(trainers[0].device, torch.float32, non_blocking=True)
+                for t in trainers:
+                    if t.step == step:
+                        t.train_step(x_bd)
+                        if t.step % checkpoint_every == 0 and t.step < n_steps:
+                            t.checkpoint.save(t.state_dict())
+                step += 1
+                bar.update(x_bd.shape[0])
+                if trainers[0].last and step % LOG_EVERY == 0:
+                    last = trainers[0].last
+                    bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
+                if step >= stop:
+                    break
+    finally:
+        bar.close()  # the error message starts on a line of its own
     logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0_sec)
 
 

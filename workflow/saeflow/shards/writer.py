@@ -92,9 +92,12 @@ class ShardWriter:
             if self.reused:
                 return
             self._drainer.stop()
+            if atomic.is_no_space(self._drainer.error):  # free the torn shard: staging keeps only complete ones
+                self._staging.cut_back()
             if exc_type is None:
                 self._drainer.raise_if_failed()
-                self._staging.publish(self.n_written)
+                with atomic.no_space_as_error(self.dpath, _kept(self.staging)):
+                    self._staging.publish(self.n_written)
         finally:
             self._staging.release()
 
@@ -147,6 +150,8 @@ class _Drainer:
                 continue
 
     def raise_if_failed(self):
+        if atomic.is_no_space(self.error):
+            raise atomic.no_space_error(self.staging.final.dpath, _kept(self.staging.layout.dpath)) from None
         if self.error is not None:
             raise SaeflowError(
                 f"writing {self.staging.layout.dpath} failed: {self.error!r}. Nothing was published; "
@@ -198,10 +203,11 @@ class _Drainer:
         finally:
             finisher.shutdown()
             hasher.shutdown(cancel_futures=True)
-            if shard is not None:
-                shard.fd.close()
-            for aux_fd in aux_fds.values():
-                aux_fd.close()
+            for fd in ([shard.fd] if shard is not None else []) + list(aux_fds.values()):
+                try:
+                    fd.close()  # flushes: fails again on a full disk
+                except OSError as err:
+                    self.error = self.error or err
 
     def _finish_shard(self, shard: "_ShardFile", aux_fds: dict):
         """fsync a complete shard and the side files up to it, then record it (the resume point)."""
@@ -277,6 +283,11 @@ class _Staging:
             self.layout.file(fname).touch()
         self._write_progress()
 
+    def cut_back(self):
+        """After a failed write: back to the last complete shard (frees the torn one; resume starts there)."""
+        if self.layout.dpath.exists():
+            self._truncate_to(list(self.completed))
+
     def _truncate_to(self, completed: list[dict]):
         """Remove the unfinished shard, other side files and temporary files, then cut the side files."""
         atomic.make_tree_writable(self.layout.dpath)  # a run killed inside publish_dir may have made it read-only
@@ -315,6 +326,11 @@ class _Staging:
     def _rename_into_place(self):
         if not atomic.publish_dir(self.layout.dpath, self.final.dpath):
             open_existing(self.final.dpath)  # lost a rename race despite the lock: the winner's directory must be valid
+
+
+def _kept(staging_dpath: pathlib.Path) -> str:
+    """What a full disk leaves: the resumable staging directory, cut back to its complete shards."""
+    return f"kept the complete shards in {staging_dpath.name} to resume from, nothing was published"
 
 
 def _checked(
