@@ -13,9 +13,10 @@ squared norm is d_model (so hyper-parameters transfer across models and layers):
 """
 
 import dataclasses
-import io
+import errno
 import os
 import pathlib
+import shutil
 import warnings
 
 import torch
@@ -187,16 +188,31 @@ def save_sae(sae: SAE, fpath: str | os.PathLike, readonly: bool = False) -> None
 def save_atomic(obj, fpath: str | os.PathLike, readonly: bool = False) -> None:
     """`torch.save` through a temporary sibling, fsync and rename: a crash leaves the old file or the new one.
 
-    The archive is built in memory and written with plain file I/O, so a full disk is an OSError(ENOSPC) that
-    `atomic.replacing` reports (torch's own writer says only "enforce fail at inline_container.cc"), and the bytes
-    do not depend on the temporary's name (torch names the archive's records after the file).
+    torch streams the archive to disk (a large SAE's resume state is never held twice in memory). Its writer reports
+    a full disk only as "enforce fail at inline_container.cc"; when the filesystem then has less room than the
+    tensors need, that is turned into the OSError(ENOSPC) `atomic.replacing` reports in one line.
     """
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    with atomic.replacing(pathlib.Path(fpath)) as tmp_fpath:
-        tmp_fpath.write_bytes(buf.getbuffer())
+    fpath = pathlib.Path(fpath)
+    with atomic.replacing(fpath) as tmp_fpath:
+        try:
+            torch.save(obj, tmp_fpath)
+        except RuntimeError as err:
+            if shutil.disk_usage(tmp_fpath.parent).free < _tensor_bytes(obj):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_fpath)) from err
+            raise
         if readonly:
             os.chmod(tmp_fpath, atomic.READONLY_FILE_MODE)
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a (nested) state: what torch.save must write at least."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def load_sae(fpath: str | os.PathLike) -> SAE:
