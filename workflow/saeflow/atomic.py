@@ -33,15 +33,20 @@ def fsync_path(path: pathlib.Path) -> None:
 
 def fsync_tree(dpath: pathlib.Path) -> None:
     for sub_dpath, _, fnames in os.walk(dpath):
-        for fname in fnames:
+        for fname in _not_links(sub_dpath, fnames):  # a link's target is someone else's file
             fsync_path(pathlib.Path(sub_dpath) / fname)
         fsync_path(pathlib.Path(sub_dpath))
 
 
+def _not_links(sub_dpath: str, fnames: list[str]) -> list[str]:
+    return [fname for fname in fnames if not os.path.islink(os.path.join(sub_dpath, fname))]
+
+
 def make_tree_readonly(dpath: pathlib.Path) -> None:
-    """Files r--r--r--, directories r-xr-xr-x (deepest first so we can still descend)."""
+    """Files r--r--r--, directories r-xr-xr-x (deepest first so we can still descend). Symlinks are left alone:
+    chmod would follow them and change the linked file (e.g. an imported saev shard) rather than the link."""
     for sub_dpath, _, fnames in os.walk(dpath, topdown=False):
-        for fname in fnames:
+        for fname in _not_links(sub_dpath, fnames):
             os.chmod(pathlib.Path(sub_dpath) / fname, READONLY_FILE_MODE)
         os.chmod(sub_dpath, READONLY_DIR_MODE)
 
@@ -50,7 +55,7 @@ def make_tree_writable(dpath: pathlib.Path) -> None:
     """Undo `make_tree_readonly` on a private staging directory before removing it."""
     for sub_dpath, _, fnames in os.walk(dpath):
         os.chmod(sub_dpath, 0o755)
-        for fname in fnames:
+        for fname in _not_links(sub_dpath, fnames):
             os.chmod(pathlib.Path(sub_dpath) / fname, 0o644)
 
 

@@ -34,6 +34,16 @@ is allocated, and a gzip stream is cut off at the budget while it is decompresse
 one-line error.
 """
 
+IMPORT_SAEV_DESCRIPTION = """\
+Check a directory written by saev (metadata keys n_examples, content_tokens_per_example, max_tokens_per_shard,
+pixel_agg, a base64-pickled data field, protocol 2.1, named by 8 hex digits of its sha256) by saev's own rules and
+publish it as a saev protocol 2.0 directory ROOT/<sha256>/ that saeflow trains on. Shard files become symlinks to
+the originals (nothing is copied) except a padded last shard, which is trimmed into a copy; labels.bin is linked.
+saev's data pickle is decoded without running it (saev dataset-config classes and paths only) into the protocol 2.0
+`data` object; the original string is kept under data.__saev__. checksums.json records every file; for linked
+shards that reads them once (about 1 GB/s cold), unless --no-link-checksums. Importing again reuses the directory.
+"""
+
 
 def register(subparsers):
     p = subparsers.add_parser("export", help="prompt dataset -> text model -> lmprobe / Zarr / gzip-pickle",
@@ -64,6 +74,24 @@ def register(subparsers):
                         "(decompressed stream and unpickled objects), an lmprobe safetensors shard, a Zarr array "
                         f"chunk or metadata file (default {DEFAULT_MEMORY_BUDGET} = 1 GiB; sources are untrusted)")
     p.set_defaults(func=cmd_convert)
+
+    p = subparsers.add_parser("import", help="import another tool's shard directory (saev) into the shard store",
+                              description="Import shard directories written by other tools into the shard store.")
+    formats = p.add_subparsers(dest="import_format", metavar="FORMAT", required=True)
+    s = formats.add_parser("saev", help="a saev (OSU-NLP-Group) protocol 2.1 shard directory",
+                           description=IMPORT_SAEV_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("src", type=pathlib.Path, metavar="DIR", help="the saev directory (<...>/shards/<8-digit hash>)")
+    s.add_argument("--shards-root", type=pathlib.Path, required=True, metavar="ROOT",
+                   help="saeflow shards root: the import is published as ROOT/<sha256>/")
+    s.add_argument("--allow-empty-extra-shard", action="store_true",
+                   help="leave out the empty last entry saev's writer adds to shards.json when n_examples is a "
+                        "multiple of the examples per shard")
+    s.add_argument("--no-link-checksums", action="store_true",
+                   help="do not read the linked shards to record their sha256 (fast; `validate --deep` then cannot "
+                        "verify them)")
+    s.add_argument("--memory-budget", type=_positive_bytes, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
+                   help="bound for reading saev's JSON files and unpickling its data field (default 1 GiB)")
+    s.set_defaults(func=cmd_import_saev)
 
 
 def _positive_bytes(text: str) -> int:
@@ -106,6 +134,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = args.out or pathlib.Path(spec.out_dpath(name))
     path = convert.export(spec, out, parts=args.part, progress=not args.no_progress)
     print(path)
+    return 0
+
+
+def cmd_import_saev(args: argparse.Namespace) -> int:
+    from saeflow.interop import saev_import
+
+    dpath, _ = saev_import.import_saev(args.src, args.shards_root, args.memory_budget, args.allow_empty_extra_shard,
+                                       link_checksums=not args.no_link_checksums)
+    print(dpath)
     return 0
 
 

@@ -12,7 +12,7 @@ import pathlib
 import typing
 
 from saeflow.errors import SaeflowError
-from saeflow.interop import lmprobe, pickle_shards, saev_sink, zarr_store
+from saeflow.interop import lmprobe, pickle_shards, saev_import, saev_sink, zarr_store
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 from saeflow.interop.records import Record, read_prompts
 from saeflow.specs import ExportSpec
@@ -39,6 +39,9 @@ def detect(dpath: pathlib.Path) -> str:
         return "lmprobe"
     if (dpath / zarr_store.MANIFEST_FNAME).exists() or (dpath / ".zmetadata").exists():
         return "zarr"
+    if saev_import.looks_like_saev(dpath):
+        raise SaeflowError(f"{dpath}: a saev shard directory (protocol 2.1), not an interop format; import it into "
+                           "the shard store with `saeflow import saev DIR --shards-root ROOT`")
     if (dpath / pickle_shards.METADATA_FNAME).exists():
         return "pickle"
     raise SaeflowError(f"{dpath}: not an lmprobe dataset, Zarr store or gzip-pickle shard directory")
