@@ -23,6 +23,7 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
 import dataclasses
 import os
 import pathlib
+import typing
 
 SHARD_HASH_WILDCARD = "{shard_hash}"
 RUN_ID_WILDCARD = "{run_id}"
@@ -30,17 +31,38 @@ PROVENANCE_FNAME = "provenance.json"
 STAGING_TAG = "partial"
 
 
+def _path(base: str, *parts: str, doc: str | None = None) -> property:
+    """A read-only path property: `self.<base>` joined with `parts` (one line per path of a layout)."""
+    return property(lambda self: getattr(self, base).joinpath(*parts), doc=doc)
+
+
 def staging_dpath(final_dpath: pathlib.Path, tag: str = STAGING_TAG) -> pathlib.Path:
     """The hidden sibling where `final_dpath` is built (same filesystem, so one rename publishes it)."""
     return final_dpath.parent / f".{final_dpath.name}.{tag}"
 
 
+class _ContentAddressed:
+    """A directory `<root>/<content hash>/`; `WILDCARD` stands for the hash in Snakemake patterns."""
+
+    WILDCARD: typing.ClassVar[str]
+
+    @classmethod
+    def at(cls, root: str | os.PathLike, key: str) -> "_ContentAddressed":
+        return cls(pathlib.Path(root) / key)
+
+    @classmethod
+    def pattern(cls, root: str | os.PathLike) -> "_ContentAddressed":
+        """The layout with the wildcard for the hash: Snakemake rule inputs and outputs."""
+        return cls.at(root, cls.WILDCARD)
+
+
 @dataclasses.dataclass(frozen=True)
-class ShardLayout:
+class ShardLayout(_ContentAddressed):
     """A shard directory `<shards_root>/<shard_hash>/` (or its staging sibling, which holds the same files)."""
 
     dpath: pathlib.Path
 
+    WILDCARD = SHARD_HASH_WILDCARD
     METADATA_FNAME = "metadata.json"
     SHARDS_FNAME = "shards.json"
     CHECKSUMS_FNAME = "checksums.json"
@@ -48,15 +70,6 @@ class ShardLayout:
     PROGRESS_FNAME = "progress.json"  # staging only: the completed shards, for resume
     LABELS_FNAME = "labels.bin"
     TOKENS_FNAME = "tokens.bin"
-
-    @classmethod
-    def at(cls, shards_root: str | os.PathLike, shard_hash: str) -> "ShardLayout":
-        return cls(pathlib.Path(shards_root) / shard_hash)
-
-    @classmethod
-    def pattern(cls, shards_root: str | os.PathLike) -> "ShardLayout":
-        """The layout with `{shard_hash}` for the hash: Snakemake rule inputs and outputs."""
-        return cls.at(shards_root, SHARD_HASH_WILDCARD)
 
     @staticmethod
     def shard_fname(shard_idx: int) -> str:
@@ -69,26 +82,11 @@ class ShardLayout:
         """Any file of the directory by its name (the *_FNAME constants, a shard name, a side file)."""
         return self.dpath / fname
 
-    @property
-    def metadata_fpath(self) -> pathlib.Path:
-        return self.dpath / self.METADATA_FNAME
-
-    @property
-    def shards_fpath(self) -> pathlib.Path:
-        """shards.json: written last of the listed files, so the workflow lets it stand for the directory."""
-        return self.dpath / self.SHARDS_FNAME
-
-    @property
-    def checksums_fpath(self) -> pathlib.Path:
-        return self.dpath / self.CHECKSUMS_FNAME
-
-    @property
-    def provenance_fpath(self) -> pathlib.Path:
-        return self.dpath / self.PROVENANCE_FNAME
-
-    @property
-    def progress_fpath(self) -> pathlib.Path:
-        return self.dpath / self.PROGRESS_FNAME
+    metadata_fpath = _path("dpath", METADATA_FNAME)
+    shards_fpath = _path("dpath", SHARDS_FNAME, doc="shards.json: written last; the workflow lets it stand for the dir")
+    checksums_fpath = _path("dpath", CHECKSUMS_FNAME)
+    provenance_fpath = _path("dpath", PROVENANCE_FNAME)
+    progress_fpath = _path("dpath", PROGRESS_FNAME)
 
     @property
     def staging(self) -> "ShardLayout":
@@ -114,35 +112,13 @@ class DumpLayout:
     INDEX_FNAME = "index.html"
     PLOTS = ("l0_hist", "freq_vs_mean")  # visuals/<plot>.png, drawn for every dump
 
-    @property
-    def config_fpath(self) -> pathlib.Path:
-        return self.dpath / self.CONFIG_FNAME
-
-    @property
-    def acts_fpath(self) -> pathlib.Path:
-        return self.dpath / self.ACTS_FNAME
-
-    @property
-    def latents_fpath(self) -> pathlib.Path:
-        return self.dpath / self.LATENTS_FNAME
-
-    @property
-    def metrics_fpath(self) -> pathlib.Path:
-        """metrics.json: the workflow lets it stand for the published dump."""
-        return self.dpath / self.METRICS_FNAME
-
-    @property
-    def provenance_fpath(self) -> pathlib.Path:
-        return self.dpath / self.PROVENANCE_FNAME
-
-    @property
-    def visuals_dpath(self) -> pathlib.Path:
-        return self.dpath / self.VISUALS_DNAME
-
-    @property
-    def index_fpath(self) -> pathlib.Path:
-        """visuals/index.html: the latent browser, standing for the visuals."""
-        return self.visuals_dpath / self.INDEX_FNAME
+    config_fpath = _path("dpath", CONFIG_FNAME)
+    acts_fpath = _path("dpath", ACTS_FNAME)
+    latents_fpath = _path("dpath", LATENTS_FNAME)
+    metrics_fpath = _path("dpath", METRICS_FNAME, doc="metrics.json: the workflow lets it stand for the published dump")
+    provenance_fpath = _path("dpath", PROVENANCE_FNAME)
+    visuals_dpath = _path("dpath", VISUALS_DNAME)
+    index_fpath = _path("dpath", VISUALS_DNAME, INDEX_FNAME, doc="visuals/index.html: the latent browser")
 
     @staticmethod
     def plot_fname(plot: str) -> str:
@@ -153,11 +129,12 @@ class DumpLayout:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunLayout:
+class RunLayout(_ContentAddressed):
     """A run directory `<runs_root>/<run_id>/` (storage-and-run-manifest v1)."""
 
     root: pathlib.Path
 
+    WILDCARD = RUN_ID_WILDCARD
     CHECKPOINT_DNAME = "checkpoint"
     LINKS_DNAME = "links"
     INFERENCE_DNAME = "inference"
@@ -165,70 +142,30 @@ class RunLayout:
     VAL_SHARDS, VAL_DATASET = "val-shards", "val-dataset"
     LINK_NAMES = (TRAIN_SHARDS, TRAIN_DATASET, VAL_SHARDS, VAL_DATASET)
 
-    @classmethod
-    def at(cls, runs_root: str | os.PathLike, run_id: str) -> "RunLayout":
-        return cls(pathlib.Path(runs_root) / run_id)
-
-    @classmethod
-    def pattern(cls, runs_root: str | os.PathLike) -> "RunLayout":
-        """The layout with `{run_id}` for the run id: Snakemake rule inputs and outputs."""
-        return cls.at(runs_root, RUN_ID_WILDCARD)
-
     @property
     def run_id(self) -> str:
         return self.root.name
 
-    @property
-    def checkpoint_dpath(self) -> pathlib.Path:
-        return self.root / self.CHECKPOINT_DNAME
-
-    @property
-    def config_fpath(self) -> pathlib.Path:
-        """checkpoint/config.json: the hashed training config whose sha256 is the run id."""
-        return self.checkpoint_dpath / "config.json"
-
-    @property
-    def sae_fpath(self) -> pathlib.Path:
-        """checkpoint/sae.pt: written last, so its presence means the run is trained."""
-        return self.checkpoint_dpath / "sae.pt"
-
-    @property
-    def resume_fpath(self) -> pathlib.Path:
-        return self.checkpoint_dpath / "resume.pt"
-
-    @property
-    def publish_dpath(self) -> pathlib.Path:
-        """checkpoint/.publish.partial/: metrics.jsonl, metrics.json and sae.pt staged together (sae.pt last)."""
-        return self.checkpoint_dpath / ".publish.partial"
+    checkpoint_dpath = _path("root", CHECKPOINT_DNAME)
+    config_fpath = _path("root", CHECKPOINT_DNAME, "config.json", doc="the training config; its sha256 = run id")
+    sae_fpath = _path("root", CHECKPOINT_DNAME, "sae.pt", doc="the trained SAE, renamed in last: present = trained")
+    resume_fpath = _path("root", CHECKPOINT_DNAME, "resume.pt")
+    metrics_log_fpath = _path("root", CHECKPOINT_DNAME, "metrics.jsonl", doc="one line per logged step, then the final")
+    final_metrics_fpath = _path("root", CHECKPOINT_DNAME, "metrics.json", doc="validation metrics at the end")
+    publish_dpath = _path("root", CHECKPOINT_DNAME, ".publish.partial", doc="the final files staged together")
+    links_dpath = _path("root", LINKS_DNAME)
+    inference_dpath = _path("root", INFERENCE_DNAME)
 
     @property
     def lock_fpath(self) -> pathlib.Path:
         """`<runs_root>/.<run_id>.lock`: flock held while creating, training or publishing into the run."""
         return self.root.parent / f".{self.root.name}.lock"
 
-    @property
-    def metrics_log_fpath(self) -> pathlib.Path:
-        """checkpoint/metrics.jsonl: one line per logged training step, then the final validation line."""
-        return self.checkpoint_dpath / "metrics.jsonl"
-
-    @property
-    def final_metrics_fpath(self) -> pathlib.Path:
-        """checkpoint/metrics.json: the validation metrics at the end of training."""
-        return self.checkpoint_dpath / "metrics.json"
-
-    @property
-    def links_dpath(self) -> pathlib.Path:
-        return self.root / self.LINKS_DNAME
-
     def link(self, name: str) -> pathlib.Path:
         """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset."""
         if name not in self.LINK_NAMES:
             raise ValueError(f"unknown run link {name!r}; the layout has {self.LINK_NAMES}")
         return self.links_dpath / name
-
-    @property
-    def inference_dpath(self) -> pathlib.Path:
-        return self.root / self.INFERENCE_DNAME
 
     def dump(self, shard_hash: str) -> DumpLayout:
         """The inference dump of this run's SAE on the shard directory `shard_hash`."""
