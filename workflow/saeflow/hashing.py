@@ -2,7 +2,10 @@
 
 import hashlib
 import json
+import pathlib
 import typing
+
+from saeflow.errors import SaeflowError, unreadable
 
 
 def canonical_json(obj: typing.Any) -> str:
@@ -13,6 +16,19 @@ def canonical_json(obj: typing.Any) -> str:
 def content_hash(obj: typing.Any) -> str:
     """Full 64-hex-digit sha256 of the canonical JSON of `obj`."""
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
+
+
+def read_json_object(fpath: pathlib.Path, what: str = "JSON object") -> dict:
+    """A JSON file that must hold an object; every way it can fail is one SaeflowError naming the file."""
+    try:
+        obj = json.loads(pathlib.Path(fpath).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise unreadable(fpath, err) from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise SaeflowError(f"{fpath}: unreadable (not valid JSON: {err})") from None
+    if not isinstance(obj, dict):
+        raise SaeflowError(f"{fpath}: holds a {type(obj).__name__}, not a {what}")
+    return obj
 
 
 def file_sha256(fpath, chunk_bytes: int = 16 << 20, progress: typing.Callable[[int], object] | None = None) -> str:

@@ -31,7 +31,7 @@ from saeflow import atomic, config, layout, loaders, metrics, provenance, runs, 
 from saeflow.csr import CsrWriter
 from saeflow.devices import resolve_device
 from saeflow.errors import SaeflowError, unreadable
-from saeflow.hashing import file_sha256
+from saeflow.hashing import file_sha256, read_json_object
 from saeflow.shards import ShardDir
 
 logger = logging.getLogger(__name__)
@@ -252,16 +252,5 @@ def load_dump(dpath: str | os.PathLike) -> Dump:
         raise unreadable(dump.latents_fpath, err) from None
     except Exception as err:  # zipfile.BadZipFile, ValueError, EOFError: a damaged archive
         raise SaeflowError(f"{dump.latents_fpath}: not a readable .npz archive (damaged? {err})") from None
-    return Dump(dump.dpath, _read_json_object(dump.config_fpath), latents, _read_json_object(dump.metrics_fpath))
+    return Dump(dump.dpath, read_json_object(dump.config_fpath), latents, read_json_object(dump.metrics_fpath))
 
-
-def _read_json_object(fpath: pathlib.Path) -> dict:
-    try:
-        obj = json.loads(fpath.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise unreadable(fpath, err) from None
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
-        raise SaeflowError(f"{fpath}: unreadable (not valid JSON: {err})") from None
-    if not isinstance(obj, dict):
-        raise SaeflowError(f"{fpath}: holds a {type(obj).__name__}, not a JSON object")
-    return obj

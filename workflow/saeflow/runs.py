@@ -10,8 +10,8 @@ import os
 import pathlib
 
 from saeflow import atomic, layout
-from saeflow.errors import SaeflowError, unreadable
-from saeflow.hashing import content_hash
+from saeflow.errors import SaeflowError
+from saeflow.hashing import content_hash, read_json_object
 
 
 def run_id(train_config: dict) -> str:
@@ -23,17 +23,9 @@ class Run(layout.RunLayout):
     """A run directory: its layout plus what reading it involves."""
 
     def config(self) -> dict:
-        try:
-            obj = json.loads(self.config_fpath.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise SaeflowError(f"{self.config_fpath}: missing; is {self.root} a run directory?") from None
-        except OSError as err:
-            raise unreadable(self.config_fpath, err) from None
-        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
-            raise SaeflowError(f"{self.config_fpath}: unreadable (not valid JSON: {err})") from None
-        if not isinstance(obj, dict):
-            raise SaeflowError(f"{self.config_fpath}: holds a {type(obj).__name__}, not a training config object")
-        return obj
+        if not os.path.lexists(self.config_fpath):
+            raise SaeflowError(f"{self.config_fpath}: missing; is {self.root} a run directory?")
+        return read_json_object(self.config_fpath, "training config object")
 
     def require_checkpoint(self) -> pathlib.Path:
         if not self.sae_fpath.exists():

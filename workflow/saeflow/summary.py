@@ -14,6 +14,7 @@ import pathlib
 
 from saeflow import atomic
 from saeflow.errors import SaeflowError
+from saeflow.hashing import read_json_object
 from saeflow.runs import open_run
 
 # The metric names inference writes; the first present one is used for each axis of the Pareto plot.
@@ -38,13 +39,7 @@ def flatten(obj: dict, prefix: str = "") -> dict:
 
 
 def read_metrics(fpath: pathlib.Path) -> dict:
-    try:
-        metrics = json.loads(fpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise SaeflowError(f"{fpath}: unreadable metrics ({err})") from None
-    if not isinstance(metrics, dict):
-        raise SaeflowError(f"{fpath}: expected a JSON object of metrics")
-    return metrics
+    return read_json_object(fpath, "JSON object of metrics")
 
 
 def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
