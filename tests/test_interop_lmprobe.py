@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from builders import PROMPTS
+from builders import PROMPTS, pip_site
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, lmprobe
 from saeflow.interop.records import Record, read_prompts
@@ -39,17 +39,8 @@ def exports(records, tmp_path_factory):
 @pytest.fixture(scope="session")
 def lmprobe_site():
     """lmprobe 0.10.3 (+ scikit-learn, which it imports) installed once with `pip install --target` into a cache."""
-    cache = pathlib.Path(os.environ.get("SAEFLOW_TEST_CACHE", pathlib.Path.home() / ".cache" / "saeflow-tests"))
-    site = cache / f"lmprobe-{LMPROBE_VERSION}"
-    if not (site / "lmprobe" / "sharing.py").exists():
-        tmp = cache / f".lmprobe-{LMPROBE_VERSION}.{os.getpid()}"
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-               f"lmprobe=={LMPROBE_VERSION}", "scikit-learn", "joblib", "threadpoolctl"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot install lmprobe {LMPROBE_VERSION}: {proc.stderr[-500:]}")
-        os.replace(tmp, site)
-    return site
+    return pip_site(f"lmprobe-{LMPROBE_VERSION}", [f"lmprobe=={LMPROBE_VERSION}", "scikit-learn", "joblib",
+                                                   "threadpoolctl"], "lmprobe/sharing.py")
 
 
 def test_lmprobe_reads_our_exports_exactly(exports, records, lmprobe_site, tmp_path):

@@ -1,18 +1,26 @@
-"""Zarr activation store: plain zarr reads what we write, our direct-chunk reader agrees, shards + manifest, merge."""
+"""Zarr activation store: plain zarr reads what we write, our direct-chunk reader agrees, shards + manifest, merge;
+stores read the same under zarr-python 2.18 and the installed zarr-python (3.x), whichever wrote them."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import zarr
 
-from builders import PROMPTS
+import _zarr_other_version as other
+import saeflow
+from builders import PROMPTS, pip_site
 from saeflow.errors import SaeflowError
-from saeflow.interop import engine, zarr_store
+from saeflow.interop import engine, zarr_compat, zarr_store
 from saeflow.interop.records import Record
 
 LAYERS = (0, 1)
 OPTS = zarr_store.ZarrOptions(prompt_max=8, response_max=4, t_chunk_prompt=4, samples_per_shard=3)
+ZARR2_VERSION = "2.18.7"
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +42,15 @@ def sharded(records, tmp_path_factory):
 
 def test_plain_zarr_reads_our_store(sharded, records):
     store_dpath = sharded / "shards" / zarr_store.shard_dname(0)
-    z = zarr.open_consolidated(str(store_dpath), mode="r")
+    z = zarr_compat.open_consolidated(store_dpath)
     acts = z["arrays/prompt_activations"]
     assert acts.dtype == np.float16 and acts.shape == (3, 2, 8, 32) and acts.chunks == (1, 1, 4, 32)
-    assert acts.compressor is None and acts.filters is None
+    zmeta = json.loads((store_dpath / ".zmetadata").read_text())
+    assert zmeta["zarr_consolidated_format"] == 1 and zmeta["metadata"][".zgroup"] == {"zarr_format": 2}
+    zarray = zmeta["metadata"]["arrays/prompt_activations/.zarray"]  # the spec's v2 layout, from either zarr-python
+    assert {k: zarray[k] for k in ("zarr_format", "dtype", "compressor", "filters", "order", "fill_value")} == {
+        "zarr_format": 2, "dtype": "<f2", "compressor": None, "filters": None, "order": "C", "fill_value": 0}
+    assert zmeta["metadata"]["arrays/prompt_len/.zarray"]["compressor"] == zarr_compat.SMALL_COMPRESSOR
     assert z["arrays/response_activations"].chunks == (1, 1, 4, 32)
     assert z.attrs["layers"] == [0, 1] and z.attrs["hidden_size"] == 32 and z.attrs["model_id"] == "tiny"
     n_long = sum(r.n_tokens > 8 for r in records[:3])
@@ -84,7 +97,7 @@ def test_manifest_reader_serves_global_indices_and_batches(sharded, records):
 
 def test_merge_equals_shards(sharded, tmp_path):
     merged = zarr_store.merge(sharded, tmp_path / "merged.zarr")
-    z = zarr.open_consolidated(str(merged), mode="r")
+    z = zarr_compat.open_consolidated(merged)
     reader = zarr_store.ZarrReader(sharded)
     assert z["arrays/prompt_activations"].shape == (5, 2, 8, 32) and z.attrs["num_samples"] == 5
     for i in range(5):
@@ -95,22 +108,75 @@ def test_merge_equals_shards(sharded, tmp_path):
 
 
 def test_fallback_to_zarr_when_compressed(tmp_path):
-    import numcodecs
-
     recs = [Record(text=f"t{i}", label=None, acts={3: np.full((5, 6), i, np.float32)}) for i in range(2)]
     opts = zarr_store.ZarrOptions.defaults(prompt_max=4, response_max=0, t_chunk_prompt=2)
     dpath = zarr_store.write_store(recs, 2, tmp_path / "s.zarr", {"model_id": "m"}, opts)
     assert (dpath / "arrays/prompt_activations/1.0.1.0").stat().st_size == 2 * 6 * 2  # raw chunk bytes
-    acts = zarr.open(str(dpath / "arrays/prompt_activations"), mode="r")
+    acts = zarr_compat.open_consolidated(dpath)["arrays/prompt_activations"]
     dpath.chmod(0o755)
     for p in dpath.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
-    zarr.array(acts[:], store=str(tmp_path / "c"), chunks=acts.chunks, compressor=numcodecs.Zlib())
+    data = acts[:]
     import shutil
 
     shutil.rmtree(dpath / "arrays/prompt_activations")
-    shutil.copytree(tmp_path / "c", dpath / "arrays/prompt_activations")
-    zarr.consolidate_metadata(str(dpath))
+    arrays = zarr.open_group(str(dpath / "arrays"), mode="r+")
+    zarr_compat.create_array(arrays, "prompt_activations", data.shape, acts.chunks, data.dtype, 0,
+                             {"id": "zlib", "level": 1})[:] = data
+    zarr_compat.consolidate(dpath)
     reader = zarr_store.ZarrReader(dpath)
     assert reader.stores[0].direct["prompt"] is None
     np.testing.assert_array_equal(reader.prompt(1, 3), np.ones((4, 6), np.float16))
+
+
+@pytest.fixture(scope="session")
+def zarr2_site():
+    """zarr-python 2.18 with numcodecs 0.15 (the newest it supports) and their pure-Python dependencies."""
+    return pip_site(f"zarr-{ZARR2_VERSION}", [f"zarr=={ZARR2_VERSION}", "numcodecs>=0.15,<0.16", "asciitree",
+                                              "fasteners", "deprecated", "wrapt"], "zarr/hierarchy.py")
+
+
+def run_other_zarr(site: pathlib.Path, *args) -> None:
+    """_zarr_other_version.py in a subprocess with `site` first on its path (then this saeflow)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(pathlib.Path(saeflow.__file__).parents[1])])}
+    proc = subprocess.run([sys.executable, other.__file__, *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def zarrays(dpath: pathlib.Path) -> dict:
+    meta = json.loads((dpath / ".zmetadata").read_text())["metadata"]
+    return {k: {**v, "dimension_separator": v.get("dimension_separator", ".")} for k, v in meta.items()
+            if k.endswith(".zarray")}
+
+
+def test_zarr_2_18_and_installed_zarr_read_each_others_stores(zarr2_site, tmp_path):
+    """Written here (3.x after the pin change), read by 2.18; written under 2.18, read here: the same values, the
+    same format-2 .zarray fields and the same chunk files either way."""
+    records = other.synthetic_records()
+    here = zarr_store.write_store(records, other.N_SAMPLES, tmp_path / "here.zarr", {"model_id": "synthetic"},
+                                  other.options())
+    run_other_zarr(zarr2_site, "read", here, tmp_path / "here.npz")
+    run_other_zarr(zarr2_site, "write", tmp_path / "zarr2.zarr")
+    zarr2 = tmp_path / "zarr2.zarr"
+    got = np.load(tmp_path / "here.npz")
+    assert str(got["zarr_version"]) == ZARR2_VERSION
+    root = zarr_compat.open_consolidated(here)
+    assert json.loads(str(got["attrs"])) == dict(root.attrs)
+    names = sorted(k for k in got.files if k.startswith("arrays/"))
+    assert names == sorted(f"arrays/{name}" for name, _ in root["arrays"].arrays()) and len(names) == 6
+    root2 = zarr_compat.open_consolidated(zarr2)
+    for name in names:
+        np.testing.assert_array_equal(got[name], root[name][:])  # ours, read by zarr-python 2.18
+        np.testing.assert_array_equal(root2[name][:], root[name][:])  # 2.18's, read by the installed zarr
+    assert zarrays(here) == zarrays(zarr2)
+    chunk_files = [sorted(str(p.relative_to(d)) for p in (d / "arrays").rglob("[0-9]*")) for d in (here, zarr2)]
+    assert chunk_files[0] == chunk_files[1]
+    readers = [zarr_store.ZarrReader(d) for d in (here, zarr2)]
+    for i, rec in enumerate(records):
+        for layer in other.LAYERS:
+            want = rec.acts[layer][: other.P_MAX].astype(np.float16)
+            for reader in readers:
+                np.testing.assert_array_equal(reader.prompt(i, layer), want)
+                np.testing.assert_array_equal(reader.response(i, layer),
+                                              rec.response_acts[layer][: other.R_MAX].astype(np.float16))

@@ -34,6 +34,7 @@ import numpy as np
 
 from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
+from saeflow.interop import zarr_compat
 from saeflow.interop.budget import (
     DEFAULT_MEMORY_BUDGET,
     JSON_AMPLIFICATION,
@@ -88,8 +89,6 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
     Arrays are pre-allocated for n samples and each record is written as it arrives (one shard of float32
     records never has to fit in memory).
     """
-    import zarr
-
     out_dpath = pathlib.Path(out_dpath)
     where = f"zarr store {out_dpath}"
     if out_dpath.exists():
@@ -102,12 +101,11 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
     L = len(layers)
     want_resp = opts.response_max > 0
     with atomic.building_dir(out_dpath) as staging:
-        root = zarr.open_group(str(staging), mode="w")
+        root = zarr_compat.new_group(staging)
         arrays = root.create_group("arrays")
 
         def acts_array(name, t_max, t_chunk):
-            return arrays.create_dataset(name, shape=(n, L, t_max, d_model), chunks=(1, 1, t_chunk, d_model),
-                                         dtype="<f2", compressor=None, filters=None, fill_value=0, order="C")
+            return zarr_compat.create_array(arrays, name, (n, L, t_max, d_model), (1, 1, t_chunk, d_model), "<f2", 0)
 
         prompt_arr = acts_array("prompt_activations", opts.prompt_max, min(opts.t_chunk_prompt, opts.prompt_max))
         resp_arr = acts_array("response_activations", opts.response_max, opts.response_max) if want_resp else None
@@ -144,12 +142,12 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
             lines["extra"].append({"i": i, "sample_key": key, "label": rec.label, **rec.extra})
         if len(keys) != n:
             raise SaeflowError(f"{where}: got {len(keys)} examples, declared {n}")
-        arrays.array("prompt_len", prompt_len, chunks=(n,))
+        _small_array(arrays, "prompt_len", prompt_len)
         if want_resp:
-            arrays.array("response_len", resp_len, chunks=(n,))
-        arrays.array("sample_key", np.array(keys, dtype="|S64"), chunks=(n,))
+            _small_array(arrays, "response_len", resp_len)
+        _small_array(arrays, "sample_key", np.array(keys, dtype="|S64"))
         if all(isinstance(v, int) and not isinstance(v, bool) for v in labels if v is not None):
-            arrays.array("label", np.array([-1 if v is None else v for v in labels], np.int64), chunks=(n,))
+            _small_array(arrays, "label", np.array([-1 if v is None else v for v in labels], np.int64))
         for key, fname in TEXT_FILES.items():
             if lines[key]:
                 fpath = staging / fname
@@ -175,8 +173,15 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
             "created_at": provenance.utc_now(),
             **{k: prov[k] for k in ("saeflow_version", "git_commit", "torch_version", "transformers_version")},
         })
-        zarr.consolidate_metadata(str(staging))
+        zarr_compat.consolidate(staging)
     return out_dpath
+
+
+def _small_array(group, name: str, values: np.ndarray) -> None:
+    """A per-sample (N,) array in one blosc chunk (what zarr-python 2.18's `group.array` wrote)."""
+    fill = b"" if values.dtype.kind == "S" else 0
+    zarr_compat.create_array(group, name, values.shape, values.shape, values.dtype, fill,
+                             zarr_compat.SMALL_COMPRESSOR)[:] = values
 
 
 def shard_bounds(n: int, per_shard: int) -> list[tuple[int, int]]:
@@ -231,18 +236,21 @@ class _Store:
             )
         _check_attrs(self.attrs, zmeta_fpath)
         self.n = self.attrs["num_samples"]
-        self.lens = {PROMPT: self._small("prompt_len")}
-        if self.attrs["R_max"]:
-            self.lens[RESPONSE] = self._small("response_len")
+        kinds = (PROMPT, RESPONSE) if self.attrs["R_max"] else (PROMPT,)
+        for kind in kinds:  # before zarr-python opens the store: 3.x parses every .zarray at open
+            self._zarray(f"arrays/{kind}_activations", 4)
+        self.lens = {kind: self._small(f"{kind}_len") for kind in kinds}
         self.direct = {kind: self._direct_ok(f"arrays/{kind}_activations") for kind in self.lens}
         self._zarr = None
+
+    def __getstate__(self) -> dict:
+        # zarr-python handles are not carried into DataLoader workers (3.x's hold an event loop); reopened on use
+        return {**self.__dict__, "_zarr": None}
 
     def _zarray(self, array: str, ndim: int) -> dict:
         return _checked_zarray(self.meta, self.dpath, array, ndim, self.memory_budget)
 
     def _small(self, name: str) -> np.ndarray:
-        import zarr
-
         array = f"arrays/{name}"
         zarray = self._zarray(array, 1)
         if zarray["shape"] != [self.n]:
@@ -250,7 +258,7 @@ class _Store:
                                f"expected [{self.n}] samples")
         _check_chunk_files(self.dpath / array, zarray, self.memory_budget)
         try:
-            lens = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"][name][:]
+            lens = zarr_compat.open_consolidated(self.dpath)["arrays"][name][:]
         except Exception as err:  # zarr-python and numcodecs raise many types; the file is named either way
             raise SaeflowError(f"{self.dpath / array}: unreadable ({type(err).__name__}: {err})") from None
         if lens.dtype.kind not in "iu" or lens.shape != (self.n,):
@@ -297,11 +305,9 @@ class _Store:
         return buf[:n_tok]
 
     def _zarr_array(self, kind: str):
-        import zarr
-
         try:
             if self._zarr is None:
-                self._zarr = zarr.open_consolidated(str(self.dpath), mode="r")["arrays"]
+                self._zarr = zarr_compat.open_consolidated(self.dpath)["arrays"]
             return self._zarr[f"{kind}_activations"]
         except Exception as err:  # zarr-python raises many types; the store is named either way
             raise SaeflowError(f"{self.dpath}: unreadable {kind} activations ({type(err).__name__}: {err})") from None
@@ -492,8 +498,6 @@ class ZarrReader:
 
 def merge(root_dpath, out_dpath) -> pathlib.Path:
     """One store from a manifest's shards: chunk files are copied under their new sample index (no decode)."""
-    import zarr
-
     reader = ZarrReader(root_dpath)
     out_dpath = pathlib.Path(out_dpath)
     if out_dpath.exists():
@@ -501,15 +505,14 @@ def merge(root_dpath, out_dpath) -> pathlib.Path:
     if any(d is None for s in reader.stores for d in s.direct.values()):
         raise SaeflowError(f"{root_dpath}: merge needs uncompressed (1, 1, T, H) chunks in every shard")
     with atomic.building_dir(out_dpath) as staging:
-        first = zarr.open_consolidated(str(reader.stores[0].dpath), mode="r")
-        root = zarr.open_group(str(staging), mode="w")
+        first = zarr_compat.open_consolidated(reader.stores[0].dpath)
+        root = zarr_compat.new_group(staging)
         arrays = root.create_group("arrays")
         for name, src in first["arrays"].arrays():
-            arrays.create_dataset(name, shape=(reader.n, *src.shape[1:]), chunks=(1, *src.chunks[1:]) if src.ndim == 4
-                                  else (max(reader.n, 1),), dtype=src.dtype, compressor=None, filters=None,
-                                  fill_value=src.fill_value, order="C")
+            chunks = (1, *src.chunks[1:]) if src.ndim == 4 else (max(reader.n, 1),)
+            zarr_compat.create_array(arrays, name, (reader.n, *src.shape[1:]), chunks, src.dtype, src.fill_value)
         for store, start in zip(reader.stores, reader.starts):
-            src_root = zarr.open_consolidated(str(store.dpath), mode="r")
+            src_root = zarr_compat.open_consolidated(store.dpath)
             for name, src in src_root["arrays"].arrays():
                 if src.ndim == 4:
                     _copy_chunks(store.dpath / "arrays" / name, staging / "arrays" / name, int(start))
@@ -527,7 +530,7 @@ def merge(root_dpath, out_dpath) -> pathlib.Path:
                            "response_truncated_count": n_r, "prompt_truncated_fraction": n_p / reader.n,
                            "response_truncated_fraction": n_r / reader.n if reader.attrs["R_max"] else 0.0,
                            "merged_from": [str(s.dpath.relative_to(reader.path)) for s in reader.stores]})
-        zarr.consolidate_metadata(str(staging))
+        zarr_compat.consolidate(staging)
     return out_dpath
 
 
