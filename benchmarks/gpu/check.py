@@ -136,7 +136,7 @@ class UtilSampler:
             return
         if shutil.which("nvidia-smi"):
             cmd = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                   f"-lms={int(SAMPLE_SEC * 1000)}", f"--id={torch.cuda.current_device()}"]  # fmt: skip
+                   "-lms", str(int(SAMPLE_SEC * 1000)), "-i", gpu_id()]  # fmt: skip
             self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             self.source = "nvidia-smi"
             target = self._read_smi
@@ -177,6 +177,13 @@ class UtilSampler:
                     run = run + 1 if util == 0 else 0
                     longest = max(longest, run * SAMPLE_SEC)
         return (float(np.mean(utils)), longest) if utils else None
+
+
+def gpu_id() -> str:
+    """The current GPU for nvidia-smi: its UUID (CUDA_VISIBLE_DEVICES renumbers torch's indices, not nvidia-smi's)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuid = getattr(props, "uuid", None)
+    return f"GPU-{uuid}" if uuid else str(torch.cuda.current_device())
 
 
 def util_rows(name: str, sampler: UtilSampler, windows: list[tuple[float, float]]) -> list[Row]:
@@ -363,7 +370,7 @@ def ours_train(arch, sd, prof, dev, root: pathlib.Path, windows: list) -> tuple[
     sec = (time.perf_counter() - t0) / prof.n_steps
     windows.append((start, time.monotonic()))
     loader.close()
-    return sec, peak_bytes(dev), trainer.sae.eval()
+    return sec, peak_bytes(dev), trainer.sae.eval().cpu()  # off the GPU before the next SAE's peak
 
 
 def training(prof: Profile, dev: torch.device, root: pathlib.Path, windows: list) -> tuple[list[Row], sae.SAE]:
