@@ -118,6 +118,7 @@ class Result:
     forward_sec: float = 0.0  # model time
     write_sec: float = 0.0  # time extraction waited on the writer: handing arrays over (blocked included) + publish
     total_sec: float = 0.0  # planning, checks, model loading, forward and writing
+    loop_sec: float = 0.0  # the batch loop and the publish: input loading, forward, writing (no planning or loading)
 
 
 def batches(n_ex: int, ex_per_shard: int, batch_size: int, start: int) -> list[tuple[int, int]]:
@@ -216,6 +217,7 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
             total=md.n_ex, initial=writer.n_written, unit="ex", desc=f"extract {md.hash[:12]}", disable=not progress
         )
         n_tokens = 0
+        t_loop = time.perf_counter()
         with bar:
             for inputs, aux_rows in source(plan_, spans):
                 t = time.perf_counter()
@@ -233,4 +235,5 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
         t = time.perf_counter()
     result.write_sec += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
     result.total_sec = time.perf_counter() - t0
+    result.loop_sec = time.perf_counter() - t_loop
     return result

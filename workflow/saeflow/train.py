@@ -347,7 +347,8 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
         while step < stop:
             epoch, batch_idx = divmod(step, per_epoch)
             for x_bd in loader.iter_batches(epoch, batch_idx):
-                x_bd = x_bd.to(trainers[0].device, torch.float32, non_blocking=True)
+                # Blocking: the batch is a view of a pageable buffer the loader recycles two batches later.
+                x_bd = x_bd.to(trainers[0].device, torch.float32)
                 for t in trainers:
                     if t.step == step:
                         t.train_step(x_bd)
