@@ -17,7 +17,6 @@ from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 from saeflow.interop.records import Record, read_prompts
 from saeflow.specs import ExportSpec
 
-SOURCE_FORMATS = ("lmprobe", "zarr", "pickle")
 SINK_FORMATS = ("lmprobe", "zarr", "pickle", "saev")
 
 
