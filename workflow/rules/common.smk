@@ -35,7 +35,10 @@ DEFAULT_MODEL_LINK = "results/models/all-MiniLM-L6-v2"
 
 def link_default_model(config):
     link = pathlib.Path(DEFAULT_MODEL_LINK)
-    names = [spec.get("model", {}).get("name") for spec in config.get("activations", {}).values()]
+    names = [
+        spec.get("model", {}).get("name")
+        for spec in config.get("activations", {}).values()
+    ]
     if DEFAULT_MODEL_LINK not in names or link.exists():
         return
     try:
