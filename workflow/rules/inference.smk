@@ -4,18 +4,23 @@
 # One job does both: Snakemake creates every output's parent directory before a job starts, which it could not
 # do inside a published, read-only dump directory. The config's `inference` and `visuals` settings reach the CLI
 # as flags, so changing one reruns this job.
+# No stale dumps: the dump records the sha256 of the sae.pt it used (config.json `sae_sha256`), and sae.pt is a
+# plain input, so a retrained checkpoint reruns this job in the same call (and the summary after it). The outputs
+# are update(): Snakemake does not delete files inside the read-only dump; saeflow replaces a stale dump or
+# drawing atomically (--replace-stale, --force) and reuses an identical one, and the outputs are touched so their
+# time stamps say the job ran.
 
 
 rule inference:
     input:
-        sae=ancient(RUNS.sae_fpath),
+        sae=RUNS.sae_fpath,
         run_config=ancient(RUNS.config_fpath),
     output:
-        metrics=DUMPS.metrics_fpath,
-        visuals=DUMPS.index_fpath,
+        metrics=update(DUMPS.metrics_fpath),
+        visuals=update(DUMPS.index_fpath),
         plots=[
             report(
-                DUMPS.plot_fpath(plot),
+                update(DUMPS.plot_fpath(plot)),
                 caption=f"../report/{plot}.rst",
                 category="Visuals",
                 subcategory="run {run_id}",
@@ -42,6 +47,7 @@ rule inference:
         # Remove the empty directories Snakemake made; saeflow publishes each directory by one rename.
         """
         rmdir {params.dump_visuals:q} {params.dump:q} 2>/dev/null || true
-        saeflow inference --run {params.run:q} --shards {params.shards:q} {params.inference:q} >{log:q} 2>&1
-        saeflow visuals --run {params.run:q} --shards-hash {wildcards.shard_hash} {params.visuals:q} >>{log:q} 2>&1
+        saeflow inference --run {params.run:q} --shards {params.shards:q} {params.inference:q} --replace-stale >{log:q} 2>&1
+        saeflow visuals --run {params.run:q} --shards-hash {wildcards.shard_hash} {params.visuals:q} --force >>{log:q} 2>&1
+        touch -c {output:q}
         """

@@ -23,13 +23,11 @@ rule create_run:
         SAEFLOW_ENV
     params:
         config=lambda wc: get_cli_config("runs", wc.run_id),
-        sae=lambda wc: PLAN.runs[wc.run_id].sae_name,
-        index=lambda wc: PLAN.runs[wc.run_id].index,
         shards_root=PLAN.cfg.shards_root,
         runs_root=PLAN.cfg.runs_root,
     shell:
         """
-        created=$(saeflow create-run {params.config:q} --sae {params.sae:q} --index {params.index} --shards-root {params.shards_root:q} --runs-root {params.runs_root:q} 2>{log:q})
+        created=$(saeflow create-run {params.config:q} --run-id {wildcards.run_id} --shards-root {params.shards_root:q} --runs-root {params.runs_root:q} 2>{log:q})
         if [ "$(basename "$created")" != {wildcards.run_id} ]; then
             echo "saeflow create-run made '$created'; the workflow planned {wildcards.run_id}" >>{log:q}
             exit 1
