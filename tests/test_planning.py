@@ -63,10 +63,12 @@ def test_each_job_config_holds_only_what_that_job_reads_and_is_rewritten_only_on
     assert written["activations"]["text"] == smallest_config()["activations"]["text"]
 
 
-def test_targets_are_every_dumps_visuals_and_the_summary():
+def test_targets_are_every_runs_checkpoint_every_dumps_visuals_and_the_summary():
     plan = WorkflowPlan.from_config(smallest_config())
     targets = plan.targets()
-    assert len(targets) == len(plan.runs) + 2
+    assert len(targets) == 3 * len(plan.runs) + 2
+    for run_id in plan.runs:
+        assert {plan.run(run_id).config_fpath, plan.run(run_id).sae_fpath} <= set(targets)
     for run_id, shard_hash in plan.dumps():
         assert plan.run(run_id).dump(shard_hash).index_fpath in targets
 

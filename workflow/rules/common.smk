@@ -78,6 +78,17 @@ def get_activation_shards_json(activation):
     return PLAN.activation_shards(activation).shards_fpath
 
 
+def get_shards_if_missing(output_fpath, *activations):
+    """The activations' shards.json (ancient) while `output_fpath` is missing, else nothing: a job reads shard bytes
+    only when it runs, so a complete output never asks for a purged or moved shard directory to be extracted.
+    """
+    if pathlib.Path(output_fpath).exists():
+        return []
+    return [
+        ancient(get_activation_shards_json(name)) for name in dict.fromkeys(activations)
+    ]
+
+
 def get_settings_flags(section):
     """A settings section of the config (train, inference, visuals) as CLI flags (defaults left out)."""
     return saeflow_config.section_flags(section, PLAN.cfg.settings[section])

@@ -15,6 +15,10 @@ rule inference:
     input:
         sae=RUNS.sae_fpath,
         run_config=ancient(RUNS.config_fpath),
+        shards=lambda wc: get_shards_if_missing(
+            PLAN.run(wc.run_id).dump(wc.shard_hash).metrics_fpath,
+            PLAN.hash_activation[wc.shard_hash],
+        ),
     output:
         metrics=update(DUMPS.metrics_fpath),
         visuals=update(DUMPS.index_fpath),

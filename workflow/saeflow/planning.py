@@ -112,8 +112,10 @@ class WorkflowPlan:
         return self.cfg.summary_dir / summary.SUMMARY_FNAME, self.cfg.summary_dir / summary.PARETO_FNAME
 
     def targets(self) -> list[pathlib.Path]:
-        """What `snakemake` builds by default: every dump's visuals, the summary, every export."""
+        """What `snakemake` builds by default: every run's config and checkpoint (so a purged one is made again,
+        not left missing behind its up-to-date dump), every dump's visuals, the summary, every export."""
         return [
+            *(path for run_id in self.runs for path in (self.run(run_id).config_fpath, self.run(run_id).sae_fpath)),
             *(self.run(run_id).dump(shard_hash).index_fpath for run_id, shard_hash in self.dumps()),
             *self.summary_fpaths(),
             *(self.export_marker(name) for name in self.cfg.exports),
