@@ -16,7 +16,8 @@ def register(subparsers):
         "RUN/inference/<shard_hash>/ atomically: patch_acts.npz (scipy CSR, row = example * tokens_per_ex + token, "
         "one column per latent), latents.npz (firing frequency, mean activation when firing, top-k rows per "
         "latent, L0 histogram), metrics.json (NMSE, L0, explained variance, dead/dense counts) and config.json. "
-        "An existing dump with the same checkpoint and settings is reused. Memory is bounded by --batch-size and --top-k.",
+        "An existing dump with the same checkpoint and settings is reused. Memory is bounded by --batch-size and "
+        "--top-k.",
     )
     p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory (holds a trained SAE)")
     p.add_argument("--shards", type=pathlib.Path, required=True, metavar="DIR", help="a shard directory <root>/<hash>")
