@@ -165,7 +165,7 @@ NAMES_ONLY = {"summary", "all"}  # what a change of names or of the set of runs 
         pytest.param(_rename_sae, NAMES_ONLY, id="rename-sae"),
         pytest.param(_rename_activation, set(), id="rename-activation"),
         pytest.param(_extraction("batch_size", 5), set(), id="neutral-extraction-key"),
-        pytest.param(lambda cfg: cfg.update(train={"checkpoint_every": 7}), "train-settings", id="train-settings"),
+        pytest.param(lambda cfg: cfg.update(train={"checkpoint_every": 7}), set(), id="train-settings"),
         pytest.param(lambda cfg: cfg["visuals"].update(n_latents=3), "inference-settings", id="visuals-settings"),
         pytest.param(lambda cfg: cfg.update(summary_dir="elsewhere"), {"summary", "all"}, id="moved-summary-dir"),
     ],
@@ -173,9 +173,7 @@ NAMES_ONLY = {"summary", "all"}  # what a change of names or of the set of runs 
 def test_change_reruns_exactly(tree, edit, expected):
     cfg = variant(edit)
     plan = plan_of(cfg)
-    if expected == "train-settings":  # how runs are trained: every run again, then what follows it
-        expected = new_run_jobs(plan, plan.runs) - {f"create_run:{r}" for r in plan.runs}
-    elif expected == "inference-settings":
+    if expected == "inference-settings":
         expected = new_run_jobs(plan, plan.runs) - {f"{s}:{r}" for r in plan.runs for s in ("create_run", "train")}
     assert dry_run(tree["workdir"], cfg) == expected
 
@@ -262,12 +260,9 @@ def test_rule_text_and_code_edits_rerun_nothing_and_delete_nothing(tree, tmp_pat
     assert tree_state(workdir / "shards") | tree_state(workdir / "runs") == before
 
 
-@pytest.mark.parametrize("user", ["root"])
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
 def test_changed_checkpoint_rebuilds_its_dump_in_one_call(tree, tmp_path, user):
-    """A dump records the sha256 of its sae.pt; a new sae.pt reruns the dump, its visuals and the summary.
-
-    Root only: as an unprivileged user Snakemake refuses to rerun a job whose existing outputs are read-only
-    (ProtectedOutputException), and the dump's files are published read-only (docs/workflow.md, open problems)."""
+    """A dump records the sha256 of its sae.pt; a new sae.pt reruns the dump, its visuals and the summary."""
     preexec = _as(user)
     workdir, plan = copy_tree(tree, tmp_path / "w"), tree["plan"]
     (shard_hash,) = plan.hash_activation

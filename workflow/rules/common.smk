@@ -69,7 +69,8 @@ DUMPS = RUNS.dump(SHARD_HASH_WILDCARD)  # {run_id}, {shard_hash}
 
 
 def get_cli_config(kind, key):
-    """The per-job config file of a shard hash, run id or export name (kind: shards, runs, exports)."""
+    """The per-job config file of a shard hash, run id or export name (kind: shards, runs, exports), or what decides
+    a stage's rerun (kind: stages; key: inference, summary)."""
     return CLI_CONFIG_DPATH / PLAN.cli_config(kind, key)
 
 

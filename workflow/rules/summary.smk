@@ -1,10 +1,12 @@
 # Summary: every run's inference metrics and hyper-parameters in one CSV, and the L0 vs normalized-MSE Pareto
-# plot across the sweep. Cheap, so it follows every metrics file (no ancient()).
+# plot across the sweep. Cheap, so it follows every metrics file (no ancient()) and .snakemake/saeflow/stages/
+# summary.json, the runs and names it shows (rewritten only when they change: removing, reordering or renaming).
 
 
 rule summary:
     input:
-        get_dump_metrics(),
+        metrics=get_dump_metrics(),
+        runs=get_cli_config("stages", "summary"),
     output:
         csv=report(
             PLAN.summary_fpaths()[0],

@@ -143,6 +143,13 @@ class WorkflowPlan:
             }
         for name in self.cfg.exports:
             configs[self.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
+        # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):
+        # the settings of inference and visuals, and the runs and names the summary shows.
+        configs[self.cli_config("stages", "inference")] = {s: self.cfg.settings[s] for s in ("inference", "visuals")}
+        configs[self.cli_config("stages", "summary")] = {
+            "runs": sorted(str(self.run(run_id).root) for run_id in self.runs),
+            "labels": {run_id: f"{plan.sae_name}[{plan.index}]" for run_id, plan in sorted(self.runs.items())},
+        }
         return configs
 
     @staticmethod
@@ -152,13 +159,21 @@ class WorkflowPlan:
         return pathlib.Path(kind, f"{key}.json")
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
-        """Write every per-job config under `cache_dpath`, atomically and only where its content changed."""
+        """Write every per-job config under `cache_dpath`, atomically and only where its content changed.
+
+        A file written for the first time gets time stamp 0 (the epoch): Snakemake's mtime trigger then sees a
+        change of content, never the file's introduction (a saeflow upgrade, a fresh .snakemake/), as a reason to
+        rerun a job that has it as an input.
+        """
         for rel_fpath, content in self.cli_configs().items():
             fpath = cache_dpath / rel_fpath
             text = hashing.canonical_json(content) + "\n"
-            if not fpath.exists() or fpath.read_text(encoding="utf-8") != text:
+            is_new = not fpath.exists()
+            if is_new or fpath.read_text(encoding="utf-8") != text:
                 fpath.parent.mkdir(parents=True, exist_ok=True)
                 write_file_atomic(fpath, text.encode("utf-8"))
+                if is_new:
+                    os.utime(fpath, (0, 0))
 
     # -- what is gone -----------------------------------------------------------------------------------------
 
