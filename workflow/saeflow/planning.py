@@ -69,18 +69,40 @@ def _typed(build, obj, key: str):
         raise SaeflowError(f"{key}: {err}") from None
 
 
+def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
+    """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
+    a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
+    validation activations of different widths. The error names the key, as `saes.<name>[<sweep index>].<key>`."""
+    cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
+    for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
+        if cfg.layer not in md.layers:
+            raise SaeflowError(f"{where}.layer: layer {cfg.layer} is not extracted by the {role} activation "
+                               f"{name!r} (activations.{name}.layers resolve to {list(md.layers)})")  # fmt: skip
+        if cfg.tokens == "cls" and not md.cls_token:
+            raise SaeflowError(f"{where}.tokens: 'cls' asked for, but the {role} activation {name!r} has no CLS token")
+    if train_md.d_model != val_md.d_model:
+        raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
+                           f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
+    d_sae = cfg.expansion * train_md.d_model
+    if cfg.arch in ("topk", "batchtopk") and cfg.k > d_sae:
+        raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
+                           f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
+
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
-        self.shard_hash = {name: _typed(lambda s: extract.plan_activation(s).hash, spec, f"activations.{name}")
-                           for name, spec in cfg.activations.items()}  # fmt: skip
+        self.metadata = {name: _typed(extract.plan_activation, spec, f"activations.{name}")
+                         for name, spec in cfg.activations.items()}  # fmt: skip
+        self.shard_hash = {name: md.hash for name, md in self.metadata.items()}
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
         self.hash_activation: dict[str, str] = {}
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
+        for plan in self.runs.values():
+            check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
 
     @classmethod
     def from_config(cls, config: dict) -> "WorkflowPlan":
