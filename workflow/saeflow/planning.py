@@ -200,25 +200,30 @@ class WorkflowPlan:
     # -- what is gone -----------------------------------------------------------------------------------------
 
     def purged_shard_warnings(self) -> list[str]:
-        """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
+        """One line per shard directory that is missing (purged from scratch?) while runs built on it exist."""
+        return purged_shard_warnings(self)
 
-        Nothing is rebuilt for complete runs: their jobs read shards through ancient() inputs behind the run's own
-        checkpoint/config.json; a shard directory is extracted again only when a job still needs it.
-        """
-        warnings = []
-        for shard_hash, name in self.hash_activation.items():
-            shards = self.shard(shard_hash)
-            if shards.shards_fpath.exists():
-                continue
-            users = [
-                run_id
-                for run_id, plan in self.runs.items()
-                if name in (plan.train_activation, plan.val_activation) and self.run(run_id).config_fpath.exists()
-            ]
-            if users:
-                warnings.append(
-                    f"saeflow: shard directory {shards.dpath} (activation {name!r}) is missing, purged from scratch? "
-                    f"{len(users)} existing run(s) were built on it: {', '.join(u[:12] for u in users)}. Complete "
-                    "runs are kept as they are; the directory is extracted again only if a job still needs it."
-                )
-        return warnings
+
+def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
+    """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
+
+    Nothing is rebuilt for complete runs: a job asks for its shard directories only while its own output is
+    missing (common.smk get_shards_if_missing), so a shard directory is extracted again only when a job needs it.
+    """
+    warnings = []
+    for shard_hash, name in plan.hash_activation.items():
+        shards = plan.shard(shard_hash)
+        if shards.shards_fpath.exists():
+            continue
+        users = [
+            run_id
+            for run_id, run_plan in plan.runs.items()
+            if name in (run_plan.train_activation, run_plan.val_activation) and plan.run(run_id).config_fpath.exists()
+        ]
+        if users:
+            warnings.append(
+                f"saeflow: shard directory {shards.dpath} (activation {name!r}) is missing, purged from scratch? "
+                f"{len(users)} existing run(s) were built on it: {', '.join(u[:12] for u in users)}. Complete "
+                "runs are kept as they are; the directory is extracted again only if a job still needs it."
+            )
+    return warnings
