@@ -323,3 +323,34 @@ def test_changed_checkpoint_rebuilds_its_dump_in_one_call(tree, tmp_path, user):
     assert not [p.name for p in dump.dpath.parent.iterdir() if p.name.startswith(f".{shard_hash}.old")]
     assert "Nothing to be done" in snakemake(workdir, tree["config"], "-n").stdout
 
+
+
+# -- which config runs ---------------------------------------------------------------------------------------------
+
+
+def test_configfile_is_the_whole_config_and_a_bad_one_is_named_on_one_line(tmp_path):
+    """The default config/config.yaml never leaks into a --configfile run; a repeated key names the file."""
+    plan = plan_of(BASE)
+    (shard_hash,) = plan.hash_activation
+    expected = {f"extract:{shard_hash}"} | new_run_jobs(plan, plan.runs)
+    assert dry_run(tmp_path, BASE) == expected
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("shards_root: a\nruns_root: b\nshards_root: c\nactivations: {}\nsaes: {}\n")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(bad), "-n"], env=env(), capture_output=True, text=True,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"saeflow: config file {bad}: not valid YAML: line 3, column 1: found duplicate key 'shards_root' "
+        "(first given on line 1)"
+    )
+
+
+def test_plain_snakemake_in_a_fresh_clone_links_the_default_model(tmp_path):
+    clone = copy_workflow(tmp_path / "clone")
+    shutil.copytree(REPO_ROOT / "config", clone / "config")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--quiet"], cwd=clone, env=env(),
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    link = clone / "results" / "models" / "all-MiniLM-L6-v2"
+    assert link.is_symlink() and (link / "config.json").exists()
