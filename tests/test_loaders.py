@@ -38,9 +38,9 @@ def _sorted(rows: np.ndarray) -> np.ndarray:
 
 
 def _loader(sd, seed=0, **kw):
-    # Tiny blocks (3 examples) and windows of 2 blocks: many blocks, windows and shard boundaries.
+    # Tiny blocks (3 examples) and a pool of 24 rows: many blocks, refills and shard boundaries.
     return ShuffledLoader(
-        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, window_blocks=2, **kw
+        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, buffer_bytes=24 * D * 4, **kw
     )
 
 

@@ -24,6 +24,7 @@ from saeflow.shards import ShardDir
 
 TOKENS = ("content", "cls", "all")
 DEFAULT_BLOCK_BYTES = 16 << 20
+DEFAULT_BUFFER_BYTES = 1 << 30  # the shuffled loader's pool (RAM budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,8 +360,276 @@ def _seed_int(parts: tuple[int, ...]) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
-class ShuffledLoader(_StreamLoader):
-    """Every vector of one layer exactly once per epoch, in a random order fixed by (seed, epoch)."""
+# ---------------------------------------------------------------------------------------------------------------
+# Shuffled loader: a pool of rows refilled from a permuted stream of blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+MAX_IOV = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers per preadv call (Linux: 1024)
+PREFETCH_BLOCKS = 4  # blocks advised (posix_fadvise WILLNEED) ahead of the one being read
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One batch of a shuffled epoch: the pool slots gathered, and the stream rows read into slots after it."""
+
+    slots: np.ndarray  # (n,) pool slots gathered into the batch, in batch order
+    rows: np.ndarray  # (n,) the stream rows those slots hold
+    refill_slots: np.ndarray  # (k,) slots refilled after the gather (k = 0 in the final drain)
+    refill_row: int  # the first of the k consecutive stream rows read into `refill_slots`
+
+
+class EpochPlan:
+    """Which vectors each batch of one shuffled epoch holds, in index space: nothing is read to compute it.
+
+    The epoch's blocks are permuted into a stream (rows of a block in storage order). The first `n_pool` stream rows
+    fill a pool; each batch then draws `batch_size` slots uniformly from the pool (except the slots refilled after
+    the previous batch, whose reads may still be in flight) and those slots are refilled with the next stream rows.
+    When the stream ends, the rest of the pool comes out in a uniform random order. Every row enters the pool once
+    and leaves it once, so each vector appears exactly once per epoch; the plan is a pure function of
+    (seed, epoch, sizes), so batch b is known without reading batches 0..b-1.
+    """
+
+    def __init__(self, view: "LayerView", block_list: list[Block], n_pool: int, batch_size: int, seed: int, epoch: int):
+        rng = np.random.default_rng([seed, epoch])
+        self.blocks = [block_list[i] for i in rng.permutation(len(block_list))]
+        rows_b = np.array([b.n_ex * view.n_tok for b in self.blocks], dtype=np.int64)
+        self.row_starts_b = np.concatenate([[0], np.cumsum(rows_b)])  # stream row where each block starts
+        shard_starts = np.asarray(view.sd.shard_starts, dtype=np.int64)
+        self.global_starts_b = np.array(
+            [(shard_starts[b.shard_idx] + b.ex_start) * view.n_tok for b in self.blocks], dtype=np.int64
+        )
+        self.n_rows = int(self.row_starts_b[-1])
+        self.batch_size = batch_size
+        self.n_pool = min(self.n_rows, max(n_pool, 2 * batch_size))
+        self.n_batches = -(-self.n_rows // batch_size)
+        self._seed = [seed, epoch, 1]
+
+    def global_index(self, rows: np.ndarray) -> np.ndarray:
+        """Global vector indices (storage order) of stream rows."""
+        block_idx = np.searchsorted(self.row_starts_b, rows, side="right") - 1
+        return self.global_starts_b[block_idx] + rows - self.row_starts_b[block_idx]
+
+    def _load(self, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots = np.flatnonzero(pool >= 0)
+        order = np.argsort(pool[slots], kind="stable")
+        return slots[order], pool[slots[order]]
+
+    def steps(self, start_batch: int = 0) -> typing.Iterator[tuple[np.ndarray, np.ndarray] | Step]:
+        """First the pool's contents before batch `start_batch` (slots, stream rows ascending), then its Steps."""
+        P, bs, N = self.n_pool, self.batch_size, self.n_rows
+        rng = np.random.default_rng(self._seed)
+        pool = np.arange(P, dtype=np.int64)  # the stream row each slot holds; -1: empty
+        slots_p = np.arange(P, dtype=np.int64)  # all slots; the last bs were refilled after the previous batch
+        t, pos = 0, P
+        while pos < N:
+            if t == start_batch:
+                yield self._load(pool)
+            drawn = rng.choice(P - bs, size=bs, replace=False)
+            slots = slots_p[drawn]
+            slots_p[drawn] = slots_p[P - bs :]
+            slots_p[P - bs :] = slots
+            k = min(bs, N - pos)
+            rows = pool[slots]
+            pool[slots[:k]] = np.arange(pos, pos + k)
+            pool[slots[k:]] = -1
+            if t >= start_batch:
+                yield Step(slots, rows, slots[:k], pos)
+            t, pos = t + 1, pos + k
+        rest = rng.permutation(np.flatnonzero(pool >= 0))
+        for i in range(0, rest.size, bs):
+            if t == start_batch:
+                yield self._load(pool)
+            slots = rest[i : i + bs]
+            if t >= start_batch:
+                yield Step(slots, pool[slots], slots[:0], N)
+            pool[slots] = -1
+            t += 1
+
+    def batches(self, start_batch: int = 0) -> typing.Iterator[np.ndarray]:
+        """Global vector indices of each batch from `start_batch` (for tests and mixing measurements)."""
+        steps = self.steps(start_batch)
+        next(steps, None)
+        for step in steps:
+            yield self.global_index(step.rows)
+
+
+def _preadv_all(fd: int, iov: list, offset: int, fpath) -> None:
+    """preadv until every buffer of `iov` is full (a regular file returns less only at its end)."""
+    while iov:
+        n = os.preadv(fd, iov, offset)
+        if n == 0:
+            raise SaeflowError(f"{fpath}: ended early at byte {offset} (truncated after validation?)")
+        offset += n
+        while iov and n >= len(iov[0]):
+            n -= len(iov[0])
+            iov = iov[1:]
+        if n:
+            iov = [iov[0][n:], *iov[1:]]
+
+
+def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.ndarray, pool_mv, scratch_mv) -> None:
+    """Read the rows at file `offsets` (ascending, one shard) into pool `slots`: few preadv calls, many buffers.
+
+    Consecutive slots of consecutive rows share a buffer; a small gap in the file (a CLS row between examples) is
+    read into `scratch_mv` rather than starting a new call.
+    """
+    rb = view.row_bytes
+    gap = np.diff(offsets) - rb  # bytes skipped between consecutive rows
+    new_call = np.concatenate([[True], (gap < 0) | (gap > len(scratch_mv))])
+    new_buf = new_call | np.concatenate([[True], (gap != 0) | (np.diff(slots) != 1)])
+    seg = np.flatnonzero(new_buf)
+    seg_end = np.append(seg[1:], offsets.size)
+    bufs = [pool_mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
+    seg_gap = np.concatenate([[0], gap])[seg]
+    calls = np.flatnonzero(new_call[seg])
+    fpath = view.sd.shard_fpath(block.shard_idx)
+    fd = view.fd(block.shard_idx)
+    per_call = MAX_IOV // 2  # a scratch buffer may precede each
+    for c0, c1 in zip(calls.tolist(), np.append(calls[1:], seg.size).tolist()):
+        for p0 in range(c0, c1, per_call):
+            p1 = min(c1, p0 + per_call)
+            iov = bufs[p0:p1]
+            for i in reversed(np.flatnonzero(seg_gap[p0 + 1 : p1]).tolist()):
+                iov.insert(i + 1, scratch_mv[: seg_gap[p0 + 1 + i]])
+            _preadv_all(fd, iov, int(offsets[seg[p0]]), fpath)
+
+
+class _ReservoirPipeline:
+    """One pass of an EpochPlan: a reader thread preads stream rows into pool slots while a gather thread copies
+    each batch's slots out (`torch.index_select`) into one of `N_OUT` reused batch buffers.
+
+    The plan never draws the slots refilled after the previous batch, so the refill of batch t and the gather of
+    batch t+1 run at the same time; the gather of t+2 waits for the refill of t.
+    """
+
+    N_OUT = 4
+
+    def __init__(self, loader: "ShuffledLoader", plan: EpochPlan, start_batch: int):
+        self.loader, self.plan, self.start_batch = loader, plan, start_batch
+        self.view = loader.view
+        self.pool = loader._pool_for(plan.n_pool)
+        self.pool_mv = memoryview(self.pool.numpy().reshape(-1).view(np.uint8))
+        self.scratch_mv = memoryview(bytearray(max(1, self.view.n_tok) * self.view.row_bytes))
+        self.out_free: queue.Queue = queue.Queue()
+        for buf in loader._batch_bufs(self.N_OUT):
+            self.out_free.put(buf)
+        self.jobs: queue.Queue = queue.Queue()  # (slots, stream rows) in order; None ends
+        self.out_q: queue.Queue = queue.Queue()  # (buffer, rows), then None or the error that ended the pass
+        self.cond = threading.Condition()
+        self.n_done = 0  # jobs read
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.advised = -1  # stream blocks advised up to this one
+        self.threads: list[threading.Thread] = []
+
+    def _take(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        raise _Stopped
+
+    def _wait_done(self, n_jobs: int) -> None:
+        with self.cond:
+            while self.n_done < n_jobs:
+                if self.stop.is_set():
+                    raise _Stopped
+                if self.error is not None:
+                    raise self.error
+                self.cond.wait(0.05)
+
+    def _read_job(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        plan, view = self.plan, self.view
+        block_idx = np.searchsorted(plan.row_starts_b, rows, side="right") - 1
+        cuts = (np.flatnonzero(np.diff(block_idx)) + 1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, rows.size]):
+            b = int(block_idx[lo])
+            for ahead in range(max(self.advised + 1, b), min(b + PREFETCH_BLOCKS + 1, len(plan.blocks))):
+                view.prefetch(plan.blocks[ahead])
+                self.advised = ahead
+            block = plan.blocks[b]
+            ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
+            offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
+            _scatter_read(view, block, offsets, slots[lo:hi], self.pool_mv, self.scratch_mv)
+
+    def _reader(self) -> None:
+        try:
+            while (job := self._take(self.jobs)) is not None:
+                self._read_job(*job)
+                with self.cond:
+                    self.n_done += 1
+                    self.cond.notify_all()
+        except _Stopped:
+            pass
+        except BaseException as err:  # surfaced by the gather thread
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+    def _gather(self) -> None:
+        try:
+            steps = self.plan.steps(self.start_batch)
+            load = next(steps, None)
+            if load is not None:
+                self.jobs.put(load)
+            n_jobs = 1
+            for step in steps:
+                # the load, and every refill but the previous batch's (in the drain: every refill)
+                self._wait_done(max(1, n_jobs - 1) if step.refill_slots.size else n_jobs)
+                buf = self._take(self.out_free)
+                n = step.slots.size
+                torch.index_select(self.pool, 0, torch.from_numpy(step.slots), out=buf[:n])
+                if step.refill_slots.size:
+                    rows = np.arange(step.refill_row, step.refill_row + step.refill_slots.size)
+                    self.jobs.put((step.refill_slots, rows))
+                    n_jobs += 1
+                self.out_q.put((buf, n))
+            self.out_q.put(None)
+        except _Stopped:
+            pass
+        except BaseException as err:
+            self.out_q.put(err)
+        finally:
+            self.jobs.put(None)
+
+    def __iter__(self) -> typing.Iterator[torch.Tensor]:
+        self.threads = [
+            threading.Thread(target=target, name=f"saeflow-{name}", daemon=True)
+            for name, target in (("reader", self._reader), ("gather", self._gather))
+        ]
+        for thread in self.threads:
+            thread.start()
+        in_use: list[torch.Tensor] = []
+        try:
+            while (item := self._take(self.out_q)) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                buf, n = item
+                in_use.append(buf)
+                if len(in_use) > 2:  # the consumer no longer holds the batch before the last
+                    self.out_free.put(in_use.pop(0))
+                yield buf[:n]
+        except _Stopped:
+            raise SaeflowError("this pass of the shuffled loader was stopped by a newer pass of it") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and join the threads (they touch the loader's shared pool)."""
+        self.stop.set()
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+class ShuffledLoader:
+    """Every vector of one layer exactly once per epoch, in a random order fixed by (seed, epoch).
+
+    Batches are drawn uniformly from a pool of `buffer_bytes` of rows (the RAM budget; see EpochPlan), refilled from
+    ~`block_bytes` blocks of consecutive examples read in a random order. A pool that holds the whole layer gives
+    uniform shuffling; a smaller one mixes less (docs/training.md has the figures).
+    """
 
     def __init__(
         self,
@@ -370,20 +639,56 @@ class ShuffledLoader(_StreamLoader):
         seed: int,
         tokens: str = "content",
         block_bytes: int = DEFAULT_BLOCK_BYTES,
-        window_blocks: int = 4,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ):
-        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, window_blocks)
-        self.seed = seed
+        if batch_size < 1:
+            raise SaeflowError(f"batch_size must be positive, got {batch_size}")
+        self.view = LayerView(shard_dir, layer, tokens)
+        self.batch_size, self.seed = batch_size, seed
+        self.block_list = self.view.blocks(block_bytes)
+        self.n_pool = max(1, buffer_bytes // self.view.row_bytes)  # rows (EpochPlan keeps >= 2 batches)
+        self._pool: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor] = []
+        self._current: _ReservoirPipeline | None = None
 
-    def _windows(self, epoch: int) -> list[Window]:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.block_list))
-        windows = []
-        for w, i in enumerate(range(0, len(order), self.window_blocks)):
-            blocks = tuple(self.block_list[j] for j in order[i : i + self.window_blocks])
-            n_rows = sum(b.n_ex for b in blocks) * self.view.n_tok
-            windows.append(Window(blocks, n_rows, (self.seed, epoch, w)))
-        return windows
+    @property
+    def n_vectors(self) -> int:
+        return self.view.n_vectors
+
+    def __len__(self) -> int:
+        return -(-self.n_vectors // self.batch_size)
+
+    def plan(self, epoch: int) -> EpochPlan:
+        return EpochPlan(self.view, self.block_list, self.n_pool, self.batch_size, self.seed, epoch)
+
+    def _pool_for(self, n_rows: int) -> torch.Tensor:
+        if self._pool is None or self._pool.shape[0] != n_rows:
+            self._pool = torch.from_numpy(np.empty((n_rows, self.view.d_model), dtype=self.view.dtype))
+        return self._pool
+
+    def _batch_bufs(self, n: int) -> list[torch.Tensor]:
+        if not self._bufs:
+            shape = (self.batch_size, self.view.d_model)
+            self._bufs = [torch.from_numpy(np.empty(shape, dtype=self.view.dtype)) for _ in range(n)]
+        return self._bufs
+
+    def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
+        """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
+
+        A batch is a view into a reused buffer: it stays valid until the second next batch is requested. Reading
+        runs ahead in background threads; starting a new pass stops an unfinished earlier one of this loader.
+        """
+        if self._current is not None:
+            self._current.close()
+        self._current = _ReservoirPipeline(self, self.plan(epoch), start_batch)
+        return iter(self._current)
+
+    __iter__ = iter_batches
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+        self.view.close()
 
 
 class OrderedLoader(_StreamLoader):
