@@ -389,14 +389,23 @@ class EpochPlan:
     (seed, epoch, sizes), so batch b is known without reading batches 0..b-1.
     """
 
-    def __init__(self, view: "LayerView", block_list: list[Block], n_pool: int, batch_size: int, seed: int, epoch: int):
+    def __init__(
+        self,
+        block_list: list[Block],
+        shard_starts: typing.Sequence[int],
+        n_tok: int,
+        n_pool: int,
+        batch_size: int,
+        seed: int,
+        epoch: int,
+    ):
+        """`shard_starts`: each shard's first example; `n_tok`: vectors per example; `n_pool`: pool rows."""
         rng = np.random.default_rng([seed, epoch])
         self.blocks = [block_list[i] for i in rng.permutation(len(block_list))]
-        rows_b = np.array([b.n_ex * view.n_tok for b in self.blocks], dtype=np.int64)
+        rows_b = np.array([b.n_ex * n_tok for b in self.blocks], dtype=np.int64)
         self.row_starts_b = np.concatenate([[0], np.cumsum(rows_b)])  # stream row where each block starts
-        shard_starts = np.asarray(view.sd.shard_starts, dtype=np.int64)
         self.global_starts_b = np.array(
-            [(shard_starts[b.shard_idx] + b.ex_start) * view.n_tok for b in self.blocks], dtype=np.int64
+            [(int(shard_starts[b.shard_idx]) + b.ex_start) * n_tok for b in self.blocks], dtype=np.int64
         )
         self.n_rows = int(self.row_starts_b[-1])
         self.batch_size = batch_size
@@ -659,7 +668,11 @@ class ShuffledLoader:
         return -(-self.n_vectors // self.batch_size)
 
     def plan(self, epoch: int) -> EpochPlan:
-        return EpochPlan(self.view, self.block_list, self.n_pool, self.batch_size, self.seed, epoch)
+        """The index-space schedule of `epoch` (EpochPlan.batches gives each batch's global vector indices)."""
+        view = self.view
+        return EpochPlan(
+            self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed, epoch
+        )
 
     def _pool_for(self, n_rows: int) -> torch.Tensor:
         if self._pool is None or self._pool.shape[0] != n_rows:
