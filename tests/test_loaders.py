@@ -44,8 +44,9 @@ def _sorted(rows: np.ndarray) -> np.ndarray:
 def _loader(sd, seed=0, **kw):
     # Tiny blocks (3 examples) and a pool of 24 rows: many blocks, refills and shard boundaries.
     return ShuffledLoader(
-        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, buffer_bytes=24 * D * 4, **kw
-    )
+        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4,
+        buffer_bytes=kw.pop("buffer_bytes", 24 * D * 4), **kw,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens, sel", [("content", slice(1, T)), ("cls", slice(0, 1)), ("all", slice(0, T))])
@@ -255,3 +256,15 @@ def test_loader_reads_what_the_plan_says(
     assert len(got) == max(0, len(loader) - start)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+def test_shard_truncated_after_open(shard_dir):
+    """A shard cut short after the directory was validated: the shuffled loader's scattered reads name the file."""
+    loader = _loader(shard_dir, buffer_bytes=10_000 * D * 4)  # the pool holds everything: one load reads it all
+    victim = shard_dir.dpath / "acts000002.bin"
+    os.chmod(shard_dir.dpath, 0o755)
+    os.chmod(victim, 0o644)
+    with open(victim, "r+b") as fd:
+        fd.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(SaeflowError, match="acts000002.bin: ended early"):
+        _rows(loader)

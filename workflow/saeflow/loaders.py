@@ -462,21 +462,18 @@ class EpochPlan:
             yield self.global_index(step.rows)
 
 
-def _preadv_all(fd: int, iov: list, offset: int, fpath) -> None:
-    """preadv until every buffer of `iov` is full (a regular file returns less only at its end)."""
-    while iov:
-        n = os.preadv(fd, iov, offset)
+def _preadv_all(fd: int, iov: list, want: int, offset: int, fpath) -> None:
+    """preadv until the `want` bytes of buffers `iov` are full (a regular file returns less only at its end)."""
+    while (n := os.preadv(fd, iov, offset)) < want:
         if n == 0:
             raise SaeflowError(f"{fpath}: ended early at byte {offset} (truncated after validation?)")
-        offset += n
-        while iov and n >= len(iov[0]):
-            n -= len(iov[0])
-            iov = iov[1:]
-        if n:
-            iov = [iov[0][n:], *iov[1:]]
+        offset, want, i = offset + n, want - n, 0
+        while n >= len(iov[i]):  # drop the buffers filled, then the filled part of the next
+            n, i = n - len(iov[i]), i + 1
+        iov = [iov[i][n:], *iov[i + 1 :]]
 
 
-def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.ndarray, pool_mv, scratch_mv) -> None:
+def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.ndarray, pool: "_Pool") -> None:
     """Read the rows at file `offsets` (ascending, one shard) into pool `slots`: few preadv calls, many buffers.
 
     Consecutive slots of consecutive rows share a buffer; a small gap in the file (a CLS row between examples) is
@@ -484,12 +481,16 @@ def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.
     """
     rb = view.row_bytes
     gap = np.diff(offsets) - rb  # bytes skipped between consecutive rows
-    new_call = np.concatenate([[True], (gap < 0) | (gap > len(scratch_mv))])
+    new_call = np.concatenate([[True], (gap < 0) | (gap > len(pool.scratch_mv))])
     new_buf = new_call | np.concatenate([[True], (gap != 0) | (np.diff(slots) != 1)])
     seg = np.flatnonzero(new_buf)
     seg_end = np.append(seg[1:], offsets.size)
-    bufs = [pool_mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
+    if seg.size == slots.size:  # no two consecutive (the steady state): the slots' prebuilt views
+        bufs = [pool.row_views[s] for s in slots.tolist()]
+    else:
+        bufs = [pool.mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
     seg_gap = np.concatenate([[0], gap])[seg]
+    seg_bytes = (seg_end - seg) * rb
     calls = np.flatnonzero(new_call[seg])
     fpath = view.sd.shard_fpath(block.shard_idx)
     fd = view.fd(block.shard_idx)
@@ -499,8 +500,20 @@ def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.
             p1 = min(c1, p0 + per_call)
             iov = bufs[p0:p1]
             for i in reversed(np.flatnonzero(seg_gap[p0 + 1 : p1]).tolist()):
-                iov.insert(i + 1, scratch_mv[: seg_gap[p0 + 1 + i]])
-            _preadv_all(fd, iov, int(offsets[seg[p0]]), fpath)
+                iov.insert(i + 1, pool.scratch_mv[: seg_gap[p0 + 1 + i]])
+            want = int(seg_bytes[p0:p1].sum() + seg_gap[p0 + 1 : p1].sum())
+            _preadv_all(fd, iov, want, int(offsets[seg[p0]]), fpath)
+
+
+class _Pool:
+    """The shuffled loader's rows in RAM, with a memoryview per row (scattered reads name rows by the thousand)."""
+
+    def __init__(self, n_rows: int, view: LayerView):
+        self.rows = torch.from_numpy(np.empty((n_rows, view.d_model), dtype=view.dtype))
+        self.mv = memoryview(self.rows.numpy().reshape(-1).view(np.uint8))
+        rb = view.row_bytes
+        self.row_views = [self.mv[i * rb : (i + 1) * rb] for i in range(n_rows)]
+        self.scratch_mv = memoryview(bytearray(max(1, view.n_tok) * rb))  # gaps read through (CLS rows)
 
 
 class _ReservoirPipeline:
@@ -517,8 +530,6 @@ class _ReservoirPipeline:
         self.loader, self.plan, self.start_batch = loader, plan, start_batch
         self.view = loader.view
         self.pool = loader._pool_for(plan.n_pool)
-        self.pool_mv = memoryview(self.pool.numpy().reshape(-1).view(np.uint8))
-        self.scratch_mv = memoryview(bytearray(max(1, self.view.n_tok) * self.view.row_bytes))
         self.out_free: queue.Queue = queue.Queue()
         for buf in loader._batch_bufs(self.N_OUT):
             self.out_free.put(buf)
@@ -560,7 +571,7 @@ class _ReservoirPipeline:
             block = plan.blocks[b]
             ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
             offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
-            _scatter_read(view, block, offsets, slots[lo:hi], self.pool_mv, self.scratch_mv)
+            _scatter_read(view, block, offsets, slots[lo:hi], self.pool)
 
     def _reader(self) -> None:
         try:
@@ -588,7 +599,7 @@ class _ReservoirPipeline:
                 self._wait_done(max(1, n_jobs - 1) if step.refill_slots.size else n_jobs)
                 buf = self._take(self.out_free)
                 n = step.slots.size
-                torch.index_select(self.pool, 0, torch.from_numpy(step.slots), out=buf[:n])
+                torch.index_select(self.pool.rows, 0, torch.from_numpy(step.slots), out=buf[:n])
                 if step.refill_slots.size:
                     rows = np.arange(step.refill_row, step.refill_row + step.refill_slots.size)
                     self.jobs.put((step.refill_slots, rows))
@@ -656,7 +667,7 @@ class ShuffledLoader:
         self.batch_size, self.seed = batch_size, seed
         self.block_list = self.view.blocks(block_bytes)
         self.n_pool = max(1, buffer_bytes // self.view.row_bytes)  # rows (EpochPlan keeps >= 2 batches)
-        self._pool: torch.Tensor | None = None
+        self._pool: _Pool | None = None
         self._bufs: list[torch.Tensor] = []
         self._current: _ReservoirPipeline | None = None
 
@@ -674,9 +685,9 @@ class ShuffledLoader:
             self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed, epoch
         )
 
-    def _pool_for(self, n_rows: int) -> torch.Tensor:
-        if self._pool is None or self._pool.shape[0] != n_rows:
-            self._pool = torch.from_numpy(np.empty((n_rows, self.view.d_model), dtype=self.view.dtype))
+    def _pool_for(self, n_rows: int) -> "_Pool":
+        if self._pool is None or self._pool.rows.shape[0] != n_rows:
+            self._pool = _Pool(n_rows, self.view)
         return self._pool
 
     def _batch_bufs(self, n: int) -> list[torch.Tensor]:
