@@ -1,13 +1,13 @@
 """Readers of one layer's vectors from a saev shard directory: shuffled (training), ordered (inference), indexed.
 
 A shard is (n, L, T, D), so one layer's tokens of one example are a contiguous (T, D) run and a block of examples
-is a strided read. We read blocks with `os.preadv` straight into reused buffers (one call per block when the
-layer's runs are contiguous, one per example otherwise) and shuffle in RAM; cold memmap row gathers are ~1000x
-slower (DESIGN.md). Vector numbering ("global index") is storage order: example-major, then selected token.
+is a strided read. We read with `os.preadv` straight into reused buffers (one call per block, or per example,
+when the layer's runs are contiguous, one per example otherwise); cold memmap row gathers are ~1000x slower
+(DESIGN.md). Vector numbering ("global index") is storage order: example-major, then selected token.
 
-Shuffled order is a pure function of (seed, epoch): the blocks of the epoch are permuted, grouped into windows of
-`window_blocks` blocks, and each window's rows are permuted in RAM. Batches are cut from that stream, so batch `b`
-of an epoch is known without reading batches `0..b-1` (training resumes exactly by starting there).
+Shuffled order is a pure function of (seed, epoch, sizes), computed in index space by `EpochPlan`: the epoch's
+blocks are permuted into a stream that refills a RAM pool (`buffer_bytes`, the RAM budget) from which every batch is
+drawn uniformly. Batch `b` of an epoch is known without reading batches `0..b-1` (training resumes exactly there).
 """
 
 import dataclasses
@@ -138,11 +138,10 @@ class LayerView:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """The unit read at once and shuffled in RAM: a few blocks."""
+    """The unit read at once by the ordered pipeline: one block."""
 
     blocks: tuple[Block, ...]  # read one after another
     n_rows: int  # selected rows in them (examples x selected tokens)
-    perm_seed: tuple[int, ...] | None  # seeds the permutation of the rows; None: keep storage order
 
 
 class _Stopped(Exception):
@@ -161,22 +160,17 @@ def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
 def _select_rows(
     view: LayerView, selected: torch.Tensor, window: Window, raw_nd: np.ndarray, out_nd: torch.Tensor
 ) -> None:
-    """Copy the window's selected rows of `raw_nd` into `out_nd`, permuted when the window has a seed."""
+    """Copy the window's selected rows of `raw_nd` (CLS dropped) into `out_nd`."""
     src = torch.from_numpy(raw_nd[: window.n_rows // view.n_tok * view.span])
-    index = None if view.compact else selected[: window.n_rows]
-    if window.perm_seed is not None:
-        gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
-        perm = torch.randperm(window.n_rows, generator=gen)
-        index = perm if index is None else index[perm]
-    torch.index_select(src, 0, index, out=out_nd[: window.n_rows])
+    torch.index_select(src, 0, selected[: window.n_rows], out=out_nd[: window.n_rows])
 
 
 class _Pipeline:
-    """One pass over a list of windows, read and permuted ahead of the consumer by two background threads.
+    """One ordered pass over a list of windows (blocks), read ahead of the consumer by two background threads.
 
     reader thread:   preads a window's blocks into a raw buffer (2 in rotation)
-    shuffler thread: permutes the raw rows into an output buffer (3 in rotation: the consumer may still hold
-                     batches of the previous window while the next one is being filled)
+    shuffler thread: copies the selected rows (CLS dropped) into an output buffer (3 in rotation: the consumer may
+                     still hold batches of the previous window while the next one is being filled)
     Ordered windows whose rows read are exactly the rows selected skip the copy: they go straight to an output buffer.
     Buffers travel along queues, so each is owned by one stage at a time.
     """
@@ -214,7 +208,7 @@ class _Pipeline:
             for i, window in enumerate(windows):
                 for block in windows[i + 1].blocks if i + 1 < len(windows) else ():
                     self.view.prefetch(block)
-                if window.perm_seed is None and self.view.compact:
+                if self.view.compact:
                     out = self._take(self.out_free)
                     _read_window(self.view, window, out.numpy())
                     self.read_q.put((window, None, out))
@@ -298,17 +292,16 @@ def _cut_batches(
 
 
 class _StreamLoader:
-    """Batches cut from windows of blocks (the subclass orders them), read by a `_Pipeline` into reused buffers."""
+    """Batches cut from windows of blocks (the subclass lists them), read by a `_Pipeline` into reused buffers."""
 
     N_RAW, N_OUT = 2, 3  # raw and output buffers in rotation (see `_Pipeline`)
 
-    def __init__(self, view: LayerView, batch_size: int, block_bytes: int, window_blocks: int):
+    def __init__(self, view: LayerView, batch_size: int, block_bytes: int):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
         self.view, self.batch_size = view, batch_size
         self.block_list = view.blocks(block_bytes)
-        self.window_blocks = window_blocks
-        max_ex = max(sum(b.n_ex for b in self.block_list[i : i + window_blocks]) for i in range(len(self.block_list)))
+        max_ex = max(b.n_ex for b in self.block_list)  # a window is one block
         self.max_window_ex = max_ex
         self._selected = view.selected_rows(max_ex)  # a prefix serves any smaller window
         self._raw: list[np.ndarray] = []
@@ -335,7 +328,7 @@ class _StreamLoader:
     def iter_windows(self, windows: list[Window]) -> typing.Iterator[torch.Tensor]:
         """Each window's rows (n_rows, D), read and permuted ahead of the consumer by background threads."""
         direct = self.view.compact  # ordered windows go straight into an output buffer
-        self._allocate(not direct or any(w.perm_seed is not None for w in windows))
+        self._allocate(not direct)
         yield from _Pipeline(self.view, windows, self._raw, self._out, self._selected)
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
@@ -354,10 +347,6 @@ class _StreamLoader:
 
     def close(self) -> None:
         self.view.close()
-
-
-def _seed_int(parts: tuple[int, ...]) -> int:
-    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -726,10 +715,10 @@ class OrderedLoader(_StreamLoader):
         tokens: str = "content",
         block_bytes: int = DEFAULT_BLOCK_BYTES,
     ):
-        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, window_blocks=1)
+        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes)
 
     def _windows(self, epoch: int) -> list[Window]:
-        return [Window((b,), b.n_ex * self.view.n_tok, None) for b in self.block_list]
+        return [Window((b,), b.n_ex * self.view.n_tok) for b in self.block_list]
 
 
 class IndexedReader:
