@@ -88,6 +88,7 @@ def test_indexed_random_access(shard_dir, acts_nltd):
     got = reader.get(idx).numpy()
     np.testing.assert_array_equal(got, acts_nltd[:, 1].reshape(-1, D)[idx])
     assert torch.equal(reader[184], torch.from_numpy(acts_nltd[36, 1, 4]))
+    assert reader.view.coords(184) == (36, 4)
     with pytest.raises(SaeflowError, match="out of range"):
         reader.get([185])
 

@@ -78,6 +78,11 @@ class LayerView:
             os.close(fd)
         self._fds.clear()
 
+    def coords(self, index: int) -> tuple[int, int]:
+        """Global vector index -> (example, token within T)."""
+        ex, tok = divmod(index, self.n_tok)
+        return ex, self.t_lo + tok
+
     def offset(self, shard_idx: int, ex_in_shard: int, token: int) -> int:
         """Byte offset (protocol 4.2) of token `token` (0..T-1) of an example at this layer."""
         md = self.md
