@@ -510,6 +510,25 @@ class _Pool:
         self.scratch_mv = memoryview(bytearray(max(1, view.n_tok) * rb))  # gaps read through (CLS rows)
 
 
+def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray, rows: np.ndarray, advised: int) -> int:
+    """Read stream `rows` (ascending within a block) into pool `slots`, advising the kernel of the blocks ahead.
+
+    Returns the last stream block advised (pass it back in: each block is advised once).
+    """
+    block_idx = np.searchsorted(plan.row_starts_b, rows, side="right") - 1
+    cuts = (np.flatnonzero(np.diff(block_idx)) + 1).tolist()
+    for lo, hi in zip([0, *cuts], [*cuts, rows.size]):
+        b = int(block_idx[lo])
+        for ahead in range(max(advised + 1, b), min(b + PREFETCH_BLOCKS + 1, len(plan.blocks))):
+            view.prefetch(plan.blocks[ahead])
+            advised = ahead
+        block = plan.blocks[b]
+        ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
+        offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
+        _scatter_read(view, block, offsets, slots[lo:hi], pool)
+    return advised
+
+
 class _ReservoirPipeline:
     """One pass of an EpochPlan: a reader thread preads stream rows into pool slots while a gather thread copies
     each batch's slots out (`torch.index_select`) into one of `N_OUT` reused batch buffers.
@@ -553,24 +572,10 @@ class _ReservoirPipeline:
                     raise self.error
                 self.cond.wait(0.05)
 
-    def _read_job(self, slots: np.ndarray, rows: np.ndarray) -> None:
-        plan, view = self.plan, self.view
-        block_idx = np.searchsorted(plan.row_starts_b, rows, side="right") - 1
-        cuts = (np.flatnonzero(np.diff(block_idx)) + 1).tolist()
-        for lo, hi in zip([0, *cuts], [*cuts, rows.size]):
-            b = int(block_idx[lo])
-            for ahead in range(max(self.advised + 1, b), min(b + PREFETCH_BLOCKS + 1, len(plan.blocks))):
-                view.prefetch(plan.blocks[ahead])
-                self.advised = ahead
-            block = plan.blocks[b]
-            ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
-            offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
-            _scatter_read(view, block, offsets, slots[lo:hi], self.pool)
-
     def _reader(self) -> None:
         try:
             while (job := self._take(self.jobs)) is not None:
-                self._read_job(*job)
+                self.advised = _read_rows(self.view, self.plan, self.pool, *job, self.advised)
                 with self.cond:
                     self.n_done += 1
                     self.cond.notify_all()
