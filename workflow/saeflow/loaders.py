@@ -25,6 +25,7 @@ from saeflow.shards import ShardDir
 TOKENS = ("content", "cls", "all")
 DEFAULT_BLOCK_BYTES = 16 << 20
 DEFAULT_BUFFER_BYTES = 1 << 30  # the shuffled loader's pool (RAM budget)
+_FD_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +66,16 @@ class LayerView:
         return {**self.__dict__, "_fds": {}}
 
     def fd(self, shard_idx: int) -> int:
-        if shard_idx not in self._fds:
-            fpath = self.sd.shard_fpath(shard_idx)
-            try:
-                self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
-            except OSError as err:
-                raise SaeflowError(f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?") from None
-        return self._fds[shard_idx]
+        with _FD_LOCK:  # the shuffled loader's two threads read at once
+            if shard_idx not in self._fds:
+                fpath = self.sd.shard_fpath(shard_idx)
+                try:
+                    self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
+                except OSError as err:
+                    raise SaeflowError(
+                        f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?"
+                    ) from None
+            return self._fds[shard_idx]
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -153,6 +157,20 @@ class _Stopped(Exception):
     """The consumer went away; pipeline threads unwind."""
 
 
+class _Stoppable:
+    """Pipeline threads wait on queues but give up when `stop` is set."""
+
+    stop: threading.Event
+
+    def _take(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        raise _Stopped
+
+
 def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
     """A window's blocks one after another, `span` rows per example as `read_block` lays them out."""
     row = 0
@@ -170,7 +188,7 @@ def _select_rows(
     torch.index_select(src, 0, selected[: window.n_rows], out=out_nd[: window.n_rows])
 
 
-class _Pipeline:
+class _Pipeline(_Stoppable):
     """One ordered pass over a list of windows (blocks), read ahead of the consumer by two background threads.
 
     reader thread:   preads a window's blocks into a raw buffer (2 in rotation)
@@ -198,14 +216,6 @@ class _Pipeline:
         self.read_q: queue.Queue = queue.Queue()  # (window, raw buffer or None, output buffer or None)
         self.out_q: queue.Queue = queue.Queue()  # (output buffer, rows), then None or the error that ended the pass
         self.stop = threading.Event()
-
-    def _take(self, q: queue.Queue):
-        while not self.stop.is_set():
-            try:
-                return q.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        raise _Stopped
 
     def _reader(self) -> None:
         windows = self.windows
@@ -515,6 +525,8 @@ def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray,
 
     Returns the last stream block advised (pass it back in: each block is advised once).
     """
+    if not rows.size:
+        return advised
     block_idx = np.searchsorted(plan.row_starts_b, rows, side="right") - 1
     cuts = (np.flatnonzero(np.diff(block_idx)) + 1).tolist()
     for lo, hi in zip([0, *cuts], [*cuts, rows.size]):
@@ -529,7 +541,7 @@ def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray,
     return advised
 
 
-class _ReservoirPipeline:
+class _ReservoirPipeline(_Stoppable):
     """One pass of an EpochPlan: a reader thread preads stream rows into pool slots while a gather thread copies
     each batch's slots out (`torch.index_select`) into one of `N_OUT` reused batch buffers.
 
@@ -552,16 +564,8 @@ class _ReservoirPipeline:
         self.n_done = 0  # jobs read
         self.error: BaseException | None = None
         self.stop = threading.Event()
-        self.advised = -1  # stream blocks advised up to this one
+        self.advised = self.own_advised = -1  # stream blocks advised up to this one (reader, gather thread)
         self.threads: list[threading.Thread] = []
-
-    def _take(self, q: queue.Queue):
-        while not self.stop.is_set():
-            try:
-                return q.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        raise _Stopped
 
     def _wait_done(self, n_jobs: int) -> None:
         with self.cond:
@@ -575,7 +579,11 @@ class _ReservoirPipeline:
     def _reader(self) -> None:
         try:
             while (job := self._take(self.jobs)) is not None:
-                self.advised = _read_rows(self.view, self.plan, self.pool, *job, self.advised)
+                kind, slots, where = job
+                if kind == "read":
+                    self.advised = _read_rows(self.view, self.plan, self.pool, slots, where, self.advised)
+                else:  # "gather": half a batch of the drain
+                    torch.index_select(self.pool.rows, 0, slots, out=where)
                 with self.cond:
                     self.n_done += 1
                     self.cond.notify_all()
@@ -586,23 +594,34 @@ class _ReservoirPipeline:
                 self.error = err
                 self.cond.notify_all()
 
+    def _share_read(self, slots: np.ndarray, rows: np.ndarray, n_own: int) -> None:
+        """Queue a read job for the reader but read its first `n_own` rows here, at the same time (in steady state
+        the scattered reads cost about twice the gather, so this thread takes a quarter of them)."""
+        self.jobs.put(("read", slots[n_own:], rows[n_own:]))
+        self.own_advised = _read_rows(self.view, self.plan, self.pool, slots[:n_own], rows[:n_own], self.own_advised)
+
     def _gather(self) -> None:
         try:
             steps = self.plan.steps(self.start_batch)
             load = next(steps, None)
-            if load is not None:
-                self.jobs.put(load)
+            if load is not None:  # half each
+                self._share_read(*load, load[0].size // 2)
             n_jobs = 1
             for step in steps:
                 # the load, and every refill but the previous batch's (in the drain: every refill)
                 self._wait_done(max(1, n_jobs - 1) if step.refill_slots.size else n_jobs)
                 buf = self._take(self.out_free)
                 n = step.slots.size
-                torch.index_select(self.pool.rows, 0, torch.from_numpy(step.slots), out=buf[:n])
+                slots = torch.from_numpy(step.slots)
                 if step.refill_slots.size:
-                    rows = np.arange(step.refill_row, step.refill_row + step.refill_slots.size)
-                    self.jobs.put((step.refill_slots, rows))
-                    n_jobs += 1
+                    torch.index_select(self.pool.rows, 0, slots, out=buf[:n])
+                    k = step.refill_slots.size
+                    self._share_read(step.refill_slots, np.arange(step.refill_row, step.refill_row + k), k // 4)
+                else:  # the drain reads nothing: the reader gathers half of each batch
+                    self.jobs.put(("gather", slots[n // 2 :], buf[n // 2 : n]))
+                    torch.index_select(self.pool.rows, 0, slots[: n // 2], out=buf[: n // 2])
+                    self._wait_done(n_jobs + 1)
+                n_jobs += 1
                 self.out_q.put((buf, n))
             self.out_q.put(None)
         except _Stopped:
