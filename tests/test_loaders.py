@@ -164,7 +164,9 @@ def test_uneven_blocks_regression(shards_root):
 
 
 def test_newer_pass_stops_older(shard_dir, acts_nltd):
-    """Passes of one loader share its pool: a new pass stops the old one, which then says so."""
+    """Passes of one loader share its pool: a new pass stops the old one, which then says so. The caller keeps
+    its torch threads (the loader's threads set theirs to one)."""
+    n_threads = torch.get_num_threads()
     loader = _loader(shard_dir)
     old = loader.iter_batches(0)
     next(old)
@@ -172,6 +174,7 @@ def test_newer_pass_stops_older(shard_dir, acts_nltd):
     np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))
     with pytest.raises(SaeflowError, match="stopped by a newer pass"):
         next(old)
+    assert torch.get_num_threads() == n_threads
 
 
 def _uniform_distinct(n_ex: int, n_tok: int, batch_size: int) -> float:

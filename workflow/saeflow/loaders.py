@@ -541,6 +541,16 @@ def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray,
     return advised
 
 
+def _one_torch_thread(target: typing.Callable[[], None]) -> None:
+    """Run `target` with torch's intra-op parallelism off in this thread: the two pipeline threads already use both
+    cores of a small machine, and a parallel `index_select` on a busy one ran 4x slower than a serial one. With the
+    OpenMP backend the setting is per thread (the caller's training keeps its threads); with others it is global,
+    so it is left alone there."""
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        torch.set_num_threads(1)
+    target()
+
+
 class _ReservoirPipeline(_Stoppable):
     """One pass of an EpochPlan: a reader thread preads stream rows into pool slots while a gather thread copies
     each batch's slots out (`torch.index_select`) into one of `N_OUT` reused batch buffers.
@@ -633,7 +643,7 @@ class _ReservoirPipeline(_Stoppable):
 
     def __iter__(self) -> typing.Iterator[torch.Tensor]:
         self.threads = [
-            threading.Thread(target=target, name=f"saeflow-{name}", daemon=True)
+            threading.Thread(target=_one_torch_thread, args=(target,), name=f"saeflow-{name}", daemon=True)
             for name, target in (("reader", self._reader), ("gather", self._gather))
         ]
         for thread in self.threads:
