@@ -188,6 +188,7 @@ def main():
     print(f"memmap gather cold     {gather_rows_s / 1e6:6.4f} M vectors/s")
     print(f"ratio mixing: median distinct / uniform : {np.median(read) / uniform:.2f} (target >= 0.8)")
     print(f"ratio loader warm / 1M vectors/s target : {n_vec / t_warm / 1e6:.2f} (target >= 1)")
+    print(f"ratio loader warm / seq read warm       : {(gb / t_warm) / seq_warm:.2f} (the same machine's memory limit)")
     print(f"ratio loader cold / seq read cold       : {(gb / t_cold) / seq_cold:.2f} (target >= 0.85)")
     print(f"ratio loader cold / memmap gather cold  : {n_vec / t_cold / gather_rows_s:.1f}x")
 

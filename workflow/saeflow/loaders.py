@@ -606,7 +606,7 @@ class _ReservoirPipeline(_Stoppable):
 
     def _share_read(self, slots: np.ndarray, rows: np.ndarray, n_own: int) -> None:
         """Queue a read job for the reader but read its first `n_own` rows here, at the same time (in steady state
-        the scattered reads cost about twice the gather, so this thread takes a quarter of them)."""
+        the scattered reads cost 2-4x the gather, so this thread takes a third of them)."""
         self.jobs.put(("read", slots[n_own:], rows[n_own:]))
         self.own_advised = _read_rows(self.view, self.plan, self.pool, slots[:n_own], rows[:n_own], self.own_advised)
 
@@ -626,7 +626,7 @@ class _ReservoirPipeline(_Stoppable):
                 if step.refill_slots.size:
                     torch.index_select(self.pool.rows, 0, slots, out=buf[:n])
                     k = step.refill_slots.size
-                    self._share_read(step.refill_slots, np.arange(step.refill_row, step.refill_row + k), k // 4)
+                    self._share_read(step.refill_slots, np.arange(step.refill_row, step.refill_row + k), k // 3)
                 else:  # the drain reads nothing: the reader gathers half of each batch
                     self.jobs.put(("gather", slots[n // 2 :], buf[n // 2 : n]))
                     torch.index_select(self.pool.rows, 0, slots[: n // 2], out=buf[: n // 2])
