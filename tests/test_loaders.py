@@ -235,24 +235,25 @@ def test_plan_exactly_once_deterministic_resumable(sizes, n_tok, ex_per_block, b
     batch_size=st.integers(1, 25),
     pool_rows=st.integers(1, 60),
     start=st.integers(0, 5),
+    d=st.sampled_from([8, 256]),  # rows of 1 KiB use the pool's prebuilt row views
 )
 def test_loader_reads_what_the_plan_says(
-    n_ex, ex_per_shard, two_layers, tokens, ex_per_block, batch_size, pool_rows, start
+    n_ex, ex_per_shard, two_layers, tokens, ex_per_block, batch_size, pool_rows, start, d
 ):
     """On real directories of any shard/block sizes and layouts: every batch holds exactly the vectors its plan
     names, from any start batch (scattered reads into the pool, CLS/other-layer gaps, shard boundaries)."""
     Tx = 4
     ex, layer, tok = np.meshgrid(np.arange(n_ex), np.arange(1 + two_layers), np.arange(Tx), indexing="ij")
-    acts_nltd = ((ex * 1000 + layer * 100 + tok)[..., None] + np.arange(D) / 100).astype(np.float32)
+    acts_nltd = ((ex * 1000 + layer * 100 + tok)[..., None] + np.arange(d) / 1000).astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
         layers = (3, 7)[: 1 + two_layers]
         sd = write_shards(pathlib.Path(tmp), acts_nltd, layers=layers, cls_token=True, ex_per_shard=ex_per_shard)
         loader = ShuffledLoader(
             sd, layers[-1], batch_size, seed=start, tokens=tokens,
-            block_bytes=ex_per_block * Tx * D * 4, buffer_bytes=pool_rows * D * 4,
+            block_bytes=ex_per_block * Tx * d * 4, buffer_bytes=pool_rows * d * 4,
         )  # fmt: skip
         vectors = acts_nltd[:, -1, {"content": slice(1, Tx), "cls": slice(0, 1), "all": slice(0, Tx)}[tokens]]
-        vectors = vectors.reshape(-1, D)
+        vectors = vectors.reshape(-1, d)
         plan = loader.plan(2)
         want = [vectors[g] for g in plan.batches(start)]
         got = [b.clone().numpy() for b in loader.iter_batches(2, start)]

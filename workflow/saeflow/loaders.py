@@ -489,7 +489,7 @@ def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.
     new_buf = new_call | np.concatenate([[True], (gap != 0) | (np.diff(slots) != 1)])
     seg = np.flatnonzero(new_buf)
     seg_end = np.append(seg[1:], offsets.size)
-    if seg.size == slots.size:  # no two consecutive (the steady state): the slots' prebuilt views
+    if seg.size == slots.size and pool.row_views is not None:  # no two consecutive (steady state): prebuilt views
         bufs = [pool.row_views[s] for s in slots.tolist()]
     else:
         bufs = [pool.mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
@@ -516,7 +516,8 @@ class _Pool:
         self.rows = torch.from_numpy(np.empty((n_rows, view.d_model), dtype=view.dtype))
         self.mv = memoryview(self.rows.numpy().reshape(-1).view(np.uint8))
         rb = view.row_bytes
-        self.row_views = [self.mv[i * rb : (i + 1) * rb] for i in range(n_rows)]
+        # ~190 bytes each: worth it for rows of 1 KiB and more (d >= 256 float32), sliced on demand below that
+        self.row_views = [self.mv[i * rb : (i + 1) * rb] for i in range(n_rows)] if rb >= 1024 else None
         self.scratch_mv = memoryview(bytearray(max(1, view.n_tok) * rb))  # gaps read through (CLS rows)
 
 
