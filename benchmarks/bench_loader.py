@@ -6,7 +6,8 @@ Writes one synthetic saev shard directory (CLS + 196 patches per example, one la
 its example's index in its first component), then measures, in one run and on the same files:
   mixing              distinct examples per 4096-vector batch: read from the data (an epoch of the loader) and from
                       the loader's index-space plan, against the expectation under uniform sampling without
-                      replacement (target >= 0.8); then the plan alone for other buffer sizes, on this directory
+                      replacement (target >= 0.8), and under the old loader's policy (rows permuted within
+                      windows of 4 blocks); then the plan alone for other buffer sizes, on this directory
                       and on a larger one (index space only), and at saev's default reservoir size (64 batches)
   seq cold / warm     16 MiB sequential reads into a reused buffer, dd-style (the limit for streaming the data)
   loader warm         ShuffledLoader epoch from the page cache: vectors/s (target >= 1M at d=768) and GB/s
@@ -116,6 +117,21 @@ def memmap_gather(sd: ShardDir, seconds: float, batch_size: int) -> float:
     return n / spent
 
 
+def distinct_old_windows(loader: ShuffledLoader, window_blocks: int = 4) -> np.ndarray:
+    """Distinct examples per full batch under the old policy (rows permuted within windows of 4 permuted blocks)."""
+    rng = np.random.default_rng(0)
+    ex_starts = np.asarray(loader.view.sd.shard_starts)[[b.shard_idx for b in loader.block_list]]
+    ex_starts = ex_starts + np.array([b.ex_start for b in loader.block_list])
+    order = rng.permutation(len(loader.block_list))
+    examples = []
+    for i in range(0, order.size, window_blocks):
+        window = order[i : i + window_blocks]
+        ex = np.concatenate([np.arange(ex_starts[j], ex_starts[j] + loader.block_list[j].n_ex) for j in window])
+        examples.append(rng.permutation(np.repeat(ex, loader.view.n_tok)))
+    stream, bs = np.concatenate(examples), loader.batch_size
+    return np.array([np.unique(stream[i : i + bs]).size for i in range(0, stream.size - bs + 1, bs)])
+
+
 def mixing_table(loader: ShuffledLoader, big_gib: float, row_bytes: int) -> None:
     """Median distinct examples per batch from the plan alone, for several buffer sizes, here and on a bigger set."""
     bs, n_tok = loader.batch_size, loader.view.n_tok
@@ -168,6 +184,7 @@ def main():
         t_cold, _ = loader_epoch(loader, 2)
         read = distinct_read(loader, 3)
         planned = distinct_planned(loader.plan(3), PATCHES)
+        old = distinct_old_windows(loader)
         pool_gb = loader.plan(3).n_pool * row_bytes / 1e9
         mixing_table(loader, args.big_gib, row_bytes)
         loader.close()
@@ -180,7 +197,8 @@ def main():
     gb = n_vec * row_bytes / 1e9
     print(f"\nloader pool            {pool_gb:6.2f} GB (--buffer-gib {args.buffer_gib:g}; RAM beside 4 batch buffers)")
     print(f"distinct ex / batch    read: median {np.median(read):.0f}, 10th pct {np.percentile(read, 10):.0f}, min")
-    print(f"                       {read.min()}; plan: median {np.median(planned):.0f}; uniform: {uniform:.0f}")
+    print(f"                       {read.min()}; plan: median {np.median(planned):.0f}; uniform: {uniform:.0f};")
+    print(f"                       the old window loader's policy: median {np.median(old):.0f}")
     print(f"seq read cold          {seq_cold:6.2f} GB/s")
     print(f"seq read warm          {seq_warm:6.2f} GB/s")
     print(f"loader warm            {n_vec / t_warm / 1e6:6.2f} M vectors/s  {gb / t_warm:6.2f} GB/s")
