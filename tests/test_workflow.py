@@ -101,7 +101,7 @@ def test_changing_one_hyperparameter_reruns_only_that_run(prepared, tmp_path):
     cfg = tiny_config(k=(4, 12))  # the second point of the sweep changes
     proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
     counts = job_counts(proc.stdout)
-    assert counts == {"create_run": 1, "train": 1, "inference": 1, "summary": 1, "all": 1}, proc.stdout
+    assert counts == {"create_run": 1, "train": 1, "inference": 1, "evaluate": 1, "summary": 1, "all": 1}, proc.stdout
     new_run = run_plans(cfg, prepared["hash"])[1].run_id
     assert new_run not in prepared["run_ids"] and new_run in proc.stdout
     kept_run = prepared["run_ids"][0]
