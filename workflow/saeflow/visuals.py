@@ -251,10 +251,10 @@ def draw_image_grid(examples: ImageExamples, top, acts_kt: np.ndarray, labels_kp
 
 
 def _overlay_heatmap(img: Image.Image, a_hw: np.ndarray, tile_px: int) -> Image.Image:
-    """Patches where the latent is silent are dimmed; firing patches are tinted (inferno, opaque with strength) and
+    """Patches where the latent is silent are dimmed; firing patches are tinted (inferno, more opaque when stronger) and
     the strongest patch is outlined, so the heatmap reads at a glance over any image."""
-    heat = _cmap_rgba("inferno", 0.35 + 0.65 * a_hw)
-    heat[..., 3] = np.where(a_hw > 0, 70 + 150 * a_hw, 150).astype(np.uint8)
+    heat = _cmap_rgba("inferno", 0.3 + 0.7 * a_hw)
+    heat[..., 3] = np.where(a_hw > 0, 40 + 170 * a_hw, 140).astype(np.uint8)
     heat[a_hw <= 0, :3] = 0
     img = Image.alpha_composite(img, Image.fromarray(heat, "RGBA").resize((tile_px, tile_px), Image.Resampling.NEAREST))
     side = a_hw.shape[0]
