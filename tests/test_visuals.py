@@ -195,6 +195,29 @@ def test_lm_pages_data_detokenize_and_rank_promoted_tokens(lm_visuals, tiny_lm_d
     assert entry["promote"][0][1] == pytest.approx(float(scores.max()), rel=1e-4)
     assert entry["suppress"][0][1] == pytest.approx(float(scores.min()), rel=1e-4)
     assert "unembedding" in data["meta"]["vocab_note"]
+    # The Neuronpedia export has exactly the keys of SAEDashboard's NeuronpediaDashboardBatch/Feature/Activation.
+    batch = json.loads((out / visuals.NEURONPEDIA_FNAME).read_text())
+    assert set(batch) == {"model_id", "layer", "sae_set", "features"} and batch["layer"] == 1
+    feature = next(f for f in batch["features"] if f["feature_index"] == int(latent))
+    assert set(feature) == NEURONPEDIA_FEATURE_KEYS
+    assert feature["pos_str"] == [t for t, _ in entry["promote"]]
+    assert feature["frac_nonzero"] == data["freq"][int(latent)]
+    assert sum(feature["freq_hist_data_bar_heights"]) == sum(entry["hist"]["counts"])
+    first = feature["activations"][0]
+    assert set(first) == {"bin_min", "bin_max", "bin_contains", "tokens", "values"}
+    assert (first["bin_min"], first["bin_contains"]) == (-1, -1) and len(first["tokens"]) == len(first["values"])
+    assert [a["bin_contains"] for a in feature["activations"]][-1] == 0.25  # the lowest quantile band
+
+
+# sae_dashboard/neuronpedia/neuronpedia_dashboard.py, NeuronpediaDashboardFeature.to_dict()
+NEURONPEDIA_FEATURE_KEYS = {
+    "feature_index", "neuron_alignment_indices", "neuron_alignment_values", "neuron_alignment_l1",
+    "correlated_neurons_indices", "correlated_neurons_l1", "correlated_neurons_pearson", "correlated_features_indices",
+    "correlated_features_l1", "correlated_features_pearson", "neg_str", "neg_values", "pos_str", "pos_values",
+    "frac_nonzero", "freq_hist_data_bar_values", "freq_hist_data_bar_heights", "logits_hist_data_bar_heights",
+    "logits_hist_data_bar_values", "n_prompts_total", "n_tokens_in_prompt", "dataset", "decoder_weights_dist",
+    "activations",
+}  # fmt: skip
 
 
 def test_lm_pages_read_well_in_headless_chromium(lm_visuals, tmp_path):
