@@ -91,15 +91,16 @@ def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp
     ("spec", "keys"),
     [
         (text_spec("gpt2", layers=[1]), ("ce_loss_recovered", "kl_score")),
+        (text_spec("gpt2", layers=[1], compute_dtype="bfloat16"), ("ce_loss_recovered", "kl_score")),
         (text_spec("bert", layers=[1]), ("pooled_cos_recovered", "pooled_rel_err_recovered", "cls_cos_recovered")),
         (vision_spec("vit", layers=[1]), ("pooled_cos_recovered", "pooled_rel_err_recovered", "cls_rel_err_recovered")),
         (vision_spec("dinov2_with_registers", layers=[1]), ("pooled_cos_recovered", "cls_cos_recovered")),
     ],
-    ids=["gpt2", "bert", "vit", "dinov2-registers"],
+    ids=["gpt2", "gpt2-bf16", "bert", "vit", "dinov2-registers"],
 )
 def test_known_answers_identity_and_zero_reconstruction(spec, keys):
     plan = extract.plan(typed(spec))
-    m = evaluate.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
+    m = evaluate.load_model(plan.info, plan.spec.model, plan.spec.compute_dtype, torch.device("cpu"))
     identity = evaluate.three_passes(m, plan, 1, "content", lambda x: x, 3, 2, "cpu", progress=False)
     zero = evaluate.three_passes(m, plan, 1, "content", torch.zeros_like, 3, 2, "cpu", progress=False)
     for key in keys:
