@@ -548,19 +548,54 @@ class _Pen:
 
 
 def vocab_matrix(family: str, name: str) -> tuple[torch.Tensor, str]:
-    """(vocabulary x d_model matrix, what it is): a causal LM's unembedding, else the input word embeddings."""
+    """(vocabulary x d_model matrix, what it is): a causal LM's unembedding, else the input word embeddings.
+
+    Only that one tensor is read from the checkpoint's safetensors (a 7B model is not loaded to read its LM head);
+    a checkpoint without safetensors is loaded whole.
+    """
     import transformers
 
     from saeflow.evaluate import CAUSAL_FAMILIES
 
-    if family in CAUSAL_FAMILIES:
-        lm = transformers.AutoModelForCausalLM.from_pretrained(name)
-        return lm.get_output_embeddings().weight.detach().float(), "unembedding (the LM head)"
-    enc = transformers.AutoModel.from_pretrained(name)
-    return enc.get_input_embeddings().weight.detach().float(), (
+    causal = family in CAUSAL_FAMILIES
+    what = "unembedding (the LM head)" if causal else (
         "input word embeddings: an encoder has no unembedding, so these are the tokens whose embeddings the "
         "decoder direction points towards / away from, not a logit effect"
     )
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    with torch.device("meta"):
+        skeleton = auto.from_config(transformers.AutoConfig.from_pretrained(name))
+    weight = (skeleton.get_output_embeddings() if causal else skeleton.get_input_embeddings()).weight
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is weight]
+    prefix = f"{skeleton.base_model_prefix}."
+    keys = [*names, *(n.removeprefix(prefix) for n in names), *(prefix + n for n in names)]
+    tensor = _safetensors_tensor(name, keys)
+    if tensor is None:
+        model = auto.from_pretrained(name)
+        tensor = (model.get_output_embeddings() if causal else model.get_input_embeddings()).weight.detach()
+    return tensor.float(), what
+
+
+def _safetensors_tensor(name: str, keys: list[str]) -> torch.Tensor | None:
+    """The first of `keys` stored in the checkpoint's safetensors (single file or sharded index), else None."""
+    from safetensors import safe_open
+
+    from saeflow import models
+
+    index_fpath = models.model_file(name, None, "model.safetensors.index.json")
+    if index_fpath is not None:
+        weight_map = models.read_json(index_fpath).get("weight_map", {})
+        files = {key: weight_map[key] for key in keys if key in weight_map}
+    else:
+        files = dict.fromkeys(keys, "model.safetensors")
+    for key, fname in files.items():
+        fpath = models.model_file(name, None, fname)
+        if fpath is None:
+            return None
+        with safe_open(str(fpath), framework="pt") as st:
+            if key in st.keys():
+                return st.get_tensor(key)
+    return None
 
 
 def vocab_effects(cfg: Config, examples, family: str, model, chosen: list[int]) -> tuple[dict, str]:
