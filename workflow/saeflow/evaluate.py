@@ -202,15 +202,17 @@ class Scores:
         return self.sums[name] / self.counts[name]
 
 
-def score_lm(scores: Scores, logits: dict[str, torch.Tensor], ids_bt: torch.Tensor) -> None:
-    """Per-token CE of each pass and KL(clean || pass), over next-token predictions at positions 0..T-2."""
+def next_token_logp(logits_btv: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (B*(T-1), V) of the next-token predictions at positions 0..T-2."""
+    return torch.log_softmax(logits_btv[:, :-1].reshape(-1, logits_btv.shape[-1]), dim=-1)
+
+
+def score_lm(scores: Scores, mode: str, logp_nv: torch.Tensor, logp_clean_nv: torch.Tensor, ids_bt: torch.Tensor):
+    """Per-token CE of one pass and, for spliced/ablated, KL(clean || pass)."""
     targets_n = ids_bt[:, 1:].reshape(-1)
-    logp = {mode: torch.log_softmax(lg[:, :-1].reshape(-1, lg.shape[-1]), dim=-1) for mode, lg in logits.items()}
-    for mode, lp in logp.items():
-        scores.add(f"ce_{mode}", -lp.gather(1, targets_n[:, None])[:, 0])
-    p_clean = logp["clean"].exp()
-    for mode in ("spliced", "ablated"):
-        scores.add(f"kl_{mode}", (p_clean * (logp["clean"] - logp[mode])).sum(-1))
+    scores.add(f"ce_{mode}", -logp_nv.gather(1, targets_n[:, None])[:, 0])
+    if mode != "clean":
+        scores.add(f"kl_{mode}", (logp_clean_nv.exp() * (logp_clean_nv - logp_nv)).sum(-1))
 
 
 def score_embeddings(scores: Scores, hidden: dict[str, torch.Tensor], has_cls: bool) -> None:
@@ -262,10 +264,14 @@ def three_passes(
             hi = min(lo + batch_size, n_ex)
             inputs = batch(lo, hi).to(device)
             mask_bt = splice_mask(plan, tokens, ids_nt, lo, hi).to(device)
-            outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn) for mode, fn in replace.items()}
-            if m.causal:
-                score_lm(scores, outs, inputs)
+            if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
+                logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None))
+                for mode, fn in replace.items():
+                    logp = logp_clean if fn is None else next_token_logp(spliced_forward(m, layer, inputs, mask_bt, fn))
+                    score_lm(scores, mode, logp, logp_clean, inputs)
+                    del logp
             else:
+                outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn) for mode, fn in replace.items()}
                 score_embeddings(scores, outs, has_cls)
             bar.update(hi - lo)
     return summarize(scores, m.causal)
