@@ -48,6 +48,8 @@ def test_text_visuals(text_visuals):
     ctx = data["drawn"][str(drawn[0])]["contexts"][0]
     assert ctx["tokens"] and all(isinstance(t, str) and not t.startswith("#") for t in ctx["tokens"])  # decoded
     assert max(ctx["acts"]) == pytest.approx(data["drawn"][str(drawn[0])]["top"][0][2], rel=1e-3)
+    # MiniLM's word embeddings are 384-wide, this SAE 8: the page says why it lists no promoted tokens.
+    assert "promoted tokens unavailable" in data["meta"]["vocab_note"] and "d=384" in data["meta"]["vocab_note"]
 
 
 def test_vision_visuals_with_patch_labels(tmp_path):
@@ -78,6 +80,11 @@ def test_vision_visuals_with_patch_labels(tmp_path):
         # tiles of a 64 px image over 64 px of patch labels (GeneratedImages writes labels.bin)
         assert img.size == (cols * 64, rows * 128) and img.mode == "RGB"
         assert np.asarray(img).std() > 5  # not blank
+    data = json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+    bands = data["drawn"]["0"]["quantiles"]
+    assert [b["q"] for b in bands] == [[75, 100], [50, 75], [25, 50], [0, 25]]
+    assert all((out / b["png"]).is_file() for b in bands if b["rows"]) and bands[0]["rows"]
+    assert "promote" not in data["drawn"]["0"] and not (out / visuals.NEURONPEDIA_FNAME).exists()  # text only
 
 
 def test_selection_and_errors(text_visuals, capsys):
