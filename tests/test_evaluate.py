@@ -108,6 +108,16 @@ def test_known_answers_identity_and_zero_reconstruction(spec, keys):
         assert zero[key] == pytest.approx(0.0, abs=1e-9), key
     _, ids_nt = evaluate.example_inputs(plan, 2)
     mask_bt = evaluate.splice_mask(plan, "content", ids_nt, 0, 2)
+    # The prefix replayed from the clean pass gives exactly what running every block again gives.
+    batch, _ = evaluate.example_inputs(plan, 2)
+    prefix = {}
+    clean = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None, prefix)
+    assert sorted(prefix) == [0, 1]
+    assert torch.equal(clean, evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None))
+    for fn in (torch.zeros_like, lambda x: 2 * x):
+        replayed = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, fn, prefix)
+        assert torch.equal(replayed, evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, fn))
+    assert "forward" not in m.blocks[0].__dict__  # the blocks are restored
     if ids_nt is not None:  # text: [BOS] body with EOS between documents; the specials (ids 1, 2) stay clean
         assert plan.packing.prefix == (1,) and plan.packing.separator == (2,)
         assert torch.equal(mask_bt, torch.from_numpy(ids_nt[:2] > 2)) and not mask_bt[:, 0].any()

@@ -32,10 +32,12 @@ has a CLS token: vision CLS, or the [CLS]/<s> every text encoder example starts 
     <which>_cos_recovered = (cos_spliced - cos_ablated) / (1 - cos_ablated)
     <which>_rel_err_recovered = (rel_err_ablated - rel_err_spliced) / rel_err_ablated
 
-A ratio whose denominator is 0 (the ablation changes nothing) is null. The three passes run the whole model: the
-output is what is scored, so no early exit is possible; the prefix up to `layer` runs three times.
+A ratio whose denominator is 0 (the ablation changes nothing) is null. The output is what is scored, so every pass
+runs to the end of the model; but the blocks up to `layer` run once: the clean pass records their outputs and the
+spliced and ablated passes replay them (identical inputs give identical outputs), running only the later blocks.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -164,13 +166,41 @@ def splice_mask(plan: extract.Plan, tokens: str, ids_nt: np.ndarray | None, lo: 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _prefix(blocks: torch.nn.ModuleList, layer: int, outputs: dict, record: bool) -> typing.Iterator[None]:
+    """Record the outputs of blocks 0..layer (the clean pass), or replay them: each block's forward returns its
+    recorded output without computing, so the spliced and ablated passes run only the blocks after `layer`.
+
+    The three passes see identical inputs up to block `layer`, so the replayed outputs are exactly the ones the
+    blocks would compute again (the "early exit" a splice allows: the prefix runs once, not three times).
+    """
+    handles, patched = [], []
+    try:
+        for k in range(layer + 1):
+            block = blocks[k]
+            if record:
+                handles.append(block.register_forward_hook(lambda mod, args, out, k=k: outputs.__setitem__(k, out)))
+            else:
+                patched.append((block, block.__dict__.get("forward")))
+                block.forward = lambda *args, _out=outputs[k], **kwargs: _out
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block, original in patched:
+            if original is None:
+                del block.forward
+            else:
+                block.forward = original
+
+
 def spliced_forward(
-    m: Spliceable, layer: int, inputs: torch.Tensor, mask_bt: torch.Tensor, replace: Reconstruct | None
+    m: Spliceable, layer: int, inputs: torch.Tensor, mask_bt: torch.Tensor, replace: Reconstruct | None,
+    prefix: dict | None = None,
 ) -> torch.Tensor:
-    """The model's output with block `layer`'s output at `mask_bt` replaced by `replace(x)` (None: clean)."""
-    if replace is None:
-        with torch.inference_mode():
-            return m.forward(inputs)
+    """The model's output with block `layer`'s output at `mask_bt` replaced by `replace(x)`. `replace=None` is the
+    clean pass, which records blocks 0..layer into `prefix`; the other passes replay them (prefix None: neither,
+    every block runs)."""
 
     def hook(module, args, output):
         hidden = output[0] if isinstance(output, (tuple, list)) else output
@@ -179,12 +209,15 @@ def spliced_forward(
         new[mask_bt] = replace(x_nd).to(hidden.dtype)
         return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
 
-    handle = m.blocks[layer].register_forward_hook(hook)
-    try:
-        with torch.inference_mode():
+    reuse = contextlib.nullcontext() if prefix is None else _prefix(m.blocks, layer, prefix, record=replace is None)
+    with reuse, torch.inference_mode():
+        if replace is None:
             return m.forward(inputs)
-    finally:
-        handle.remove()
+        handle = m.blocks[layer].register_forward_hook(hook)
+        try:
+            return m.forward(inputs)
+        finally:
+            handle.remove()
 
 
 class Scores:
@@ -264,14 +297,16 @@ def three_passes(
             hi = min(lo + batch_size, n_ex)
             inputs = batch(lo, hi).to(device)
             mask_bt = splice_mask(plan, tokens, ids_nt, lo, hi).to(device)
+            prefix: dict = {}  # blocks 0..layer of the clean pass, replayed by the other two
             if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
-                logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None))
+                logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None, prefix))
                 for mode, fn in replace.items():
-                    logp = logp_clean if fn is None else next_token_logp(spliced_forward(m, layer, inputs, mask_bt, fn))
+                    logits = None if fn is None else spliced_forward(m, layer, inputs, mask_bt, fn, prefix)
+                    logp = logp_clean if fn is None else next_token_logp(logits)
                     score_lm(scores, mode, logp, logp_clean, inputs)
-                    del logp
+                    del logits, logp
             else:
-                outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn) for mode, fn in replace.items()}
+                outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn, prefix) for mode, fn in replace.items()}
                 score_embeddings(scores, outs, has_cls)
             bar.update(hi - lo)
     return summarize(scores, m.causal)
