@@ -11,9 +11,9 @@ from builders import text_spec, typed, vision_spec
 from saeflow import cli, evaluate, extract, runs, sae
 
 
-def _spec_config(tmp_path, spec: dict):
+def _spec_config(tmp_path, spec: dict, **others: dict):
     fpath = tmp_path / "val.yaml"
-    fpath.write_text(yaml.safe_dump({"activations": {"val": spec}}))
+    fpath.write_text(yaml.safe_dump({"activations": {**others, "val": spec}}))
     return fpath
 
 
@@ -39,7 +39,9 @@ def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp
             "context_length": 16, "device": "cpu"}  # fmt: skip
     model = _random_sae(32)
     run = _run(tmp_path, spec, 0, model)
-    argv = ["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--n-tokens", "70",
+    # A config with another activation too: evaluate picks the one that plans the run's validation shards.
+    config_fpath = _spec_config(tmp_path, spec, other=text_spec("gpt2", layers=[1]))
+    argv = ["evaluate", "--run", str(run.root), str(config_fpath), "--n-tokens", "70",
             "--batch-size", "2", "--no-progress", "--device", "cpu"]  # fmt: skip
     assert cli.main(argv) == 0
     out = json.loads(run.evaluation_fpath(run.config()["val_shards"]).read_text())
@@ -142,3 +144,6 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "validated on shards" in err and "config.json" in err
     assert sorted(p.name for p in run.root.rglob("*")) == before
+    config_fpath = _spec_config(tmp_path, other, also=text_spec("gpt2", layers=[1], context_length=12))
+    assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--no-progress"]) == 1
+    assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err

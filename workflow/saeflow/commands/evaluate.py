@@ -24,18 +24,23 @@ def register(subparsers):
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG",
                    help="a config holding the run's validation activation spec (the workflow passes its per-shard "
                    "config); its planned shard hash must be the run's val_shards")
-    p.add_argument("--activation", metavar="NAME", help="which `activations` entry (optional when there is one)")
+    p.add_argument("--activation", metavar="NAME",
+                   help="which `activations` entry (default: the one that plans the run's validation shards)")
     config.add_section_options(p, "evaluate")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from saeflow import evaluate, specs
+    from saeflow import evaluate, runs, specs
     from saeflow.errors import SaeflowError
 
+    run = runs.open_run(args.run)
     cfg_dict = config.load(args.config)
-    name, spec = config.pick(cfg_dict["activations"], args.activation, "activation")
+    activations = cfg_dict["activations"]
+    if args.activation is None and len(activations) > 1:
+        args.activation = _validation_activation(run, activations, args.config)
+    name, spec = config.pick(activations, args.activation, "activation")
     try:
         typed = specs.ActivationSpec.from_dict(spec)
     except SaeflowError as err:
@@ -43,3 +48,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     cfg = config.from_args(evaluate.Config, args, spec=typed, progress=not args.no_progress)
     print(evaluate.run_evaluation(cfg))
     return 0
+
+
+def _validation_activation(run, activations: dict, config_fpath: pathlib.Path) -> str:
+    """The name of the activation spec that plans the run's validation shards (planning reads no weights)."""
+    from saeflow import extract, specs
+    from saeflow.errors import SaeflowError
+
+    run_cfg = run.config()
+    val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
+    for name, spec in activations.items():
+        if extract.plan_activation(specs.ActivationSpec.from_dict(spec)).hash == val_hash:
+            return name
+    raise SaeflowError(
+        f"{config_fpath}: none of its activations ({', '.join(activations)}) plans the run's validation shards "
+        f"{val_hash} ({run.config_fpath})"
+    )
