@@ -92,12 +92,17 @@ def dry_run(workdir, cfg: dict, *args, **kwargs) -> set[str]:
 
 
 def new_run_jobs(plan: WorkflowPlan, run_ids) -> set[str]:
-    """The jobs of runs not made yet: create_run, train, inference (and the summary, and `all` above them)."""
+    """The jobs of runs not made yet: create_run, train, inference, evaluate (and the summary, and `all`)."""
     jobs = {"summary", "all"}
     for run_id in run_ids:
-        shard_hash = plan.shard_hash[plan.runs[run_id].val_activation]
-        jobs |= {f"create_run:{run_id}", f"train:{run_id}", f"inference:{run_id}/{shard_hash}"}
+        jobs |= {f"create_run:{run_id}", f"train:{run_id}"} | checkpoint_jobs(plan, run_id)
     return jobs
+
+
+def checkpoint_jobs(plan: WorkflowPlan, run_id: str) -> set[str]:
+    """What follows a run's sae.pt: its dump (inference + visuals) and its splice evaluation."""
+    shard_hash = plan.shard_hash[plan.runs[run_id].val_activation]
+    return {f"inference:{run_id}/{shard_hash}", f"evaluate:{run_id}/{shard_hash}"}
 
 
 PAPER_SNAKEFILE = """\
@@ -210,15 +215,16 @@ NAMES_ONLY = {"summary", "all"}  # what a change of names or of the set of runs 
         pytest.param(_rename_activation, set(), id="rename-activation"),
         pytest.param(_extraction("batch_size", 5), set(), id="neutral-extraction-key"),
         pytest.param(lambda cfg: cfg.update(train={"checkpoint_every": 7}), set(), id="train-settings"),
-        pytest.param(lambda cfg: cfg["visuals"].update(n_latents=3), "inference-settings", id="visuals-settings"),
+        pytest.param(lambda cfg: cfg["visuals"].update(n_latents=3), "inference", id="visuals-settings"),
+        pytest.param(lambda cfg: cfg.update(evaluate={"batch_size": 3}), "evaluate", id="evaluate-settings"),
         pytest.param(lambda cfg: cfg.update(summary_dir="elsewhere"), {"summary", "all"}, id="moved-summary-dir"),
     ],
 )  # fmt: skip
 def test_change_reruns_exactly(tree, edit, expected):
     cfg = variant(edit)
     plan = plan_of(cfg)
-    if expected == "inference-settings":
-        expected = new_run_jobs(plan, plan.runs) - {f"{s}:{r}" for r in plan.runs for s in ("create_run", "train")}
+    if expected in ("inference", "evaluate"):  # a stage's settings: that stage of every run, then the summary
+        expected = {"summary", "all"} | {f"{expected}:{r}/{plan.shard_hash['text']}" for r in plan.runs}
     assert dry_run(tree["workdir"], cfg) == expected
 
 
@@ -274,7 +280,7 @@ def test_purged_file_reruns_its_job_and_what_follows(tree, tmp_path):
     assert dry_run(workdir, BASE) == {"summary", "all"}
     sae_fpath = RunLayout.at(workdir / "runs", run_id).sae_fpath
     sae_fpath.unlink()
-    assert dry_run(workdir, BASE) == {f"train:{run_id}", f"inference:{run_id}/{shard_hash}", "summary", "all"}
+    assert dry_run(workdir, BASE) == {f"train:{run_id}", "summary", "all"} | checkpoint_jobs(plan, run_id)
 
 
 # -- real runs, as root and as an unprivileged user --------------------------------------------------------------
@@ -314,7 +320,7 @@ def test_changed_checkpoint_rebuilds_its_dump_in_one_call(tree, tmp_path, user):
     run_a.sae_fpath.chmod(0o644)
     shutil.copyfile(run_b.sae_fpath, run_a.sae_fpath)  # a retrained checkpoint, as far as the dump can tell
     new_sha256 = hashlib.sha256(run_a.sae_fpath.read_bytes()).hexdigest()
-    assert dry_run(workdir, BASE) == {f"inference:{run_a.root.name}/{shard_hash}", "summary", "all"}
+    assert dry_run(workdir, BASE) == {"summary", "all"} | checkpoint_jobs(plan, run_a.root.name)
     summary_mtime = (workdir / "summary" / "summary.csv").stat().st_mtime
     snakemake(workdir, tree["config"], preexec=preexec)
     dump = run_a.dump(shard_hash)

@@ -20,7 +20,7 @@ from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
 from saeflow.specs import ActivationSpec, ExportSpec
 
-SETTINGS_SECTIONS = ("train", "inference", "visuals")  # passed to the CLI as flags (config.section_flags)
+SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
 
 
 def expand_path(value: str, key: str) -> pathlib.Path:
@@ -168,6 +168,7 @@ class WorkflowPlan:
         # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):
         # the settings of inference and visuals, and the runs and names the summary shows.
         configs[self.cli_config("stages", "inference")] = {s: self.cfg.settings[s] for s in ("inference", "visuals")}
+        configs[self.cli_config("stages", "evaluate")] = {"evaluate": self.cfg.settings["evaluate"]}
         configs[self.cli_config("stages", "summary")] = {
             "runs": sorted(str(self.run(run_id).root) for run_id in self.runs),
             "labels": {run_id: f"{plan.sae_name}[{plan.index}]" for run_id, plan in sorted(self.runs.items())},
