@@ -44,6 +44,7 @@ BASE = {
     "saes": {"topk": {"train": "text", "layer": 1, "arch": "topk", "expansion": 2, "k": [4, 8], "aux_k": 8,
                       "batch_size": 64}},
     "visuals": {"n_latents": 2, "top_k": 2},
+    "evaluate": {"n_tokens": 32},
 }  # fmt: skip
 
 
@@ -216,7 +217,7 @@ NAMES_ONLY = {"summary", "all"}  # what a change of names or of the set of runs 
         pytest.param(_extraction("batch_size", 5), set(), id="neutral-extraction-key"),
         pytest.param(lambda cfg: cfg.update(train={"checkpoint_every": 7}), set(), id="train-settings"),
         pytest.param(lambda cfg: cfg["visuals"].update(n_latents=3), "inference", id="visuals-settings"),
-        pytest.param(lambda cfg: cfg.update(evaluate={"batch_size": 3}), "evaluate", id="evaluate-settings"),
+        pytest.param(lambda cfg: cfg["evaluate"].update(batch_size=3), "evaluate", id="evaluate-settings"),
         pytest.param(lambda cfg: cfg.update(summary_dir="elsewhere"), {"summary", "all"}, id="moved-summary-dir"),
     ],
 )  # fmt: skip
