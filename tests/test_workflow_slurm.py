@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from saeflow import cli
 from saeflow.commands.workflow import install_profile
 from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
@@ -17,18 +19,16 @@ from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_confi
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
 
 
-def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
-    profile = install_profile("PAS1234", tmp_path / "profile" / "osc")
-    cfg = tiny_config(k=(4,))
-    config_fpath = write_config(tmp_path, cfg)
+def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets):
+    """Snakemake with `profile` against the fake Slurm commands; the sbatch command lines, keyed by rule (a list)."""
     state = tmp_path / "slurm"
-    state.mkdir()
+    state.mkdir(exist_ok=True)
     proc = subprocess.run(
         [
             sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
             "--configfile", str(config_fpath), "--profile", str(profile),
             "--config", f"shards_root={tmp_path / 'scratch'}", f"runs_root={tmp_path / 'ess'}",
-            "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
+            "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1", *targets,
         ],  # fmt: skip
         env=env(
             PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}",
@@ -40,13 +40,20 @@ def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-
     calls = [json.loads(line) for line in (state / "sbatch_calls.jsonl").read_text().splitlines()]
     by_rule = {}
     for argv in calls:
         line = " ".join(argv)
         rule = line.split("--comment ")[1].split()[0].strip("'\"").removeprefix("rule_").split("_wildcards")[0]
-        by_rule[rule] = line
+        by_rule.setdefault(rule, []).append(line)
+    return by_rule
+
+
+def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
+    profile = install_profile("PAS1234", tmp_path / "profile" / "osc")
+    cfg = tiny_config(k=(4,))
+    config_fpath = write_config(tmp_path, cfg)
+    by_rule = {rule: lines[0] for rule, lines in _run_through_fake_slurm(tmp_path, profile, config_fpath).items()}
     # create_run and summary are local rules: they never reach Slurm.
     assert set(by_rule) == {"extract", "train", "inference"}, sorted(by_rule)
     for line in by_rule.values():
@@ -94,3 +101,46 @@ def test_no_default_profile_is_shipped():
     """profiles/default/ would be picked up automatically and override --profile keys."""
     assert not (REPO_ROOT / "profiles" / "default").exists()
     assert pathlib.Path(REPO_ROOT / "profiles" / "osc" / "config.yaml").is_file()
+
+
+def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resumes(tmp_path, monkeypatch):
+    """4 part jobs + 1 seal job through the profile; the directory equals one job's, byte for byte; a part that
+    crashed before the workflow ran resumes from its last complete shard (the other parts start from nothing)."""
+    from builders import file_bytes
+    from saeflow import extract, models
+    from saeflow.specs import ActivationSpec
+
+    cfg = tiny_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
+    act = cfg["activations"]["docs"]
+    act.update(parts=4, batch_size=2)
+    spec = ActivationSpec.from_dict(act)
+    one_job = extract.extract(spec, tmp_path / "one-job", progress=False).dpath
+
+    real_run, calls = models.Adapter.run, []
+
+    def crashing_run(self, batch, layers):
+        calls.append(1)
+        if len(calls) == 3:  # part 1 is shards 2 and 3: dies in shard 3 after shard 2 is complete
+            raise RuntimeError("killed")
+        return real_run(self, batch, layers)
+
+    monkeypatch.setattr(models.Adapter, "run", crashing_run)
+    with pytest.raises(RuntimeError, match="killed"):
+        extract.extract(spec, tmp_path / "scratch", progress=False, part=(1, 4))
+    monkeypatch.setattr(models.Adapter, "run", real_run)
+
+    profile = install_profile("PAS1234", tmp_path / "profile" / "osc")
+    config_fpath = write_config(tmp_path, cfg)
+    target = tmp_path / "scratch" / one_job.name / "shards.json"
+    by_rule = _run_through_fake_slurm(tmp_path, profile, config_fpath, str(target))
+    assert sorted(by_rule) == ["extract_part", "extract_seal"], sorted(by_rule)
+    assert len(by_rule["extract_part"]) == 4 and len(by_rule["extract_seal"]) == 1
+    for line in by_rule["extract_part"]:
+        assert "--gpus=1" in line or "--gres=gpu:1" in line, line
+    assert "gpu" not in by_rule["extract_seal"][0], by_rule["extract_seal"][0]  # verifying and renaming needs none
+
+    assert file_bytes(target.parent) == file_bytes(one_job)
+    prov = json.loads((target.parent / "provenance.json").read_text())
+    assert [p["resumed_from_ex"] for p in prov["parts"]] == [0, 4, 0, 0]
+    assert len({p["slurm_job_id"] for p in prov["parts"]}) == 4  # each part ran in its own job
+    assert not (tmp_path / "scratch" / f".{one_job.name}.parts").exists()

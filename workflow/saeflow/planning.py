@@ -18,6 +18,7 @@ import pathlib
 from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
+from saeflow.shards import parts
 from saeflow.specs import ActivationSpec, ExportSpec
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals")  # passed to the CLI as flags (config.section_flags)
@@ -74,12 +75,16 @@ class WorkflowPlan:
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
-        self.shard_hash = {name: _typed(lambda s: extract.plan_activation(s).hash, spec, f"activations.{name}")
-                           for name, spec in cfg.activations.items()}  # fmt: skip
+        metadata = {name: _typed(extract.plan_activation, spec, f"activations.{name}")
+                    for name, spec in cfg.activations.items()}  # fmt: skip
+        self.shard_hash = {name: md.hash for name, md in metadata.items()}
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
         self.hash_activation: dict[str, str] = {}
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
+        # Split extraction: hash -> number of part jobs (> 1 only; capped at the shard count). Not hashed.
+        self.shard_parts = {h: n for h, name in self.hash_activation.items()
+                            if (n := parts.n_parts_of(metadata[name], cfg.activations[name].parts)) > 1}  # fmt: skip
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
 
     @classmethod
