@@ -6,11 +6,13 @@ import logging
 import os
 import sys
 
-from saeflow import __version__
+from saeflow import __version__, devices
 from saeflow.errors import SaeflowError, one_line
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
 COMMAND_MODULES = ("store", "extract", "train", "inference", "interop", "sae_interop", "workflow")
+# The commands that compute with torch: inside a job given a GPU, they check that torch sees it first.
+GPU_COMMANDS = ("extract", "train", "inference")
 
 DESCRIPTION = """\
 saeflow: reproducible, content-addressed sparse-autoencoder workflows on transformer activations.
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in GPU_COMMANDS:
+            devices.check_requested_gpu()  # a job given a GPU that torch cannot see fails now, not hours later
         return args.func(args) or 0
     except SaeflowError as err:  # the specific messages: what and where, raised where the fault was found
         if args.debug:
