@@ -26,7 +26,8 @@ def test_which_variables_count_as_a_gpu_request():
 def test_a_gpu_job_without_cuda_exits_nonzero_naming_the_problem(tmp_path):
     command = "extract"  # train and inference go through the same check in saeflow.cli
     config_fpath = tmp_path / "config.yaml"
-    config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "shards"), "activations": {"a": text_spec()}}))
+    config = {"shards_root": str(tmp_path / "shards"), "activations": {"a": text_spec()}}
+    config_fpath.write_text(yaml.safe_dump(config))
     argv = ["extract", str(config_fpath)]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "workflow"), "SLURM_GPUS_ON_NODE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "saeflow", *argv], env=env, capture_output=True, text=True)
