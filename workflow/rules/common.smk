@@ -1,6 +1,7 @@
 # The workflow's Python helpers: one saeflow.planning.WorkflowPlan built from the config at parse time (also inside
 # every Slurm job, so it only plans: no model weights, no data pass), and the get_* helpers the rules call.
 # Every path comes from saeflow.layout (the rules use its Snakemake patterns); nothing here spells one.
+import os
 import pathlib
 import sys
 
@@ -14,11 +15,17 @@ from saeflow.planning import WorkflowPlan
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on
-# PYTHONPATH (envs/saeflow.yaml). Being a shell prefix, it is no part of any rule's code or params.
+# PYTHONPATH (envs/saeflow.yaml), or for the config's `python` (same PYTHONPATH). Being a shell prefix, it is no
+# part of any rule's code or params.
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
     shell.prefix(
         f"set -euo pipefail; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
         'saeflow() {{ python -m saeflow "$@"; }}; '
+    )
+elif config.get("python"):  # the jobs' own environment (a CUDA torch on a cluster)
+    shell.prefix(
+        f"set -euo pipefail; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+        f'saeflow() {{{{ "{os.path.expandvars(config["python"])}" -m saeflow "$@"; }}}}; '
     )
 else:
     shell.prefix(
