@@ -7,6 +7,7 @@ would be asked of Slurm (account, partition, GPUs, time, memory) and that the wo
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -154,9 +155,9 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
 
 # What each cluster's profile asks of Slurm: GPU request, cores and memory per GPU, partition, walltime per attempt.
 CLUSTER_REQUESTS = {
-    "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000}, "cpu_part": None},
-    "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000}, "cpu_part": "cpuonly"},
-    "pitzer": {"gpu_cpus": 10, "gpu_mem": {"extract": 72000, "train": 72000, "inference": 36000}, "cpu_part": None},
+    "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000}},
+    "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000}},
+    "pitzer": {"gpu_cpus": 10, "gpu_mem": {"extract": 72000, "train": 72000, "inference": 36000}},
 }
 RUNTIME_MIN = {"extract": 360, "extract_part": 360, "extract_seal": 120, "train": 720, "inference": 120}
 
@@ -201,6 +202,9 @@ def test_each_cluster_profile_asks_slurm_for_what_exists_there(tmp_path, half_bu
     want = CLUSTER_REQUESTS[cluster]
     n_attempts = 2 if cluster == "cardinal" else 1  # the walltime per attempt once: retries are slow to simulate
     profile = install_profile("PAS1234", tmp_path / "osc", cluster=cluster, allow_cpu_torch=True)
+    # The one partition named anywhere: Ascend's CPU-only jobs (the seal) go to `cpuonly`.
+    partitions = re.findall(r"slurm_partition: (\S+)", (profile / "config.yaml").read_text())
+    assert partitions == (["cpuonly"] if cluster == "ascend" else [])
     state = tmp_path / "slurm"
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
