@@ -61,7 +61,7 @@ def check_requested_gpu(environ=None) -> None:
     raise SaeflowError(
         f"this job asked for a GPU ({request}) but torch {torch.__version__} ({build}, {sys.executable}) sees no "
         "CUDA device; run the job in an environment with a CUDA build of torch on a GPU node "
-        "(docs/workflow.md, 'At OSC')"
+        "(README, 'At OSC')"
     )
 
 
