@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from saeflow import datasets, devices, layout, models, shards, specs, tokenization
+from saeflow import datasets, devices, layout, models, preempt, shards, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
 from saeflow.shards import parts
@@ -240,6 +240,8 @@ def extract(
         t_loop = time.perf_counter()
         with bar:
             for inputs, aux_rows in source(plan_, spans):
+                if preempt.received():  # a stop signal: the writer keeps every complete shard to resume from
+                    raise preempt.stopped(f"{writer.staging} keeps its complete shards")
                 t = time.perf_counter()
                 acts = adapter.run(inputs, md.layers)
                 acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)

@@ -21,7 +21,7 @@ import typing
 import torch
 import tqdm
 
-from saeflow import atomic, config, devices, runs
+from saeflow import atomic, config, devices, preempt, runs
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
@@ -328,17 +328,20 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
             t.init_from_data(init_nd)
     start = min(t.step for t in trainers)
     stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
-    _run_steps(trainers, loader, start, stop, checkpoint_every)
+    stop = _run_steps(trainers, loader, start, stop, checkpoint_every)  # earlier when a stop signal came
     loader.close()
     if stop < n_steps:
         for t in trainers:
             t.checkpoint.save(t.state_dict())
+        if preempt.received():
+            raise preempt.stopped(f"resume checkpoints saved at step {stop} of {n_steps}")
         return []
     return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
 
 
-def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> None:
-    """Steps `start..stop-1` of the group: each batch is read once and fed to every trainer at that step."""
+def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> int:
+    """Steps `start..stop-1` of the group: each batch is read once and fed to every trainer at that step. Returns
+    the step reached: `stop`, or the step after which a stop signal (saeflow.preempt) came."""
     batch_size, n_steps, per_epoch = loader.batch_size, trainers[0].n_steps, len(loader)
     bar = tqdm.tqdm(total=(stop - start) * batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
     step = start
@@ -359,11 +362,14 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
                 if trainers[0].last and step % LOG_EVERY == 0:
                     last = trainers[0].last
                     bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
+                if preempt.received():
+                    stop = step
                 if step >= stop:
                     break
     finally:
         bar.close()  # the error message starts on a line of its own
     logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0_sec)
+    return stop
 
 
 def _first_vectors(loader: ShuffledLoader, n: int) -> torch.Tensor:
