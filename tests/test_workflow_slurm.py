@@ -232,5 +232,7 @@ def test_each_cluster_profile_asks_slurm_for_what_exists_there(tmp_path, half_bu
             assert "--gpus=1" in line, line
             assert f"--cpus-per-gpu={want['gpu_cpus']}" in line or f"--cpus-per-task={want['gpu_cpus']}" in line, line
             assert f"--mem {want['gpu_mem'][rule.removesuffix('_part')]}" in line, line
+            # Slurm's warning signal 3 minutes before the limit where saeflow saves its resume point on it.
+            assert ("--signal=USR1@180" in line) == (rule != "inference"), line
             # No partition of the profile's: the plugin names the default one `sinfo` reports (the fake says cpu).
             assert " -p cpu " in line and "cpuonly" not in line and "--partition" not in line, line

@@ -16,20 +16,21 @@ from saeflow.planning import WorkflowPlan
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on
 # PYTHONPATH (envs/saeflow.yaml), or for the config's `python` (same PYTHONPATH). Being a shell prefix, it is no
-# part of any rule's code or params.
+# part of any rule's code or params. The job's shell ignores USR1 (Slurm's warning signal before the time limit,
+# sent to every process of the job step): saeflow itself catches it to save its resume point (saeflow.preempt).
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
     shell.prefix(
-        f"set -euo pipefail; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+        f"set -euo pipefail; trap '' USR1; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
         'saeflow() {{ python -m saeflow "$@"; }}; '
     )
 elif config.get("python"):  # the jobs' own environment (a CUDA torch on a cluster)
     shell.prefix(
-        f"set -euo pipefail; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+        f"set -euo pipefail; trap '' USR1; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
         f'saeflow() {{{{ "{os.path.expandvars(config["python"])}" -m saeflow "$@"; }}}}; '
     )
 else:
     shell.prefix(
-        f'set -euo pipefail; saeflow() {{{{ "{sys.executable}" -m saeflow "$@"; }}}}; '
+        f'set -euo pipefail; trap "" USR1; saeflow() {{{{ "{sys.executable}" -m saeflow "$@"; }}}}; '
     )
 SAEFLOW_ENV = "../../envs/saeflow.yaml"
 # Where the workflow keeps the config files it hands to the `saeflow` CLI (content-addressed, never edited).
