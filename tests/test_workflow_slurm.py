@@ -59,7 +59,8 @@ def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
     assert set(by_rule) == {"extract", "train", "inference"}, sorted(by_rule)
     for line in by_rule.values():
         assert "-A PAS1234" in line or "--account PAS1234" in line or "--account=PAS1234" in line, line
-        assert "-p " not in line and "--partition" not in line, line  # Cardinal routes GPU jobs itself
+        # No partition of the profile's: the plugin names the default one `sinfo` reports (the fake says cpu).
+        assert " -p cpu " in line and "--partition" not in line, line
         assert "--gpus=1" in line or "--gres=gpu:1" in line or "--gpus 1" in line, line
     assert "-t 360" in by_rule["extract"] and "--mem 96000" in by_rule["extract"], by_rule["extract"]
     assert "-t 720" in by_rule["train"] and "--mem 96000" in by_rule["train"], by_rule["train"]
@@ -233,6 +234,6 @@ def test_each_cluster_profile_asks_slurm_for_what_exists_there(tmp_path, half_bu
             assert f"--cpus-per-gpu={want['gpu_cpus']}" in line or f"--cpus-per-task={want['gpu_cpus']}" in line, line
             assert f"--mem {want['gpu_mem'][rule.removesuffix('_part')]}" in line, line
             # Slurm's warning signal 3 minutes before the limit where saeflow saves its resume point on it.
-            assert ("--signal=USR1@180" in line) == (rule != "inference"), line
+            assert (" --signal=USR1@180 " in line) == (rule != "inference"), line  # one bare argument
             # No partition of the profile's: the plugin names the default one `sinfo` reports (the fake says cpu).
             assert " -p cpu " in line and "cpuonly" not in line and "--partition" not in line, line
