@@ -81,3 +81,17 @@ def get_dump_metrics():
         PLAN.run(run_id).dump(shard_hash).metrics_fpath
         for run_id, shard_hash in PLAN.dumps()
     ]
+
+
+def split_hash_regex(split):
+    """The shard hashes extracted in parts (split=True) or in one job (split=False), as a wildcard regex."""
+    hashes = "|".join(PLAN.shard_parts)
+    if split:
+        return f"(?:{hashes})" if hashes else "(?!x)x"
+    return f"(?!{hashes})[0-9a-f]{{64}}" if hashes else "[0-9a-f]{64}"
+
+
+def get_part_markers(wildcards):
+    n_parts = PLAN.shard_parts[wildcards.shard_hash]
+    shards = PLAN.shard(wildcards.shard_hash)
+    return [shards.part(i, n_parts).part_done_fpath for i in range(n_parts)]
