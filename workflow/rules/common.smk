@@ -95,3 +95,11 @@ def get_part_markers(wildcards):
     n_parts = PLAN.shard_parts[wildcards.shard_hash]
     shards = PLAN.shard(wildcards.shard_hash)
     return [shards.part(i, n_parts).part_done_fpath for i in range(n_parts)]
+
+
+def get_evaluations():
+    """Every run's splice evaluation on its validation activations (saeflow evaluate)."""
+    return [
+        PLAN.run(run_id).evaluation_fpath(shard_hash)
+        for run_id, shard_hash in PLAN.dumps()
+    ]

@@ -21,7 +21,7 @@ from saeflow.errors import SaeflowError
 from saeflow.shards import parts
 from saeflow.specs import ActivationSpec, ExportSpec
 
-SETTINGS_SECTIONS = ("train", "inference", "visuals")  # passed to the CLI as flags (config.section_flags)
+SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
 
 
 def expand_path(value: str, key: str) -> pathlib.Path:
