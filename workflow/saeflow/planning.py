@@ -18,6 +18,7 @@ import pathlib
 from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
+from saeflow.shards import parts
 from saeflow.specs import ActivationSpec, ExportSpec
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
@@ -100,6 +101,9 @@ class WorkflowPlan:
         self.hash_activation: dict[str, str] = {}
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
+        # Split extraction: hash -> number of part jobs (> 1 only; capped at the shard count). Not hashed.
+        self.shard_parts = {h: n for h, name in self.hash_activation.items()
+                            if (n := parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)) > 1}  # fmt: skip
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
         for plan in self.runs.values():
             check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])

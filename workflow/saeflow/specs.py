@@ -34,7 +34,7 @@ def _validated(obj: dict, def_name: str) -> dict:
 class ActivationSpec:
     """One `activations.<name>` entry: one model + layers + dataset -> one content-addressed shard directory.
 
-    Everything but batch_size, device and n_workers changes the stored bytes, and so the shard hash.
+    Everything but batch_size, device, n_workers and parts changes the stored bytes, and so the shard hash.
     """
 
     model: models.ModelSpec  # a checkpoint (id or path, revision) or a random-init architecture
@@ -48,6 +48,7 @@ class ActivationSpec:
     batch_size: int  # examples per forward pass (not hashed)
     device: str  # "auto", "cpu", "cuda", "cuda:1", ... (not hashed)
     n_workers: int  # image decoding worker processes (not hashed)
+    parts: int = 1  # workflow: part jobs of whole shards, then a seal job (not hashed: same bytes for any value)
 
     @classmethod
     def from_dict(cls, obj: dict) -> "ActivationSpec":
@@ -68,6 +69,7 @@ class ActivationSpec:
             batch_size=spec["batch_size"],
             device=spec["device"],
             n_workers=spec["n_workers"],
+            parts=spec["parts"],
         )
 
 
