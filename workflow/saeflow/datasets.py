@@ -5,9 +5,11 @@ Each dataset is a frozen dataclass whose fields are exactly what goes into the h
 order is the same on every machine); decoding happens during extraction.
 
 Images are preprocessed like the model's own processor: resize the shorter side to `resize_size` (bicubic),
-center-crop `image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields one uint8 label
-per patch (CLS excluded), written to labels.bin:
-- ImageFolder: the class index (sorted sub-folder names) on every patch of the image;
+center-crop `image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields a side row
+(`aux_fname` names its file):
+- ImageFolder: the example's class index (sorted sub-folder names) as one int32, written to classes.bin, so any
+  class count fits (ImageNet's 1000 included); the class names are hashed in `data["classes"]`;
+- one uint8 label per patch (CLS excluded), written to labels.bin, as the protocol defines it:
 - SegFolder: from the mask, resized with nearest neighbour and cropped like the image, then per patch either the
   majority value or, with `label_rule: prefer_foreground`, the most frequent non-background value when any;
 - GeneratedImages: the shape under each patch (0 background, 1 rectangle, 2 ellipse), majority rule.
@@ -26,6 +28,7 @@ import numpy as np
 
 from saeflow import config
 from saeflow.errors import SaeflowError
+from saeflow.layout import ShardLayout
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 MASK_SUFFIXES = (".png", ".bmp", ".gif", ".tif", ".tiff")
@@ -154,6 +157,8 @@ class ImageFolder(_Folder):
     root: str
     n_ex: int | None = _DEFAULTS["image_folder"]["n_ex"]
 
+    aux_fname = ShardLayout.CLASSES_FNAME  # one int32 class id per example
+
     @functools.cached_property
     def classes(self) -> list[str]:
         root = _root(self.root, "root")
@@ -162,15 +167,15 @@ class ImageFolder(_Folder):
     @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, int]]:
         root = _root(self.root, "root")
-        if len(self.classes) > 256:
-            raise SaeflowError(f"dataset.root {root}: {len(self.classes)} classes do not fit labels.bin (uint8, 256)")
         items = [(p, c) for c, name in enumerate(self.classes) for p in _images_in(root / name)]
         return _limit(items, self.n_ex, f"dataset.root {root} (class sub-folders with images)")
 
-    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.ndarray]:
+    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.int32]:
         fpath, label = self.items[i]
-        pixels = pre.pixels(_open_image(fpath))
-        return pixels, np.full((pre.image_size // pre.patch_size) ** 2, label, np.uint8)
+        return pre.pixels(_open_image(fpath)), np.int32(label)
+
+    def data(self) -> dict:
+        return {**super().data(), "classes": self.classes}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +188,8 @@ class SegFolder(_Folder):
     label_rule: str = _DEFAULTS["segmentation_folder"]["label_rule"]
     background: int = _DEFAULTS["segmentation_folder"]["background"]
     n_ex: int | None = _DEFAULTS["segmentation_folder"]["n_ex"]
+
+    aux_fname = ShardLayout.LABELS_FNAME  # one uint8 label per patch
 
     @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, pathlib.Path]]:
@@ -218,6 +225,7 @@ class GeneratedImages:
     size: int = _DEFAULTS["generated_images"]["size"]
 
     dataset_path = "generated-images"  # not a directory: the images exist only as this recipe
+    aux_fname = ShardLayout.LABELS_FNAME  # one uint8 shape label per patch
 
     def __len__(self) -> int:
         if self.n_ex < 1:

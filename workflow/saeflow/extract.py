@@ -50,8 +50,8 @@ class Plan:
 
     @property
     def aux_fname(self) -> str:
-        is_vision = self.info.modality == "vision"
-        return layout.ShardLayout.LABELS_FNAME if is_vision else layout.ShardLayout.TOKENS_FNAME
+        """Vision: the dataset's side file (labels.bin per patch, classes.bin per example); text: tokens.bin."""
+        return self.dataset.aux_fname if self.info.modality == "vision" else layout.ShardLayout.TOKENS_FNAME
 
 
 def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
@@ -164,7 +164,8 @@ def _image_batches(plan_: Plan, spans: list[tuple[int, int]]):
 
 
 def _collate(items):
-    """(pixels (B, 3, H, W) tensor, labels (B, P) uint8) from a list of examples; module-level so it pickles."""
+    """(pixels (B, 3, H, W) tensor, side rows: labels (B, P) or classes (B,)) of a list of examples; module-level so it
+    pickles."""
     import torch
 
     return torch.from_numpy(np.stack([x for x, _ in items])), np.stack([labels for _, labels in items])

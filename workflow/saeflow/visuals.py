@@ -123,7 +123,7 @@ class ImageExamples(Examples):
     def __init__(self, dataset, preprocess: datasets.Preprocess | None):
         self.dataset = dataset
         self.preprocess = preprocess
-        # ImageFolder's labels.bin repeats the class on every patch: a name says more than a uniform tile.
+        # ImageFolder has one class per example (classes.bin), no patch labels: its caption names the class.
         self.patch_labels = not isinstance(dataset, datasets.ImageFolder)
 
     def caption(self, ex: int) -> str:
