@@ -1,12 +1,15 @@
 """Real-scale inputs (issue 10): ImageNet-style folders of any class count, dataset fingerprints and their cache."""
 
 import json
+import os
+import shutil
 
 import numpy as np
+import pytest
 from PIL import Image
 
-from builders import ARCH_CONFIGS, typed
-from saeflow import shards
+from builders import ARCH_CONFIGS, text_spec, typed, vision_spec
+from saeflow import fingerprints, shards, tokenization
 from saeflow.extract import plan_activation
 from saeflow.layout import ShardLayout
 from workflow_helpers import snakemake, write_config
@@ -53,3 +56,78 @@ def test_a_1000_class_folder_plans_and_extracts_through_the_workflow(tmp_path):
     assert shards.validate(target.parent, deep=True).problems == []
     checksums = json.loads(ShardLayout.at(tmp_path / "shards", md.hash).checksums_fpath.read_text())
     assert ShardLayout.CLASSES_FNAME in checksums["files"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dataset identity: content fingerprints and their cache
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _plan_hash(dataset: dict, text: bool = False) -> str:
+    spec = text_spec(dataset=dataset) if text else vision_spec(dataset=dataset)
+    return plan_activation(typed(spec)).hash
+
+
+def _same_size_edit(fpath, offset: int) -> None:
+    data = bytearray(fpath.read_bytes())
+    data[offset] ^= 0x01
+    fpath.write_bytes(bytes(data))
+
+
+def _touch_later(fpath) -> None:
+    st = fpath.stat()
+    os.utime(fpath, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+
+def _cases(tmp_path):
+    """(dataset, text?, file to edit, byte offset of the edit) for an image folder and a JSONL corpus."""
+    root = _image_folder(tmp_path / "imgs", n_classes=3, per_class=2)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i} of the corpus " * 8}) + "\n" for i in range(40)))
+    line_3 = len("".join(corpus.read_text().splitlines(keepends=True)[:3])) + 12  # a letter inside line 4
+    for fpath in [*root.rglob("*.png"), corpus]:  # settled files (not modified in the last seconds)
+        os.utime(fpath, ns=(fpath.stat().st_atime_ns, fpath.stat().st_mtime_ns - 3600 * 10**9))
+    return [
+        ({"kind": "image_folder", "root": str(root)}, False, root / "n00000001" / "1.png", -20),
+        ({"kind": "text", "path": str(corpus)}, True, corpus, line_3),
+    ]
+
+
+def test_same_size_edit_changes_the_hash_touch_does_not_and_the_cache_is_not_part_of_it(tmp_path, monkeypatch):
+    for dataset, text, fpath, offset in _cases(tmp_path):
+        first = _plan_hash(dataset, text)
+        _touch_later(fpath)
+        assert _plan_hash(dataset, text) == first  # mtime alone: re-hashed, same content, same hash
+        shutil.rmtree(fingerprints.cache_dpath())
+        assert _plan_hash(dataset, text) == first  # a machine without the cache computes the same hash
+        size = fpath.stat().st_size
+        _same_size_edit(fpath, offset)
+        assert fpath.stat().st_size == size
+        edited = _plan_hash(dataset, text)
+        assert edited != first  # the stat changed, so the file was read again
+        _same_size_edit(fpath, offset)  # undo: the content, and so the hash, is the first one again
+        assert _plan_hash(dataset, text) == first
+
+
+def test_a_replan_stats_files_and_reads_none(tmp_path, monkeypatch):
+    cases = _cases(tmp_path)
+    for dataset, text, _, _ in cases:
+        _plan_hash(dataset, text)
+    monkeypatch.setattr(fingerprints, "_hash_files", lambda *a, **k: pytest.fail("a file was read again"))
+    monkeypatch.setattr(tokenization, "tokenize", lambda *a, **k: pytest.fail("the corpus was tokenized again"))
+    for dataset, text, _, _ in cases:
+        _plan_hash(dataset, text)
+
+
+def test_an_edit_that_keeps_size_mtime_and_inode_is_seen_while_the_file_is_recent(tmp_path):
+    """Git's racy-clean rule: a second same-size write within the file system's timestamp granularity leaves the
+    stat as it was; a file that recent is read again at every plan until it settles."""
+    fpath = tmp_path / "d" / "a.txt"
+    fpath.parent.mkdir()
+    fpath.write_bytes(b"abcd")
+    first = fingerprints.of_files(tmp_path, [fpath.parent], (".txt",))
+    st = fpath.stat()
+    fpath.write_bytes(b"abce")
+    os.utime(fpath, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, mtime and inode as when it was hashed
+    assert fpath.stat().st_ino == st.st_ino
+    assert fingerprints.of_files(tmp_path, [fpath.parent], (".txt",)).sha256 != first.sha256

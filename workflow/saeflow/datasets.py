@@ -26,7 +26,7 @@ import typing
 
 import numpy as np
 
-from saeflow import config
+from saeflow import config, fingerprints
 from saeflow.errors import SaeflowError
 from saeflow.layout import ShardLayout
 
@@ -147,7 +147,8 @@ class _Folder:
                     _check_image(fpath)
 
     def data(self) -> dict:
-        return {**_data_dict(self), "root": self.dataset_path}
+        """The hashed description: the fields, the absolute root and the content fingerprint of the files."""
+        return {**_data_dict(self), "root": self.dataset_path, "sha256": self.fingerprint.sha256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,22 @@ class ImageFolder(_Folder):
     def classes(self) -> list[str]:
         root = _root(self.root, "root")
         return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+    @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        """Every image of every class (also those past n_ex); from the fingerprint cache after the first time."""
+        root = _root(self.root, "root")
+        return fingerprints.of_files(root, [root / name for name in self.classes], IMAGE_SUFFIXES)
+
+    def __len__(self) -> int:
+        """From the fingerprint's file count: planning never lists the images into Python objects."""
+        n_files = self.fingerprint.n_files
+        where = f"dataset.root {self.dataset_path} (class sub-folders with images)"
+        if n_files == 0:
+            raise SaeflowError(f"{where}: the dataset is empty")
+        if self.n_ex is not None and self.n_ex > n_files:
+            raise SaeflowError(f"{where}: n_ex={self.n_ex} but the dataset has only {n_files} examples")
+        return n_files if self.n_ex is None else self.n_ex
 
     @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, int]]:
@@ -190,6 +207,12 @@ class SegFolder(_Folder):
     n_ex: int | None = _DEFAULTS["segmentation_folder"]["n_ex"]
 
     aux_fname = ShardLayout.LABELS_FNAME  # one uint8 label per patch
+
+    @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        root = _root(self.root, "root")
+        starts = [root / self.images, root / self.masks]
+        return fingerprints.of_files(root, [p for p in starts if p.exists()], IMAGE_SUFFIXES + MASK_SUFFIXES)
 
     @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, pathlib.Path]]:
@@ -320,12 +343,13 @@ class TextCorpus:
         for fpath in self.files:
             yield from _read_documents(fpath, self.field)
 
-    def fingerprint(self) -> str:
-        """Sizes of the files: cheap change detection that ends up in the hash."""
-        return ",".join(f"{p.name}:{p.stat().st_size}" for p in self.files)
+    @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        """The content of every file (names relative to the path); from the fingerprint cache after a first time."""
+        return fingerprints.of_files(_root(self.path, "path"), self.files, TEXT_SUFFIXES)
 
     def data(self) -> dict:
-        return {**_data_dict(self), "path": self.dataset_path, "files": self.fingerprint()}
+        return {**_data_dict(self), "path": self.dataset_path, "sha256": self.fingerprint.sha256}
 
 
 def _read_documents(fpath: pathlib.Path, field: str) -> typing.Iterator[str]:

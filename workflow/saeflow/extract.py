@@ -5,8 +5,9 @@
     result = extract.extract(spec, shards_root)                           # writes (or reuses) <shards_root>/<hash>/
 
 `plan_activation(spec)` is what Snakemake calls at parse time: it reads the model's config.json (never its
-weights) and lists the dataset, so it is fast. For text it tokenizes the corpus to count examples; give the
-dataset an `n_ex` and it stops reading as soon as that many examples are filled, so a large corpus stays cheap.
+weights) and stats the dataset's files, so it is fast. The dataset's content fingerprint and, for text, the number
+of examples (a streaming tokenization of the corpus) are computed once and then come from the fingerprint cache
+(`saeflow.fingerprints`): a re-plan, and the parse inside every Slurm job, stats files and reads none.
 
 Everything that changes the stored bytes is in the hashed metadata: model and revision (`ckpt`), absolute layers,
 dataset (`data` and `dataset`), preprocessing or tokenization, compute dtype, storage dtype. Things that do not
@@ -77,7 +78,7 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
                 f"({info.max_positions} positions)"
             )
         packing = tokenization.model_packing(info, spec.tokenizer, spec.context_length)
-        n_ex = len(tokenization.token_ids(info, spec.tokenizer, dataset, packing))
+        n_ex = tokenization.example_count(info, spec.tokenizer, dataset, packing)
         data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": spec.compute_dtype}
         patches_per_ex = spec.context_length
         extra = dict(packing=packing)

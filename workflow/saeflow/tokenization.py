@@ -175,6 +175,25 @@ class Packing:
     def body_len(self) -> int:
         return self.context_length - len(self.prefix) - len(self.suffix)
 
+    def count(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> tuple[int, int]:
+        """(examples, largest id) that `pack` would give, streaming: memory does not grow with the corpus."""
+        if self.body_len < 1:
+            raise SaeflowError(f"context_length={self.context_length} leaves no room besides special tokens")
+        need = None if n_ex is None else n_ex * self.body_len
+        n_tokens, max_id = 0, max((*self.prefix, *self.suffix, *self.separator), default=0)
+        for ids in token_lists:
+            n_tokens += len(ids) + len(self.separator)
+            max_id = max(max_id, max(ids, default=0))
+            if need is not None and n_tokens >= need:
+                break
+        n_avail = n_tokens // self.body_len
+        if n_avail == 0 or (n_ex is not None and n_avail < n_ex):
+            raise SaeflowError(
+                f"the corpus has {n_tokens} tokens: {n_avail} examples of {self.body_len} tokens"
+                + (f", fewer than n_ex={n_ex}" if n_ex is not None else " (empty dataset)")
+            )
+        return (n_avail if n_ex is None else n_ex), max_id
+
     def pack(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> np.ndarray:
         """int32 (n_ex, context_length); stops reading once `n_ex` examples are filled."""
         if self.body_len < 1:
@@ -220,15 +239,41 @@ def model_packing(info: models.ModelInfo, tokenizer: str | None, context_length:
     return packing_for(tok, tokenizer_id(info, tokenizer, tok), context_length, encoder)
 
 
+def example_count(info: models.ModelInfo, tokenizer: str | None, dataset, packing: Packing) -> int:
+    """How many examples the packed corpus has, without packing it: counted once (streaming), then from the
+    fingerprint cache, keyed by the dataset's hashed description (its content fingerprint included), the packing
+    and the tokenizer file's sha256. Checks the vocabulary like `token_ids`."""
+    from saeflow import fingerprints
+
+    tok = packing_tokenizer(info, tokenizer)
+    vocab = info.config.get("vocab_size")
+    key = {
+        "what": "text examples",
+        "data": dataset.data(),
+        "n_ex": dataset.n_ex,
+        "packing": dataclasses.asdict(packing),
+        "tokenizer_sha256": getattr(tok, "sha256", None),
+        "ckpt": info.ckpt,
+    }
+    n_ex, max_id = fingerprints.cached_value(
+        key, lambda: packing.count(tokenize(tok, dataset.documents()), dataset.n_ex)
+    )
+    _check_vocab(info, packing, max_id, vocab)
+    return n_ex
+
+
+def _check_vocab(info: models.ModelInfo, packing: Packing, max_id: int, vocab: int | None) -> None:
+    if vocab is not None and max_id >= vocab:
+        raise SaeflowError(
+            f"the tokenizer {packing.tokenizer} produces id {max_id} but {info.ckpt} has a vocabulary of "
+            f"{vocab}: tokenizer and model do not match"
+        )
+
+
 @functools.lru_cache(maxsize=4)
 def token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: Packing) -> np.ndarray:
     """int32 (n_ex, context_length): the packed corpus (the expensive part of planning a text spec)."""
     tok = packing_tokenizer(info, tokenizer)
     ids_nt = packing.pack(tokenize(tok, dataset.documents()), n_ex=dataset.n_ex)
-    vocab = info.config.get("vocab_size")
-    if vocab is not None and ids_nt.max() >= vocab:
-        raise SaeflowError(
-            f"the tokenizer {packing.tokenizer} produces id {int(ids_nt.max())} but {info.ckpt} has a vocabulary of "
-            f"{vocab}: tokenizer and model do not match"
-        )
+    _check_vocab(info, packing, int(ids_nt.max()), info.config.get("vocab_size"))
     return ids_nt
