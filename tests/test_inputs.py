@@ -9,12 +9,17 @@ import pytest
 from PIL import Image
 
 from builders import ARCH_CONFIGS, text_spec, typed, vision_spec
-from saeflow import fingerprints, shards, tokenization
+from saeflow import extract, fingerprints, models, shards, tokenization
 from saeflow.extract import plan_activation
 from saeflow.layout import ShardLayout
 from workflow_helpers import snakemake, write_config
 
 N_CLASSES = 1000
+
+
+def _mkdir(dpath):
+    dpath.mkdir(parents=True, exist_ok=True)
+    return dpath
 
 
 def _image_folder(root, n_classes: int, per_class: int = 1, size: int = 8):
@@ -131,3 +136,56 @@ def test_an_edit_that_keeps_size_mtime_and_inode_is_seen_while_the_file_is_recen
     os.utime(fpath, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, mtime and inode as when it was hashed
     assert fpath.stat().st_ino == st.st_ino
     assert fingerprints.of_files(tmp_path, [fpath.parent], (".txt",)).sha256 != first.sha256
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faithful preprocessing: the checkpoint's own image processor
+# ---------------------------------------------------------------------------------------------------------------
+
+PROCESSORS = {  # arch -> (processor class, its settings for a 32 px model with 8 px patches)
+    "vit": ("ViTImageProcessor", {"size": {"height": 32, "width": 32}}),
+    "clip_vision_model": (
+        "CLIPImageProcessor", {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+    ),
+    "siglip_vision_model": ("SiglipImageProcessor", {"size": {"height": 32, "width": 32}}),
+    "dinov2": ("BitImageProcessor", {"size": {"shortest_edge": 40}, "crop_size": {"height": 32, "width": 32}}),
+}
+SIZES = [(37, 61), (61, 23), (90, 44), (33, 33)]  # (width, height): non-square, up- and down-scaled
+
+
+def _checkpoint_with_processor(dpath, arch: str):
+    import transformers
+
+    spec = models.ModelSpec(random_arch=arch, random_config=ARCH_CONFIGS[arch])
+    model = models.build(models.describe(spec), spec).eval()
+    model.save_pretrained(dpath)
+    cls_name, settings = PROCESSORS[arch]
+    getattr(transformers, cls_name)(**settings).save_pretrained(dpath)
+    return model
+
+
+@pytest.mark.parametrize("arch", sorted(PROCESSORS))
+def test_stored_activations_equal_the_model_under_its_own_processor(arch, tmp_path):
+    import torch
+    import transformers
+
+    model = _checkpoint_with_processor(tmp_path / "ckpt", arch)
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in SIZES]
+    for i, img in enumerate(images):
+        img.save(_mkdir(tmp_path / "imgs" / "c") / f"{i}.png")
+    spec = vision_spec(arch, model={"name": str(tmp_path / "ckpt")}, dataset={"kind": "image_folder",
+                       "root": str(tmp_path / "imgs")})  # fmt: skip
+    sd = shards.ShardDir(extract.extract(typed(spec), tmp_path / "s", progress=False).dpath)
+    assert sd.metadata.data["preprocess"]["settings"]["image_processor_type"] == PROCESSORS[arch][0]
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "ckpt")  # the reference, as HF runs it
+    with torch.no_grad():
+        hidden = model(**processor(images=images, return_tensors="pt"), output_hidden_states=True).hidden_states
+    assert len(sd.metadata.layers) == 2
+    for layer in sd.metadata.layers:
+        stored = torch.from_numpy(np.stack([sd.example(i, layer) for i in range(len(images))]))
+        assert (stored - hidden[layer + 1]).abs().max() < 1e-5, (arch, layer)
+
+    resize_crop = dict(spec, dataset={**spec["dataset"], "preprocess": "resize_crop"})  # the old rule, explicitly
+    md = plan_activation(typed(resize_crop))
+    assert md.hash != sd.hash and md.data["preprocess"].get("mode") is None

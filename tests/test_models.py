@@ -210,7 +210,8 @@ def test_local_vision_checkpoint_uses_its_preprocessor_config(tmp_path, shards_r
     assert info.ckpt.startswith("tiny-dino@local-")
     vspec = vision_spec("dinov2", model={"name": str(tmp_path / "tiny-dino")})
     sd = shards.ShardDir(extract.extract(typed(vspec), shards_root, progress=False).dpath)
-    assert sd.metadata.data["preprocess"]["resize_size"] == 40 and sd.metadata.tokens_per_ex == 10
+    assert sd.metadata.data["preprocess"]["settings"]["size"] == {"shortest_edge": 40}  # its own processor
+    assert sd.metadata.tokens_per_ex == 10
     _, hidden = _reference_hidden_states(extract.plan(typed(vspec)), sd)
     torch.testing.assert_close(torch.from_numpy(sd.example(3, 0)), hidden[1][3], atol=1e-5, rtol=0)
 

@@ -4,8 +4,10 @@ Each dataset is a frozen dataclass whose fields are exactly what goes into the h
 (`dataclasses.asdict` plus `__class__`, saev protocol 2.1). Listing items is cheap (file names, sorted, so the
 order is the same on every machine); decoding happens during extraction.
 
-Images are preprocessed like the model's own processor: resize the shorter side to `resize_size` (bicubic),
-center-crop `image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields a side row
+Images go through the checkpoint's own image processor (`ProcessorPreprocess`, transformers' AutoImageProcessor:
+its resize mode and size, crop, resample, rescale and normalization) when it ships one; random-init models, and
+`preprocess: resize_crop`, get `Preprocess`: resize the shorter side to `resize_size` (bicubic), center-crop
+`image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields a side row
 (`aux_fname` names its file):
 - ImageFolder: the example's class index (sorted sub-folder names) as one int32, written to classes.bin, so any
   class count fits (ImageNet's 1000 included); the class names are hashed in `data["classes"]`;
@@ -40,7 +42,14 @@ _DEFAULTS = config.dataset_defaults()
 
 
 def _data_dict(cfg) -> dict:
-    return {**dataclasses.asdict(cfg), "__class__": type(cfg).__name__}
+    """The hashed fields (all but those marked `hashed: False`, which are hashed elsewhere) and the class name."""
+    fields = [f.name for f in dataclasses.fields(cfg) if f.metadata.get("hashed", True)]
+    return {**{name: getattr(cfg, name) for name in fields}, "__class__": type(cfg).__name__}
+
+
+def _preprocess_field(kind: str):
+    """`preprocess: processor | resize_crop`; hashed as `data["preprocess"]` (what it resolves to), not here."""
+    return dataclasses.field(default=_DEFAULTS[kind]["preprocess"], metadata={"hashed": False})
 
 
 def _root(path: str, key: str) -> pathlib.Path:
@@ -104,6 +113,108 @@ class Preprocess:
         m_hw = np.asarray(self._resize_crop(mask, Image.Resampling.NEAREST))
         return patch_labels(m_hw, self.patch_size, rule, background)
 
+    def view(self, img):
+        """The image as the model sees it (before normalization), for visuals."""
+        from PIL import Image
+
+        return self._resize_crop(img.convert("RGB"), Image.Resampling.BICUBIC)
+
+    def hashed(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorPreprocess:
+    """The checkpoint's own image processor (`transformers.AutoImageProcessor`): stored activations are those of
+    `model(**processor(images))`. Its preprocessor_config.json is hashed inside `data` as `preprocess.settings`;
+    masks follow the same geometry (resize as `size` says, center crop as `crop_size` says) with nearest neighbour."""
+
+    source: str  # local directory or HF id the processor loads from (not hashed: `ckpt` names the checkpoint)
+    revision: str | None  # resolved commit (not hashed, same reason)
+    settings: dict  # preprocessor_config.json
+    image_size: int
+    patch_size: int
+
+    def pixels(self, img) -> np.ndarray:
+        """RGB PIL image -> float32 (3, image_size, image_size), exactly as the processor returns it."""
+        x_chw = _image_processor(self.source, self.revision)(images=[img.convert("RGB")], return_tensors="np")
+        x_chw = np.asarray(x_chw["pixel_values"][0], np.float32)
+        if x_chw.shape != (3, self.image_size, self.image_size):
+            raise SaeflowError(
+                f"the image processor of {self.source} returned pixels of shape {x_chw.shape}, not "
+                f"(3, {self.image_size}, {self.image_size}); set dataset.preprocess: resize_crop"
+            )
+        return x_chw
+
+    def _geometry_settings(self) -> dict:
+        """resize/crop settings: the loaded processor's (its class fills what the JSON leaves out); without a source
+        (visuals, which load no processor) the JSON's."""
+        if not self.source:
+            return self.settings
+        proc = _image_processor(self.source, self.revision)
+        out = {}
+        for key in ("do_resize", "size", "do_center_crop", "crop_size"):
+            value = getattr(proc, key, None)
+            if value is not None and not isinstance(value, (bool, int, dict)):  # SizeDict
+                value = {k: v for k, v in vars(value).items() if v is not None}
+            out[key] = value
+        return out
+
+    def _geometry(self, img, resample):
+        settings = self._geometry_settings()
+        if settings.get("do_resize", True):
+            size = settings.get("size") or {}
+            w, h = img.size
+            if isinstance(size, int):
+                size = {"shortest_edge": size} if settings.get("do_center_crop") else {"height": size, "width": size}
+            if "shortest_edge" in size:
+                short, long = (w, h) if w <= h else (h, w)
+                new_short, new_long = size["shortest_edge"], int(size["shortest_edge"] * long / short)
+                w, h = (new_short, new_long) if w <= h else (new_long, new_short)
+            else:
+                w, h = size["width"], size["height"]
+            img = img.resize((w, h), resample=resample)
+        if settings.get("do_center_crop"):
+            crop = settings.get("crop_size") or {}
+            crop_h, crop_w = (crop, crop) if isinstance(crop, int) else (crop["height"], crop["width"])
+            top, left = (img.size[1] - crop_h) // 2, (img.size[0] - crop_w) // 2
+            img = img.crop((left, top, left + crop_w, top + crop_h))
+        return img
+
+    def patch_labels(self, mask, rule: str = "majority", background: int = 0) -> np.ndarray:
+        from PIL import Image
+
+        m_hw = np.asarray(self._geometry(mask, Image.Resampling.NEAREST))
+        return patch_labels(m_hw, self.patch_size, rule, background)
+
+    def view(self, img):
+        from PIL import Image
+
+        return self._geometry(img.convert("RGB"), Image.Resampling.BICUBIC)
+
+    def hashed(self) -> dict:
+        sizes = {"image_size": self.image_size, "patch_size": self.patch_size}
+        return {"mode": "processor", "settings": self.settings, **sizes}
+
+
+@functools.lru_cache(maxsize=4)
+def _image_processor(source: str, revision: str | None):
+    """AutoImageProcessor of a checkpoint, loaded once per process (DataLoader workers load their own)."""
+    import transformers
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"cannot load the image processor of {source!r}: {err}") from None
+
+
+def preprocess_for(info, mode: str) -> "Preprocess | ProcessorPreprocess":
+    """How pixels reach model `info` (a models.ModelInfo): its own processor when `mode` is processor and the
+    checkpoint ships a preprocessor_config.json, else the bicubic resize and center crop (random-init models)."""
+    if mode == "processor" and info.preprocessor and info.source is not None:
+        return ProcessorPreprocess(info.source, info.revision, info.preprocessor, info.image_size, info.patch_size)
+    return Preprocess(info.resize_size, info.image_size, info.patch_size, info.mean, info.std)
+
 
 def patch_labels(m_hw: np.ndarray, patch_size: int, rule: str, background: int) -> np.ndarray:
     if m_hw.ndim != 2:
@@ -157,6 +268,7 @@ class ImageFolder(_Folder):
 
     root: str
     n_ex: int | None = _DEFAULTS["image_folder"]["n_ex"]
+    preprocess: str = _preprocess_field("image_folder")
 
     aux_fname = ShardLayout.CLASSES_FNAME  # one int32 class id per example
 
@@ -205,6 +317,7 @@ class SegFolder(_Folder):
     label_rule: str = _DEFAULTS["segmentation_folder"]["label_rule"]
     background: int = _DEFAULTS["segmentation_folder"]["background"]
     n_ex: int | None = _DEFAULTS["segmentation_folder"]["n_ex"]
+    preprocess: str = _preprocess_field("segmentation_folder")
 
     aux_fname = ShardLayout.LABELS_FNAME  # one uint8 label per patch
 
@@ -246,6 +359,7 @@ class GeneratedImages:
     n_ex: int = _DEFAULTS["generated_images"]["n_ex"]
     seed: int = _DEFAULTS["generated_images"]["seed"]
     size: int = _DEFAULTS["generated_images"]["size"]
+    preprocess: str = _preprocess_field("generated_images")
 
     dataset_path = "generated-images"  # not a directory: the images exist only as this recipe
     aux_fname = ShardLayout.LABELS_FNAME  # one uint8 shape label per patch

@@ -38,7 +38,7 @@ class Plan:
     metadata: shards.Metadata  # what will be computed; its hash names the shard directory
     info: models.ModelInfo  # the model, read from its config (no weights)
     device: str  # the spec's device or the caller's override, resolved only when extracting (not hashed)
-    preprocess: datasets.Preprocess | None = None  # vision: how pixels reach the model
+    preprocess: datasets.Preprocess | datasets.ProcessorPreprocess | None = None  # vision: how pixels reach the model
     packing: tokenization.Packing | None = None  # text: how the corpus becomes examples
 
     @property
@@ -64,9 +64,9 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
     if info.modality == "vision":
         if text_dataset:
             raise SaeflowError(f"dataset: {info.ckpt} is a vision model but dataset.kind is text")
-        pre = datasets.Preprocess(info.resize_size, info.image_size, info.patch_size, info.mean, info.std)
+        pre = datasets.preprocess_for(info, dataset.preprocess)
         n_ex = len(dataset)
-        data = {**dataset.data(), "preprocess": dataclasses.asdict(pre), "compute_dtype": spec.compute_dtype}
+        data = {**dataset.data(), "preprocess": pre.hashed(), "compute_dtype": spec.compute_dtype}
         patches_per_ex = info.patches_per_ex
         extra = dict(preprocess=pre)
     else:
@@ -140,7 +140,7 @@ def batches(n_ex: int, ex_per_shard: int, batch_size: int, start: int) -> list[t
 class _Examples:
     """Map-style torch dataset of preprocessed images + patch labels (decoded in DataLoader workers)."""
 
-    def __init__(self, dataset, pre: datasets.Preprocess):
+    def __init__(self, dataset, pre: datasets.Preprocess | datasets.ProcessorPreprocess):
         self.dataset, self.pre = dataset, pre
 
     def __len__(self):
