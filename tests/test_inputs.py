@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from builders import ARCH_CONFIGS, text_spec, typed, vision_spec
+from builders import ARCH_CONFIGS, MINILM, TINY_TEXT, text_spec, typed, vision_spec
 from saeflow import extract, fingerprints, models, shards, tokenization
 from saeflow.extract import plan_activation
 from saeflow.layout import ShardLayout
@@ -189,3 +189,61 @@ def test_stored_activations_equal_the_model_under_its_own_processor(arch, tmp_pa
     resize_crop = dict(spec, dataset={**spec["dataset"], "preprocess": "resize_crop"})  # the old rule, explicitly
     md = plan_activation(typed(resize_crop))
     assert md.hash != sd.hash and md.data["preprocess"].get("mode") is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Faithful tokenization: the checkpoint's own tokenizer, one rule for extract and export
+# ---------------------------------------------------------------------------------------------------------------
+
+DOC = "def mean(xs):\n    return sum(xs) / len(xs)  # the cat sat on the mat, Déjà vu! " * 6
+TOKENIZER_ARCHS = ("gpt2", "llama", "qwen2", "bert")
+TEXT_CONFIGS = {"qwen2": dict(TINY_TEXT, num_key_value_heads=1, max_position_embeddings=64)}
+
+
+def _bpe(corpus: list[str]):
+    import tokenizers
+
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    special = ["<|endoftext|>", "<s>", "</s>"]
+    bpe.train_from_iterator(corpus, vocab_size=280, special_tokens=special, show_progress=False)
+    return bpe._tokenizer
+
+
+def _tokenizer_for(arch: str):
+    """A tiny tokenizer of each family, built offline, as its transformers class saves it."""
+    import tokenizers
+    import transformers
+
+    if arch == "bert":
+        return transformers.AutoTokenizer.from_pretrained(MINILM)  # a real WordPiece [CLS] ... [SEP] tokenizer
+    tk = _bpe([DOC, "hello world " * 50])
+    if arch == "gpt2":
+        return transformers.GPT2Tokenizer(tokenizer_object=tk, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    if arch == "qwen2":
+        return transformers.Qwen2Tokenizer(tokenizer_object=tk, eos_token="<|endoftext|>")
+    tk.post_processor = tokenizers.processors.TemplateProcessing(  # Llama: BOS before every sequence
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tk.token_to_id("<s>"))]
+    )
+    return transformers.LlamaTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("arch", TOKENIZER_ARCHS)
+def test_stored_and_exported_ids_equal_autotokenizer(arch, tmp_path):
+    import transformers
+
+    from saeflow.interop import engine
+
+    config = dict(TEXT_CONFIGS.get(arch, ARCH_CONFIGS.get(arch, {})), vocab_size=31_000 if arch == "bert" else 300)
+    spec = models.ModelSpec(random_arch=arch, random_config=config)
+    models.build(models.describe(spec), spec).save_pretrained(tmp_path / "ckpt")
+    _tokenizer_for(arch).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "doc.txt").write_text(DOC)
+    context_length = 24
+    act = text_spec(model={"name": str(tmp_path / "ckpt")}, tokenizer=None, context_length=context_length,
+                    dataset={"kind": "text", "path": str(tmp_path / "doc.txt"), "n_ex": 2})  # fmt: skip
+    sd = shards.ShardDir(extract.extract(typed(act), tmp_path / "s", progress=False).dpath)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    expected = reference(DOC, truncation=True, max_length=context_length)["input_ids"]
+    assert np.array(sd.aux(ShardLayout.TOKENS_FNAME))[0].tolist() == expected  # the first example: one document
+    cfg = engine.EngineConfig.defaults(model=str(tmp_path / "ckpt"), layers=(0,), max_tokens=context_length)
+    assert engine.TextEngine(cfg).tokenize(DOC) == expected  # export encodes by the same rule
