@@ -79,11 +79,14 @@ def make_corpus(fpath: pathlib.Path, n_mb: int) -> None:
     words = np.array("the of and to in a is that for it as was with be by on not he this are or his from at which "
                      "but have an had they you were their one all we can her has there been if more when will would "
                      "who so no".split())  # fmt: skip
+    blocks = []  # 64 distinct blocks of 1000 lines, written in a seeded order (generating each line costs too much)
+    for _ in range(64):
+        lines = [json.dumps({"text": " ".join(words[rng.integers(0, len(words), 180)])}) for _ in range(1000)]
+        blocks.append("\n".join(lines) + "\n")
     with open(fpath, "w", encoding="utf-8") as fd, tqdm(total=n_mb, desc="generate corpus", unit="MiB") as bar:
         written = 0
         while written < n_mb << 20:
-            lines = [json.dumps({"text": " ".join(words[rng.integers(0, len(words), 180)])}) for _ in range(1000)]
-            block = "\n".join(lines) + "\n"
+            block = blocks[int(rng.integers(0, len(blocks)))]
             fd.write(block)
             written += len(block)
             bar.update(min(len(block) / (1 << 20), n_mb - bar.n))
@@ -105,12 +108,12 @@ def config(image_root: pathlib.Path, corpus: pathlib.Path) -> dict:
     }  # fmt: skip
 
 
-def run(cmd: list[str], cwd: pathlib.Path, env: dict) -> tuple[float, str]:
+def run(cmd: list[str], cwd: pathlib.Path, env: dict) -> tuple[float, str, str]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd[:6])} ... failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - t0, proc.stdout + proc.stderr
+    return time.perf_counter() - t0, proc.stdout, proc.stderr
 
 
 def bare_snakefile(dpath: pathlib.Path, n_jobs: int) -> pathlib.Path:
@@ -142,16 +145,18 @@ def main(argv=None) -> int:
         figures = {}
         for name in ("images", "corpus"):
             for phase in ("first", "re"):
-                wall_s, out = run([sys.executable, "-c", PLAN_ONE, str(config_fpath), name], work, env)
+                wall_s, out, _ = run([sys.executable, "-c", PLAN_ONE, str(config_fpath), name], work, env)
                 plan_s, n_ex, _ = out.strip().splitlines()[-1].split()
+                print(f"{name} {phase}-plan: {plan_s} s", flush=True)
                 figures[name, phase] = (float(plan_s), wall_s, int(n_ex))
         snakemake = [sys.executable, "-m", "snakemake", "-n", "--cores", "2"]
         dry = [*snakemake, "-s", str(REPO_ROOT / "Snakefile"), "--configfile", str(config_fpath)]
-        dry_s, out = run(dry, work, env)
+        dry_s, out, err = run(dry, work, env)
+        out += err
         n_jobs = int(re.search(r"^total\s+(\d+)", out, re.M).group(1))
         bare_dpath = work / "bare"
         bare_dpath.mkdir()
-        bare_s, _ = run([*snakemake, "-s", str(bare_snakefile(bare_dpath, n_jobs))], bare_dpath, env)
+        bare_s, _, _ = run([*snakemake, "-s", str(bare_snakefile(bare_dpath, n_jobs))], bare_dpath, env)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -6,10 +6,11 @@ import shutil
 
 import numpy as np
 import pytest
+import yaml
 from PIL import Image
 
 from builders import ARCH_CONFIGS, MINILM, TINY_TEXT, text_spec, typed, vision_spec
-from saeflow import extract, fingerprints, models, shards, tokenization
+from saeflow import cli, extract, fingerprints, models, shards, tokenization
 from saeflow.extract import plan_activation
 from saeflow.layout import ShardLayout
 from workflow_helpers import snakemake, write_config
@@ -247,3 +248,49 @@ def test_stored_and_exported_ids_equal_autotokenizer(arch, tmp_path):
     assert np.array(sd.aux(ShardLayout.TOKENS_FNAME))[0].tolist() == expected  # the first example: one document
     cfg = engine.EngineConfig.defaults(model=str(tmp_path / "ckpt"), layers=(0,), max_tokens=context_length)
     assert engine.TextEngine(cfg).tokenize(DOC) == expected  # export encodes by the same rule
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face `datasets` as an input
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _extract_through_config(tmp_path, name: str, spec: dict):
+    config_fpath = tmp_path / f"{name}.yaml"
+    config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "shards"), "activations": {name: spec}}))
+    assert cli.main(["extract", str(config_fpath), "--activation", name, "--no-progress"]) == 0
+    return shards.ShardDir(tmp_path / "shards" / plan_activation(typed(spec)).hash)
+
+
+def test_hf_datasets_saved_to_disk_extract_through_a_config_and_are_hashed_by_content(tmp_path):
+    import datasets as hf
+
+    docs = [f"document {i}: " + "the cat sat on the mat. " * 5 for i in range(12)]
+    hf.Dataset.from_dict({"body": docs, "id": list(range(12))}).save_to_disk(tmp_path / "text-ds")
+    text = text_spec(dataset={"kind": "hf_dataset", "path": str(tmp_path / "text-ds"), "text_column": "body"})
+    sd = _extract_through_config(tmp_path, "text", text)
+    packing = extract.plan(typed(text)).packing
+    ids_nt = packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), docs))
+    assert np.array_equal(np.array(sd.aux(ShardLayout.TOKENS_FNAME)), ids_nt[: sd.n_ex])
+
+    rng = np.random.default_rng(2)
+    pictures = [Image.fromarray(rng.integers(0, 256, (20 + 3 * i, 30, 3), dtype=np.uint8)) for i in range(5)]
+    features = hf.Features({"img": hf.Image(), "label": hf.ClassLabel(names=["ant", "bee", "cat"])})
+    table = {"img": pictures, "label": [2, 0, 1, 1, 0]}
+    hf.Dataset.from_dict(table, features=features).save_to_disk(tmp_path / "image-ds")
+    images = vision_spec(dataset={"kind": "hf_dataset", "path": str(tmp_path / "image-ds"), "image_column": "img",
+                                  "label_column": "label"})  # fmt: skip
+    sd = _extract_through_config(tmp_path, "images", images)
+    assert sd.n_ex == 5 and np.array(sd.aux(ShardLayout.CLASSES_FNAME)).tolist() == [2, 0, 1, 1, 0]
+
+    for spec, dpath, write in (
+        (text, tmp_path / "text-ds", lambda d: hf.Dataset.from_dict({"body": [*docs[:-1], docs[-1].upper()],
+                                                                     "id": list(range(12))}).save_to_disk(d)),
+        (images, tmp_path / "image-ds", lambda d: hf.Dataset.from_dict({**table, "label": [2, 0, 1, 1, 1]},
+                                                                       features=features).save_to_disk(d)),
+    ):  # fmt: skip
+        before = plan_activation(typed(spec)).hash
+        write(tmp_path / "rewritten")
+        shutil.rmtree(dpath)
+        (tmp_path / "rewritten").rename(dpath)
+        assert plan_activation(typed(spec)).hash != before  # one changed row: another shard directory

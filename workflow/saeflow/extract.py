@@ -50,9 +50,12 @@ class Plan:
         return self.spec.dataset
 
     @property
-    def aux_fname(self) -> str:
-        """Vision: the dataset's side file (labels.bin per patch, classes.bin per example); text: tokens.bin."""
-        return self.dataset.aux_fname if self.info.modality == "vision" else layout.ShardLayout.TOKENS_FNAME
+    def aux_fnames(self) -> tuple[str, ...]:
+        """Vision: the dataset's side file (labels.bin per patch, classes.bin per example, none for an unlabeled
+        hf_dataset); text: tokens.bin."""
+        if self.info.modality != "vision":
+            return (layout.ShardLayout.TOKENS_FNAME,)
+        return () if self.dataset.aux_fname is None else (self.dataset.aux_fname,)
 
 
 def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
@@ -60,7 +63,7 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
     info = models.describe(spec.model)
     layers = info.resolve_layers(spec.layers)
     dataset = spec.dataset
-    text_dataset = isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus))
+    text_dataset = datasets.is_text(dataset)
     if info.modality == "vision":
         if text_dataset:
             raise SaeflowError(f"dataset: {info.ckpt} is a vision model but dataset.kind is text")
@@ -71,7 +74,9 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
         extra = dict(preprocess=pre)
     else:
         if not text_dataset:
-            raise SaeflowError(f"dataset: {info.ckpt} is a text model; use dataset.kind text or builtin_text")
+            raise SaeflowError(
+                f"dataset: {info.ckpt} is a text model; use dataset.kind text, builtin_text or hf_dataset (text_column)"
+            )
         if spec.context_length > info.max_positions:
             raise SaeflowError(
                 f"context_length={spec.context_length} is larger than {info.ckpt} allows "
@@ -169,7 +174,8 @@ def _collate(items):
     pickles."""
     import torch
 
-    return torch.from_numpy(np.stack([x for x, _ in items])), np.stack([labels for _, labels in items])
+    side = None if items[0][1] is None else np.stack([labels for _, labels in items])
+    return torch.from_numpy(np.stack([x for x, _ in items])), side
 
 
 def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
@@ -206,7 +212,7 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
         # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
         "model_source": model_source(plan_.model_spec),
     }
-    with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
+    with shards.ShardWriter(shards_root, md, aux=plan_.aux_fnames, provenance_extra=provenance_extra) as writer:
         if writer.reused:
             return Result(writer.dpath, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
         if writer.resumed_from:
@@ -227,7 +233,7 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
                 acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
                 result.forward_sec += time.perf_counter() - t
                 t = time.perf_counter()
-                writer.write(acts_nltd, aux={plan_.aux_fname: aux_rows})
+                writer.write(acts_nltd, aux={fname: aux_rows for fname in plan_.aux_fnames})
                 result.write_sec += time.perf_counter() - t
                 n = acts_nltd.shape[0]
                 n_tokens += n * md.tokens_per_ex
