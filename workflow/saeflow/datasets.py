@@ -16,7 +16,11 @@ its resize mode and size, crop, resample, rescale and normalization) when it shi
   majority value or, with `label_rule: prefer_foreground`, the most frequent non-background value when any;
 - GeneratedImages: the shape under each patch (0 background, 1 rectangle, 2 ellipse), majority rule.
 
-Text corpora yield documents (strings); `saeflow.tokenization` turns them into fixed-length examples.
+Text corpora yield documents (strings); `saeflow.tokenization` turns them into fixed-length examples. `HFDataset`
+reads a Hugging Face `datasets` dataset on local disk (text or images, with an optional class label column).
+
+File-backed datasets are hashed by a content fingerprint of their files (`saeflow.fingerprints`): computed once,
+then kept by (path, size, mtime_ns, inode), so planning stats files and reads none.
 """
 
 import dataclasses
