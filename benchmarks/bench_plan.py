@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus-mb", type=int, default=1024, help="size of the JSONL corpus in MiB (default 1024)")
     p.add_argument("--dir", default=None, help="where to generate the data (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the generated data")
+    p.add_argument("--reuse", action="store_true", help="use the data already in --dir (its cache is emptied)")
     return p.parse_args(argv)
 
 
@@ -108,12 +110,18 @@ def config(image_root: pathlib.Path, corpus: pathlib.Path) -> dict:
     }  # fmt: skip
 
 
-def run(cmd: list[str], cwd: pathlib.Path, env: dict) -> tuple[float, str, str]:
-    t0 = time.perf_counter()
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(cmd: list[str], cwd: pathlib.Path, env: dict) -> tuple[float, float, str, str]:
+    """(wall seconds, CPU seconds of the process and its children, e.g. find, stdout, stderr)."""
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd[:6])} ... failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - t0, proc.stdout, proc.stderr
+    return time.perf_counter() - t0, _children_cpu_s() - cpu0, proc.stdout, proc.stderr
 
 
 def bare_snakefile(dpath: pathlib.Path, n_jobs: int) -> pathlib.Path:
@@ -134,40 +142,43 @@ def main(argv=None) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SAEFLOW_FINGERPRINT_CACHE": str(work / "fingerprint-cache"),
            "PYTHONPATH": str(REPO_ROOT / "workflow"), "PATH": path}  # fmt: skip
     try:
-        t0 = time.perf_counter()
-        make_folder(work / "imagenet", args.n_files, args.n_classes)
-        gen_images_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        make_corpus(work / "corpus.jsonl", args.corpus_mb)
-        gen_corpus_s = time.perf_counter() - t0
+        gen_images_s = gen_corpus_s = 0.0
+        shutil.rmtree(work / "fingerprint-cache", ignore_errors=True)  # a first plan is a first plan
+        if not args.reuse:
+            t0 = time.perf_counter()
+            make_folder(work / "imagenet", args.n_files, args.n_classes)
+            gen_images_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            make_corpus(work / "corpus.jsonl", args.corpus_mb)
+            gen_corpus_s = time.perf_counter() - t0
         config_fpath = work / "config.yaml"
         config_fpath.write_text(yaml.safe_dump(config(work / "imagenet", work / "corpus.jsonl")))
         figures = {}
         for name in ("images", "corpus"):
             for phase in ("first", "re"):
-                wall_s, out, _ = run([sys.executable, "-c", PLAN_ONE, str(config_fpath), name], work, env)
+                wall_s, cpu_s, out, _ = run([sys.executable, "-c", PLAN_ONE, str(config_fpath), name], work, env)
                 plan_s, n_ex, _ = out.strip().splitlines()[-1].split()
-                print(f"{name} {phase}-plan: {plan_s} s", flush=True)
-                figures[name, phase] = (float(plan_s), wall_s, int(n_ex))
+                print(f"{name} {phase}-plan: {plan_s} s wall, {cpu_s:.2f} s CPU", flush=True)
+                figures[name, phase] = (float(plan_s), wall_s, cpu_s, int(n_ex))
         snakemake = [sys.executable, "-m", "snakemake", "-n", "--cores", "2"]
         dry = [*snakemake, "-s", str(REPO_ROOT / "Snakefile"), "--configfile", str(config_fpath)]
-        dry_s, out, err = run(dry, work, env)
+        dry_s, dry_cpu_s, out, err = run(dry, work, env)
         out += err
         n_jobs = int(re.search(r"^total\s+(\d+)", out, re.M).group(1))
         bare_dpath = work / "bare"
-        bare_dpath.mkdir()
-        bare_s, _, _ = run([*snakemake, "-s", str(bare_snakefile(bare_dpath, n_jobs))], bare_dpath, env)
+        bare_dpath.mkdir(exist_ok=True)
+        bare_s, bare_cpu_s, _, _ = run([*snakemake, "-s", str(bare_snakefile(bare_dpath, n_jobs))], bare_dpath, env)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     load = os.getloadavg()[0]
     print(f"data: {args.n_files:,} files in {args.n_classes} classes (generated in {gen_images_s:.0f} s), "
           f"{args.corpus_mb} MiB JSONL corpus ({gen_corpus_s:.0f} s); load average {load:.1f}")  # fmt: skip
-    print(f"{'':28} {'plan (s)':>9} {'process (s)':>12} {'examples':>10}")
-    for (name, phase), (plan_s, wall_s, n_ex) in figures.items():
-        print(f"{name + ' ' + phase + '-plan':28} {plan_s:9.2f} {wall_s:12.2f} {n_ex:10,}")
-    print(f"snakemake -n, saeflow workflow ({n_jobs} jobs, re-plan)   {dry_s:.2f} s")
-    print(f"snakemake -n, bare Snakefile ({n_jobs} jobs)              {bare_s:.2f} s")
+    print(f"{'':28} {'plan (s)':>9} {'process (s)':>12} {'CPU (s)':>8} {'examples':>10}")
+    for (name, phase), (plan_s, wall_s, cpu_s, n_ex) in figures.items():
+        print(f"{name + ' ' + phase + '-plan':28} {plan_s:9.2f} {wall_s:12.2f} {cpu_s:8.2f} {n_ex:10,}")
+    print(f"snakemake -n, saeflow workflow ({n_jobs} jobs, re-plan)   {dry_s:.2f} s wall, {dry_cpu_s:.2f} s CPU")
+    print(f"snakemake -n, bare Snakefile ({n_jobs} jobs)              {bare_s:.2f} s wall, {bare_cpu_s:.2f} s CPU")
     ok = True
     for name in ("images", "corpus"):
         ratio = figures[name, "re"][0] / TARGET_REPLAN_S
