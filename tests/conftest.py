@@ -9,6 +9,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fingerprint_cache(tmp_path_factory):
+    """Dataset fingerprints are cached under the test session's temporary directory, never the user's home (the
+    environment variable also reaches the Snakemake and CLI subprocesses)."""
+    os.environ["SAEFLOW_FINGERPRINT_CACHE"] = str(tmp_path_factory.mktemp("fingerprint-cache"))
+    return os.environ["SAEFLOW_FINGERPRINT_CACHE"]
+
+
 @pytest.fixture
 def shards_root(tmp_path):
     root = tmp_path / "shards"

@@ -53,8 +53,12 @@ def test_packing_is_fixed_length_with_bos_and_separators():
 
 
 def test_encoder_packing_uses_cls_and_sep():
-    class Tok:
+    class Tok:  # adds [CLS] ... [SEP] like BERT's tokenizer
         cls_token_id, sep_token_id, bos_token_id, eos_token_id = 101, 102, None, None
+
+        def __call__(self, text, add_special_tokens=True):
+            ids = [7] * len(text.split())
+            return {"input_ids": [101, *ids, 102] if add_special_tokens else ids}
 
     packing = tokenization.packing_for(Tok(), "t", 6, encoder=True)
     assert (packing.prefix, packing.suffix, packing.separator, packing.body_len) == ((101,), (102,), (102,), 4)

@@ -14,6 +14,7 @@ from PIL import Image
 from builders import text_spec, typed, vision_spec
 from saeflow import cli, extract, models, shards
 from saeflow.errors import SaeflowError
+from saeflow.layout import ShardLayout
 
 
 def _file_bytes(dpath: pathlib.Path) -> dict[str, bytes]:
@@ -184,7 +185,7 @@ def test_cli_plan_and_extract(tmp_path, capsys):
     assert "no activation named 'nope'" in capsys.readouterr().err
 
 
-def test_segmentation_and_image_folder_labels_reach_labels_bin(tmp_path):
+def test_segmentation_labels_reach_labels_bin_and_image_folder_classes_reach_classes_bin(tmp_path):
     mask = np.zeros((32, 32), np.uint8)
     mask[:16, :16] = 3  # the top-left quadrant: patches (0,0),(0,1),(1,0),(1,1) of the 4x4 grid
     for stem in ("a", "b"):
@@ -201,7 +202,8 @@ def test_segmentation_and_image_folder_labels_reach_labels_bin(tmp_path):
         Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(_mkdir(tmp_path / "cls" / cls) / "0.png")
     spec = vision_spec(dataset={"kind": "image_folder", "root": str(tmp_path / "cls")})
     sd = shards.ShardDir(extract.extract(typed(spec), tmp_path / "s", progress=False).dpath)
-    assert np.array(sd.aux("labels.bin")).tolist() == [[0] * 16, [1] * 16]
+    assert np.array(sd.aux(ShardLayout.CLASSES_FNAME)).tolist() == [0, 1] and not sd.has_aux("labels.bin")
+    assert sd.metadata.data["classes"] == ["ant", "bee"]
 
 
 SLOW_CHILD = """

@@ -21,6 +21,7 @@ LAYOUT_NAMES = {
     "provenance.json": (),
     "labels.bin": (),
     "tokens.bin": (),
+    "classes.bin": (),
     "metadata.json": ("interop/pickle_shards.py",),
     "checkpoint": (),
     "links": (),

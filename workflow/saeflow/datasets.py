@@ -4,15 +4,23 @@ Each dataset is a frozen dataclass whose fields are exactly what goes into the h
 (`dataclasses.asdict` plus `__class__`, saev protocol 2.1). Listing items is cheap (file names, sorted, so the
 order is the same on every machine); decoding happens during extraction.
 
-Images are preprocessed like the model's own processor: resize the shorter side to `resize_size` (bicubic),
-center-crop `image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields one uint8 label
-per patch (CLS excluded), written to labels.bin:
-- ImageFolder: the class index (sorted sub-folder names) on every patch of the image;
+Images go through the checkpoint's own image processor (`ProcessorPreprocess`, transformers' AutoImageProcessor:
+its resize mode and size, crop, resample, rescale and normalization) when it ships one; random-init models, and
+`preprocess: resize_crop`, get `Preprocess`: resize the shorter side to `resize_size` (bicubic), center-crop
+`image_size`, scale to [0, 1], normalize by mean/std. Every image dataset also yields a side row
+(`aux_fname` names its file):
+- ImageFolder: the example's class index (sorted sub-folder names) as one int32, written to classes.bin, so any
+  class count fits (ImageNet's 1000 included); the class names are hashed in `data["classes"]`;
+- one uint8 label per patch (CLS excluded), written to labels.bin, as the protocol defines it:
 - SegFolder: from the mask, resized with nearest neighbour and cropped like the image, then per patch either the
   majority value or, with `label_rule: prefer_foreground`, the most frequent non-background value when any;
 - GeneratedImages: the shape under each patch (0 background, 1 rectangle, 2 ellipse), majority rule.
 
-Text corpora yield documents (strings); `saeflow.tokenization` turns them into fixed-length examples.
+Text corpora yield documents (strings); `saeflow.tokenization` turns them into fixed-length examples. `HFDataset`
+reads a Hugging Face `datasets` dataset on local disk (text or images, with an optional class label column).
+
+File-backed datasets are hashed by a content fingerprint of their files (`saeflow.fingerprints`): computed once,
+then kept by (path, size, mtime_ns, inode), so planning stats files and reads none.
 """
 
 import dataclasses
@@ -24,8 +32,9 @@ import typing
 
 import numpy as np
 
-from saeflow import config
+from saeflow import config, fingerprints
 from saeflow.errors import SaeflowError
+from saeflow.layout import ShardLayout
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 MASK_SUFFIXES = (".png", ".bmp", ".gif", ".tif", ".tiff")
@@ -37,7 +46,14 @@ _DEFAULTS = config.dataset_defaults()
 
 
 def _data_dict(cfg) -> dict:
-    return {**dataclasses.asdict(cfg), "__class__": type(cfg).__name__}
+    """The hashed fields (all but those marked `hashed: False`, which are hashed elsewhere) and the class name."""
+    fields = [f.name for f in dataclasses.fields(cfg) if f.metadata.get("hashed", True)]
+    return {**{name: getattr(cfg, name) for name in fields}, "__class__": type(cfg).__name__}
+
+
+def _preprocess_field(kind: str):
+    """`preprocess: processor | resize_crop`; hashed as `data["preprocess"]` (what it resolves to), not here."""
+    return dataclasses.field(default=_DEFAULTS[kind]["preprocess"], metadata={"hashed": False})
 
 
 def _root(path: str, key: str) -> pathlib.Path:
@@ -101,6 +117,108 @@ class Preprocess:
         m_hw = np.asarray(self._resize_crop(mask, Image.Resampling.NEAREST))
         return patch_labels(m_hw, self.patch_size, rule, background)
 
+    def view(self, img):
+        """The image as the model sees it (before normalization), for visuals."""
+        from PIL import Image
+
+        return self._resize_crop(img.convert("RGB"), Image.Resampling.BICUBIC)
+
+    def hashed(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorPreprocess:
+    """The checkpoint's own image processor (`transformers.AutoImageProcessor`): stored activations are those of
+    `model(**processor(images))`. Its preprocessor_config.json is hashed inside `data` as `preprocess.settings`;
+    masks follow the same geometry (resize as `size` says, center crop as `crop_size` says) with nearest neighbour."""
+
+    source: str  # local directory or HF id the processor loads from (not hashed: `ckpt` names the checkpoint)
+    revision: str | None  # resolved commit (not hashed, same reason)
+    settings: dict  # preprocessor_config.json
+    image_size: int
+    patch_size: int
+
+    def pixels(self, img) -> np.ndarray:
+        """RGB PIL image -> float32 (3, image_size, image_size), exactly as the processor returns it."""
+        x_chw = _image_processor(self.source, self.revision)(images=[img.convert("RGB")], return_tensors="np")
+        x_chw = np.asarray(x_chw["pixel_values"][0], np.float32)
+        if x_chw.shape != (3, self.image_size, self.image_size):
+            raise SaeflowError(
+                f"the image processor of {self.source} returned pixels of shape {x_chw.shape}, not "
+                f"(3, {self.image_size}, {self.image_size}); set dataset.preprocess: resize_crop"
+            )
+        return x_chw
+
+    def _geometry_settings(self) -> dict:
+        """resize/crop settings: the loaded processor's (its class fills what the JSON leaves out); without a source
+        (visuals, which load no processor) the JSON's."""
+        if not self.source:
+            return self.settings
+        proc = _image_processor(self.source, self.revision)
+        out = {}
+        for key in ("do_resize", "size", "do_center_crop", "crop_size"):
+            value = getattr(proc, key, None)
+            if value is not None and not isinstance(value, (bool, int, dict)):  # SizeDict
+                value = {k: v for k, v in vars(value).items() if v is not None}
+            out[key] = value
+        return out
+
+    def _geometry(self, img, resample):
+        settings = self._geometry_settings()
+        if settings.get("do_resize", True):
+            size = settings.get("size") or {}
+            w, h = img.size
+            if isinstance(size, int):
+                size = {"shortest_edge": size} if settings.get("do_center_crop") else {"height": size, "width": size}
+            if "shortest_edge" in size:
+                short, long = (w, h) if w <= h else (h, w)
+                new_short, new_long = size["shortest_edge"], int(size["shortest_edge"] * long / short)
+                w, h = (new_short, new_long) if w <= h else (new_long, new_short)
+            else:
+                w, h = size["width"], size["height"]
+            img = img.resize((w, h), resample=resample)
+        if settings.get("do_center_crop"):
+            crop = settings.get("crop_size") or {}
+            crop_h, crop_w = (crop, crop) if isinstance(crop, int) else (crop["height"], crop["width"])
+            top, left = (img.size[1] - crop_h) // 2, (img.size[0] - crop_w) // 2
+            img = img.crop((left, top, left + crop_w, top + crop_h))
+        return img
+
+    def patch_labels(self, mask, rule: str = "majority", background: int = 0) -> np.ndarray:
+        from PIL import Image
+
+        m_hw = np.asarray(self._geometry(mask, Image.Resampling.NEAREST))
+        return patch_labels(m_hw, self.patch_size, rule, background)
+
+    def view(self, img):
+        from PIL import Image
+
+        return self._geometry(img.convert("RGB"), Image.Resampling.BICUBIC)
+
+    def hashed(self) -> dict:
+        sizes = {"image_size": self.image_size, "patch_size": self.patch_size}
+        return {"mode": "processor", "settings": self.settings, **sizes}
+
+
+@functools.lru_cache(maxsize=4)
+def _image_processor(source: str, revision: str | None):
+    """AutoImageProcessor of a checkpoint, loaded once per process (DataLoader workers load their own)."""
+    import transformers
+
+    try:
+        return transformers.AutoImageProcessor.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"cannot load the image processor of {source!r}: {err}") from None
+
+
+def preprocess_for(info, mode: str) -> "Preprocess | ProcessorPreprocess":
+    """How pixels reach model `info` (a models.ModelInfo): its own processor when `mode` is processor and the
+    checkpoint ships a preprocessor_config.json, else the bicubic resize and center crop (random-init models)."""
+    if mode == "processor" and info.preprocessor and info.source is not None:
+        return ProcessorPreprocess(info.source, info.revision, info.preprocessor, info.image_size, info.patch_size)
+    return Preprocess(info.resize_size, info.image_size, info.patch_size, info.mean, info.std)
+
 
 def patch_labels(m_hw: np.ndarray, patch_size: int, rule: str, background: int) -> np.ndarray:
     if m_hw.ndim != 2:
@@ -144,7 +262,8 @@ class _Folder:
                     _check_image(fpath)
 
     def data(self) -> dict:
-        return {**_data_dict(self), "root": self.dataset_path}
+        """The hashed description: the fields, the absolute root and the content fingerprint of the files."""
+        return {**_data_dict(self), "root": self.dataset_path, "sha256": self.fingerprint.sha256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +272,9 @@ class ImageFolder(_Folder):
 
     root: str
     n_ex: int | None = _DEFAULTS["image_folder"]["n_ex"]
+    preprocess: str = _preprocess_field("image_folder")
+
+    aux_fname = ShardLayout.CLASSES_FNAME  # one int32 class id per example
 
     @functools.cached_property
     def classes(self) -> list[str]:
@@ -160,17 +282,33 @@ class ImageFolder(_Folder):
         return sorted(p.name for p in root.iterdir() if p.is_dir())
 
     @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        """Every image of every class (also those past n_ex); from the fingerprint cache after the first time."""
+        root = _root(self.root, "root")
+        return fingerprints.of_files(root, [root / name for name in self.classes], IMAGE_SUFFIXES)
+
+    def __len__(self) -> int:
+        """From the fingerprint's file count: planning never lists the images into Python objects."""
+        n_files = self.fingerprint.n_files
+        where = f"dataset.root {self.dataset_path} (class sub-folders with images)"
+        if n_files == 0:
+            raise SaeflowError(f"{where}: the dataset is empty")
+        if self.n_ex is not None and self.n_ex > n_files:
+            raise SaeflowError(f"{where}: n_ex={self.n_ex} but the dataset has only {n_files} examples")
+        return n_files if self.n_ex is None else self.n_ex
+
+    @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, int]]:
         root = _root(self.root, "root")
-        if len(self.classes) > 256:
-            raise SaeflowError(f"dataset.root {root}: {len(self.classes)} classes do not fit labels.bin (uint8, 256)")
         items = [(p, c) for c, name in enumerate(self.classes) for p in _images_in(root / name)]
         return _limit(items, self.n_ex, f"dataset.root {root} (class sub-folders with images)")
 
-    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.ndarray]:
+    def example(self, i: int, pre: Preprocess) -> tuple[np.ndarray, np.int32]:
         fpath, label = self.items[i]
-        pixels = pre.pixels(_open_image(fpath))
-        return pixels, np.full((pre.image_size // pre.patch_size) ** 2, label, np.uint8)
+        return pre.pixels(_open_image(fpath)), np.int32(label)
+
+    def data(self) -> dict:
+        return {**super().data(), "classes": self.classes}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +321,15 @@ class SegFolder(_Folder):
     label_rule: str = _DEFAULTS["segmentation_folder"]["label_rule"]
     background: int = _DEFAULTS["segmentation_folder"]["background"]
     n_ex: int | None = _DEFAULTS["segmentation_folder"]["n_ex"]
+    preprocess: str = _preprocess_field("segmentation_folder")
+
+    aux_fname = ShardLayout.LABELS_FNAME  # one uint8 label per patch
+
+    @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        root = _root(self.root, "root")
+        starts = [root / self.images, root / self.masks]
+        return fingerprints.of_files(root, [p for p in starts if p.exists()], IMAGE_SUFFIXES + MASK_SUFFIXES)
 
     @functools.cached_property
     def items(self) -> list[tuple[pathlib.Path, pathlib.Path]]:
@@ -216,8 +363,10 @@ class GeneratedImages:
     n_ex: int = _DEFAULTS["generated_images"]["n_ex"]
     seed: int = _DEFAULTS["generated_images"]["seed"]
     size: int = _DEFAULTS["generated_images"]["size"]
+    preprocess: str = _preprocess_field("generated_images")
 
     dataset_path = "generated-images"  # not a directory: the images exist only as this recipe
+    aux_fname = ShardLayout.LABELS_FNAME  # one uint8 shape label per patch
 
     def __len__(self) -> int:
         if self.n_ex < 1:
@@ -312,12 +461,13 @@ class TextCorpus:
         for fpath in self.files:
             yield from _read_documents(fpath, self.field)
 
-    def fingerprint(self) -> str:
-        """Sizes of the files: cheap change detection that ends up in the hash."""
-        return ",".join(f"{p.name}:{p.stat().st_size}" for p in self.files)
+    @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        """The content of every file (names relative to the path); from the fingerprint cache after a first time."""
+        return fingerprints.of_files(_root(self.path, "path"), self.files, TEXT_SUFFIXES)
 
     def data(self) -> dict:
-        return {**_data_dict(self), "path": self.dataset_path, "files": self.fingerprint()}
+        return {**_data_dict(self), "path": self.dataset_path, "sha256": self.fingerprint.sha256}
 
 
 def _read_documents(fpath: pathlib.Path, field: str) -> typing.Iterator[str]:
@@ -379,6 +529,126 @@ class BuiltinCorpus:
         return {**_data_dict(self), "sha256": digest}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Hugging Face `datasets`
+# ---------------------------------------------------------------------------------------------------------------
+
+HF_FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFDataset:
+    """A Hugging Face `datasets` dataset on local disk: a `save_to_disk` directory (memory-mapped Arrow, read in
+    place), or .parquet/.arrow/.jsonl files opened through `datasets` (text: streamed, so a corpus larger than memory
+    works). `text_column` feeds a text model; `image_column` (and an integer `label_column`, written to
+    classes.bin) a vision model. Hashed by the content fingerprint of every file under `path`; the number of
+    examples is cached with it, so planning does not import `datasets` after the first time."""
+
+    path: str
+    split: str = _DEFAULTS["hf_dataset"]["split"]
+    text_column: str | None = _DEFAULTS["hf_dataset"]["text_column"]
+    image_column: str | None = _DEFAULTS["hf_dataset"]["image_column"]
+    label_column: str | None = _DEFAULTS["hf_dataset"]["label_column"]
+    n_ex: int | None = _DEFAULTS["hf_dataset"]["n_ex"]
+    preprocess: str = _preprocess_field("hf_dataset")
+
+    def __post_init__(self):
+        if (self.text_column is None) == (self.image_column is None):
+            raise SaeflowError("dataset (hf_dataset): give exactly one of text_column or image_column")
+        if self.label_column is not None and self.image_column is None:
+            raise SaeflowError("dataset (hf_dataset): label_column goes with image_column")
+
+    @property
+    def dataset_path(self) -> str:
+        return str(_root(self.path, "path"))
+
+    @property
+    def aux_fname(self) -> str | None:
+        return ShardLayout.CLASSES_FNAME if self.label_column is not None else None
+
+    @functools.cached_property
+    def fingerprint(self) -> fingerprints.Fingerprint:
+        root = _root(self.path, "path")
+        return fingerprints.of_files(root, [root], tuple(HF_FILE_BUILDERS))  # data files and their JSON state
+
+    def _open(self, streaming: bool):
+        import datasets as hf
+
+        root = _root(self.path, "path")
+        try:
+            if root.is_dir() and ((root / "dataset_dict.json").exists() or (root / "state.json").exists()):
+                ds = hf.load_from_disk(str(root))
+                if isinstance(ds, hf.DatasetDict):
+                    if self.split not in ds:
+                        raise SaeflowError(f"dataset.split: {root} has splits {sorted(ds)}, not {self.split!r}")
+                    ds = ds[self.split]
+                return ds.to_iterable_dataset() if streaming else ds
+            files = sorted(p for p in root.rglob("*") if p.suffix in HF_FILE_BUILDERS) if root.is_dir() else [root]
+            builders = {HF_FILE_BUILDERS.get(p.suffix) for p in files}
+            if not files or len(builders) != 1 or None in builders:
+                raise SaeflowError(f"dataset.path {root}: not a save_to_disk directory nor one kind of "
+                                   f"{'/'.join(HF_FILE_BUILDERS)} files")  # fmt: skip
+            return hf.load_dataset(builders.pop(), data_files={self.split: [str(p) for p in files]},
+                                   split=self.split, streaming=streaming)  # fmt: skip
+        except (OSError, ValueError, FileNotFoundError) as err:
+            raise SaeflowError(f"dataset.path {root}: cannot open it with `datasets` ({err})") from None
+
+    def _column(self, ds, name: str, key: str) -> None:
+        columns = list(ds.column_names or ds.features or [])
+        if columns and name not in columns:  # (streamed JSON knows its columns only once read)
+            raise SaeflowError(f"dataset.{key}: no column {name!r} in {self.path}; columns are {columns}")
+
+    @functools.cached_property
+    def _table(self):
+        """The map-style dataset (images need random access): memory-mapped, decoded one row at a time."""
+        ds = self._open(streaming=False)
+        self._column(ds, self.image_column, "image_column")
+        if self.label_column is not None:
+            self._column(ds, self.label_column, "label_column")
+        return ds
+
+    def documents(self) -> typing.Iterator[str]:
+        ds = self._open(streaming=True)
+        self._column(ds, self.text_column, "text_column")
+        for row in ds:
+            if self.text_column not in row:
+                raise SaeflowError(f"dataset.text_column: no column {self.text_column!r} in {self.path}")
+            value = row[self.text_column]
+            if not isinstance(value, str):
+                raise SaeflowError(f"dataset.text_column {self.text_column!r} holds {type(value).__name__}, not text")
+            yield value
+
+    def __len__(self) -> int:
+        key = {"what": "hf_dataset rows", "data": self.data()}
+        n_rows = fingerprints.cached_value(key, lambda: len(self._table))
+        if n_rows == 0:
+            raise SaeflowError(f"dataset.path {self.dataset_path}: the dataset is empty")
+        if self.n_ex is not None and self.n_ex > n_rows:
+            raise SaeflowError(f"dataset.path {self.dataset_path}: n_ex={self.n_ex} but it has only {n_rows} rows")
+        return n_rows if self.n_ex is None else self.n_ex
+
+    def check(self, progress: bool = False) -> None:
+        len(self)
+
+    def example(self, i: int, pre) -> tuple[np.ndarray, np.int32 | None]:
+        row = self._table[i]
+        img = row[self.image_column]
+        if not hasattr(img, "convert"):
+            raise SaeflowError(f"dataset.image_column {self.image_column!r}: row {i} holds {type(img).__name__}")
+        label = None if self.label_column is None else np.int32(row[self.label_column])
+        return pre.pixels(img), label
+
+    def data(self) -> dict:
+        return {**_data_dict(self), "path": self.dataset_path, "sha256": self.fingerprint.sha256}
+
+
+def is_text(dataset) -> bool:
+    """Whether a dataset feeds a text model (documents) rather than a vision model (images)."""
+    if isinstance(dataset, HFDataset):
+        return dataset.text_column is not None
+    return isinstance(dataset, (TextCorpus, BuiltinCorpus))
+
+
 def from_config(obj: dict):
     """The dataset object of one `dataset:` config entry (already validated by the schema)."""
     kinds = {
@@ -387,6 +657,7 @@ def from_config(obj: dict):
         "generated_images": GeneratedImages,
         "text": TextCorpus,
         "builtin_text": BuiltinCorpus,
+        "hf_dataset": HFDataset,
     }
     obj = dict(obj)
     kind = obj.pop("kind", None)

@@ -5,8 +5,9 @@
     result = extract.extract(spec, shards_root)                           # writes (or reuses) <shards_root>/<hash>/
 
 `plan_activation(spec)` is what Snakemake calls at parse time: it reads the model's config.json (never its
-weights) and lists the dataset, so it is fast. For text it tokenizes the corpus to count examples; give the
-dataset an `n_ex` and it stops reading as soon as that many examples are filled, so a large corpus stays cheap.
+weights) and stats the dataset's files, so it is fast. The dataset's content fingerprint and, for text, the number
+of examples (a streaming tokenization of the corpus) are computed once and then come from the fingerprint cache
+(`saeflow.fingerprints`): a re-plan, and the parse inside every Slurm job, stats files and reads none.
 
 Everything that changes the stored bytes is in the hashed metadata: model and revision (`ckpt`), absolute layers,
 dataset (`data` and `dataset`), preprocessing or tokenization, compute dtype, storage dtype. Things that do not
@@ -38,7 +39,7 @@ class Plan:
     metadata: shards.Metadata  # what will be computed; its hash names the shard directory
     info: models.ModelInfo  # the model, read from its config (no weights)
     device: str  # the spec's device or the caller's override, resolved only when extracting (not hashed)
-    preprocess: datasets.Preprocess | None = None  # vision: how pixels reach the model
+    preprocess: datasets.Preprocess | datasets.ProcessorPreprocess | None = None  # vision: how pixels reach the model
     packing: tokenization.Packing | None = None  # text: how the corpus becomes examples
 
     @property
@@ -50,9 +51,12 @@ class Plan:
         return self.spec.dataset
 
     @property
-    def aux_fname(self) -> str:
-        is_vision = self.info.modality == "vision"
-        return layout.ShardLayout.LABELS_FNAME if is_vision else layout.ShardLayout.TOKENS_FNAME
+    def aux_fnames(self) -> tuple[str, ...]:
+        """Vision: the dataset's side file (labels.bin per patch, classes.bin per example, none for an unlabeled
+        hf_dataset); text: tokens.bin."""
+        if self.info.modality != "vision":
+            return (layout.ShardLayout.TOKENS_FNAME,)
+        return () if self.dataset.aux_fname is None else (self.dataset.aux_fname,)
 
 
 def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
@@ -60,25 +64,27 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
     info = models.describe(spec.model)
     layers = info.resolve_layers(spec.layers)
     dataset = spec.dataset
-    text_dataset = isinstance(dataset, (datasets.TextCorpus, datasets.BuiltinCorpus))
+    text_dataset = datasets.is_text(dataset)
     if info.modality == "vision":
         if text_dataset:
             raise SaeflowError(f"dataset: {info.ckpt} is a vision model but dataset.kind is text")
-        pre = datasets.Preprocess(info.resize_size, info.image_size, info.patch_size, info.mean, info.std)
+        pre = datasets.preprocess_for(info, dataset.preprocess)
         n_ex = len(dataset)
-        data = {**dataset.data(), "preprocess": dataclasses.asdict(pre), "compute_dtype": spec.compute_dtype}
+        data = {**dataset.data(), "preprocess": pre.hashed(), "compute_dtype": spec.compute_dtype}
         patches_per_ex = info.patches_per_ex
         extra = dict(preprocess=pre)
     else:
         if not text_dataset:
-            raise SaeflowError(f"dataset: {info.ckpt} is a text model; use dataset.kind text or builtin_text")
+            raise SaeflowError(
+                f"dataset: {info.ckpt} is a text model; use dataset.kind text, builtin_text or hf_dataset (text_column)"
+            )
         if spec.context_length > info.max_positions:
             raise SaeflowError(
                 f"context_length={spec.context_length} is larger than {info.ckpt} allows "
                 f"({info.max_positions} positions)"
             )
         packing = tokenization.model_packing(info, spec.tokenizer, spec.context_length)
-        n_ex = len(tokenization.token_ids(info, spec.tokenizer, dataset, packing))
+        n_ex = tokenization.example_count(info, spec.tokenizer, dataset, packing)
         data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": spec.compute_dtype}
         patches_per_ex = spec.context_length
         extra = dict(packing=packing)
@@ -140,7 +146,7 @@ def batches(n_ex: int, ex_per_shard: int, batch_size: int, start: int) -> list[t
 class _Examples:
     """Map-style torch dataset of preprocessed images + patch labels (decoded in DataLoader workers)."""
 
-    def __init__(self, dataset, pre: datasets.Preprocess):
+    def __init__(self, dataset, pre: datasets.Preprocess | datasets.ProcessorPreprocess):
         self.dataset, self.pre = dataset, pre
 
     def __len__(self):
@@ -165,10 +171,12 @@ def _image_batches(plan_: Plan, spans: list[tuple[int, int]]):
 
 
 def _collate(items):
-    """(pixels (B, 3, H, W) tensor, labels (B, P) uint8) from a list of examples; module-level so it pickles."""
+    """(pixels (B, 3, H, W) tensor, side rows: labels (B, P) or classes (B,)) of a list of examples; module-level so it
+    pickles."""
     import torch
 
-    return torch.from_numpy(np.stack([x for x, _ in items])), np.stack([labels for _, labels in items])
+    side = None if items[0][1] is None else np.stack([labels for _, labels in items])
+    return torch.from_numpy(np.stack([x for x, _ in items])), side
 
 
 def _text_batches(plan_: Plan, spans: list[tuple[int, int]]):
@@ -216,9 +224,9 @@ def extract(
         "model_source": model_source(plan_.model_spec),
     }
     if part is None:
-        writer = shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra)
+        writer = shards.ShardWriter(shards_root, md, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
     else:
-        writer = parts.PartWriter(shards_root, md, *part, aux=(plan_.aux_fname,), provenance_extra=provenance_extra)
+        writer = parts.PartWriter(shards_root, md, *part, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
     ex_stop = getattr(writer, "ex_stop", md.n_ex)  # a part stops at its last shard
     with writer:
         if writer.reused:
@@ -247,7 +255,7 @@ def extract(
                 acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
                 result.forward_sec += time.perf_counter() - t
                 t = time.perf_counter()
-                writer.write(acts_nltd, aux={plan_.aux_fname: aux_rows})
+                writer.write(acts_nltd, aux={fname: aux_rows for fname in plan_.aux_fnames})
                 result.write_sec += time.perf_counter() - t
                 n = acts_nltd.shape[0]
                 n_tokens += n * md.tokens_per_ex
@@ -271,7 +279,7 @@ def seal(spec: specs.ActivationSpec, shards_root, n_parts: int) -> Result:
         shards_root,
         md,
         n_parts,
-        aux=(plan_.aux_fname,),
+        aux=plan_.aux_fnames,
         provenance_extra={"model_source": model_source(plan_.model_spec)},
     )
     return Result(dpath, reused, 0, md.n_ex, total_sec=time.perf_counter() - t0)

@@ -5,7 +5,8 @@ these classes. `pattern(root)` gives the same layout with a Snakemake wildcard i
 output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what the CLI writes.
 
     <shards_root>/<shard_hash>/                  ShardLayout (saev protocol 2.0 plus saeflow's extras, docs/store.md)
-      metadata.json  shards.json  acts000000.bin ...  labels.bin  tokens.bin  checksums.json  provenance.json
+      metadata.json  shards.json  acts000000.bin ...  labels.bin  tokens.bin  classes.bin
+      checksums.json  provenance.json
     <shards_root>/.<shard_hash>.partial/         staging while it is built (with progress.json), renamed when done
     <shards_root>/.<shard_hash>.lock             flock: one builder per hash
     <shards_root>/.<shard_hash>.parts/           split extraction (docs/extraction.md): one directory per part job
@@ -75,6 +76,7 @@ class ShardLayout(_ContentAddressed):
     PART_DONE_FNAME = "part.json"  # a finished part of a split extraction: its shards, checksums, provenance
     LABELS_FNAME = "labels.bin"
     TOKENS_FNAME = "tokens.bin"
+    CLASSES_FNAME = "classes.bin"  # per-example class ids of an image folder (not a protocol file)
 
     @staticmethod
     def shard_fname(shard_idx: int) -> str:

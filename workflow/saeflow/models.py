@@ -120,6 +120,7 @@ class ModelInfo:
     n_registers: int = 0
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
+    preprocessor: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # its JSON, {} if none
     # text
     max_positions: int = 0
 
@@ -291,6 +292,7 @@ def _info(model_type, raw: dict, ckpt: str, source: str | None, revision: str | 
         n_registers=int(config.get("num_register_tokens", 0)),
         mean=tuple(float(x) for x in preprocessor.get("image_mean", mean)),
         std=tuple(float(x) for x in preprocessor.get("image_std", std)),
+        preprocessor=preprocessor,
     )
 
 

@@ -21,7 +21,12 @@ if typing.TYPE_CHECKING:  # the interop modules import this one (export_defaults
 
 # What `dataset.kind` can build (see datasets.from_config).
 Dataset = (
-    datasets.ImageFolder | datasets.SegFolder | datasets.GeneratedImages | datasets.TextCorpus | datasets.BuiltinCorpus
+    datasets.ImageFolder
+    | datasets.SegFolder
+    | datasets.GeneratedImages
+    | datasets.TextCorpus
+    | datasets.BuiltinCorpus
+    | datasets.HFDataset
 )
 
 

@@ -4,24 +4,28 @@
     ids_nt = tokenization.token_ids(info, None, dataset, packing)                   # int32 (n_ex, context_length)
     tok = tokenization.load_tokenizer(info, None)          # transformers tokenizer, for decoding and the interop engine
 
-Text -> examples: every document is tokenized without special tokens; the documents' ids are concatenated, each
-followed by a separator (EOS for decoders, [SEP] for BERT-style encoders, nothing when the tokenizer has neither),
-and cut into bodies of `context_length` minus the special tokens; each example is prefix + body + suffix (decoders:
-[BOS] + body when the tokenizer has BOS; encoders: [CLS] + body + [SEP]). The last partial body is dropped.
+Text -> examples: every document is tokenized by the checkpoint's own transformers tokenizer (`AutoTokenizer`)
+without special tokens; the documents' ids are concatenated, each followed by a separator (EOS for decoders,
+[SEP] for BERT-style encoders, nothing when the tokenizer has neither), and cut into bodies of `context_length`
+minus the special tokens; each example is prefix + body + suffix, where prefix and suffix are what the tokenizer
+itself adds (`special_tokens`: GPT-2 and Qwen2 nothing, Llama [BOS], BERT [CLS] ... [SEP]). The last partial body
+is dropped. One rule for `extract` and `export`: an example whose document fills it is exactly
+`AutoTokenizer(doc, truncation=True, max_length=context_length)`, which is how `export` encodes a prompt
+(`encode`).
 
 Identity: the `Packing` (tokenizer name, context length, prefix, suffix and separator ids) is hashed into the shard
 metadata as `data["tokenization"]`. The tokenizer is named by the model's `ckpt` when it is the model's own (its
-files belong to that checkpoint revision), `bytes` for the byte tokenizer, and `<id or path>@<tokenizer.json
-sha256>` for another checkpoint's.
+files belong to that checkpoint revision), `bytes` for the byte tokenizer, and `<id or path>@<sha256 of its
+tokenizer files>` for another checkpoint's.
 
-Packing reads tokenizer.json with the `tokenizers` library (`FileTokenizer`), not transformers (a 3 s import), so
-planning stays fast; its ids are those of the transformers fast tokenizer, which wraps the same file. The packing
-tokenizer and the packed corpus are memoized per process: Snakemake plans, then the CLI extracts, each once.
+Planning does not import transformers (a 3 s import) once it has seen a tokenizer: the packing's special ids and
+the corpus's example count are kept in the fingerprint cache (`saeflow.fingerprints`), keyed by the tokenizer
+files' sha256. The tokenizer and the packed corpus are memoized per process.
 """
 
 import dataclasses
 import functools
-import pathlib
+import hashlib
 import typing
 
 import numpy as np
@@ -66,53 +70,56 @@ def load_tokenizer(info: models.ModelInfo, tokenizer: str | None):
 
 @functools.lru_cache(maxsize=8)
 def packing_tokenizer(info: models.ModelInfo, tokenizer: str | None):
-    """The tokenizer used to pack text: like `load_tokenizer`, but straight from tokenizer.json with the
-    `tokenizers` library when the checkpoint has one (no transformers import, so planning stays fast). Same ids as
-    the transformers fast tokenizer, which wraps the same file."""
-    if tokenizer == "bytes" or (tokenizer is None and info.source is None):
-        return load_tokenizer(info, tokenizer)
+    """The tokenizer that packs text: the byte tokenizer, or the checkpoint's transformers tokenizer
+    (`AutoTokenizer`), the same object `saeflow export` encodes prompts with."""
+    return load_tokenizer(info, tokenizer)
+
+
+def encode(tok, text: str, max_tokens: int) -> list[int]:
+    """One prompt's ids as AutoTokenizer gives them: its special tokens included, truncated to `max_tokens`."""
+    return tok(text, truncation=True, max_length=max_tokens)["input_ids"]
+
+
+def special_tokens(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix, suffix): the ids the tokenizer itself puts around a sequence (AutoTokenizer's
+    `add_special_tokens=True`), found by encoding a probe with and without them. GPT-2 and Qwen2 add none, Llama
+    adds BOS, BERT [CLS] ... [SEP]; the byte tokenizer adds BOS."""
+    if isinstance(tok, ByteTokenizer):
+        return (tok.bos_token_id,), ()
+    probe = "a b"
+    bare = tok(probe, add_special_tokens=False)["input_ids"]
+    full = tok(probe, add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return tuple(full[:start]), tuple(full[start + len(bare) :])
+    raise SaeflowError(f"tokenizer {tok.name_or_path}: special tokens wrap the text in an unsupported way")
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+)  # fmt: skip
+
+
+def tokenizer_files_sha256(info: models.ModelInfo, tokenizer: str | None) -> str:
+    """sha256 over the name and bytes of every tokenizer file of the checkpoint (planning never loads it)."""
+    if tokenizer == "bytes":
+        return "bytes"
     source, revision = (tokenizer, None) if tokenizer else (info.source, info.revision)
-    if not pathlib.Path(source).is_dir():
-        import huggingface_hub.errors
-
-        try:
-            huggingface_hub.hf_hub_download(source, "config.json", revision=revision)
-        except (huggingface_hub.errors.HFValidationError, ValueError):
-            raise SaeflowError(f"tokenizer {source!r}: not a local directory nor a valid Hugging Face id") from None
-        except Exception:  # tokenizer-only repositories have no config.json; the files below decide
-            pass
-    tokenizer_fpath = models.model_file(source, revision, "tokenizer.json")
-    if tokenizer_fpath is None:
-        return load_tokenizer(info, tokenizer)
-    special = dict(DEFAULT_SPECIAL_TOKENS.get(info.family, {}) if tokenizer is None else {})
-    for fname in ("special_tokens_map.json", "tokenizer_config.json"):
+    if source is None:
+        raise SaeflowError(
+            f"model {info.ckpt} has no tokenizer of its own (random init): set `tokenizer: bytes` or a checkpoint"
+        )
+    h = hashlib.sha256()
+    found = False
+    for fname in TOKENIZER_FILES:
         fpath = models.model_file(source, revision, fname)
-        for key, value in (models.read_json(fpath) if fpath else {}).items():
-            if key in SPECIAL_TOKEN_KEYS and value is not None:
-                special[key] = value["content"] if isinstance(value, dict) else value
-    return FileTokenizer(tokenizer_fpath, special)
-
-
-class FileTokenizer:
-    """A `tokenizers.Tokenizer` loaded from tokenizer.json, with the checkpoint's special tokens."""
-
-    def __init__(self, fpath: pathlib.Path, special: dict[str, str]):
-        import tokenizers
-
-        try:
-            self.tok = tokenizers.Tokenizer.from_file(str(fpath))
-        except Exception as err:  # the Rust library raises its own exception type
-            raise SaeflowError(f"{fpath}: unreadable tokenizer ({err})") from None
-        self.tok.no_truncation()  # whole documents are tokenized, then packed
-        self.tok.no_padding()
-        self.name_or_path = str(fpath.parent)
-        self.sha256 = file_sha256(fpath)
-        for key in SPECIAL_TOKEN_KEYS:
-            setattr(self, f"{key}_id", self.tok.token_to_id(special[key]) if key in special else None)
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict:
-        encodings = self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return {"input_ids": [e.ids for e in encodings]}
+        if fpath is not None:
+            found = True
+            h.update(f"{fname}\0{file_sha256(fpath)}\0".encode())
+    if not found:
+        raise SaeflowError(f"tokenizer {source!r}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+    return h.hexdigest()
 
 
 class ByteTokenizer:
@@ -129,13 +136,13 @@ class ByteTokenizer:
         return {"input_ids": [[b + 3 for b in text.encode("utf-8")] for text in texts]}
 
 
-def tokenizer_id(info: models.ModelInfo, tokenizer: str | None, tok) -> str:
-    """The model's own tokenizer is identified by ckpt (revision included), another by its tokenizer.json sha256."""
+def tokenizer_id(info: models.ModelInfo, tokenizer: str | None, files_sha256: str) -> str:
+    """The model's own tokenizer is identified by ckpt (revision included), another by its files' sha256."""
     if tokenizer is None:
         return info.ckpt
     if tokenizer == "bytes":
         return tokenizer
-    return f"{tokenizer}@{getattr(tok, 'sha256', 'no-tokenizer.json')}"
+    return f"{tokenizer}@{files_sha256}"
 
 
 def tokenize(tokenizer, documents: typing.Iterable[str], batch_docs: int = 64) -> typing.Iterator[list[int]]:
@@ -175,6 +182,25 @@ class Packing:
     def body_len(self) -> int:
         return self.context_length - len(self.prefix) - len(self.suffix)
 
+    def count(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> tuple[int, int]:
+        """(examples, largest id) that `pack` would give, streaming: memory does not grow with the corpus."""
+        if self.body_len < 1:
+            raise SaeflowError(f"context_length={self.context_length} leaves no room besides special tokens")
+        need = None if n_ex is None else n_ex * self.body_len
+        n_tokens, max_id = 0, max((*self.prefix, *self.suffix, *self.separator), default=0)
+        for ids in token_lists:
+            n_tokens += len(ids) + len(self.separator)
+            max_id = max(max_id, max(ids, default=0))
+            if need is not None and n_tokens >= need:
+                break
+        n_avail = n_tokens // self.body_len
+        if n_avail == 0 or (n_ex is not None and n_avail < n_ex):
+            raise SaeflowError(
+                f"the corpus has {n_tokens} tokens: {n_avail} examples of {self.body_len} tokens"
+                + (f", fewer than n_ex={n_ex}" if n_ex is not None else " (empty dataset)")
+            )
+        return (n_avail if n_ex is None else n_ex), max_id
+
     def pack(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> np.ndarray:
         """int32 (n_ex, context_length); stops reading once `n_ex` examples are filled."""
         if self.body_len < 1:
@@ -203,21 +229,72 @@ class Packing:
 
 
 def packing_for(tokenizer, tokenizer_name: str, context_length: int, encoder: bool) -> Packing:
-    """[CLS] body [SEP] for encoders whose tokenizer has both; else [BOS] body, documents ended by EOS."""
-    if encoder and tokenizer.cls_token_id is not None and tokenizer.sep_token_id is not None:
-        prefix, suffix, sep = (tokenizer.cls_token_id,), (tokenizer.sep_token_id,), (tokenizer.sep_token_id,)
+    """Each example is wrapped in the tokenizer's own special tokens (`special_tokens`: what AutoTokenizer adds,
+    the rule `export` follows too); documents are separated by [SEP] for encoders, else by EOS when there is one."""
+    prefix, suffix = special_tokens(tokenizer)
+    if encoder and tokenizer.sep_token_id is not None:
+        sep = (tokenizer.sep_token_id,)
     else:
-        prefix = () if tokenizer.bos_token_id is None else (tokenizer.bos_token_id,)
-        suffix = ()
         sep = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     return Packing(tokenizer_name, context_length, prefix, suffix, sep)
 
 
 def model_packing(info: models.ModelInfo, tokenizer: str | None, context_length: int) -> Packing:
-    """The packing of a text model with its tokenizer option (None: its own, "bytes", or an id/path)."""
-    tok = packing_tokenizer(info, tokenizer)
+    """The packing of a text model with its tokenizer option (None: its own, "bytes", or an id/path). Loading a
+    transformers tokenizer costs seconds, so the result is kept in the fingerprint cache, keyed by the tokenizer
+    files' sha256 and the transformers version: a re-plan reads a few small files and loads nothing."""
+    from saeflow import fingerprints
+
+    files_sha256 = tokenizer_files_sha256(info, tokenizer)
+    name = tokenizer_id(info, tokenizer, files_sha256)
     encoder = info.family in models.ENCODER_FAMILIES
-    return packing_for(tok, tokenizer_id(info, tokenizer, tok), context_length, encoder)
+    key = {"what": "packing", "tokenizer_files": files_sha256, "encoder": encoder, "transformers": _version()}
+
+    def compute() -> dict:
+        packing = packing_for(packing_tokenizer(info, tokenizer), name, context_length, encoder)
+        return {"prefix": packing.prefix, "suffix": packing.suffix, "separator": packing.separator}
+
+    ids = fingerprints.cached_value(key, compute)
+    return Packing(name, context_length, tuple(ids["prefix"]), tuple(ids["suffix"]), tuple(ids["separator"]))
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("transformers")
+
+
+def example_count(info: models.ModelInfo, tokenizer: str | None, dataset, packing: Packing) -> int:
+    """How many examples the packed corpus has, without packing it: counted once (streaming), then from the
+    fingerprint cache, keyed by the dataset's hashed description (its content fingerprint included), the packing
+    and the tokenizer file's sha256. Checks the vocabulary like `token_ids`."""
+    from saeflow import fingerprints
+
+    vocab = info.config.get("vocab_size")
+    key = {
+        "what": "text examples",
+        "data": dataset.data(),
+        "n_ex": dataset.n_ex,
+        "packing": dataclasses.asdict(packing),
+        "tokenizer_files": tokenizer_files_sha256(info, tokenizer),
+        "transformers": _version(),
+        "ckpt": info.ckpt,
+    }
+
+    def compute():
+        return packing.count(tokenize(packing_tokenizer(info, tokenizer), dataset.documents()), dataset.n_ex)
+
+    n_ex, max_id = fingerprints.cached_value(key, compute)
+    _check_vocab(info, packing, max_id, vocab)
+    return n_ex
+
+
+def _check_vocab(info: models.ModelInfo, packing: Packing, max_id: int, vocab: int | None) -> None:
+    if vocab is not None and max_id >= vocab:
+        raise SaeflowError(
+            f"the tokenizer {packing.tokenizer} produces id {max_id} but {info.ckpt} has a vocabulary of "
+            f"{vocab}: tokenizer and model do not match"
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -225,10 +302,5 @@ def token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: P
     """int32 (n_ex, context_length): the packed corpus (the expensive part of planning a text spec)."""
     tok = packing_tokenizer(info, tokenizer)
     ids_nt = packing.pack(tokenize(tok, dataset.documents()), n_ex=dataset.n_ex)
-    vocab = info.config.get("vocab_size")
-    if vocab is not None and ids_nt.max() >= vocab:
-        raise SaeflowError(
-            f"the tokenizer {packing.tokenizer} produces id {int(ids_nt.max())} but {info.ckpt} has a vocabulary of "
-            f"{vocab}: tokenizer and model do not match"
-        )
+    _check_vocab(info, packing, int(ids_nt.max()), info.config.get("vocab_size"))
     return ids_nt

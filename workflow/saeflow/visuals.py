@@ -125,10 +125,10 @@ class ImageExamples(Examples):
 
     kind = "image"
 
-    def __init__(self, dataset, preprocess: datasets.Preprocess | None):
+    def __init__(self, dataset, preprocess: "datasets.Preprocess | datasets.ProcessorPreprocess | None"):
         self.dataset = dataset
         self.preprocess = preprocess
-        # ImageFolder's labels.bin repeats the class on every patch: a name says more than a uniform tile.
+        # ImageFolder has one class per example (classes.bin), no patch labels: its caption names the class.
         self.patch_labels = not isinstance(dataset, datasets.ImageFolder)
 
     def caption(self, ex: int) -> str:
@@ -142,7 +142,7 @@ class ImageExamples(Examples):
         else:
             img = Image.open(self.dataset.items[ex][0]).convert("RGB")
         if self.preprocess is not None:
-            return self.preprocess._resize_crop(img, Image.Resampling.BICUBIC)
+            return self.preprocess.view(img)
         side = min(img.size)
         left, top = (img.width - side) // 2, (img.height - side) // 2
         return img.crop((left, top, left + side, top + side))
@@ -190,6 +190,16 @@ class TextExamples(Examples):
         return text if text.strip() else repr(text)
 
 
+def _preprocess_from(pre: dict | None):
+    """The geometry recorded in `data["preprocess"]`: the processor's settings, or the resize-and-crop fields."""
+    if not pre:
+        return None
+    if pre.get("mode") == "processor":  # only its geometry is used here: no processor is loaded
+        return datasets.ProcessorPreprocess("", None, pre["settings"], pre["image_size"], pre["patch_size"])
+    pre_names = {f.name for f in dataclasses.fields(datasets.Preprocess)}
+    return datasets.Preprocess(**{k: v for k, v in pre.items() if k in pre_names})
+
+
 def open_examples(sd, tokenizer: str | None = None) -> Examples:
     """Text: `tokenizer`, else the model directory recorded in provenance.json by extraction, else the name the
     shards were tokenized with (an HF id). Images: the dataset rebuilt from the metadata."""
@@ -202,10 +212,7 @@ def open_examples(sd, tokenizer: str | None = None) -> Examples:
     if cls in (datasets.ImageFolder, datasets.SegFolder, datasets.GeneratedImages):
         names = {f.name for f in dataclasses.fields(cls)}
         dataset = cls(**{k: v for k, v in md.data.items() if k in names})
-        pre = md.data.get("preprocess")
-        pre_names = {f.name for f in dataclasses.fields(datasets.Preprocess)}
-        preprocess = datasets.Preprocess(**{k: v for k, v in pre.items() if k in pre_names}) if pre else None
-        return ImageExamples(dataset, preprocess)
+        return ImageExamples(dataset, _preprocess_from(md.data.get("preprocess")))
     return Examples()
 
 

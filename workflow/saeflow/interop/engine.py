@@ -122,7 +122,7 @@ class TextEngine:
         return (out.logits.float().cpu() if self.causal else None), acts
 
     def tokenize(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, truncation=True, max_length=self.cfg.max_tokens)["input_ids"]
+        ids = tokenization.encode(self.tokenizer, text, self.cfg.max_tokens)  # the rule extraction packs by too
         if not ids:
             raise SaeflowError(f"prompt {text[:60]!r} tokenizes to nothing")
         return ids

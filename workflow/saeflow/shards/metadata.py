@@ -6,7 +6,8 @@ the shard list the directory must hold. What the data files hold (their names ar
 
     shard i      C-order array of `dtype` (float32, or opt-in float16), shape (n_ex_in_shard, L, T, D), no header
     AUX_FILES    optional side files, one row per example: labels uint8 (n_ex, patches_per_ex), one per patch,
-                 CLS excluded; tokens int32 (n_ex, T), the token id at every stored position (text models)
+                 CLS excluded; tokens int32 (n_ex, T), the token id at every stored position (text models);
+                 classes int32 (n_ex,), the class id of each example of an image folder (any class count fits)
 """
 
 import dataclasses
@@ -36,6 +37,7 @@ class AuxSpec:
 AUX_FILES: dict[str, AuxSpec] = {
     ShardLayout.LABELS_FNAME: AuxSpec("uint8", lambda md: (md.patches_per_ex,)),
     ShardLayout.TOKENS_FNAME: AuxSpec("int32", lambda md: (md.tokens_per_ex,)),
+    ShardLayout.CLASSES_FNAME: AuxSpec("int32", lambda md: ()),
 }
 
 

@@ -67,7 +67,7 @@ class ShardDir:
         return self.layout.file(fname).exists()
 
     def aux(self, fname: str) -> np.memmap:
-        """A side file of AUX_FILES: the labels (n_ex, patches_per_ex) uint8 or the tokens (n_ex, T) int32."""
+        """A side file of AUX_FILES: labels (n_ex, P) uint8, tokens (n_ex, T) int32 or classes (n_ex,) int32."""
         spec = AUX_FILES[fname]
         fpath = self.layout.file(fname)
         if not fpath.exists():
