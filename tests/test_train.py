@@ -1,5 +1,6 @@
 """Training: planted-dictionary recovery, sweep planning, exact resume after SIGKILL, shared passes, errors."""
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -248,3 +249,14 @@ saes:
     assert cli.main(args) == 0 and capsys.readouterr().out.strip().endswith(run_dpath.name)  # idempotent
     assert cli.main([*args[:3], "2", *args[4:]]) == 1
     assert "--index 2 is out of range: saes.sweep expands into 2 runs" in capsys.readouterr().err
+
+
+def test_dead_latent_window_means_something_for_short_and_long_runs():
+    """Default (null): a tenth of the run, at most 10M vectors; an explicit dead_after_vectors is taken in steps."""
+    (plan,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "batch_size": 1000}), {"x": "h" * 64})
+    cfg = plan.train_config
+    assert cfg.dead_after_vectors is None and cfg.n_val_vectors == 262144  # the schema's bounded defaults
+    assert train.dead_after_steps(cfg, n_steps=500) == 50  # 50k vectors: AuxK can switch on in a short run
+    assert train.dead_after_steps(cfg, n_steps=10**6) == 10_000  # 10M vectors of 1000
+    explicit = dataclasses.replace(cfg, dead_after_vectors=2500)
+    assert train.dead_after_steps(explicit, n_steps=500) == 3

@@ -73,7 +73,7 @@ class TrainConfig:
     l1_coeff: float
     aux_k: int
     aux_alpha: float
-    dead_after_vectors: int
+    dead_after_vectors: int | None  # None: train.dead_after_steps' default
     lr: float | None  # None: train.auto_lr(d_sae, arch)
     lr_warmup_frac: float
     sparsity_warmup_frac: float

@@ -33,6 +33,7 @@ from saeflow.sweeps import TrainConfig
 logger = logging.getLogger("saeflow.train")
 
 N_INIT_VECTORS = 16384
+DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
 RELU_DECODER_INIT_NORM = 0.1  # ReLU decoder rows start this short and their norms train freely (see init_from_data)
 LOG_EVERY = 10
 TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
@@ -58,6 +59,14 @@ def auto_lr(d_sae: int, arch: str) -> float:
     """
     lr = 8e-4 * math.sqrt(16384 / d_sae)
     return 0.2 * lr if arch == "relu" else lr
+
+
+def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
+    """Steps a latent must stay silent to count as dead: `dead_after_vectors` in steps, or by default a tenth of
+    the run (so AuxK can revive latents in short runs too), at most 10M vectors (long runs: OpenAI's window)."""
+    if cfg.dead_after_vectors is not None:
+        return max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
+    return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
@@ -185,7 +194,7 @@ class Trainer:
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
         self.step = 0
-        self.dead = DeadLatents(self.sae.d_sae, max(1, -(-cfg.dead_after_vectors // cfg.batch_size)), device)
+        self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}  # the latest metrics record (for the progress bar)
 
     @torch.no_grad()
