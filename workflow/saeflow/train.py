@@ -253,10 +253,11 @@ class Trainer:
         if unit_rows:
             sae.normalize_decoder()
         with torch.no_grad():
-            fired_s = (loss.f_bs > 0).any(0)
+            fired_s = loss.codes.fired_s()
             self.dead.update(fired_s)
             if self.cfg.arch == "batchtopk":  # inference threshold: running mean of the smallest kept activation
-                min_kept = loss.f_bs[loss.f_bs > 0].min() if fired_s.any() else sae.threshold
+                f_bs = loss.codes.f_bs
+                min_kept = f_bs[f_bs > 0].min() if fired_s.any() else sae.threshold
                 sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
@@ -272,7 +273,7 @@ class Trainer:
             "loss": float(loss.total),
             **{name: float(value) for name, value in loss.terms.items()},
             "nmse": batch_nmse(x_bd * self.sae.scale, loss.xn_hat_bd),
-            "l0": float((loss.f_bs > 0).sum(-1).float().mean()),
+            "l0": loss.codes.l0(),
             "n_dead": int(self.dead.dead_s.sum()),
         }
 
