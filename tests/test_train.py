@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import cli, config, sweeps, train
+from saeflow import cli, config, shards, sweeps, train
 from saeflow.errors import SaeflowError
 from saeflow.layout import RunLayout, ShardLayout
 from saeflow.sae import load_sae
@@ -260,3 +261,35 @@ def test_dead_latent_window_means_something_for_short_and_long_runs():
     assert train.dead_after_steps(cfg, n_steps=10**6) == 10_000  # 10M vectors of 1000
     explicit = dataclasses.replace(cfg, dead_after_vectors=2500)
     assert train.dead_after_steps(explicit, n_steps=500) == 3
+
+
+def test_config_trains_on_a_converted_shard_directory(tmp_path, capsys):
+    """An activation that names an existing directory (path or hash), made by `saeflow convert`: no model, no data."""
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "interop" / "numpy1_protocol2"
+    shards_root, runs_root = tmp_path / "shards", tmp_path / "runs"
+    assert cli.main(["convert", str(fixture), "--to", "saev", str(shards_root)]) == 0
+    converted = pathlib.Path(capsys.readouterr().out.strip().splitlines()[-1])
+    sae_spec = {"train": "conv", "val": "conv-by-hash", "layer": 0, "tokens": "all", "arch": "topk", "expansion": 1,
+                "k": 2, "batch_size": 8}  # fmt: skip
+    cfg = {"shards_root": str(shards_root), "runs_root": str(runs_root),
+           "activations": {"conv": {"shards": str(converted)}, "conv-by-hash": {"shards": converted.name}},
+           "saes": {"s": sae_spec}}  # fmt: skip
+    cfg_fpath = tmp_path / "config.yaml"
+    cfg_fpath.write_text(json.dumps(cfg))
+    argv = ["create-run", str(cfg_fpath), "--shards-root", str(shards_root), "--runs-root", str(runs_root)]
+    assert cli.main(argv) == 0
+    run_dpath = pathlib.Path(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cli.main(["train", "--run", str(run_dpath), "--device", "cpu"]) == 0
+    config_obj = json.loads((run_dpath / "checkpoint" / "config.json").read_text())
+    assert config_obj["train_shards"] == config_obj["val_shards"] == converted.name
+    assert load_sae(run_dpath / "checkpoint" / "sae.pt").d_model == shards.ShardDir(converted).metadata.d_model
+    # A directory outside shards_root, a missing hash, or a model beside `shards`: one line naming the key.
+    outside = tmp_path / "elsewhere" / converted.name
+    shutil.copytree(converted, outside)
+    capsys.readouterr()
+    for bad, problem in [({"shards": str(outside)}, "not in shards_root"), ({"shards": "0" * 64}, "no directory"),
+                         ({"shards": converted.name, "model": {"name": "x"}}, "activations.conv")]:  # fmt: skip
+        cfg_fpath.write_text(json.dumps({**cfg, "activations": {**cfg["activations"], "conv": bad}}))
+        assert cli.main(argv) != 0
+        err = capsys.readouterr().err
+        assert "activations.conv" in err and problem in err and "Traceback" not in err, err

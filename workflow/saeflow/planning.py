@@ -18,7 +18,7 @@ import pathlib
 from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
-from saeflow.specs import ActivationSpec, ExportSpec
+from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals")  # passed to the CLI as flags (config.section_flags)
 
@@ -39,7 +39,7 @@ class WorkflowConfig:
     shards_root: pathlib.Path  # where shard directories <sha256>/ are published (scratch on a cluster)
     runs_root: pathlib.Path  # where run directories <run_id>/ live (project storage on a cluster)
     summary_dir: pathlib.Path  # summary.csv and pareto.png
-    activations: dict[str, ActivationSpec]  # name -> spec; each is one content-addressed shard directory
+    activations: dict[str, ActivationSpec | ShardsSpec]  # name -> spec; each is one content-addressed shard dir
     saes: dict[str, sweeps.SAESpec]  # name -> spec; list-valued hyper-parameters expand into a sweep
     exports: dict[str, ExportSpec]  # name -> interop export
     settings: dict[str, dict]  # `train`, `inference`, `visuals`: how stages run, handed to the CLI as flags
@@ -51,7 +51,7 @@ class WorkflowConfig:
             shards_root=expand_path(config["shards_root"], "shards_root"),
             runs_root=expand_path(config["runs_root"], "runs_root"),
             summary_dir=expand_path(config["summary_dir"], "summary_dir"),
-            activations={name: _typed(ActivationSpec.from_dict, spec, f"activations.{name}")
+            activations={name: _typed(activation_from_dict, spec, f"activations.{name}")
                          for name, spec in config["activations"].items()},
             saes={name: _typed(lambda s, n=name: sweeps.SAESpec.from_dict(n, s), spec, f"saes.{name}")
                   for name, spec in config["saes"].items()},
@@ -74,13 +74,18 @@ class WorkflowPlan:
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
-        self.shard_hash = {name: _typed(lambda s: extract.plan_activation(s).hash, spec, f"activations.{name}")
+        self.shard_hash = {name: _typed(self._shard_hash, spec, f"activations.{name}")
                            for name, spec in cfg.activations.items()}  # fmt: skip
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
         self.hash_activation: dict[str, str] = {}
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
+
+    def _shard_hash(self, spec: ActivationSpec | ShardsSpec) -> str:
+        if isinstance(spec, ShardsSpec):  # an existing directory: its hash, no extraction
+            return spec.shard_hash(self.cfg.shards_root, expand_path)
+        return extract.plan_activation(spec).hash
 
     @classmethod
     def from_config(cls, config: dict) -> "WorkflowPlan":
