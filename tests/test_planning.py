@@ -96,11 +96,12 @@ def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
     assert expand_path("/x/$USER", "runs_root").name == os.environ["USER"]
 
 
-@pytest.mark.parametrize("section", ["train", "inference", "visuals"])
+@pytest.mark.parametrize("section", ["train", "inference", "visuals", "evaluate"])
 def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(section):
     values = config.section_defaults(section)
     changed = {"train": {"checkpoint_every": 7}, "inference": {"top_k": 3, "device": "cpu"},
-               "visuals": {"selection": "list", "latents": [3, 1]}}[section]  # fmt: skip
+               "visuals": {"selection": "list", "latents": [3, 1]},
+               "evaluate": {"n_tokens": 512, "compute_dtype": "bfloat16"}}[section]  # fmt: skip
     values.update(changed)
     flags = config.section_flags(section, values)
     assert len(flags) == sum(1 + len(v) if isinstance(v, list) else 2 for v in changed.values())

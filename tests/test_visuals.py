@@ -48,6 +48,8 @@ def test_text_visuals(text_visuals):
     ctx = data["drawn"][str(drawn[0])]["contexts"][0]
     assert ctx["tokens"] and all(isinstance(t, str) and not t.startswith("#") for t in ctx["tokens"])  # decoded
     assert max(ctx["acts"]) == pytest.approx(data["drawn"][str(drawn[0])]["top"][0][2], rel=1e-3)
+    # MiniLM's word embeddings are 384-wide, this SAE 8: the page says why it lists no promoted tokens.
+    assert "promoted tokens unavailable" in data["meta"]["vocab_note"] and "d=384" in data["meta"]["vocab_note"]
 
 
 def test_vision_visuals_with_patch_labels(tmp_path):
@@ -78,6 +80,11 @@ def test_vision_visuals_with_patch_labels(tmp_path):
         # tiles of a 64 px image over 64 px of patch labels (GeneratedImages writes labels.bin)
         assert img.size == (cols * 64, rows * 128) and img.mode == "RGB"
         assert np.asarray(img).std() > 5  # not blank
+    data = json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+    bands = data["drawn"]["0"]["quantiles"]
+    assert [b["q"] for b in bands] == [[75, 100], [50, 75], [25, 50], [0, 25]]
+    assert all((out / b["png"]).is_file() for b in bands if b["rows"]) and bands[0]["rows"]
+    assert "promote" not in data["drawn"]["0"] and not (out / visuals.NEURONPEDIA_FNAME).exists()  # text only
 
 
 def test_selection_and_errors(text_visuals, capsys):
@@ -111,11 +118,9 @@ def test_index_html_in_headless_chromium(text_visuals, tmp_path):
         browser.evaluate(session, f"document.querySelector('#row-{drawn[0]}').click()")
         browser.evaluate(session, "new Promise(r => setTimeout(r, 200))")
         assert browser.evaluate(session, "document.querySelector('#latent h2').textContent") == f"latent {drawn[0]}"
-        assert browser.evaluate(session, "document.querySelectorAll('#latent .ctx').length") == 4
-        width = browser.evaluate(
-            session, "new Promise(r => { const i = document.getElementById('latent-png'); "
-                     "i.complete ? r(i.naturalWidth) : i.onload = () => r(i.naturalWidth); })")
-        assert width == visuals.TEXT_PNG_WIDTH
+        assert browser.evaluate(session, "document.querySelectorAll('#top .ctx').length") == 4
+        # Text is shown as HTML (selectable, detokenized); the PNG of the contexts stays beside it for reports.
+        assert browser.evaluate(session, "document.getElementById('latent-png')") is None
         browser.evaluate(session, "const s = document.getElementById('search'); s.value = '12345'; "
                                   "s.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter'}))")
         browser.evaluate(session, "new Promise(r => setTimeout(r, 100))")
@@ -155,3 +160,101 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
     data = json.loads(data_js.removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
     tokens = [t for d in data["drawn"].values() for c in d["contexts"] for t in c["tokens"]]
     assert "[CLS]" in tokens and not any(t.startswith("#") and t[1:].isdigit() for t in tokens)  # not "#1008"
+
+
+@pytest.fixture
+def lm_visuals(tiny_lm_dpath, tmp_path):
+    """A tiny GPT-2 (BERT WordPiece tokenizer) on Python's docs: decoded text, an unembedding for promoted tokens."""
+    from saeflow.shards import ShardDir
+
+    spec = {"model": {"name": str(tiny_lm_dpath)}, "layers": [1], "dataset": {"kind": "builtin_text", "n_ex": 24},
+            "context_length": 32}  # fmt: skip
+    sd = ShardDir(extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(32, 48, generator=g)
+    run = run_around_sae(tmp_path / "runs", sd, sae.SAE.from_weights(W, torch.zeros(48), W.T.contiguous(),
+                                                                      torch.zeros(32), arch="topk", k=6), layer=1)
+    inference.run_inference(inference.Config(run.root, sd.dpath, top_k=8))
+    argv = ["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "3", "--quantile-examples", "2"]
+    assert cli.main(argv) == 0
+    out = run.dump(sd.hash).visuals_dpath
+    return out, json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+
+
+def test_lm_pages_data_detokenize_and_rank_promoted_tokens(lm_visuals, tiny_lm_dpath):
+    import transformers
+
+    out, data = lm_visuals
+    latent, entry = next(iter(data["drawn"].items()))
+    text = "".join(entry["contexts"][0]["tokens"])
+    assert " " in text and "##" not in text  # WordPiece joined by the tokenizer's own decode, words spaced
+    assert sum(entry["hist"]["counts"]) == round(data["freq"][int(latent)] * data["meta"]["n_rows"])
+    assert [b["q"] for b in entry["quantiles"]] == [[75, 100], [50, 75], [25, 50], [0, 25]]
+    for band in entry["quantiles"]:
+        assert all(band["range"][0] - 1e-3 <= v <= band["range"][1] + 1e-3 for _, _, v in band["rows"])
+    # Promoted tokens: the decoder row times the unembedding, ranked (independent of saeflow's code).
+    lm = transformers.GPT2LMHeadModel.from_pretrained(tiny_lm_dpath)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_lm_dpath)
+    model = sae.load_sae(out.parents[2] / "checkpoint" / "sae.pt")
+    scores = lm.lm_head.weight.detach() @ model.W_dec[int(latent)].detach()
+    best = torch.argsort(scores, descending=True, stable=True)[:3].tolist()
+    assert [t for t, _ in entry["promote"][:3]] == [tok.decode([i]) for i in best]
+    assert entry["promote"][0][1] == pytest.approx(float(scores.max()), rel=1e-4)
+    assert entry["suppress"][0][1] == pytest.approx(float(scores.min()), rel=1e-4)
+    assert "unembedding" in data["meta"]["vocab_note"]
+    # The Neuronpedia export has exactly the keys of SAEDashboard's NeuronpediaDashboardBatch/Feature/Activation.
+    batch = json.loads((out / visuals.NEURONPEDIA_FNAME).read_text())
+    assert set(batch) == {"model_id", "layer", "sae_set", "features"} and batch["layer"] == 1
+    feature = next(f for f in batch["features"] if f["feature_index"] == int(latent))
+    assert set(feature) == NEURONPEDIA_FEATURE_KEYS
+    assert feature["pos_str"] == [t for t, _ in entry["promote"]]
+    assert feature["frac_nonzero"] == data["freq"][int(latent)]
+    assert sum(feature["freq_hist_data_bar_heights"]) == sum(entry["hist"]["counts"])
+    first = feature["activations"][0]
+    assert set(first) == {"bin_min", "bin_max", "bin_contains", "tokens", "values"}
+    assert (first["bin_min"], first["bin_contains"]) == (-1, -1) and len(first["tokens"]) == len(first["values"])
+    assert [a["bin_contains"] for a in feature["activations"]][-1] == 0.25  # the lowest quantile band
+
+
+# sae_dashboard/neuronpedia/neuronpedia_dashboard.py, NeuronpediaDashboardFeature.to_dict()
+NEURONPEDIA_FEATURE_KEYS = {
+    "feature_index", "neuron_alignment_indices", "neuron_alignment_values", "neuron_alignment_l1",
+    "correlated_neurons_indices", "correlated_neurons_l1", "correlated_neurons_pearson", "correlated_features_indices",
+    "correlated_features_l1", "correlated_features_pearson", "neg_str", "neg_values", "pos_str", "pos_values",
+    "frac_nonzero", "freq_hist_data_bar_values", "freq_hist_data_bar_heights", "logits_hist_data_bar_heights",
+    "logits_hist_data_bar_values", "n_prompts_total", "n_tokens_in_prompt", "dataset", "decoder_weights_dist",
+    "activations",
+}  # fmt: skip
+
+
+def test_lm_pages_read_well_in_headless_chromium(lm_visuals, tmp_path):
+    exe = find_chromium()
+    if exe is None:
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    out, data = lm_visuals
+    latent, entry = next(iter(data["drawn"].items()))
+    browser = Browser(exe, tmp_path / "chromium-profile")
+    try:
+        session = browser.open_page((out / DumpLayout.INDEX_FNAME).as_uri())
+        heads = browser.evaluate(session, "[...document.querySelectorAll('#list-head span')].map(s => s.textContent)")
+        assert heads == ["latent", "firing freq.", "mean act."]
+        browser.evaluate(session, f"location.hash = 'latent-{latent}'")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 150))")
+        titles = browser.evaluate(session, "[...document.querySelectorAll('#latent h3')].map(h => h.textContent)")
+        assert titles == ["Tokens the decoder direction promotes and suppresses", "Activation histogram",
+                          "Top activations", "Examples sampled across the activation distribution"]
+        ctx = browser.evaluate(session, "document.querySelector('#top .ctx').innerText")
+        assert " " in ctx.split("token ", 1)[1] and "##" not in ctx  # words with spaces, as a reader sees them
+        assert browser.evaluate(session, "document.querySelectorAll('#histogram .hist div').length") == 24
+        assert browser.evaluate(session, "document.querySelectorAll('#quantiles h4').length") == 4
+        promoted = browser.evaluate(session, "[...document.querySelectorAll('#vocab table')[0].rows].slice(1)"
+                                             ".map(r => r.cells[0].textContent)")
+        assert promoted == [t for t, _ in entry["promote"]]
+        word = next(k for k, hits in data["token_index"].items() if [int(latent), "top"] in hits)
+        browser.evaluate(session, f"const s = document.getElementById('search'); s.value = {json.dumps(word)}; "
+                                  "s.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter'}))")
+        hits = browser.evaluate(session, "[...document.querySelectorAll('#token-hits a')].map(a => a.textContent)")
+        assert f"latent {latent}" in hits
+        assert browser.console_errors() == []
+    finally:
+        browser.close()

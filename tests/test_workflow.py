@@ -4,6 +4,7 @@ One prepared run (extract -> 2 SAE runs -> inference + visuals -> summary) is sh
 change the config either dry-run against it or write into their own roots, and leave it as they found it.
 """
 
+import csv
 import json
 import os
 import pathlib
@@ -65,6 +66,9 @@ def test_default_run_publishes_every_stage(prepared):
         assert dump.index_fpath.is_file() and dump.plot_fpath("l0_hist").is_file()
     summary_csv = (workdir / "summary" / "summary.csv").read_text().splitlines()
     assert len(summary_csv) == 1 + 2 and summary_csv[0].startswith("name,run_id,shard_hash,")
+    # Every run is spliced into MiniLM on its validation activations, and the summary carries the score.
+    rows = list(csv.DictReader(summary_csv))
+    assert all(0 < float(row["eval.pooled_cos_recovered"]) <= 1 for row in rows), rows
     assert (workdir / "summary" / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Nothing stray in the published directories: no Snakemake timestamp files, no staging leftovers.
     assert not list((workdir / "shards").glob(".*.partial")) and not list(workdir.rglob(".snakemake_timestamp"))
@@ -101,7 +105,7 @@ def test_changing_one_hyperparameter_reruns_only_that_run(prepared, tmp_path):
     cfg = tiny_config(k=(4, 12))  # the second point of the sweep changes
     proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
     counts = job_counts(proc.stdout)
-    assert counts == {"create_run": 1, "train": 1, "inference": 1, "summary": 1, "all": 1}, proc.stdout
+    assert counts == {"create_run": 1, "train": 1, "inference": 1, "evaluate": 1, "summary": 1, "all": 1}, proc.stdout
     new_run = run_plans(cfg, prepared["hash"])[1].run_id
     assert new_run not in prepared["run_ids"] and new_run in proc.stdout
     kept_run = prepared["run_ids"][0]

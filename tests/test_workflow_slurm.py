@@ -48,7 +48,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
         rule = line.split("--comment ")[1].split()[0].strip("'\"").removeprefix("rule_").split("_wildcards")[0]
         by_rule[rule] = line
     # create_run and summary are local rules: they never reach Slurm.
-    assert set(by_rule) == {"extract", "train", "inference"}, sorted(by_rule)
+    assert set(by_rule) == {"extract", "train", "inference", "evaluate"}, sorted(by_rule)
     for line in by_rule.values():
         assert "-A PAS1234" in line or "--account PAS1234" in line or "--account=PAS1234" in line, line
         assert "-p gpu" in line or "--partition gpu" in line or "--partition=gpu" in line, line
@@ -56,6 +56,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
     assert "-t 360" in by_rule["extract"] and "--mem 64000" in by_rule["extract"], by_rule["extract"]
     assert "-t 720" in by_rule["train"] and "--mem 64000" in by_rule["train"], by_rule["train"]
     assert "-t 120" in by_rule["inference"] and "--mem 32000" in by_rule["inference"], by_rule["inference"]
+    assert "-t 60" in by_rule["evaluate"] and "--mem 32000" in by_rule["evaluate"], by_rule["evaluate"]
 
     summary_csv = tmp_path / "summary" / "summary.csv"
     assert summary_csv.is_file() and len(summary_csv.read_text().splitlines()) == 2

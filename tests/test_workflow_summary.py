@@ -50,3 +50,19 @@ def test_summary_errors_name_the_problem(tmp_path):
     no_l0 = make_run(tmp_path, 8, {"nmse": 0.5})
     with pytest.raises(SaeflowError, match="lack L0"):
         summary.write_summary([no_l0], tmp_path / "out")
+
+
+def test_summary_carries_the_splice_evaluation(tmp_path):
+    run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
+    evaluation = runs.open_run(run_dpaths[1]).evaluation_fpath("b" * 64)
+    evaluation.parent.mkdir()
+    evaluation.write_text(json.dumps({"metrics": {"ce_loss_recovered": 0.75, "kl_score": None}}))
+    csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
+    rows = {r["config.k"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
+    assert rows["16"]["eval.ce_loss_recovered"] == "0.75" and rows["4"]["eval.ce_loss_recovered"] == ""
+    header = list(rows["16"])
+    assert header.index("nmse") < header.index("eval.ce_loss_recovered") < header.index("config.k")
+    assert png_fpath.read_bytes()[:4] == b"\x89PNG"
+    evaluation.write_text("[]")
+    with pytest.raises(SaeflowError, match="evaluation"):
+        summary.write_summary(run_dpaths, tmp_path / "out")

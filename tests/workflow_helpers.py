@@ -47,6 +47,7 @@ def tiny_config(n_ex: int = 24, layer: int = 1, k=(4, 8), patches_per_shard: int
                 "n_epochs": 1,
             }
         },
+        "evaluate": {"n_tokens": 64},  # 4 examples: the splice evaluation runs but stays cheap
     }
 
 

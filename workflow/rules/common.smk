@@ -73,3 +73,11 @@ def get_dump_metrics():
         PLAN.run(run_id).dump(shard_hash).metrics_fpath
         for run_id, shard_hash in PLAN.dumps()
     ]
+
+
+def get_evaluations():
+    """Every run's splice evaluation on its validation activations (saeflow evaluate)."""
+    return [
+        PLAN.run(run_id).evaluation_fpath(shard_hash)
+        for run_id, shard_hash in PLAN.dumps()
+    ]

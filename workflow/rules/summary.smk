@@ -1,10 +1,11 @@
-# Summary: every run's inference metrics and hyper-parameters in one CSV, and the L0 vs normalized-MSE Pareto
-# plot across the sweep. Cheap, so it follows every metrics file (no ancient()).
+# Summary: every run's inference and splice-evaluation metrics and hyper-parameters in one CSV, and the L0 vs
+# normalized-MSE (and splice score) Pareto plot across the sweep. Cheap, so it follows every metrics file (no ancient()).
 
 
 rule summary:
     input:
         get_dump_metrics(),
+        get_evaluations(),
     output:
         csv=report(
             PLAN.summary_fpaths()[0],

@@ -10,7 +10,7 @@ from saeflow import __version__
 from saeflow.errors import SaeflowError, one_line
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
-COMMAND_MODULES = ("store", "extract", "train", "inference", "interop", "sae_interop", "workflow")
+COMMAND_MODULES = ("store", "extract", "train", "inference", "evaluate", "interop", "sae_interop", "workflow")
 
 DESCRIPTION = """\
 saeflow: reproducible, content-addressed sparse-autoencoder workflows on transformer activations.

@@ -17,6 +17,7 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
         config.json  patch_acts.npz  latents.npz  metrics.json  provenance.json
         visuals/index.html  l0_hist.png  freq_vs_mean.png  ...
       inference/.<shard_hash>.lock               flock: one builder per dump
+      evaluation/<shard_hash>.json               `saeflow evaluate`: the SAE spliced into the model on those data
     <runs_root>/.<run_id>.lock                   flock: one writer per run (create-run, train, dump publishing)
 """
 
@@ -138,6 +139,7 @@ class RunLayout(_ContentAddressed):
     CHECKPOINT_DNAME = "checkpoint"
     LINKS_DNAME = "links"
     INFERENCE_DNAME = "inference"
+    EVALUATION_DNAME = "evaluation"
     TRAIN_SHARDS, TRAIN_DATASET = "train-shards", "train-dataset"  # links/: symlinks to the shard dirs and datasets
     VAL_SHARDS, VAL_DATASET = "val-shards", "val-dataset"
     LINK_NAMES = (TRAIN_SHARDS, TRAIN_DATASET, VAL_SHARDS, VAL_DATASET)
@@ -170,6 +172,10 @@ class RunLayout(_ContentAddressed):
     def dump(self, shard_hash: str) -> DumpLayout:
         """The inference dump of this run's SAE on the shard directory `shard_hash`."""
         return DumpLayout(self.inference_dpath / shard_hash)
+
+    def evaluation_fpath(self, shard_hash: str) -> pathlib.Path:
+        """`evaluation/<shard_hash>.json`: splice metrics of this run's SAE on the data of shards `shard_hash`."""
+        return self.root / self.EVALUATION_DNAME / f"{shard_hash}.json"
 
     def dump_lock_fpath(self, shard_hash: str) -> pathlib.Path:
         """`inference/.<shard_hash>.lock`: flock held while one process builds that dump."""

@@ -20,7 +20,7 @@ from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
 from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
-SETTINGS_SECTIONS = ("train", "inference", "visuals")  # passed to the CLI as flags (config.section_flags)
+SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
 
 
 def expand_path(value: str, key: str) -> pathlib.Path:

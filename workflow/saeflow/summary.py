@@ -4,6 +4,8 @@ Each run contributes one row per inference directory `<run>/inference/<shard_has
 carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read as a
 table. The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per evaluation shard
 directory: lower-left is better, and the runs no other run on the same data beats on both are joined as the front.
+When runs have a splice evaluation (`saeflow evaluate`), a second panel puts L0 against its score: CE loss recovered
+for causal LMs, the pooled-embedding cosine recovered otherwise (upper-left is better).
 """
 
 import csv
@@ -20,6 +22,8 @@ from saeflow.runs import open_run
 # The metric names inference writes; the first present one is used for each axis of the Pareto plot.
 L0_KEYS = ("l0", "L0")
 NMSE_KEYS = ("nmse", "normalized_mse")
+# Splice evaluation (saeflow.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
+SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
 SUMMARY_FNAME = "summary.csv"
 PARETO_FNAME = "pareto.png"
 
@@ -47,7 +51,8 @@ def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
 
     Columns: `name` (a label such as the SAE spec and sweep index; run ids are content hashes), the inference
     metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
-    `config.*` (the run's training config).
+    `config.*` (the run's training config), and `eval.*` (the splice evaluation of the SAE on the same
+    activations, `<run>/evaluation/<shard_hash>.json`, when present).
     """
     run = open_run(run_dpath)
     hparams = flatten(run.config(), "config.")
@@ -60,11 +65,22 @@ def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
             "shard_hash": dump_dpath.name,
             **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
             **train,
+            **_evaluation(run, dump_dpath.name),
             **hparams,
         }
         for dump_dpath in sorted(run.inference_dpath.glob("*"))
         if run.dump(dump_dpath.name).metrics_fpath.exists()
     ]
+
+
+def _evaluation(run, shard_hash: str) -> dict:
+    fpath = run.evaluation_fpath(shard_hash)
+    if not fpath.exists():
+        return {}
+    metrics = read_metrics(fpath).get("metrics")
+    if not isinstance(metrics, dict):
+        raise SaeflowError(f"{fpath}: no `metrics` object; rerun `saeflow evaluate`")
+    return flatten(metrics, "eval.")
 
 
 def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None) -> list[dict]:
@@ -77,16 +93,18 @@ def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None)
 
 
 def to_csv(rows: list[dict]) -> str:
-    """Columns: name, run_id, shard_hash, inference metrics, train.*, then config.* (union over rows, sorted)."""
+    """Columns: name, run_id, shard_hash, inference metrics, eval.*, train.*, config.* (union over rows, sorted)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
     head = ["name", "run_id", "shard_hash"]
-    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(("config.", "train.")))
+    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(("config.", "train.", "eval.")))
+    eval_cols = sorted(c for c in columns if c.startswith("eval."))
     train_cols = sorted(c for c in columns if c.startswith("train."))
     config_cols = sorted(c for c in columns if c.startswith("config."))
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=head + metric_cols + train_cols + config_cols, lineterminator="\n")
+    fieldnames = head + metric_cols + eval_cols + train_cols + config_cols
+    writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
@@ -110,18 +128,20 @@ def pareto_front(points_n2: list[tuple[float, float]]) -> list[int]:
     return front
 
 
-def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
-    """One series per evaluation shard directory: runs on different data are not on one trade-off curve."""
-    import matplotlib
+def _splice(row: dict) -> tuple[str, float] | None:
+    """(metric name, value) of the row's splice score, None when it has none (not evaluated, or a null ratio)."""
+    for key in SPLICE_KEYS:
+        if row.get(key) is not None:
+            return key, float(row[key])
+    return None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4.5), dpi=120)
+def _panel(ax, rows: list[dict], y_of, ylabel: str, higher_better: bool) -> None:
+    """One series per evaluation shard directory, its Pareto front joined (lower L0 and better y)."""
     for i, shard_hash in enumerate(sorted({r["shard_hash"] for r in rows})):
         group = [r for r in rows if r["shard_hash"] == shard_hash]
-        points = [(_metric(r, L0_KEYS, "L0"), _metric(r, NMSE_KEYS, "normalized MSE")) for r in group]
-        front = pareto_front(points)
+        points = [(_metric(r, L0_KEYS, "L0"), y_of(r)) for r in group]
+        front = pareto_front([(x, -y if higher_better else y) for x, y in points])
         color = f"C{i % 10}"
         ax.scatter([p[0] for p in points], [p[1] for p in points], color=color, alpha=0.5)
         ax.plot(
@@ -131,10 +151,26 @@ def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
         for row, (x, y) in zip(group, points):
             ax.annotate(row["name"] or row["run_id"][:8], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("L0 (active latents per token)")
-    ax.set_ylabel("normalized MSE")
-    ax.set_title(f"SAE sweep: sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
+    """L0 vs normalized MSE; beside it L0 vs the splice score (saeflow.evaluate) of the runs that have one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spliced = [r for r in rows if _splice(r) is not None]
+    fig, axes = plt.subplots(1, 2 if spliced else 1, figsize=(11 if spliced else 6, 4.5), dpi=120, squeeze=False)
+    _panel(axes[0, 0], rows, lambda r: _metric(r, NMSE_KEYS, "normalized MSE"), "normalized MSE", False)
+    axes[0, 0].set_title(f"sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
+    if spliced:
+        names = sorted({_splice(r)[0].removeprefix("eval.") for r in spliced})
+        _panel(axes[0, 1], spliced, lambda r: _splice(r)[1], f"splice score: {' / '.join(names)}", True)
+        axes[0, 1].set_title("SAE spliced into the model: fraction of the ablation's damage avoided", fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -34,6 +34,8 @@ ASSET_FNAMES = (layout.DumpLayout.INDEX_FNAME, "app.js", "style.css")
 SELECTIONS = config.section_enum("visuals", "selection")
 TEXT_PNG_WIDTH = 960
 LINE_PX = 20
+HIST_BINS = 24
+NEURONPEDIA_FNAME = "neuronpedia-batch.json"
 DEFAULTS = config.section_defaults("visuals")
 
 
@@ -50,6 +52,9 @@ class Config:
     seed: int = DEFAULTS["seed"]
     tile_px: int = DEFAULTS["tile_px"]
     context_tokens: int = DEFAULTS["context_tokens"]
+    n_quantiles: int = DEFAULTS["n_quantiles"]
+    quantile_examples: int = DEFAULTS["quantile_examples"]
+    n_vocab: int = DEFAULTS["n_vocab"]
     tokenizer: str | None = None  # HF id or local directory; needed when the shards came from a local model
     force: bool = False
 
@@ -59,7 +64,7 @@ class Config:
             raise SaeflowError(f"visuals selection must be one of {SELECTIONS}, got {self.selection!r}")
         if self.selection == "list" and not self.latents:
             raise SaeflowError("visuals selection 'list' needs latent ids (--latents 3 17 ...)")
-        for key in ("n_latents", "top_k", "tile_px"):
+        for key in ("n_latents", "top_k", "tile_px", "n_quantiles", "quantile_examples", "n_vocab"):
             if getattr(self, key) < 1:
                 raise SaeflowError(f"visuals {key} must be at least 1, got {getattr(self, key)}")
 
@@ -144,24 +149,45 @@ class ImageExamples(Examples):
 
 
 class TextExamples(Examples):
-    """Token ids from tokens.bin, shown as strings by the model's tokenizer (ids when it cannot be loaded)."""
+    """Token ids from tokens.bin, shown with the tokenizer's own detokenization (ids when it cannot be loaded)."""
 
     kind = "text"
 
     def __init__(self, token_ids_nt: np.ndarray, tokenizer_name: str):
         self.token_ids_nt = token_ids_nt
+        self.name = tokenizer_name
         try:
             self.tokenizer = tokenization.from_pretrained(tokenizer_name)
         except Exception as err:  # noqa: BLE001 - any failure means "show ids"
             logger.warning("tokenizer %s not loadable (%s); showing token ids (pass --tokenizer PATH_OR_ID)",
                            tokenizer_name, err)
             self.tokenizer = None
+        self.special_ids = set(getattr(self.tokenizer, "all_special_ids", None) or ())
 
-    def tokens(self, ex: int) -> list[str]:
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
+
+    def pieces(self, ex: int, start: int, stop: int) -> tuple[list[str], list[int]]:
+        """Tokens start..stop-1 of an example as the text pieces they add to the decoded string (leading spaces and
+        subword joins as the tokenizer detokenizes: "a", " base", "class"), and the offsets of special tokens."""
         ids = [int(i) for i in self.token_ids_nt[ex]]
         if self.tokenizer is None:
-            return [f"#{i}" for i in ids]
-        return [self.tokenizer.decode([i]) for i in ids]
+            return [f"#{i}" for i in ids[start:stop]], []
+        lead = ids[max(0, start - 1) : start]  # one token of left context, so a word piece joins (no space) right
+        prev, out = self._decode(lead), []
+        for j in range(start, stop):
+            text = self._decode(lead + ids[start : j + 1])
+            out.append(text[len(prev) :] if text.startswith(prev) else self._decode([ids[j]]))
+            prev = text
+        return out, [j - start for j in range(start, stop) if ids[j] in self.special_ids]
+
+    def tokens(self, ex: int) -> list[str]:
+        return self.pieces(ex, 0, self.token_ids_nt.shape[1])[0]
+
+    def token_text(self, token_id: int) -> str:
+        """One vocabulary entry as a reader sees it (the tokenizer's token string: "##ing", "Ġthe" -> " the")."""
+        text = self._decode([token_id])
+        return text if text.strip() else repr(text)
 
 
 def open_examples(sd, tokenizer: str | None = None) -> Examples:
@@ -214,10 +240,7 @@ def draw_image_grid(examples: ImageExamples, top, acts_kt: np.ndarray, labels_kp
         x0, y0 = (i % cols) * tile_px, (i // cols) * tile_h
         img = examples.image(ex).resize((tile_px, tile_px), Image.Resampling.BICUBIC).convert("RGBA")
         if side * side == patch_acts_kp.shape[1]:
-            heat = _cmap_rgba("inferno", patch_acts_kp[i].reshape(side, side) / vmax)
-            heat[..., 3] = (180 * patch_acts_kp[i].reshape(side, side) / vmax).astype(np.uint8)
-            heat_img = Image.fromarray(heat, "RGBA").resize((tile_px, tile_px), Image.Resampling.NEAREST)
-            img = Image.alpha_composite(img, heat_img)
+            img = _overlay_heatmap(img, patch_acts_kp[i].reshape(side, side) / vmax, tile_px)
         grid.paste(img.convert("RGB"), (x0, y0))
         draw.text((x0 + 3, y0 + 2), f"{examples.caption(ex)}  {value:.3g}", fill="white", font=_font(), stroke_width=1,
                   stroke_fill="black")
@@ -228,14 +251,30 @@ def draw_image_grid(examples: ImageExamples, top, acts_kt: np.ndarray, labels_kp
     return grid
 
 
+def _overlay_heatmap(img: Image.Image, a_hw: np.ndarray, tile_px: int) -> Image.Image:
+    """Patches where the latent is silent are dimmed; firing patches are tinted (inferno, more opaque when stronger) and
+    the strongest patch is outlined, so the heatmap reads at a glance over any image."""
+    heat = _cmap_rgba("inferno", 0.3 + 0.7 * a_hw)
+    heat[..., 3] = np.where(a_hw > 0, 40 + 170 * a_hw, 140).astype(np.uint8)
+    heat[a_hw <= 0, :3] = 0
+    img = Image.alpha_composite(img, Image.fromarray(heat, "RGBA").resize((tile_px, tile_px), Image.Resampling.NEAREST))
+    side = a_hw.shape[0]
+    r, c = divmod(int(np.argmax(a_hw)), side)
+    cell = tile_px / side
+    ImageDraw.Draw(img).rectangle((c * cell, r * cell, (c + 1) * cell - 1, (r + 1) * cell - 1), outline="cyan", width=2)
+    return img
+
+
 def text_context(examples: TextExamples, ex: int, token: int, acts_t: np.ndarray, n_side: int) -> dict:
     """The tokens around the firing token with their activations."""
     start, stop = max(0, token - n_side), min(len(acts_t), token + n_side + 1)
+    pieces, special = examples.pieces(ex, start, stop)
     return {
         "example": ex,
         "token": token,
         "offset": start,
-        "tokens": examples.tokens(ex)[start:stop],
+        "tokens": pieces,
+        "special": special,
         "acts": [round(float(a), 4) for a in acts_t[start:stop]],
     }
 
@@ -385,22 +424,12 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     lat = dump.latents
     show_labels = examples.kind == "image" and examples.patch_labels and sd.has_aux(layout.ShardLayout.LABELS_FNAME)
     labels = sd.aux(layout.ShardLayout.LABELS_FNAME) if show_labels else None
+    values = latent_values(dump, chosen)
+    vocab, vocab_note = vocab_effects(cfg, examples, md.family, model, chosen)
     drawn = {}
     for latent in tqdm.tqdm(chosen, desc="visuals", unit="latent", disable=None):
-        top = top_rows(lat, latent, cfg.top_k, one_per_example=examples.kind == "image")
-        entry = {"top": [[e, t, round(v, 4)] for e, t, v in top]}
-        if top and examples.kind != "none":
-            acts_kt = _latent_acts(model, sd, layer, [e for e, _, _ in top], latent)
-            if examples.kind == "image":
-                labels_kp = np.stack([labels[e] for e, _, _ in top]) if labels is not None else None
-                img = draw_image_grid(examples, top, acts_kt, labels_kp, md.cls_token, cfg.tile_px)
-            else:
-                entry["contexts"] = [text_context(examples, e, t, acts_kt[i], cfg.context_tokens)
-                                     for i, (e, t, _) in enumerate(top)]
-                img = draw_text_contexts(entry["contexts"])
-            entry["png"] = f"latents/{latent}.png"
-            img.save(out_dpath / entry["png"])
-        drawn[str(latent)] = entry
+        pen = _Pen(cfg, examples, model, sd, layer, labels, out_dpath)
+        drawn[str(latent)] = {**pen.latent(lat, latent, *values[latent]), **vocab.get(latent, {})}
     draw_summary(lat, out_dpath)
     data = {
         "meta": {
@@ -412,15 +441,256 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
             "n_rows": dump.metrics.get("n_vectors"),
             "tokens_per_ex": md.tokens_per_ex,
             "metrics": dump.metrics,
+            "vocab_note": vocab_note,
         },
         "freq": _round(lat["freq"]),
         "mean": _round(lat["mean_act"]),
         "max": _round(lat["max_act"]),
         "drawn": drawn,
+        "token_index": token_index(drawn),
     }
     (out_dpath / "data.js").write_text(
         "window.SAEFLOW_DATA = " + json.dumps(data, separators=(",", ":")) + ";\n", encoding="utf-8"
     )
+    if examples.kind == "text":
+        atomic.write_json(out_dpath / NEURONPEDIA_FNAME, neuronpedia_batch(data, md))
     for fname in ASSET_FNAMES:
         shutil.copyfile(ASSETS_DPATH / fname, out_dpath / fname)
     atomic.write_json(out_dpath / "config.json", vis_config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per latent: its activation distribution, examples across it, and the tokens its decoder direction writes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def latent_values(dump, chosen: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{latent: (rows, values)} of every row where each chosen latent fires, from patch_acts.npz (memory: the CSR)."""
+    import scipy.sparse
+
+    csc = scipy.sparse.load_npz(layout.DumpLayout(dump.dpath).acts_fpath)[:, chosen].tocsc()
+    spans = [slice(csc.indptr[j], csc.indptr[j + 1]) for j in range(len(chosen))]
+    return {latent: (csc.indices[sp].astype(np.int64), csc.data[sp]) for latent, sp in zip(chosen, spans)}
+
+
+def histogram(vals_n: np.ndarray, n_bins: int = HIST_BINS) -> dict:
+    """Counts of the firing values in `n_bins` equal bins over [0, max]."""
+    hi = float(vals_n.max()) if len(vals_n) else 0.0
+    counts, _ = np.histogram(vals_n, bins=n_bins, range=(0.0, hi or 1.0))
+    return {"lo": 0.0, "hi": round(hi, 4), "counts": counts.tolist()}
+
+
+def quantile_rows(rows_n, vals_n, T: int, cfg: Config, latent: int, one_per_example: bool) -> list[dict]:
+    """Seeded samples from each quantile band of the firing values, strongest band first."""
+    if len(vals_n) == 0:
+        return []
+    edges = np.quantile(vals_n, np.linspace(0.0, 1.0, cfg.n_quantiles + 1))
+    rng = np.random.default_rng([cfg.seed, latent])
+    bands = []
+    for b in reversed(range(cfg.n_quantiles)):
+        upper = vals_n <= edges[b + 1] if b == cfg.n_quantiles - 1 else vals_n < edges[b + 1]
+        picked, seen = [], set()
+        for i in rng.permutation(np.flatnonzero((vals_n >= edges[b]) & upper)):
+            ex, tok = divmod(int(rows_n[i]), T)
+            if one_per_example and ex in seen:
+                continue
+            seen.add(ex)
+            picked.append((ex, tok, float(vals_n[i])))
+            if len(picked) == cfg.quantile_examples:
+                break
+        q_lo, q_hi = round(100 * b / cfg.n_quantiles), round(100 * (b + 1) / cfg.n_quantiles)
+        bands.append({"q": [q_lo, q_hi], "range": [round(float(edges[b]), 4), round(float(edges[b + 1]), 4)],
+                      "rows": picked})  # fmt: skip
+    return bands
+
+
+class _Pen:
+    """Draws one latent: its top examples and quantile samples (PNG grids for images, decoded contexts for text)."""
+
+    def __init__(self, cfg, examples, model, sd, layer, labels, out_dpath):
+        self.cfg, self.examples, self.model, self.sd, self.layer = cfg, examples, model, sd, layer
+        self.labels, self.out_dpath = labels, out_dpath
+
+    def latent(self, lat, latent: int, rows_n: np.ndarray, vals_n: np.ndarray) -> dict:
+        image = self.examples.kind == "image"
+        top = top_rows(lat, latent, self.cfg.top_k, one_per_example=image)
+        entry = {"top": [[e, t, round(v, 4)] for e, t, v in top], "hist": histogram(vals_n), "quantiles": []}
+        if not top or self.examples.kind == "none":
+            return entry
+        T = self.sd.metadata.tokens_per_ex
+        bands = quantile_rows(rows_n, vals_n, T, self.cfg, latent, one_per_example=image)
+        examples_needed = sorted({e for e, _, _ in top} | {e for band in bands for e, _, _ in band["rows"]})
+        acts = dict(zip(examples_needed, _latent_acts(self.model, self.sd, self.layer, examples_needed, latent)))
+        entry["png"] = self.draw(top, acts, f"latents/{latent}.png")
+        if not image:
+            entry["contexts"] = [self.context(e, t, acts) for e, t, _ in top]
+        for b, band in enumerate(bands):
+            shown = {"q": band["q"], "range": band["range"], "rows": [[e, t, round(v, 4)] for e, t, v in band["rows"]]}
+            if image and band["rows"]:
+                shown["png"] = self.draw(band["rows"], acts, f"latents/{latent}-q{b}.png")
+            elif band["rows"]:
+                shown["contexts"] = [self.context(e, t, acts) for e, t, _ in band["rows"]]
+            entry["quantiles"].append(shown)
+        return entry
+
+    def context(self, ex: int, tok: int, acts: dict) -> dict:
+        return text_context(self.examples, ex, tok, acts[ex], self.cfg.context_tokens)
+
+    def draw(self, rows: list, acts: dict, rel_fpath: str) -> str:
+        acts_kt = np.stack([acts[e] for e, _, _ in rows])
+        if self.examples.kind == "image":
+            labels_kp = np.stack([self.labels[e] for e, _, _ in rows]) if self.labels is not None else None
+            img = draw_image_grid(self.examples, rows, acts_kt, labels_kp, self.sd.metadata.cls_token, self.cfg.tile_px)
+        else:
+            img = draw_text_contexts([self.context(e, t, acts) for e, t, _ in rows])
+        img.save(self.out_dpath / rel_fpath)
+        return rel_fpath
+
+
+def vocab_matrix(family: str, name: str) -> tuple[torch.Tensor, str]:
+    """(vocabulary x d_model matrix, what it is): a causal LM's unembedding, else the input word embeddings.
+
+    Only that one tensor is read from the checkpoint's safetensors (a 7B model is not loaded to read its LM head);
+    a checkpoint without safetensors is loaded whole.
+    """
+    import transformers
+
+    from saeflow.evaluate import CAUSAL_FAMILIES
+
+    causal = family in CAUSAL_FAMILIES
+    what = "unembedding (the LM head)" if causal else (
+        "input word embeddings: an encoder has no unembedding, so these are the tokens whose embeddings the "
+        "decoder direction points towards / away from, not a logit effect"
+    )
+    auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
+    with torch.device("meta"):
+        skeleton = auto.from_config(transformers.AutoConfig.from_pretrained(name))
+    weight = (skeleton.get_output_embeddings() if causal else skeleton.get_input_embeddings()).weight
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is weight]
+    prefix = f"{skeleton.base_model_prefix}."
+    keys = [*names, *(n.removeprefix(prefix) for n in names), *(prefix + n for n in names)]
+    tensor = _safetensors_tensor(name, keys)
+    if tensor is None:
+        model = auto.from_pretrained(name)
+        tensor = (model.get_output_embeddings() if causal else model.get_input_embeddings()).weight.detach()
+    return tensor.float(), what
+
+
+def _safetensors_tensor(name: str, keys: list[str]) -> torch.Tensor | None:
+    """The first of `keys` stored in the checkpoint's safetensors (single file or sharded index), else None."""
+    from safetensors import safe_open
+
+    from saeflow import models
+
+    index_fpath = models.model_file(name, None, "model.safetensors.index.json")
+    if index_fpath is not None:
+        weight_map = models.read_json(index_fpath).get("weight_map", {})
+        files = {key: weight_map[key] for key in keys if key in weight_map}
+    else:
+        files = dict.fromkeys(keys, "model.safetensors")
+    for key, fname in files.items():
+        fpath = models.model_file(name, None, fname)
+        if fpath is None:
+            return None
+        with safe_open(str(fpath), framework="pt") as st:
+            if key in st.keys():
+                return st.get_tensor(key)
+    return None
+
+
+def vocab_effects(cfg: Config, examples, family: str, model, chosen: list[int]) -> tuple[dict, str]:
+    """{latent: {"promote": [[token, value]...], "suppress": [...]}} from decoder row x vocabulary matrix, and a note
+    saying which matrix (or why there are none)."""
+    if not isinstance(examples, TextExamples) or examples.tokenizer is None:
+        return {}, "" if examples.kind != "text" else "no tokenizer, so no promoted tokens"
+    try:
+        W_vd, what = vocab_matrix(family, examples.name)
+    except Exception as err:  # noqa: BLE001 - no weights here (random-init model, offline cache miss): say why
+        return {}, f"promoted tokens unavailable: cannot load the weights of {examples.name} ({type(err).__name__})"
+    if W_vd.shape[1] != model.d_model:
+        d_vocab = W_vd.shape[1]
+        return {}, f"promoted tokens unavailable: {examples.name} has d={d_vocab}, the SAE d_model={model.d_model}"
+    with torch.no_grad():
+        effects_sv = model.W_dec[chosen].float() @ W_vd.T  # the direction's sign and ranking (scale is positive)
+    n = min(cfg.n_vocab, W_vd.shape[0])
+    out = {}
+    for j, latent in enumerate(chosen):
+        order = torch.argsort(effects_sv[j], descending=True, stable=True).tolist()
+        out[latent] = {
+            key: [[examples.token_text(i), round(float(effects_sv[j, i]), 4)] for i in ids]
+            for key, ids in (("promote", order[:n]), ("suppress", order[::-1][:n]))
+        }
+    return out, what
+
+
+def token_index(drawn: dict) -> dict[str, list]:
+    """{token (stripped, lower case): [[latent, "top" | "promoted"], ...]}: the page's search by token."""
+    index: dict[str, list] = {}
+    for latent, entry in drawn.items():
+        for ctx in entry.get("contexts", []):
+            key = ctx["tokens"][ctx["token"] - ctx["offset"]].strip().lower()
+            if key and [int(latent), "top"] not in index.setdefault(key, []):
+                index[key].append([int(latent), "top"])
+        for tok, _ in entry.get("promote", []):
+            key = tok.strip().lower()
+            if key and [int(latent), "promoted"] not in index.setdefault(key, []):
+                index[key].append([int(latent), "promoted"])
+    return index
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Export: the batch JSON SAEDashboard's Neuronpedia runner writes (sae_dashboard/neuronpedia/neuronpedia_dashboard.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Per-feature keys SAEDashboard fills from analyses saeflow does not run (neuron alignment, correlations, logit
+# histogram, attention-head allocation): present, empty, as SAEDashboard writes them when it skips those analyses.
+NEURONPEDIA_EMPTY_KEYS = (
+    "neuron_alignment_indices", "neuron_alignment_values", "neuron_alignment_l1", "correlated_neurons_indices",
+    "correlated_neurons_l1", "correlated_neurons_pearson", "correlated_features_indices", "correlated_features_l1",
+    "correlated_features_pearson", "logits_hist_data_bar_heights", "logits_hist_data_bar_values",
+    "decoder_weights_dist",
+)  # fmt: skip
+
+
+def _np_activation(ctx: dict, bin_min: float, bin_max: float, bin_contains: float) -> dict:
+    return {"bin_min": bin_min, "bin_max": bin_max, "bin_contains": bin_contains, "tokens": ctx["tokens"],
+            "values": ctx["acts"]}  # fmt: skip
+
+
+def neuronpedia_feature(latent: str, entry: dict, freq: float, md) -> dict:
+    """One drawn latent as a NeuronpediaDashboardFeature dict: top activations as the bin (-1, max, -1), each
+    quantile band as (its lowest, its highest activation, the fraction of firing tokens in it)."""
+    hist = entry["hist"]
+    width = (hist["hi"] - hist["lo"]) / len(hist["counts"]) if hist["counts"] else 0.0
+    top_max = entry["top"][0][2] if entry["top"] else 0.0
+    activations = [_np_activation(c, -1, top_max, -1) for c in entry.get("contexts", [])]
+    for band in entry["quantiles"]:
+        share = (band["q"][1] - band["q"][0]) / 100
+        activations += [_np_activation(c, band["range"][0], band["range"][1], share) for c in band.get("contexts", [])]
+    return {
+        "feature_index": int(latent),
+        **{key: [] for key in NEURONPEDIA_EMPTY_KEYS},
+        "neg_str": [t for t, _ in entry.get("suppress", [])],
+        "neg_values": [v for _, v in entry.get("suppress", [])],
+        "pos_str": [t for t, _ in entry.get("promote", [])],
+        "pos_values": [v for _, v in entry.get("promote", [])],
+        "frac_nonzero": freq,
+        "freq_hist_data_bar_values": [round(hist["lo"] + (j + 0.5) * width, 4) for j in range(len(hist["counts"]))],
+        "freq_hist_data_bar_heights": hist["counts"],
+        "n_prompts_total": md.n_ex,
+        "n_tokens_in_prompt": md.tokens_per_ex,
+        "dataset": md.dataset,
+        "activations": activations,
+    }
+
+
+def neuronpedia_batch(data: dict, md) -> dict:
+    """The drawn latents as one NeuronpediaDashboardBatch dict (model_id, layer, sae_set, features)."""
+    drawn = data["drawn"].items()
+    features = [neuronpedia_feature(latent, entry, data["freq"][int(latent)], md) for latent, entry in drawn]
+    return {
+        "model_id": md.ckpt,
+        "layer": data["meta"]["layer"],
+        "sae_set": f"saeflow-{pathlib.Path(data['meta']['run']).name[:12]}",
+        "features": features,
+    }

@@ -56,6 +56,66 @@
     return s.replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
   }
 
+  function renderContext(c) {
+    // Text pieces as the tokenizer detokenizes them (leading spaces kept), special tokens marked, shaded by activation.
+    const mx = Math.max(...c.acts, 1e-12);
+    const special = new Set(c.special || []);
+    const spans = c.tokens.map((t, j) => {
+      const a = Math.max(0, c.acts[j]) / mx;
+      const cls = [c.offset + j === c.token ? "top" : "", special.has(j) ? "special" : ""].filter(Boolean).join(" ");
+      return `<span${cls ? ` class="${cls}"` : ""} style="background: rgba(255,120,0,${a.toFixed(3)})" ` +
+        `title="activation ${c.acts[j]}">${escapeHtml(t)}</span>`;
+    });
+    return `<div class="ctx"><span class="ex">ex ${c.example}, token ${c.token}</span>${spans.join("")}</div>`;
+  }
+
+  function rowsTable(rows) {
+    return "<table><tr><th>rank</th><th>example</th><th>token position</th><th>activation</th></tr>" +
+      rows.map((r, j) => `<tr><td>${j + 1}</td><td>${r[0]}</td><td>${r[1]}</td><td>${fmt(r[2])}</td></tr>`).join("") +
+      "</table>";
+  }
+
+  function histogram(h) {
+    const mx = Math.max(...h.counts, 1);
+    const bars = h.counts.map((n, j) => {
+      const lo = (h.lo + (h.hi - h.lo) * j / h.counts.length).toPrecision(3);
+      return `<div style="height:${(100 * n / mx).toFixed(1)}%" title="activation ${lo}..: ${n} tokens"></div>`;
+    });
+    const total = h.counts.reduce((a, b) => a + b, 0);
+    return `<div class="hist">${bars.join("")}</div><div class="hist-axis"><span>0</span>` +
+      `<span>activation (${total} firing tokens; bar height = count)</span><span>${fmt(h.hi)}</span></div>`;
+  }
+
+  function vocabTables(d) {
+    const table = (title, rows) => `<div><h4>${title}</h4><table><tr><th>token</th><th>score</th></tr>` +
+      rows.map((r) => `<tr><td>${escapeHtml(r[0])}</td><td>${fmt(r[1])}</td></tr>`).join("") + "</table></div>";
+    return `<section id="vocab"><h3>Tokens the decoder direction promotes and suppresses</h3>` +
+      `<p class="note">${escapeHtml(D.meta.vocab_note || "")}</p>` +
+      `<div class="vocab">${table("promoted", d.promote)}${table("suppressed", d.suppress)}</div></section>`;
+  }
+
+  function renderDrawn(i, d, parts) {
+    if (d.promote) parts.push(vocabTables(d));
+    else if (D.meta.vocab_note) parts.push(`<p class="note">${escapeHtml(D.meta.vocab_note)}</p>`);
+    if (d.hist) parts.push(`<section id="histogram"><h3>Activation histogram</h3>${histogram(d.hist)}</section>`);
+    const top = [`<section id="top"><h3>Top activations</h3>`];
+    if (d.contexts) top.push(...d.contexts.map(renderContext));
+    else if (d.png) top.push(`<img id="latent-png" src="${d.png}" alt="top examples of latent ${i}">`);
+    top.push(rowsTable(d.top), "</section>");
+    parts.push(top.join(""));
+    if (d.quantiles && d.quantiles.length) {
+      const q = ['<section id="quantiles"><h3>Examples sampled across the activation distribution</h3>'];
+      for (const b of d.quantiles) {
+        q.push(`<h4>quantile ${b.q[0]}-${b.q[1]}% of firing values (activation ${fmt(b.range[0])} to ${fmt(b.range[1])})</h4>`);
+        if (b.contexts) q.push(...b.contexts.map(renderContext));
+        else if (b.png) q.push(`<img class="quantile-png" src="${b.png}" alt="quantile ${b.q[0]}-${b.q[1]}%">`);
+        else q.push('<p class="note">no examples in this band</p>');
+      }
+      q.push("</section>");
+      parts.push(q.join(""));
+    }
+  }
+
   function renderLatent() {
     const i = currentLatent();
     const box = $("latent");
@@ -67,27 +127,22 @@
     const d = D.drawn[i];
     const parts = [`<h2>latent ${i}</h2>`,
       `<p>firing frequency ${fmt(D.freq[i])} | mean activation when firing ${fmt(D.mean[i])} | max ${fmt(D.max[i])}</p>`];
-    if (!d) {
-      parts.push("<p>not drawn; choose it with <code>saeflow visuals --selection list --latents " + i + "</code></p>");
-    } else {
-      if (d.png) parts.push(`<img id="latent-png" src="${d.png}" alt="top examples of latent ${i}">`);
-      if (d.contexts) {
-        for (const c of d.contexts) {
-          const mx = Math.max(...c.acts, 1e-12);
-          const spans = c.tokens.map((t, j) => {
-            const a = Math.max(0, c.acts[j]) / mx;
-            const top = c.offset + j === c.token ? ' class="top"' : "";
-            return `<span${top} style="background: rgba(255,120,0,${a.toFixed(3)})" title="${c.acts[j]}">${escapeHtml(t)}</span>`;
-          });
-          parts.push(`<div class="ctx">ex ${c.example}: ${spans.join("")}</div>`);
-        }
-      }
-      parts.push("<table><tr><th>rank</th><th>example</th><th>token</th><th>value</th></tr>" +
-        d.top.map((r, j) => `<tr><td>${j + 1}</td><td>${r[0]}</td><td>${r[1]}</td><td>${fmt(r[2])}</td></tr>`).join("") +
-        "</table>");
-    }
+    if (!d) parts.push("<p>not drawn; choose it with <code>saeflow visuals --selection list --latents " + i + "</code></p>");
+    else renderDrawn(i, d, parts);
     box.innerHTML = parts.join("");
     renderRows();
+  }
+
+  function searchToken(text) {
+    // Exact token first, else every indexed token that contains the text.
+    const key = text.toLowerCase();
+    const index = D.token_index || {};
+    const keys = index[key] ? [key] : Object.keys(index).filter((k) => k.includes(key)).sort();
+    const hits = keys.flatMap((k) => index[k].map((h) => [k, ...h]));
+    const items = hits.map(([k, id, why]) => `<li><a href="#latent-${id}">latent ${id}</a>: "${escapeHtml(k)}" (${why})</li>`);
+    $("latent").innerHTML = `<h2>token "${escapeHtml(text)}"</h2>` + (items.length
+      ? `<p>drawn latents whose top activations or promoted tokens include it:</p><ul id="token-hits">${items.join("")}</ul>`
+      : `<p class="error">no drawn latent has "${escapeHtml(text)}" among its top-activating or promoted tokens</p>`);
   }
 
   $("list").addEventListener("scroll", () => window.requestAnimationFrame(renderRows));
@@ -97,8 +152,14 @@
   });
   $("search").addEventListener("keydown", (ev) => {
     if (ev.key !== "Enter") return;
-    const i = Number(ev.target.value.trim());
-    if (!Number.isInteger(i)) { $("latent").innerHTML = '<p class="error">type a latent id (a whole number)</p>'; return; }
+    const text = ev.target.value.trim();
+    if (!text) return;
+    const i = Number(text);
+    if (!/^[0-9]+$/.test(text) || !Number.isInteger(i)) {
+      if (location.hash) try { history.replaceState(null, "", location.pathname); } catch (e) { /* file:// */ }
+      searchToken(text);
+      return;
+    }
     location.hash = "latent-" + i;
     const j = order.indexOf(i);
     if (j >= 0) $("list").scrollTop = j * ROW_PX;

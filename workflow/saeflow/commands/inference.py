@@ -27,10 +27,12 @@ def register(subparsers):
         "visuals",
         help="draw an inference dump: RUN/inference/<hash>/visuals/ (open index.html)",
         description="Draw the chosen latents of an inference dump into RUN/inference/<hash>/visuals/: per latent "
-        "a grid of its top-k images with a patch heatmap (patch labels below when the shards have labels.bin) or "
-        "its top-k text contexts shaded by strength; summary plots (log frequency vs log mean activation, L0 "
-        "histogram); and index.html, a static latent browser that works from file:// (search by id, sort by "
-        "frequency). Existing visuals are reused unless --force.",
+        "an activation histogram, its top-k images with a patch heatmap (patch labels below when the shards have "
+        "labels.bin) or its top-k text contexts (the tokenizer's own detokenization, specials marked), examples "
+        "sampled from activation quantile bands, and for text the tokens its decoder direction promotes and "
+        "suppresses; summary plots (log frequency vs log mean activation, L0 histogram); index.html, a static "
+        "latent browser that works from file:// (search by id or token, sort by frequency); and for text runs "
+        "neuronpedia-batch.json (SAEDashboard's Neuronpedia batch format). Existing visuals are reused unless --force.",
     )
     p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory")
     p.add_argument("--shards-hash", metavar="HASH", help="which inference dump (optional when the run has one)")

@@ -1,0 +1,149 @@
+"""`saeflow evaluate`: the SAE spliced into its model (known answers, and agreement with plain transformers hooks)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from builders import text_spec, typed, vision_spec
+from saeflow import cli, evaluate, extract, runs, sae
+
+
+def _spec_config(tmp_path, spec: dict, **others: dict):
+    fpath = tmp_path / "val.yaml"
+    fpath.write_text(yaml.safe_dump({"activations": {**others, "val": spec}}))
+    return fpath
+
+
+def _run(tmp_path, spec: dict, layer: int, model: sae.SAE, **extra) -> runs.Run:
+    shard_hash = extract.plan_activation(typed(spec)).hash
+    run_cfg = {"layer": layer, "train_shards": shard_hash, "val_shards": shard_hash, **extra}
+    run = runs.create_run(tmp_path / "runs", run_cfg, tmp_path / "no-shards")
+    sae.save_sae(model, run.sae_fpath)
+    return run
+
+
+def _random_sae(d: int, d_sae: int = 64, seed: int = 0) -> sae.SAE:
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(d, d_sae, generator=g) / d**0.5
+    return sae.SAE.from_weights(W, torch.zeros(d_sae), W.T.contiguous(), torch.randn(d, generator=g) * 0.1,
+                                arch="topk", k=8, scale=0.5)  # fmt: skip
+
+
+def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp_path, capsys):
+    import transformers
+
+    spec = {"model": {"name": str(tiny_lm_dpath)}, "layers": [0], "dataset": {"kind": "builtin_text", "n_ex": 6},
+            "context_length": 16, "device": "cpu"}  # fmt: skip
+    model = _random_sae(32)
+    run = _run(tmp_path, spec, 0, model)
+    # A config with another activation too: evaluate picks the one that plans the run's validation shards.
+    config_fpath = _spec_config(tmp_path, spec, other=text_spec("gpt2", layers=[1]))
+    argv = ["evaluate", "--run", str(run.root), str(config_fpath), "--n-tokens", "70",
+            "--batch-size", "2", "--no-progress", "--device", "cpu"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = json.loads(run.evaluation_fpath(run.config()["val_shards"]).read_text())
+    got = out["metrics"]
+    assert out["config"]["n_ex"] == 5  # ceil(70 / 16)
+
+    # Independent: the checkpoint's own LM head model, a forward hook on block 0, torch's own CE and KL.
+    plan = extract.plan(typed(spec))
+    special = {*plan.packing.prefix, *plan.packing.suffix, *plan.packing.separator}
+    ids = torch.from_numpy(extract.tokenization.token_ids(plan.info, None, plan.dataset, plan.packing)[:5]).long()
+    keep = torch.from_numpy(np.isin(ids.numpy(), sorted(special)))
+    lm = transformers.GPT2LMHeadModel.from_pretrained(tiny_lm_dpath).eval()
+
+    def logits_with(fn):
+        def hook(module, args, output):
+            h = output[0] if isinstance(output, tuple) else output
+            new = torch.where(keep[..., None], h, fn(h.reshape(-1, 32)).reshape(h.shape))
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        handle = lm.transformer.h[0].register_forward_hook(hook) if fn else None
+        with torch.no_grad():
+            logits = lm(input_ids=ids).logits[:, :-1].reshape(-1, lm.config.vocab_size)
+        if handle:
+            handle.remove()
+        return logits
+
+    logits = {"clean": logits_with(None), "spliced": logits_with(lambda x: model(x)[0]),
+              "ablated": logits_with(torch.zeros_like)}  # fmt: skip
+    targets = ids[:, 1:].reshape(-1)
+    ce = {m: torch.nn.functional.cross_entropy(lg, targets).item() for m, lg in logits.items()}
+    lp_clean = torch.log_softmax(logits["clean"], -1)
+    kl = {
+        m: torch.nn.functional.kl_div(torch.log_softmax(logits[m], -1), lp_clean, log_target=True,
+                                      reduction="batchmean").item()
+        for m in ("spliced", "ablated")
+    }  # fmt: skip
+    for m in ("clean", "spliced", "ablated"):
+        assert got[f"ce_{m}"] == pytest.approx(ce[m], abs=1e-5)
+    for m in ("spliced", "ablated"):
+        assert got[f"kl_{m}"] == pytest.approx(kl[m], abs=1e-5)
+    recovered = (ce["ablated"] - ce["spliced"]) / (ce["ablated"] - ce["clean"])
+    assert got["ce_loss_recovered"] == pytest.approx(recovered, abs=1e-5)
+    assert got["kl_score"] == pytest.approx((kl["ablated"] - kl["spliced"]) / kl["ablated"], abs=1e-5)
+    assert got["n_scored_tokens"] == 5 * 15
+    assert ce["spliced"] != pytest.approx(ce["clean"], abs=1e-3)  # the splice changed something
+
+
+@pytest.mark.parametrize(
+    ("spec", "keys"),
+    [
+        (text_spec("gpt2", layers=[1]), ("ce_loss_recovered", "kl_score")),
+        (text_spec("gpt2", layers=[1], compute_dtype="bfloat16"), ("ce_loss_recovered", "kl_score")),
+        (text_spec("bert", layers=[1]), ("pooled_cos_recovered", "pooled_rel_err_recovered", "cls_cos_recovered")),
+        (vision_spec("vit", layers=[1]), ("pooled_cos_recovered", "pooled_rel_err_recovered", "cls_rel_err_recovered")),
+        (vision_spec("dinov2_with_registers", layers=[1]), ("pooled_cos_recovered", "cls_cos_recovered")),
+    ],
+    ids=["gpt2", "gpt2-bf16", "bert", "vit", "dinov2-registers"],
+)
+def test_known_answers_identity_and_zero_reconstruction(spec, keys):
+    plan = extract.plan(typed(spec))
+    m = evaluate.load_model(plan.info, plan.spec.model, plan.spec.compute_dtype, torch.device("cpu"))
+    identity = evaluate.three_passes(m, plan, 1, "content", lambda x: x, 3, 2, "cpu", progress=False)
+    zero = evaluate.three_passes(m, plan, 1, "content", torch.zeros_like, 3, 2, "cpu", progress=False)
+    for key in keys:
+        assert identity[key] == pytest.approx(1.0, abs=1e-6), key
+        assert zero[key] == pytest.approx(0.0, abs=1e-9), key
+    _, ids_nt = evaluate.example_inputs(plan, 2)
+    mask_bt = evaluate.splice_mask(plan, "content", ids_nt, 0, 2)
+    # The prefix replayed from the clean pass gives exactly what running every block again gives.
+    batch, _ = evaluate.example_inputs(plan, 2)
+    prefix = {}
+    clean = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None, prefix)
+    assert sorted(prefix) == [0, 1]
+    assert torch.equal(clean, evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None))
+    for fn in (torch.zeros_like, lambda x: 2 * x):
+        replayed = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, fn, prefix)
+        assert torch.equal(replayed, evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, fn))
+    assert "forward" not in m.blocks[0].__dict__  # the blocks are restored
+    if ids_nt is not None:  # text: [BOS] body with EOS between documents; the specials (ids 1, 2) stay clean
+        assert plan.packing.prefix == (1,) and plan.packing.separator == (2,)
+        assert torch.equal(mask_bt, torch.from_numpy(ids_nt[:2] > 2)) and not mask_bt[:, 0].any()
+    elif ids_nt is None:  # vision: CLS and registers stay clean, every patch is replaced
+        assert mask_bt.sum(1).tolist() == [plan.info.patches_per_ex] * 2 and not mask_bt[:, 0].any()
+    if m.causal:
+        assert identity["kl_spliced"] == pytest.approx(0.0, abs=1e-7)
+        assert identity["ce_spliced"] == pytest.approx(identity["ce_clean"], abs=1e-6)
+        assert zero["ce_ablated"] > zero["ce_clean"]
+    else:
+        assert identity["pooled_cos_spliced"] == pytest.approx(1.0, abs=1e-9)
+        assert identity["pooled_rel_err_spliced"] == pytest.approx(0.0, abs=1e-9)
+        assert zero["pooled_rel_err_ablated"] > 0
+
+
+def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
+    spec = text_spec("gpt2", layers=[1])
+    run = _run(tmp_path, spec, 1, _random_sae(32))
+    other = text_spec("gpt2", layers=[1], context_length=8)
+    before = sorted(p.name for p in run.root.rglob("*"))
+    assert cli.main(["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, other)), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "validated on shards" in err and "config.json" in err
+    assert sorted(p.name for p in run.root.rglob("*")) == before
+    config_fpath = _spec_config(tmp_path, other, also=text_spec("gpt2", layers=[1], context_length=12))
+    assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--no-progress"]) == 1
+    assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err

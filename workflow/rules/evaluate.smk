@@ -1,0 +1,25 @@
+# Evaluation: every run's SAE spliced into its model on the run's validation activation spec (CE loss recovered
+# and KL for causal LMs, embedding similarity for encoders and vision towers). Path: saeflow.layout.RunLayout.
+# The job gets the per-shard config of the validation activations; saeflow checks it plans the run's val_shards.
+
+
+rule evaluate:
+    input:
+        sae=ancient(RUNS.sae_fpath),
+        run_config=ancient(RUNS.config_fpath),
+    output:
+        RUNS.evaluation_fpath(SHARD_HASH_WILDCARD),
+    log:
+        "logs/evaluate/{run_id}/{shard_hash}.log",
+    wildcard_constraints:
+        run_id="[0-9a-f]{64}",
+        shard_hash="[0-9a-f]{64}",
+    conda:
+        SAEFLOW_ENV
+    threads: 2
+    params:
+        run=lambda wc: PLAN.run(wc.run_id).root,
+        config=lambda wc: get_cli_config("shards", wc.shard_hash),
+        evaluate=get_settings_flags("evaluate"),
+    shell:
+        "saeflow evaluate --run {params.run:q} {params.config:q} {params.evaluate:q} >{log:q} 2>&1"

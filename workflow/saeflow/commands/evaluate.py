@@ -1,0 +1,66 @@
+"""`saeflow evaluate`: the run's SAE spliced into its model on the run's validation data."""
+
+import argparse
+import pathlib
+
+from saeflow import config
+
+# evaluate imports torch and transformers: load it only when the command runs, so `saeflow --help` stays fast.
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "evaluate",
+        help="splice the run's SAE into its model: CE loss recovered / KL, or embedding similarity",
+        description="Run the first ceil(n_tokens / tokens per example) examples of the run's validation "
+        "activation spec through the model three times: clean, with block LAYER's output replaced by the SAE's "
+        "reconstruction (special, register and untrained CLS tokens kept clean), and zero-ablated. Causal language "
+        "models: per-token cross-entropy of each pass, CE loss recovered = (CE_abl - CE_sae) / (CE_abl - CE_clean), "
+        "KL(clean || spliced) and the KL score. Encoders and vision towers: cosine similarity and relative error of "
+        "the mean-pooled output (and the CLS token), with the same recovered fractions. Writes "
+        "RUN/evaluation/<val_shard_hash>.json (the summary reads it) and prints its path.",
+    )
+    p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory (holds a trained SAE)")
+    p.add_argument("config", type=pathlib.Path, metavar="CONFIG",
+                   help="a config holding the run's validation activation spec (the workflow passes its per-shard "
+                   "config); its planned shard hash must be the run's val_shards")
+    p.add_argument("--activation", metavar="NAME",
+                   help="which `activations` entry (default: the one that plans the run's validation shards)")
+    config.add_section_options(p, "evaluate")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from saeflow import evaluate, runs, specs
+    from saeflow.errors import SaeflowError
+
+    run = runs.open_run(args.run)
+    cfg_dict = config.load(args.config)
+    activations = cfg_dict["activations"]
+    if args.activation is None and len(activations) > 1:
+        args.activation = _validation_activation(run, activations, args.config)
+    name, spec = config.pick(activations, args.activation, "activation")
+    try:
+        typed = specs.ActivationSpec.from_dict(spec)
+    except SaeflowError as err:
+        raise SaeflowError(f"{args.config}: activations.{name}: {err}") from None
+    cfg = config.from_args(evaluate.Config, args, spec=typed, progress=not args.no_progress)
+    print(evaluate.run_evaluation(cfg))
+    return 0
+
+
+def _validation_activation(run, activations: dict, config_fpath: pathlib.Path) -> str:
+    """The name of the activation spec that plans the run's validation shards (planning reads no weights)."""
+    from saeflow import extract, specs
+    from saeflow.errors import SaeflowError
+
+    run_cfg = run.config()
+    val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
+    for name, spec in activations.items():
+        if extract.plan_activation(specs.ActivationSpec.from_dict(spec)).hash == val_hash:
+            return name
+    raise SaeflowError(
+        f"{config_fpath}: none of its activations ({', '.join(activations)}) plans the run's validation shards "
+        f"{val_hash} ({run.config_fpath})"
+    )

@@ -1,0 +1,390 @@
+"""The SAE spliced back into its model: what the model loses when the reconstruction replaces the activation.
+
+    cfg = evaluate.Config(run=RUN, spec=specs.ActivationSpec.from_dict(...))   # the run's validation activation spec
+    fpath = evaluate.run_evaluation(cfg)        # RUN/evaluation/<val_shard_hash>.json
+
+The first ceil(n_tokens / tokens_per_example) examples of the run's validation activation spec go through the
+model three times, on the same inputs:
+
+    clean     the model as it is
+    spliced   block `layer`'s output x replaced by the SAE's decode(encode(x)) (raw space: its normalization undone)
+    ablated   block `layer`'s output replaced by zeros
+
+Only the positions the SAE was trained on are replaced; the others stay clean in all three passes: text special
+tokens (the packing's prefix, suffix and document separators: [CLS], [SEP], BOS, EOS; packed examples have no
+padding), vision register tokens, and the CLS token unless the run trained on it (`tokens` of the run config).
+
+Causal language models (GPT-2, Llama, Qwen, Mistral) are scored on their next-token predictions: positions
+0..T-2 of every example, predicting tokens 1..T-1 (every prediction in the context, specials included as
+targets; as SAELens). Per token, averaged over those positions:
+
+    ce_clean, ce_spliced, ce_ablated     cross-entropy (nats)
+    ce_loss_recovered = (ce_ablated - ce_spliced) / (ce_ablated - ce_clean)      1 = lossless, 0 = as bad as zeros
+    kl_spliced = KL(p_clean || p_spliced),  kl_ablated = KL(p_clean || p_ablated) (nats)
+    kl_score = (kl_ablated - kl_spliced) / kl_ablated                          1 = lossless, 0 = as bad as zeros
+
+Encoders (BERT, RoBERTa) and vision towers have no language-model loss; their output embedding is scored instead:
+the mean of the final hidden states over all positions (`pooled`), and the first position (`cls`, when the model
+has a CLS token: vision CLS, or the [CLS]/<s> every text encoder example starts with). Per example, averaged:
+
+    <which>_cos_spliced / _cos_ablated           cosine similarity to the clean embedding
+    <which>_rel_err_spliced / _rel_err_ablated   ||e - e_clean|| / ||e_clean||
+    <which>_cos_recovered = (cos_spliced - cos_ablated) / (1 - cos_ablated)
+    <which>_rel_err_recovered = (rel_err_ablated - rel_err_spliced) / rel_err_ablated
+
+A ratio whose denominator is 0 (the ablation changes nothing) is null. The output is what is scored, so every pass
+runs to the end of the model; but the blocks up to `layer` run once: the clean pass records their outputs and the
+spliced and ablated passes replay them (identical inputs give identical outputs), running only the later blocks.
+"""
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import typing
+
+import numpy as np
+import torch
+import tqdm
+
+from saeflow import atomic, config, devices, extract, models, provenance, runs, sae, specs, tokenization
+from saeflow.errors import SaeflowError
+from saeflow.hashing import file_sha256
+from saeflow.inference import trained_layer
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS = config.section_defaults("evaluate")
+CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
+MODES = ("clean", "spliced", "ablated")
+Reconstruct = typing.Callable[[torch.Tensor], torch.Tensor]  # raw activations (n, d) -> reconstruction (n, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One evaluation: which run, on which activation spec (the run's validation one), how."""
+
+    run: pathlib.Path
+    spec: specs.ActivationSpec
+    n_tokens: int = DEFAULTS["n_tokens"]
+    batch_size: int = DEFAULTS["batch_size"]
+    compute_dtype: str = DEFAULTS["compute_dtype"]
+    device: str = DEFAULTS["device"]
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.n_tokens < 1 or self.batch_size < 1:
+            raise SaeflowError(f"n_tokens and batch_size must be at least 1, got {self.n_tokens}, {self.batch_size}")
+        if self.compute_dtype not in models.COMPUTE_DTYPES:
+            raise SaeflowError(f"compute_dtype must be one of {models.COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model and its inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Spliceable:
+    """A loaded model, its blocks, and how to run one batch to what is scored (logits or final hidden states)."""
+
+    info: models.ModelInfo
+    model: torch.nn.Module
+    blocks: torch.nn.ModuleList
+    causal: bool
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) of a causal LM, else the final hidden states (B, T, D); float32."""
+        if self.info.modality == "vision":
+            out = self.model(pixel_values=inputs.to(next(self.model.parameters()).dtype))
+        else:
+            out = self.model(input_ids=inputs, attention_mask=torch.ones_like(inputs), use_cache=False)
+        return (out.logits if self.causal else out.last_hidden_state).float()
+
+
+def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: str, device) -> Spliceable:
+    """The model with the weights extraction used; causal LMs with their LM head (random-init: tied or seeded)."""
+    causal = info.family in CAUSAL_FAMILIES
+    if not causal:
+        model = models.build(info, spec, compute_dtype)
+    else:
+        import transformers
+
+        dtype = getattr(torch, compute_dtype)
+        if info.source is None:
+            base = models.build(info, spec, compute_dtype)
+            torch.manual_seed(spec.seed)
+            model = transformers.AutoModelForCausalLM.from_config(base.config).to(dtype)
+            model.base_model.load_state_dict(base.state_dict())
+        else:
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    info.source, revision=info.revision, dtype=dtype
+                )
+            except (OSError, ValueError) as err:
+                raise SaeflowError(f"cannot load the language-model head of {info.ckpt}: {err}") from None
+    model = model.to(device).eval()
+    blocks = models.find_blocks(model.base_model if causal else model)
+    return Spliceable(info, model, blocks, causal)
+
+
+def example_inputs(plan: extract.Plan, n_ex: int) -> tuple[typing.Callable[[int, int], torch.Tensor], np.ndarray]:
+    """(batch(lo, hi) -> model inputs, token ids (n_ex, T) or None) of the first `n_ex` examples of the spec."""
+    if plan.info.modality == "vision":  # extraction checked every image when it made the shards
+        ds = plan.dataset
+
+        def images(lo: int, hi: int) -> torch.Tensor:
+            return torch.from_numpy(np.stack([ds.example(i, plan.preprocess)[0] for i in range(lo, hi)]))
+
+        return images, None
+    ids_nt = tokenization.token_ids(plan.info, plan.spec.tokenizer, plan.dataset, plan.packing)[:n_ex]
+    ids_nt = ids_nt.astype(np.int64)
+    return (lambda lo, hi: torch.from_numpy(ids_nt[lo:hi])), ids_nt
+
+
+def splice_mask(plan: extract.Plan, tokens: str, ids_nt: np.ndarray | None, lo: int, hi: int) -> torch.Tensor:
+    """bool (B, T_model): the positions of block outputs the reconstruction replaces (see the module docstring)."""
+    if ids_nt is not None:
+        p = plan.packing
+        special = np.asarray(sorted({*p.prefix, *p.suffix, *p.separator}), dtype=np.int64)
+        return torch.from_numpy(~np.isin(ids_nt[lo:hi], special))
+    info = plan.info
+    n_cls, n_reg = int(info.cls_token), info.n_registers
+    mask_t = torch.zeros(n_cls + n_reg + info.patches_per_ex, dtype=torch.bool)
+    if tokens in ("content", "all"):
+        mask_t[n_cls + n_reg :] = True
+    if tokens in ("cls", "all") and n_cls:
+        mask_t[0] = True
+    return mask_t.expand(hi - lo, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Three passes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _prefix(blocks: torch.nn.ModuleList, layer: int, outputs: dict, record: bool) -> typing.Iterator[None]:
+    """Record the outputs of blocks 0..layer (the clean pass), or replay them: each block's forward returns its
+    recorded output without computing, so the spliced and ablated passes run only the blocks after `layer`.
+
+    The three passes see identical inputs up to block `layer`, so the replayed outputs are exactly the ones the
+    blocks would compute again (the "early exit" a splice allows: the prefix runs once, not three times).
+    """
+    handles, patched = [], []
+    try:
+        for k in range(layer + 1):
+            block = blocks[k]
+            if record:
+                handles.append(block.register_forward_hook(lambda mod, args, out, k=k: outputs.__setitem__(k, out)))
+            else:
+                patched.append((block, block.__dict__.get("forward")))
+                block.forward = lambda *args, _out=outputs[k], **kwargs: _out
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for block, original in patched:
+            if original is None:
+                del block.forward
+            else:
+                block.forward = original
+
+
+def spliced_forward(
+    m: Spliceable, layer: int, inputs: torch.Tensor, mask_bt: torch.Tensor, replace: Reconstruct | None,
+    prefix: dict | None = None,
+) -> torch.Tensor:
+    """The model's output with block `layer`'s output at `mask_bt` replaced by `replace(x)`. `replace=None` is the
+    clean pass, which records blocks 0..layer into `prefix`; the other passes replay them (prefix None: neither,
+    every block runs)."""
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        x_nd = hidden[mask_bt].float()
+        new = hidden.clone()
+        new[mask_bt] = replace(x_nd).to(hidden.dtype)
+        return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
+
+    reuse = contextlib.nullcontext() if prefix is None else _prefix(m.blocks, layer, prefix, record=replace is None)
+    with reuse, torch.inference_mode():
+        if replace is None:
+            return m.forward(inputs)
+        handle = m.blocks[layer].register_forward_hook(hook)
+        try:
+            return m.forward(inputs)
+        finally:
+            handle.remove()
+
+
+class Scores:
+    """Sums over scored tokens (causal LMs) or examples (embeddings) of each metric; `result()` averages them."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(values.double().sum())
+        self.counts[name] = self.counts.get(name, 0) + values.numel()
+
+    def mean(self, name: str) -> float:
+        return self.sums[name] / self.counts[name]
+
+
+def next_token_logp(logits_btv: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (B*(T-1), V) of the next-token predictions at positions 0..T-2."""
+    return torch.log_softmax(logits_btv[:, :-1].reshape(-1, logits_btv.shape[-1]), dim=-1)
+
+
+def score_lm(scores: Scores, mode: str, logp_nv: torch.Tensor, logp_clean_nv: torch.Tensor, ids_bt: torch.Tensor):
+    """Per-token CE of one pass and, for spliced/ablated, KL(clean || pass)."""
+    targets_n = ids_bt[:, 1:].reshape(-1)
+    scores.add(f"ce_{mode}", -logp_nv.gather(1, targets_n[:, None])[:, 0])
+    if mode != "clean":
+        scores.add(f"kl_{mode}", (logp_clean_nv.exp() * (logp_clean_nv - logp_nv)).sum(-1))
+
+
+def score_embeddings(scores: Scores, hidden: dict[str, torch.Tensor], has_cls: bool) -> None:
+    """Cosine similarity and relative error of each pass's pooled (and CLS) embedding against the clean one."""
+    views = {"pooled": lambda h: h.mean(dim=1)}
+    if has_cls:
+        views["cls"] = lambda h: h[:, 0]
+    for which, view in views.items():
+        clean_bd = view(hidden["clean"]).double()
+        for mode in ("spliced", "ablated"):
+            e_bd = view(hidden[mode]).double()
+            scores.add(f"{which}_cos_{mode}", torch.nn.functional.cosine_similarity(e_bd, clean_bd, dim=-1, eps=0))
+            scores.add(f"{which}_rel_err_{mode}", (e_bd - clean_bd).norm(dim=-1) / clean_bd.norm(dim=-1))
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den != 0 and math.isfinite(num / den) else None
+
+
+def summarize(scores: Scores, causal: bool) -> dict:
+    """The averaged metrics plus the recovered fractions (module docstring)."""
+    out = {name: scores.mean(name) for name in sorted(scores.sums)}
+    if causal:
+        out["ce_loss_recovered"] = _ratio(out["ce_ablated"] - out["ce_spliced"], out["ce_ablated"] - out["ce_clean"])
+        out["kl_score"] = _ratio(out["kl_ablated"] - out["kl_spliced"], out["kl_ablated"])
+        out["n_scored_tokens"] = scores.counts["ce_clean"]
+        return out
+    for which in ("pooled", "cls"):
+        if f"{which}_cos_spliced" in out:
+            cos_s, cos_a = out[f"{which}_cos_spliced"], out[f"{which}_cos_ablated"]
+            err_s, err_a = out[f"{which}_rel_err_spliced"], out[f"{which}_rel_err_ablated"]
+            out[f"{which}_cos_recovered"] = _ratio(cos_s - cos_a, 1 - cos_a)
+            out[f"{which}_rel_err_recovered"] = _ratio(err_a - err_s, err_a)
+    out["n_scored_examples"] = scores.counts["pooled_cos_spliced"]
+    return out
+
+
+def three_passes(
+    m: Spliceable, plan: extract.Plan, layer: int, tokens: str, reconstruct: Reconstruct, n_ex: int, batch_size: int,
+    device, progress: bool = True,
+) -> dict:  # fmt: skip
+    """Clean, spliced and ablated outputs of the first `n_ex` examples, scored (the metrics of `summarize`)."""
+    batch, ids_nt = example_inputs(plan, n_ex)
+    replace = {"clean": None, "spliced": reconstruct, "ablated": torch.zeros_like}
+    has_cls = m.info.cls_token or m.info.family in models.ENCODER_FAMILIES
+    scores = Scores()
+    with tqdm.tqdm(total=n_ex, unit="ex", desc="evaluate (3 passes)", disable=not progress) as bar:
+        for lo in range(0, n_ex, batch_size):
+            hi = min(lo + batch_size, n_ex)
+            inputs = batch(lo, hi).to(device)
+            mask_bt = splice_mask(plan, tokens, ids_nt, lo, hi).to(device)
+            prefix: dict = {}  # blocks 0..layer of the clean pass, replayed by the other two
+            if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
+                logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None, prefix))
+                for mode, fn in replace.items():
+                    logits = None if fn is None else spliced_forward(m, layer, inputs, mask_bt, fn, prefix)
+                    logp = logp_clean if fn is None else next_token_logp(logits)
+                    score_lm(scores, mode, logp, logp_clean, inputs)
+                    del logits, logp
+            else:
+                outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn, prefix) for mode, fn in replace.items()}
+                score_embeddings(scores, outs, has_cls)
+            bar.update(hi - lo)
+    return summarize(scores, m.causal)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int) -> str:
+    """The validation shard hash of the run, after checking that the spec is the one the run was validated on."""
+    run_cfg = run.config()
+    val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
+    if plan.metadata.hash != val_hash:
+        raise SaeflowError(
+            f"{run.config_fpath}: the run was validated on shards {val_hash}, but the activation spec given plans "
+            f"shards {plan.metadata.hash}; pass the run's validation activation spec"
+        )
+    if layer not in plan.metadata.layers:
+        layers = list(plan.metadata.layers)
+        raise SaeflowError(f"{run.config_fpath}: layer {layer} is not among the spec's layers {layers}")
+    if model.d_model != plan.info.d_model:
+        raise SaeflowError(
+            f"{run.sae_fpath}: the SAE takes d_model={model.d_model}, but {plan.info.ckpt} has d={plan.info.d_model}"
+        )
+    return val_hash
+
+
+def run_evaluation(cfg: Config) -> pathlib.Path:
+    """Evaluate the run's SAE spliced into its model; write RUN/evaluation/<val_shard_hash>.json atomically."""
+    run = runs.open_run(cfg.run)
+    sae_fpath = run.require_checkpoint()
+    layer = trained_layer(run)
+    model = sae.load_sae(sae_fpath)
+    plan = extract.plan(cfg.spec)
+    shard_hash = check_spec(run, plan, model, layer)
+    tokens = run.config().get("tokens", "content")
+    T = plan.metadata.tokens_per_ex
+    n_ex = min(plan.metadata.n_ex, math.ceil(cfg.n_tokens / T))
+    device = devices.resolve_device(cfg.device)
+    started_at = provenance.utc_now()
+    m = load_model(plan.info, cfg.spec.model, cfg.compute_dtype, device)
+    model = model.to(device)
+
+    def reconstruct(x_nd: torch.Tensor) -> torch.Tensor:
+        return model(x_nd)[0]
+
+    metrics = three_passes(m, plan, layer, tokens, reconstruct, n_ex, cfg.batch_size, device, cfg.progress)
+    result = {
+        "config": {
+            "run": str(run.root.resolve()),
+            "sae_sha256": file_sha256(sae_fpath),
+            "shard_hash": shard_hash,
+            "ckpt": plan.info.ckpt,
+            "layer": layer,
+            "tokens": tokens,
+            "n_ex": n_ex,
+            "tokens_per_ex": T,
+            "compute_dtype": cfg.compute_dtype,
+            "scored": "next-token predictions at positions 0..T-2" if m.causal else "one embedding per example",
+        },
+        "metrics": metrics,
+        "provenance": {**provenance.collect(), "device": str(device), "started_at": started_at,
+                       "finished_at": provenance.utc_now()},
+    }  # fmt: skip
+    out_fpath = run.evaluation_fpath(shard_hash)
+    out_fpath.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(out_fpath, result)
+    logger.info("%s", json.dumps(metrics))
+    return out_fpath
+
+
+def read_metrics(fpath: pathlib.Path) -> dict:
+    """The `metrics` object of an evaluation file (summary)."""
+    from saeflow.hashing import read_json_object
+
+    obj = read_json_object(fpath, "evaluation JSON object")
+    metrics = obj.get("metrics")
+    if not isinstance(metrics, dict):
+        raise SaeflowError(f"{fpath}: no `metrics` object; rerun `saeflow evaluate`")
+    return metrics
