@@ -1,10 +1,15 @@
-"""Shuffled-loader throughput against a sequential read of the same files and a naive memmap row gather.
+"""Shuffled loader: batch mixing beside speed (page cache, and cold against a sequential read of the same files).
 
-    python benchmarks/bench_loader.py [--gib 1.0] [--d-model 768] [--dir /tmp]
+    python benchmarks/bench_loader.py [--gib 2.0] [--d-model 768] [--buffer-gib 1.0] [--dir /tmp]
 
-Writes one synthetic saev shard directory (CLS + 196 patches per example, one layer, float32), then measures,
-in one run and on the same files:
-  seq cold / warm     16 MiB sequential reads into a reused buffer (the limit for streaming the data)
+Writes one synthetic saev shard directory (CLS + 196 patches per example, one layer, float32; every vector carries
+its example's index in its first component), then measures, in one run and on the same files:
+  mixing              distinct examples per 4096-vector batch: read from the data (an epoch of the loader) and from
+                      the loader's index-space plan, against the expectation under uniform sampling without
+                      replacement (target >= 0.8), and under the old loader's policy (rows permuted within
+                      windows of 4 blocks); then the plan alone for other buffer sizes, on this directory
+                      and on a larger one (index space only), and at saev's default reservoir size (64 batches)
+  seq cold / warm     16 MiB sequential reads into a reused buffer, dd-style (the limit for streaming the data)
   loader warm         ShuffledLoader epoch from the page cache: vectors/s (target >= 1M at d=768) and GB/s
   loader cold         the same after evicting the files (posix_fadvise DONTNEED): ratio to seq cold (target >= 0.85)
   memmap gather cold  random 4096-row gathers through np.memmap fancy indexing (the slow path), files evicted
@@ -12,14 +17,16 @@ in one run and on the same files:
 """
 
 import argparse
+import math
 import os
 import pathlib
 import tempfile
 import time
 
 import numpy as np
+import torch
 
-from saeflow.loaders import ShuffledLoader
+from saeflow.loaders import Block, EpochPlan, ShuffledLoader
 from saeflow.shards import Metadata, ShardDir, ShardWriter
 
 PATCHES, CHUNK_BYTES = 196, 16 << 20
@@ -37,7 +44,9 @@ def make_shards(root: pathlib.Path, gib: float, d_model: int) -> ShardDir:
     with ShardWriter(root, md) as writer:
         if not writer.reused:
             for start in range(0, n_ex, 64):
-                writer.write(block_nltd[: min(64, n_ex - start)].copy())
+                chunk_nltd = block_nltd[: min(64, n_ex - start)].copy()
+                chunk_nltd[:, :, :, 0] = np.arange(start, start + chunk_nltd.shape[0])[:, None, None]
+                writer.write(chunk_nltd)
     return ShardDir(writer.dpath)
 
 
@@ -68,6 +77,24 @@ def loader_epoch(loader: ShuffledLoader, epoch: int) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def distinct_read(loader: ShuffledLoader, epoch: int) -> np.ndarray:
+    """Distinct examples in each full batch of an epoch, from the example index each vector carries."""
+    return np.array(
+        [torch.unique(x_bd[:, 0]).numel() for x_bd in loader.iter_batches(epoch) if x_bd.shape[0] == loader.batch_size]
+    )
+
+
+def distinct_planned(plan: EpochPlan, n_tok: int) -> np.ndarray:
+    return np.array([np.unique(g // n_tok).size for g in plan.batches() if g.size == plan.batch_size])
+
+
+def uniform_distinct(n_ex: int, n_tok: int, batch_size: int) -> float:
+    """Expected distinct examples among `batch_size` of n_ex * n_tok vectors drawn without replacement."""
+    n = n_ex * n_tok
+    log_none = float(np.sum(np.log1p(-n_tok / (n - np.arange(batch_size)))))
+    return n_ex * (1 - math.exp(log_none))
+
+
 def memmap_gather(sd: ShardDir, seconds: float, batch_size: int) -> float:
     """Rows/s of random fancy-index gathers from memmaps, the files evicted before every batch (so each is cold)."""
     rng = np.random.default_rng(1)
@@ -90,41 +117,96 @@ def memmap_gather(sd: ShardDir, seconds: float, batch_size: int) -> float:
     return n / spent
 
 
+def distinct_old_windows(loader: ShuffledLoader, window_blocks: int = 4) -> np.ndarray:
+    """Distinct examples per full batch under the old policy (rows permuted within windows of 4 permuted blocks)."""
+    rng = np.random.default_rng(0)
+    ex_starts = np.asarray(loader.view.sd.shard_starts)[[b.shard_idx for b in loader.block_list]]
+    ex_starts = ex_starts + np.array([b.ex_start for b in loader.block_list])
+    order = rng.permutation(len(loader.block_list))
+    examples = []
+    for i in range(0, order.size, window_blocks):
+        window = order[i : i + window_blocks]
+        ex = np.concatenate([np.arange(ex_starts[j], ex_starts[j] + loader.block_list[j].n_ex) for j in window])
+        examples.append(rng.permutation(np.repeat(ex, loader.view.n_tok)))
+    stream, bs = np.concatenate(examples), loader.batch_size
+    return np.array([np.unique(stream[i : i + bs]).size for i in range(0, stream.size - bs + 1, bs)])
+
+
+def mixing_table(loader: ShuffledLoader, big_gib: float, row_bytes: int) -> None:
+    """Median distinct examples per batch from the plan alone, for several buffer sizes, here and on a bigger set."""
+    bs, n_tok = loader.batch_size, loader.view.n_tok
+    ex_per_block = loader.block_list[0].n_ex
+    n_big = int(big_gib * (1 << 30) / ((n_tok + 1) * row_bytes))
+    big = [Block(0, s, min(ex_per_block, n_big - s)) for s in range(0, n_big, ex_per_block)]
+    sets = (
+        ("this directory", loader.block_list, loader.view.sd.shard_starts, loader.view.sd.metadata.n_ex),
+        (f"{big_gib:g} GiB (plan only)", big, [0], n_big),
+    )
+    print(f"\nmixing vs RAM (median distinct examples per batch of {bs}, ratio to uniform; plan only)")
+    sizes = [(f"{g:g} GiB", int(g * (1 << 30)) // row_bytes) for g in (0.25, 0.5, 1, 2, 4)]
+    sizes.append(("saev default (64 batches)", 64 * bs))
+    for name, blocks, starts, n_ex in sets:
+        uniform = uniform_distinct(n_ex, n_tok, bs)
+        cells = []
+        for label, n_pool in sizes:
+            plan = EpochPlan(blocks, starts, n_tok, n_pool, bs, seed=0, epoch=0)
+            med = float(np.median(distinct_planned(plan, n_tok)))
+            cells.append(f"{label}: {med:5.0f} ({med / uniform:.2f})")
+        print(f"  {name:22s} uniform {uniform:5.0f} | " + " | ".join(cells))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="size of the synthetic shard directory (1.0)")
+    parser.add_argument("--gib", type=float, default=2.0, help="size of the synthetic shard directory (2.0)")
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--batch-size", type=int, default=4096)
-    parser.add_argument("--gather-seconds", type=float, default=5.0, help="time spent on the memmap gather (5)")
+    parser.add_argument("--buffer-gib", type=float, default=1.0, help="the loader's shuffle pool (1.0, its default)")
+    parser.add_argument("--big-gib", type=float, default=20.0, help="size of the plan-only mixing case (20)")
+    parser.add_argument("--gather-seconds", type=float, default=3.0, help="time spent on the memmap gather (3)")
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write the shards (a temp dir)")
     args = parser.parse_args()
 
+    row_bytes = args.d_model * 4
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         sd = make_shards(pathlib.Path(tmp), args.gib, args.d_model)
-        row_bytes = args.d_model * 4
-        print(f"shards: {sd.dpath} ({sd.metadata.n_bytes / 1e9:.2f} GB, {len(sd.shard_sizes)} files, d={args.d_model})")
+        n_ex = sd.metadata.n_ex
+        print(f"shards: {sd.dpath} ({sd.metadata.n_bytes / 1e9:.2f} GB, {len(sd.shard_sizes)} files, {n_ex} examples")
+        print(f"        of CLS + {PATCHES} tokens, d={args.d_model}); batches of {args.batch_size} content vectors")
 
         evict(sd)
         t_seq_cold, n_bytes = seq_read(sd)
         t_seq_warm, _ = seq_read(sd)
-        loader = ShuffledLoader(sd, 0, batch_size=args.batch_size, seed=0)
-        loader_epoch(loader, 0)  # allocates the loader's buffers (as any training run's first window does)
+        buffer_bytes = int(args.buffer_gib * (1 << 30))
+        loader = ShuffledLoader(sd, 0, batch_size=args.batch_size, seed=0, buffer_bytes=buffer_bytes)
+        loader_epoch(loader, 0)  # allocates the loader's pool (as any training run's first batches do)
         t_warm, n_vec = loader_epoch(loader, 1)  # the files are in the page cache: they were just read
         evict(sd)
         t_cold, _ = loader_epoch(loader, 2)
+        read = distinct_read(loader, 3)
+        planned = distinct_planned(loader.plan(3), PATCHES)
+        old = distinct_old_windows(loader)
+        pool_gb = loader.plan(3).n_pool * row_bytes / 1e9
+        mixing_table(loader, args.big_gib, row_bytes)
         loader.close()
         gather_rows_s = memmap_gather(sd, args.gather_seconds, args.batch_size)
         os.system(f"chmod -R u+w {tmp}")
 
+    uniform = uniform_distinct(n_ex, PATCHES, args.batch_size)
     seq_cold, seq_warm = n_bytes / t_seq_cold / 1e9, n_bytes / t_seq_warm / 1e9
-    # The loader reads every example's content rows (CLS skipped): bytes it read per second.
+    # The loader reads every example's content rows (CLS skipped): bytes it delivered per second.
     gb = n_vec * row_bytes / 1e9
+    print(f"\nloader pool            {pool_gb:6.2f} GB (--buffer-gib {args.buffer_gib:g}; RAM beside 4 batch buffers)")
+    print(f"distinct ex / batch    read: median {np.median(read):.0f}, 10th pct {np.percentile(read, 10):.0f}, min")
+    print(f"                       {read.min()}; plan: median {np.median(planned):.0f}; uniform: {uniform:.0f};")
+    print(f"                       the old window loader's policy: median {np.median(old):.0f}")
     print(f"seq read cold          {seq_cold:6.2f} GB/s")
     print(f"seq read warm          {seq_warm:6.2f} GB/s")
     print(f"loader warm            {n_vec / t_warm / 1e6:6.2f} M vectors/s  {gb / t_warm:6.2f} GB/s")
     print(f"loader cold            {n_vec / t_cold / 1e6:6.2f} M vectors/s  {gb / t_cold:6.2f} GB/s")
     print(f"memmap gather cold     {gather_rows_s / 1e6:6.4f} M vectors/s")
+    print(f"ratio mixing: median distinct / uniform : {np.median(read) / uniform:.2f} (target >= 0.8)")
     print(f"ratio loader warm / 1M vectors/s target : {n_vec / t_warm / 1e6:.2f} (target >= 1)")
+    print(f"ratio loader warm / seq read warm       : {(gb / t_warm) / seq_warm:.2f} (the same machine's memory limit)")
     print(f"ratio loader cold / seq read cold       : {(gb / t_cold) / seq_cold:.2f} (target >= 0.85)")
     print(f"ratio loader cold / memmap gather cold  : {n_vec / t_cold / gather_rows_s:.1f}x")
 

@@ -1,14 +1,18 @@
 """Loaders: exactly-once coverage, determinism per seed, shard boundaries, token selection, damaged directories."""
 
 import os
+import pathlib
+import tempfile
 
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
 
 from builders import write_shards
 from saeflow.errors import SaeflowError, ShardDirError
-from saeflow.loaders import IndexedReader, OrderedLoader, ShuffledLoader
+from saeflow.loaders import TOKENS, Block, EpochPlan, IndexedReader, OrderedLoader, ShuffledLoader
 from saeflow.shards import ShardDir
 
 N_EX, L, T, D = 37, 2, 5, 8  # 3 shards of 12 examples + one of 1; CLS at token 0
@@ -38,10 +42,11 @@ def _sorted(rows: np.ndarray) -> np.ndarray:
 
 
 def _loader(sd, seed=0, **kw):
-    # Tiny blocks (3 examples) and windows of 2 blocks: many blocks, windows and shard boundaries.
+    # Tiny blocks (3 examples) and a pool of 24 rows: many blocks, refills and shard boundaries.
     return ShuffledLoader(
-        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4, window_blocks=2, **kw
-    )
+        sd, 7, batch_size=kw.pop("batch_size", 10), seed=seed, block_bytes=3 * 4 * D * 4,
+        buffer_bytes=kw.pop("buffer_bytes", 24 * D * 4), **kw,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens, sel", [("content", slice(1, T)), ("cls", slice(0, 1)), ("all", slice(0, T))])
@@ -83,6 +88,7 @@ def test_indexed_random_access(shard_dir, acts_nltd):
     got = reader.get(idx).numpy()
     np.testing.assert_array_equal(got, acts_nltd[:, 1].reshape(-1, D)[idx])
     assert torch.equal(reader[184], torch.from_numpy(acts_nltd[36, 1, 4]))
+    assert reader.view.coords(184) == (36, 4)
     with pytest.raises(SaeflowError, match="out of range"):
         reader.get([185])
 
@@ -142,3 +148,128 @@ def test_batches_larger_than_several_windows(shard_dir, acts_nltd):
     # Windows hold 24 rows here; a 100-row batch spans 5 of them while buffers are recycled underneath.
     rows = _rows(_loader(shard_dir, batch_size=100).iter_batches(0))
     np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))
+
+
+def test_uneven_blocks_regression(shards_root):
+    """Shards of 7 examples cut into blocks of 4 and 3: the old loader sized its buffers from neighbouring blocks
+    and crashed (IndexError) when a shuffled window combined two 4-example blocks."""
+    n, T3, D4 = 28, 3, 4
+    acts_nltd = np.arange(n * T3 * D4, dtype=np.float32).reshape(n, 1, T3, D4)
+    sd = write_shards(shards_root, acts_nltd, layers=(0,), cls_token=True, ex_per_shard=7)
+    expected = acts_nltd[:, 0, 1:].reshape(-1, D4)
+    for seed in range(5):
+        loader = ShuffledLoader(sd, 0, batch_size=5, seed=seed, block_bytes=4 * T3 * D4 * 4, buffer_bytes=16 * D4 * 4)
+        assert [b.n_ex for b in loader.block_list] == [4, 3] * 4
+        np.testing.assert_array_equal(_sorted(_rows(loader)), _sorted(expected))
+
+
+def test_newer_pass_stops_older(shard_dir, acts_nltd):
+    """Passes of one loader share its pool: a new pass stops the old one, which then says so. The caller keeps
+    its torch threads (the loader's threads set theirs to one)."""
+    n_threads = torch.get_num_threads()
+    loader = _loader(shard_dir)
+    old = loader.iter_batches(0)
+    next(old)
+    rows = _rows(loader.iter_batches(1))
+    np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))
+    with pytest.raises(SaeflowError, match="stopped by a newer pass"):
+        next(old)
+    assert torch.get_num_threads() == n_threads
+
+
+def _uniform_distinct(n_ex: int, n_tok: int, batch_size: int) -> float:
+    """Expected distinct examples in `batch_size` vectors drawn uniformly without replacement (hypergeometric)."""
+    n = n_ex * n_tok
+    log_none = sum(np.log1p(-n_tok / (n - i)) for i in range(batch_size))
+    return n_ex * (1 - np.exp(log_none))
+
+
+def test_mixing_close_to_uniform():
+    """The issue's geometry in index space: 3,600 examples x 196 tokens, ~27-example blocks, batches of 4096 and a
+    pool of 1 GiB of d=768 float32 rows: the median batch holds >= 0.8 of the examples uniform sampling would."""
+    n_ex, n_tok, bs = 3600, 196, 4096
+    blocks = [Block(0, s, min(27, n_ex - s)) for s in range(0, n_ex, 27)]
+    plan = EpochPlan(blocks, [0], n_tok, (1 << 30) // (768 * 4), bs, seed=0, epoch=0)
+    distinct = [np.unique(g // n_tok).size for g in plan.batches()][:-1]
+    assert np.median(distinct) >= 0.8 * _uniform_distinct(n_ex, n_tok, bs)  # 2,450
+    # the old loader's windows of 4 blocks: ~108 examples
+    assert min(distinct) > 4 * 27 * 4
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    n_tok=st.integers(1, 5),
+    ex_per_block=st.integers(1, 4),
+    batch_size=st.integers(1, 30),
+    n_pool=st.integers(1, 80),
+    seed=st.integers(0, 2**32),
+    data=st.data(),
+)
+def test_plan_exactly_once_deterministic_resumable(sizes, n_tok, ex_per_block, batch_size, n_pool, seed, data):
+    """Any shard and block sizes, pool and batch: each epoch is a permutation of all vectors, cut into full batches
+    (the last may be short), the same for the same seed, and batch b onwards is the same when started at b."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    blocks = [Block(i, s, min(ex_per_block, n - s)) for i, n in enumerate(sizes) for s in range(0, n, ex_per_block)]
+    plan = EpochPlan(blocks, starts, n_tok, n_pool, batch_size, seed, epoch=1)
+    batches = list(plan.batches())
+    n_vec = int(starts[-1]) * n_tok
+    assert [b.size for b in batches] == [batch_size] * (n_vec // batch_size) + [n_vec % batch_size] * bool(
+        n_vec % batch_size
+    )
+    assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(n_vec))
+    again = EpochPlan(blocks, starts, n_tok, n_pool, batch_size, seed, epoch=1)
+    start = data.draw(st.integers(0, len(batches)))
+    tail = list(again.batches(start))
+    assert len(tail) == len(batches) - start
+    assert all(np.array_equal(a, b) for a, b in zip(tail, batches[start:]))
+
+
+@hypothesis.settings(max_examples=20, deadline=None, suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(
+    n_ex=st.integers(1, 20),
+    ex_per_shard=st.integers(1, 8),
+    two_layers=st.booleans(),
+    tokens=st.sampled_from(TOKENS),
+    ex_per_block=st.integers(1, 5),
+    batch_size=st.integers(1, 25),
+    pool_rows=st.integers(1, 60),
+    start=st.integers(0, 5),
+    d=st.sampled_from([8, 256]),  # rows of 1 KiB use the pool's prebuilt row views
+)
+def test_loader_reads_what_the_plan_says(
+    n_ex, ex_per_shard, two_layers, tokens, ex_per_block, batch_size, pool_rows, start, d
+):
+    """On real directories of any shard/block sizes and layouts: every batch holds exactly the vectors its plan
+    names, from any start batch (scattered reads into the pool, CLS/other-layer gaps, shard boundaries)."""
+    Tx = 4
+    ex, layer, tok = np.meshgrid(np.arange(n_ex), np.arange(1 + two_layers), np.arange(Tx), indexing="ij")
+    acts_nltd = ((ex * 1000 + layer * 100 + tok)[..., None] + np.arange(d) / 1000).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        layers = (3, 7)[: 1 + two_layers]
+        sd = write_shards(pathlib.Path(tmp), acts_nltd, layers=layers, cls_token=True, ex_per_shard=ex_per_shard)
+        loader = ShuffledLoader(
+            sd, layers[-1], batch_size, seed=start, tokens=tokens,
+            block_bytes=ex_per_block * Tx * d * 4, buffer_bytes=pool_rows * d * 4,
+        )  # fmt: skip
+        vectors = acts_nltd[:, -1, {"content": slice(1, Tx), "cls": slice(0, 1), "all": slice(0, Tx)}[tokens]]
+        vectors = vectors.reshape(-1, d)
+        plan = loader.plan(2)
+        want = [vectors[g] for g in plan.batches(start)]
+        got = [b.clone().numpy() for b in loader.iter_batches(2, start)]
+        loader.close()
+    assert len(got) == max(0, len(loader) - start)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_shard_truncated_after_open(shard_dir):
+    """A shard cut short after the directory was validated: the shuffled loader's scattered reads name the file."""
+    loader = _loader(shard_dir, buffer_bytes=10_000 * D * 4)  # the pool holds everything: one load reads it all
+    victim = shard_dir.dpath / "acts000002.bin"
+    os.chmod(shard_dir.dpath, 0o755)
+    os.chmod(victim, 0o644)
+    with open(victim, "r+b") as fd:
+        fd.truncate(os.path.getsize(victim) - 100)
+    with pytest.raises(SaeflowError, match="acts000002.bin: ended early"):
+        _rows(loader)

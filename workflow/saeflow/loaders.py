@@ -1,13 +1,13 @@
 """Readers of one layer's vectors from a saev shard directory: shuffled (training), ordered (inference), indexed.
 
 A shard is (n, L, T, D), so one layer's tokens of one example are a contiguous (T, D) run and a block of examples
-is a strided read. We read blocks with `os.preadv` straight into reused buffers (one call per block when the
-layer's runs are contiguous, one per example otherwise) and shuffle in RAM; cold memmap row gathers are ~1000x
-slower (DESIGN.md). Vector numbering ("global index") is storage order: example-major, then selected token.
+is a strided read. We read with `os.preadv` straight into reused buffers (one call per block, or per example,
+when the layer's runs are contiguous, one per example otherwise); cold memmap row gathers are ~1000x slower
+(DESIGN.md). Vector numbering ("global index") is storage order: example-major, then selected token.
 
-Shuffled order is a pure function of (seed, epoch): the blocks of the epoch are permuted, grouped into windows of
-`window_blocks` blocks, and each window's rows are permuted in RAM. Batches are cut from that stream, so batch `b`
-of an epoch is known without reading batches `0..b-1` (training resumes exactly by starting there).
+Shuffled order is a pure function of (seed, epoch, sizes), computed in index space by `EpochPlan`: the epoch's
+blocks are permuted into a stream that refills a RAM pool (`buffer_bytes`, the RAM budget) from which every batch is
+drawn uniformly. Batch `b` of an epoch is known without reading batches `0..b-1` (training resumes exactly there).
 """
 
 import dataclasses
@@ -24,6 +24,8 @@ from saeflow.shards import ShardDir
 
 TOKENS = ("content", "cls", "all")
 DEFAULT_BLOCK_BYTES = 16 << 20
+DEFAULT_BUFFER_BYTES = 1 << 30  # the shuffled loader's pool (RAM budget)
+_FD_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +66,26 @@ class LayerView:
         return {**self.__dict__, "_fds": {}}
 
     def fd(self, shard_idx: int) -> int:
-        if shard_idx not in self._fds:
-            fpath = self.sd.shard_fpath(shard_idx)
-            try:
-                self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
-            except OSError as err:
-                raise SaeflowError(f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?") from None
-        return self._fds[shard_idx]
+        with _FD_LOCK:  # the shuffled loader's two threads read at once
+            if shard_idx not in self._fds:
+                fpath = self.sd.shard_fpath(shard_idx)
+                try:
+                    self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
+                except OSError as err:
+                    raise SaeflowError(
+                        f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?"
+                    ) from None
+            return self._fds[shard_idx]
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def coords(self, index: int) -> tuple[int, int]:
+        """Global vector index -> (example, token within T)."""
+        ex, tok = divmod(index, self.n_tok)
+        return ex, self.t_lo + tok
 
     def offset(self, shard_idx: int, ex_in_shard: int, token: int) -> int:
         """Byte offset (protocol 4.2) of token `token` (0..T-1) of an example at this layer."""
@@ -137,15 +147,28 @@ class LayerView:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """The unit read at once and shuffled in RAM: a few blocks."""
+    """The unit read at once by the ordered pipeline: one block."""
 
     blocks: tuple[Block, ...]  # read one after another
     n_rows: int  # selected rows in them (examples x selected tokens)
-    perm_seed: tuple[int, ...] | None  # seeds the permutation of the rows; None: keep storage order
 
 
 class _Stopped(Exception):
     """The consumer went away; pipeline threads unwind."""
+
+
+class _Stoppable:
+    """Pipeline threads wait on queues but give up when `stop` is set."""
+
+    stop: threading.Event
+
+    def _take(self, q: queue.Queue):
+        while not self.stop.is_set():
+            try:
+                return q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        raise _Stopped
 
 
 def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
@@ -160,22 +183,17 @@ def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
 def _select_rows(
     view: LayerView, selected: torch.Tensor, window: Window, raw_nd: np.ndarray, out_nd: torch.Tensor
 ) -> None:
-    """Copy the window's selected rows of `raw_nd` into `out_nd`, permuted when the window has a seed."""
+    """Copy the window's selected rows of `raw_nd` (CLS dropped) into `out_nd`."""
     src = torch.from_numpy(raw_nd[: window.n_rows // view.n_tok * view.span])
-    index = None if view.compact else selected[: window.n_rows]
-    if window.perm_seed is not None:
-        gen = torch.Generator().manual_seed(_seed_int(window.perm_seed))
-        perm = torch.randperm(window.n_rows, generator=gen)
-        index = perm if index is None else index[perm]
-    torch.index_select(src, 0, index, out=out_nd[: window.n_rows])
+    torch.index_select(src, 0, selected[: window.n_rows], out=out_nd[: window.n_rows])
 
 
-class _Pipeline:
-    """One pass over a list of windows, read and permuted ahead of the consumer by two background threads.
+class _Pipeline(_Stoppable):
+    """One ordered pass over a list of windows (blocks), read ahead of the consumer by two background threads.
 
     reader thread:   preads a window's blocks into a raw buffer (2 in rotation)
-    shuffler thread: permutes the raw rows into an output buffer (3 in rotation: the consumer may still hold
-                     batches of the previous window while the next one is being filled)
+    shuffler thread: copies the selected rows (CLS dropped) into an output buffer (3 in rotation: the consumer may
+                     still hold batches of the previous window while the next one is being filled)
     Ordered windows whose rows read are exactly the rows selected skip the copy: they go straight to an output buffer.
     Buffers travel along queues, so each is owned by one stage at a time.
     """
@@ -199,21 +217,13 @@ class _Pipeline:
         self.out_q: queue.Queue = queue.Queue()  # (output buffer, rows), then None or the error that ended the pass
         self.stop = threading.Event()
 
-    def _take(self, q: queue.Queue):
-        while not self.stop.is_set():
-            try:
-                return q.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        raise _Stopped
-
     def _reader(self) -> None:
         windows = self.windows
         try:
             for i, window in enumerate(windows):
                 for block in windows[i + 1].blocks if i + 1 < len(windows) else ():
                     self.view.prefetch(block)
-                if window.perm_seed is None and self.view.compact:
+                if self.view.compact:
                     out = self._take(self.out_free)
                     _read_window(self.view, window, out.numpy())
                     self.read_q.put((window, None, out))
@@ -297,17 +307,16 @@ def _cut_batches(
 
 
 class _StreamLoader:
-    """Batches cut from windows of blocks (the subclass orders them), read by a `_Pipeline` into reused buffers."""
+    """Batches cut from windows of blocks (the subclass lists them), read by a `_Pipeline` into reused buffers."""
 
     N_RAW, N_OUT = 2, 3  # raw and output buffers in rotation (see `_Pipeline`)
 
-    def __init__(self, view: LayerView, batch_size: int, block_bytes: int, window_blocks: int):
+    def __init__(self, view: LayerView, batch_size: int, block_bytes: int):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
         self.view, self.batch_size = view, batch_size
         self.block_list = view.blocks(block_bytes)
-        self.window_blocks = window_blocks
-        max_ex = max(sum(b.n_ex for b in self.block_list[i : i + window_blocks]) for i in range(len(self.block_list)))
+        max_ex = max(b.n_ex for b in self.block_list)  # a window is one block
         self.max_window_ex = max_ex
         self._selected = view.selected_rows(max_ex)  # a prefix serves any smaller window
         self._raw: list[np.ndarray] = []
@@ -334,7 +343,7 @@ class _StreamLoader:
     def iter_windows(self, windows: list[Window]) -> typing.Iterator[torch.Tensor]:
         """Each window's rows (n_rows, D), read and permuted ahead of the consumer by background threads."""
         direct = self.view.compact  # ordered windows go straight into an output buffer
-        self._allocate(not direct or any(w.perm_seed is not None for w in windows))
+        self._allocate(not direct)
         yield from _Pipeline(self.view, windows, self._raw, self._out, self._selected)
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
@@ -355,12 +364,321 @@ class _StreamLoader:
         self.view.close()
 
 
-def _seed_int(parts: tuple[int, ...]) -> int:
-    return int(np.random.SeedSequence(list(parts)).generate_state(1, dtype=np.uint64)[0] >> 1)
+# ---------------------------------------------------------------------------------------------------------------
+# Shuffled loader: a pool of rows refilled from a permuted stream of blocks
+# ---------------------------------------------------------------------------------------------------------------
+
+MAX_IOV = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers per preadv call (Linux: 1024)
+PREFETCH_BLOCKS = 4  # blocks advised (posix_fadvise WILLNEED) ahead of the one being read
 
 
-class ShuffledLoader(_StreamLoader):
-    """Every vector of one layer exactly once per epoch, in a random order fixed by (seed, epoch)."""
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One batch of a shuffled epoch: the pool slots gathered, and the stream rows read into slots after it."""
+
+    slots: np.ndarray  # (n,) pool slots gathered into the batch, in batch order
+    rows: np.ndarray  # (n,) the stream rows those slots hold
+    refill_slots: np.ndarray  # (k,) slots refilled after the gather (k = 0 in the final drain)
+    refill_row: int  # the first of the k consecutive stream rows read into `refill_slots`
+
+
+class EpochPlan:
+    """Which vectors each batch of one shuffled epoch holds, in index space: nothing is read to compute it.
+
+    The epoch's blocks are permuted into a stream (rows of a block in storage order). The first `n_pool` stream rows
+    fill a pool; each batch then draws `batch_size` slots uniformly from the pool (except the slots refilled after
+    the previous batch, whose reads may still be in flight) and those slots are refilled with the next stream rows.
+    When the stream ends, the rest of the pool comes out in a uniform random order. Every row enters the pool once
+    and leaves it once, so each vector appears exactly once per epoch; the plan is a pure function of
+    (seed, epoch, sizes), so batch b is known without reading batches 0..b-1.
+    """
+
+    def __init__(
+        self,
+        block_list: list[Block],
+        shard_starts: typing.Sequence[int],
+        n_tok: int,
+        n_pool: int,
+        batch_size: int,
+        seed: int,
+        epoch: int,
+    ):
+        """`shard_starts`: each shard's first example; `n_tok`: vectors per example; `n_pool`: pool rows."""
+        rng = np.random.default_rng([seed, epoch])
+        self.blocks = [block_list[i] for i in rng.permutation(len(block_list))]
+        rows_b = np.array([b.n_ex * n_tok for b in self.blocks], dtype=np.int64)
+        self.row_starts_b = np.concatenate([[0], np.cumsum(rows_b)])  # stream row where each block starts
+        self.global_starts_b = np.array(
+            [(int(shard_starts[b.shard_idx]) + b.ex_start) * n_tok for b in self.blocks], dtype=np.int64
+        )
+        self.n_rows = int(self.row_starts_b[-1])
+        self.batch_size = batch_size
+        self.n_pool = min(self.n_rows, max(n_pool, 2 * batch_size))
+        self.n_batches = -(-self.n_rows // batch_size)
+        self._seed = [seed, epoch, 1]
+
+    def global_index(self, rows: np.ndarray) -> np.ndarray:
+        """Global vector indices (storage order) of stream rows."""
+        block_idx = np.searchsorted(self.row_starts_b, rows, side="right") - 1
+        return self.global_starts_b[block_idx] + rows - self.row_starts_b[block_idx]
+
+    def _load(self, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots = np.flatnonzero(pool >= 0)
+        order = np.argsort(pool[slots], kind="stable")
+        return slots[order], pool[slots[order]]
+
+    def steps(self, start_batch: int = 0) -> typing.Iterator[tuple[np.ndarray, np.ndarray] | Step]:
+        """First the pool's contents before batch `start_batch` (slots, stream rows ascending), then its Steps."""
+        P, bs, N = self.n_pool, self.batch_size, self.n_rows
+        rng = np.random.default_rng(self._seed)
+        pool = np.arange(P, dtype=np.int64)  # the stream row each slot holds; -1: empty
+        slots_p = np.arange(P, dtype=np.int64)  # all slots; the last bs were refilled after the previous batch
+        t, pos = 0, P
+        while pos < N:
+            if t == start_batch:
+                yield self._load(pool)
+            drawn = rng.choice(P - bs, size=bs, replace=False)
+            slots = slots_p[drawn]
+            slots_p[drawn] = slots_p[P - bs :]
+            slots_p[P - bs :] = slots
+            k = min(bs, N - pos)
+            rows = pool[slots]
+            pool[slots[:k]] = np.arange(pos, pos + k)
+            pool[slots[k:]] = -1
+            if t >= start_batch:
+                yield Step(slots, rows, slots[:k], pos)
+            t, pos = t + 1, pos + k
+        rest = rng.permutation(np.flatnonzero(pool >= 0))
+        for i in range(0, rest.size, bs):
+            if t == start_batch:
+                yield self._load(pool)
+            slots = rest[i : i + bs]
+            if t >= start_batch:
+                yield Step(slots, pool[slots], slots[:0], N)
+            pool[slots] = -1
+            t += 1
+
+    def batches(self, start_batch: int = 0) -> typing.Iterator[np.ndarray]:
+        """Global vector indices of each batch from `start_batch` (for tests and mixing measurements)."""
+        steps = self.steps(start_batch)
+        next(steps, None)
+        for step in steps:
+            yield self.global_index(step.rows)
+
+
+def _preadv_all(fd: int, iov: list, want: int, offset: int, fpath) -> None:
+    """preadv until the `want` bytes of buffers `iov` are full (a regular file returns less only at its end)."""
+    while (n := os.preadv(fd, iov, offset)) < want:
+        if n == 0:
+            raise SaeflowError(f"{fpath}: ended early at byte {offset} (truncated after validation?)")
+        offset, want, i = offset + n, want - n, 0
+        while n >= len(iov[i]):  # drop the buffers filled, then the filled part of the next
+            n, i = n - len(iov[i]), i + 1
+        iov = [iov[i][n:], *iov[i + 1 :]]
+
+
+def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.ndarray, pool: "_Pool") -> None:
+    """Read the rows at file `offsets` (ascending, one shard) into pool `slots`: few preadv calls, many buffers.
+
+    Consecutive slots of consecutive rows share a buffer; a small gap in the file (a CLS row between examples) is
+    read into `scratch_mv` rather than starting a new call.
+    """
+    rb = view.row_bytes
+    gap = np.diff(offsets) - rb  # bytes skipped between consecutive rows
+    new_call = np.concatenate([[True], (gap < 0) | (gap > len(pool.scratch_mv))])
+    new_buf = new_call | np.concatenate([[True], (gap != 0) | (np.diff(slots) != 1)])
+    seg = np.flatnonzero(new_buf)
+    seg_end = np.append(seg[1:], offsets.size)
+    if seg.size == slots.size and pool.row_views is not None:  # no two consecutive (steady state): prebuilt views
+        bufs = [pool.row_views[s] for s in slots.tolist()]
+    else:
+        bufs = [pool.mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
+    seg_gap = np.concatenate([[0], gap])[seg]
+    seg_bytes = (seg_end - seg) * rb
+    calls = np.flatnonzero(new_call[seg])
+    fpath = view.sd.shard_fpath(block.shard_idx)
+    fd = view.fd(block.shard_idx)
+    per_call = MAX_IOV // 2  # a scratch buffer may precede each
+    for c0, c1 in zip(calls.tolist(), np.append(calls[1:], seg.size).tolist()):
+        for p0 in range(c0, c1, per_call):
+            p1 = min(c1, p0 + per_call)
+            iov = bufs[p0:p1]
+            for i in reversed(np.flatnonzero(seg_gap[p0 + 1 : p1]).tolist()):
+                iov.insert(i + 1, pool.scratch_mv[: seg_gap[p0 + 1 + i]])
+            want = int(seg_bytes[p0:p1].sum() + seg_gap[p0 + 1 : p1].sum())
+            _preadv_all(fd, iov, want, int(offsets[seg[p0]]), fpath)
+
+
+class _Pool:
+    """The shuffled loader's rows in RAM, with a memoryview per row (scattered reads name rows by the thousand)."""
+
+    def __init__(self, n_rows: int, view: LayerView):
+        self.rows = torch.from_numpy(np.empty((n_rows, view.d_model), dtype=view.dtype))
+        self.mv = memoryview(self.rows.numpy().reshape(-1).view(np.uint8))
+        rb = view.row_bytes
+        # ~190 bytes each: worth it for rows of 1 KiB and more (d >= 256 float32), sliced on demand below that
+        self.row_views = [self.mv[i * rb : (i + 1) * rb] for i in range(n_rows)] if rb >= 1024 else None
+        self.scratch_mv = memoryview(bytearray(max(1, view.n_tok) * rb))  # gaps read through (CLS rows)
+
+
+def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray, rows: np.ndarray, advised: int) -> int:
+    """Read stream `rows` (ascending within a block) into pool `slots`, advising the kernel of the blocks ahead.
+
+    Returns the last stream block advised (pass it back in: each block is advised once).
+    """
+    if not rows.size:
+        return advised
+    block_idx = np.searchsorted(plan.row_starts_b, rows, side="right") - 1
+    cuts = (np.flatnonzero(np.diff(block_idx)) + 1).tolist()
+    for lo, hi in zip([0, *cuts], [*cuts, rows.size]):
+        b = int(block_idx[lo])
+        for ahead in range(max(advised + 1, b), min(b + PREFETCH_BLOCKS + 1, len(plan.blocks))):
+            view.prefetch(plan.blocks[ahead])
+            advised = ahead
+        block = plan.blocks[b]
+        ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
+        offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
+        _scatter_read(view, block, offsets, slots[lo:hi], pool)
+    return advised
+
+
+def _one_torch_thread(target: typing.Callable[[], None]) -> None:
+    """Run `target` with torch's intra-op parallelism off in this thread: the two pipeline threads already use both
+    cores of a small machine, and a parallel `index_select` on a busy one ran 4x slower than a serial one. With the
+    OpenMP backend the setting is per thread (the caller's training keeps its threads); with others it is global,
+    so it is left alone there."""
+    if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        torch.set_num_threads(1)
+    target()
+
+
+class _ReservoirPipeline(_Stoppable):
+    """One pass of an EpochPlan: a reader thread preads stream rows into pool slots while a gather thread copies
+    each batch's slots out (`torch.index_select`) into one of `N_OUT` reused batch buffers.
+
+    The plan never draws the slots refilled after the previous batch, so the refill of batch t and the gather of
+    batch t+1 run at the same time; the gather of t+2 waits for the refill of t.
+    """
+
+    N_OUT = 4
+
+    def __init__(self, loader: "ShuffledLoader", plan: EpochPlan, start_batch: int):
+        self.loader, self.plan, self.start_batch = loader, plan, start_batch
+        self.view = loader.view
+        self.pool = loader._pool_for(plan.n_pool)
+        self.out_free: queue.Queue = queue.Queue()
+        for buf in loader._batch_bufs(self.N_OUT):
+            self.out_free.put(buf)
+        self.jobs: queue.Queue = queue.Queue()  # (slots, stream rows) in order; None ends
+        self.out_q: queue.Queue = queue.Queue()  # (buffer, rows), then None or the error that ended the pass
+        self.cond = threading.Condition()
+        self.n_done = 0  # jobs read
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.advised = self.own_advised = -1  # stream blocks advised up to this one (reader, gather thread)
+        self.threads: list[threading.Thread] = []
+
+    def _wait_done(self, n_jobs: int) -> None:
+        with self.cond:
+            while self.n_done < n_jobs:
+                if self.stop.is_set():
+                    raise _Stopped
+                if self.error is not None:
+                    raise self.error
+                self.cond.wait(0.05)
+
+    def _reader(self) -> None:
+        try:
+            while (job := self._take(self.jobs)) is not None:
+                kind, slots, where = job
+                if kind == "read":
+                    self.advised = _read_rows(self.view, self.plan, self.pool, slots, where, self.advised)
+                else:  # "gather": half a batch of the drain
+                    torch.index_select(self.pool.rows, 0, slots, out=where)
+                with self.cond:
+                    self.n_done += 1
+                    self.cond.notify_all()
+        except _Stopped:
+            pass
+        except BaseException as err:  # surfaced by the gather thread
+            with self.cond:
+                self.error = err
+                self.cond.notify_all()
+
+    def _share_read(self, slots: np.ndarray, rows: np.ndarray, n_own: int) -> None:
+        """Queue a read job for the reader but read its first `n_own` rows here, at the same time (in steady state
+        the scattered reads cost 2-4x the gather, so this thread takes a third of them)."""
+        self.jobs.put(("read", slots[n_own:], rows[n_own:]))
+        self.own_advised = _read_rows(self.view, self.plan, self.pool, slots[:n_own], rows[:n_own], self.own_advised)
+
+    def _gather(self) -> None:
+        try:
+            steps = self.plan.steps(self.start_batch)
+            load = next(steps, None)
+            if load is not None:  # half each
+                self._share_read(*load, load[0].size // 2)
+            n_jobs = 1
+            for step in steps:
+                # the load, and every refill but the previous batch's (in the drain: every refill)
+                self._wait_done(max(1, n_jobs - 1) if step.refill_slots.size else n_jobs)
+                buf = self._take(self.out_free)
+                n = step.slots.size
+                slots = torch.from_numpy(step.slots)
+                if step.refill_slots.size:
+                    torch.index_select(self.pool.rows, 0, slots, out=buf[:n])
+                    k = step.refill_slots.size
+                    self._share_read(step.refill_slots, np.arange(step.refill_row, step.refill_row + k), k // 3)
+                else:  # the drain reads nothing: the reader gathers half of each batch
+                    self.jobs.put(("gather", slots[n // 2 :], buf[n // 2 : n]))
+                    torch.index_select(self.pool.rows, 0, slots[: n // 2], out=buf[: n // 2])
+                    self._wait_done(n_jobs + 1)
+                n_jobs += 1
+                self.out_q.put((buf, n))
+            self.out_q.put(None)
+        except _Stopped:
+            pass
+        except BaseException as err:
+            self.out_q.put(err)
+        finally:
+            self.jobs.put(None)
+
+    def __iter__(self) -> typing.Iterator[torch.Tensor]:
+        self.threads = [
+            threading.Thread(target=_one_torch_thread, args=(target,), name=f"saeflow-{name}", daemon=True)
+            for name, target in (("reader", self._reader), ("gather", self._gather))
+        ]
+        for thread in self.threads:
+            thread.start()
+        in_use: list[torch.Tensor] = []
+        try:
+            while (item := self._take(self.out_q)) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                buf, n = item
+                in_use.append(buf)
+                if len(in_use) > 2:  # the consumer no longer holds the batch before the last
+                    self.out_free.put(in_use.pop(0))
+                yield buf[:n]
+        except _Stopped:
+            raise SaeflowError("this pass of the shuffled loader was stopped by a newer pass of it") from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and join the threads (they touch the loader's shared pool)."""
+        self.stop.set()
+        for thread in self.threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+class ShuffledLoader:
+    """Every vector of one layer exactly once per epoch, in a random order fixed by (seed, epoch).
+
+    Batches are drawn uniformly from a pool of `buffer_bytes` of rows (the RAM budget; see EpochPlan), refilled from
+    ~`block_bytes` blocks of consecutive examples read in a random order. A pool that holds the whole layer gives
+    uniform shuffling; a smaller one mixes less (docs/training.md has the figures).
+    """
 
     def __init__(
         self,
@@ -370,20 +688,60 @@ class ShuffledLoader(_StreamLoader):
         seed: int,
         tokens: str = "content",
         block_bytes: int = DEFAULT_BLOCK_BYTES,
-        window_blocks: int = 4,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ):
-        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, window_blocks)
-        self.seed = seed
+        if batch_size < 1:
+            raise SaeflowError(f"batch_size must be positive, got {batch_size}")
+        self.view = LayerView(shard_dir, layer, tokens)
+        self.batch_size, self.seed = batch_size, seed
+        self.block_list = self.view.blocks(block_bytes)
+        self.n_pool = max(1, buffer_bytes // self.view.row_bytes)  # rows (EpochPlan keeps >= 2 batches)
+        self._pool: _Pool | None = None
+        self._bufs: list[torch.Tensor] = []
+        self._current: _ReservoirPipeline | None = None
 
-    def _windows(self, epoch: int) -> list[Window]:
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.block_list))
-        windows = []
-        for w, i in enumerate(range(0, len(order), self.window_blocks)):
-            blocks = tuple(self.block_list[j] for j in order[i : i + self.window_blocks])
-            n_rows = sum(b.n_ex for b in blocks) * self.view.n_tok
-            windows.append(Window(blocks, n_rows, (self.seed, epoch, w)))
-        return windows
+    @property
+    def n_vectors(self) -> int:
+        return self.view.n_vectors
+
+    def __len__(self) -> int:
+        return -(-self.n_vectors // self.batch_size)
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """The index-space schedule of `epoch` (EpochPlan.batches gives each batch's global vector indices)."""
+        view = self.view
+        return EpochPlan(
+            self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed, epoch
+        )
+
+    def _pool_for(self, n_rows: int) -> "_Pool":
+        if self._pool is None or self._pool.rows.shape[0] != n_rows:
+            self._pool = _Pool(n_rows, self.view)
+        return self._pool
+
+    def _batch_bufs(self, n: int) -> list[torch.Tensor]:
+        if not self._bufs:
+            shape = (self.batch_size, self.view.d_model)
+            self._bufs = [torch.from_numpy(np.empty(shape, dtype=self.view.dtype)) for _ in range(n)]
+        return self._bufs
+
+    def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
+        """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
+
+        A batch is a view into a reused buffer: it stays valid until the second next batch is requested. Reading
+        runs ahead in background threads; starting a new pass stops an unfinished earlier one of this loader.
+        """
+        if self._current is not None:
+            self._current.close()
+        self._current = _ReservoirPipeline(self, self.plan(epoch), start_batch)
+        return iter(self._current)
+
+    __iter__ = iter_batches
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+        self.view.close()
 
 
 class OrderedLoader(_StreamLoader):
@@ -397,10 +755,10 @@ class OrderedLoader(_StreamLoader):
         tokens: str = "content",
         block_bytes: int = DEFAULT_BLOCK_BYTES,
     ):
-        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, window_blocks=1)
+        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes)
 
     def _windows(self, epoch: int) -> list[Window]:
-        return [Window((b,), b.n_ex * self.view.n_tok, None) for b in self.block_list]
+        return [Window((b,), b.n_ex * self.view.n_tok) for b in self.block_list]
 
 
 class IndexedReader:
