@@ -5,7 +5,7 @@ from snakemake.utils import min_version, validate
 min_version("9.0")
 
 
-configfile: "config/config.yaml"
+include: "workflow/rules/config.smk"
 
 
 report: "workflow/report/workflow.rst"

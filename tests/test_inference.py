@@ -101,6 +101,27 @@ def test_existing_dump_is_reused_not_rewritten(dumped, capsys):
     assert "different top_k" in capsys.readouterr().err
 
 
+def test_replace_stale_swaps_in_a_dump_of_the_new_checkpoint(dumped, monkeypatch):
+    _, sd, run, out = dumped
+    run.sae_fpath.chmod(0o644)
+    run.sae_fpath.write_bytes(run.sae_fpath.read_bytes())  # same bytes: the dump is not stale, nothing is redone
+    argv = ["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--replace-stale"]
+    before = DumpLayout(out).acts_fpath.stat().st_mtime_ns
+    assert cli.main(argv) == 0 and DumpLayout(out).acts_fpath.stat().st_mtime_ns == before
+    recorded = json.loads(DumpLayout(out).config_fpath.read_text())["sae_sha256"]
+    # A failed rebuild puts the old dump back; a successful one records the new checkpoint's sha256.
+    monkeypatch.setattr(inference, "file_sha256", lambda fpath: "0" * 64)
+    monkeypatch.setattr(inference, "_dump", lambda *a: (_ for _ in ()).throw(RuntimeError("killed")))
+    with pytest.raises(RuntimeError):
+        inference.run_inference(inference.Config(run.root, sd.dpath, top_k=4, replace_stale=True))
+    assert json.loads(DumpLayout(out).config_fpath.read_text())["sae_sha256"] == recorded
+    monkeypatch.undo()
+    monkeypatch.setattr(inference, "file_sha256", lambda fpath: "0" * 64)
+    assert cli.main(argv) == 0
+    assert json.loads(DumpLayout(out).config_fpath.read_text())["sae_sha256"] == "0" * 64
+    assert sorted(p.name for p in out.parent.iterdir() if not p.name.endswith(".lock")) == [out.name]
+
+
 def test_clear_errors(tmp_path, capsys):
     acts = np.ones((2, 1, 3, 4), np.float32)
     sd = write_shards(tmp_path / "shards", acts, layers=(2,), ex_per_shard=3)

@@ -63,10 +63,12 @@ def test_each_job_config_holds_only_what_that_job_reads_and_is_rewritten_only_on
     assert written["activations"]["text"] == smallest_config()["activations"]["text"]
 
 
-def test_targets_are_every_dumps_visuals_and_the_summary():
+def test_targets_are_every_runs_checkpoint_every_dumps_visuals_and_the_summary():
     plan = WorkflowPlan.from_config(smallest_config())
     targets = plan.targets()
-    assert len(targets) == len(plan.runs) + 2
+    assert len(targets) == 3 * len(plan.runs) + 2
+    for run_id in plan.runs:
+        assert {plan.run(run_id).config_fpath, plan.run(run_id).sae_fpath} <= set(targets)
     for run_id, shard_hash in plan.dumps():
         assert plan.run(run_id).dump(shard_hash).index_fpath in targets
 
@@ -108,3 +110,27 @@ def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(sect
     parser = argparse.ArgumentParser()
     config.add_section_options(parser, section)
     assert vars(parser.parse_args(flags)) == values
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["saes"]["text-topk"].update(layer=0), r"saes\.text-topk\[0\]\.layer: layer 0 is not extracted "
+                                                           r"by the train activation 'text'"),
+        (lambda c: c["saes"]["text-topk"].update(k=[4, 65]), r"saes\.text-topk\[1\]\.k: k=65 is more than the SAE's "
+                                                             r"64 latents \(expansion 2 x d_model 32\)"),
+        (lambda c: c["saes"]["text-topk"].update(tokens="cls"), r"saes\.text-topk\[0\]\.tokens: 'cls' asked for, but "
+                                                                r"the train activation 'text' has no CLS token"),
+        (lambda c: (c["saes"]["text-topk"].update(val="images"), c["activations"]["images"].update(layers=[0])),
+         r"saes\.text-topk\[0\]\.layer: layer 1 is not extracted by the val activation 'images'"),
+        (lambda c: (c["saes"]["text-topk"].update(val="images"),
+                    c["activations"]["images"]["model"]["random"]["config"].update(hidden_size=48)),
+         r"saes\.text-topk\[0\]\.val: activation 'images' has d_model 48, but the train activation 'text' has 32"),
+    ],
+    ids=["layer", "k", "tokens", "val-layer", "d_model"],
+)  # fmt: skip
+def test_what_training_would_refuse_is_refused_at_plan_time_naming_the_key(edit, message):
+    cfg = smallest_config()
+    edit(cfg)
+    with pytest.raises(SaeflowError, match=message):
+        WorkflowPlan.from_config(config.validate(cfg))

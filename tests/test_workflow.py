@@ -132,8 +132,8 @@ def test_identical_activation_specs_share_one_shard_dir(prepared, tmp_path):
     proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
     counts = job_counts(proc.stdout)
     assert counts["extract"] == 1, proc.stdout
-    # Run ids name shard hashes, not roots: only the new `copy` run trains, the two prepared runs are reused.
-    assert counts["train"] == 1 and counts["create_run"] == 3, proc.stdout
+    # Run ids name shard hashes, not roots: only the new `copy` run is made; the two complete runs are not touched.
+    assert counts["train"] == 1 and counts["create_run"] == 1, proc.stdout
 
 
 def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
@@ -230,15 +230,13 @@ def test_default_and_example_configs_validate():
 
 
 def test_moving_the_shards_root_reextracts_and_retrains_nothing(prepared, tmp_path):
-    """A new shards_root (e.g. a new scratch) gets the same hash-named directory; runs keep their ids and
-    checkpoints and only have their links repointed. Runs last: it repoints the prepared runs' links."""
+    """A new shards_root (e.g. a new scratch): complete runs need no shard bytes, so nothing is extracted there
+    and no run is touched (issue 12); a new run would extract its shard directory under the same hash name."""
     workdir = prepared["workdir"]
     runs = {r: RunLayout.at(workdir / "runs", r) for r in prepared["run_ids"]}
-    sae_mtimes = {r: run.sae_fpath.stat().st_mtime for r, run in runs.items()}
+    before = tree_state(workdir / "runs")
     new_root = tmp_path / "new-scratch"
-    snakemake(workdir, prepared["config"], "--config", f"shards_root={new_root}")
-    assert shards.validate(new_root / prepared["hash"]).ok
-    for run_id, mtime in sae_mtimes.items():
-        run = runs[run_id]
-        assert run.sae_fpath.stat().st_mtime == mtime, "a run was retrained"
-        assert run.link(run.TRAIN_SHARDS).resolve() == (new_root / prepared["hash"]).resolve()
+    proc = snakemake(workdir, prepared["config"], "--config", f"shards_root={new_root}")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    assert not (new_root / prepared["hash"]).exists()
+    assert tree_state(workdir / "runs") == before and all(run.sae_fpath.exists() for run in runs.values())

@@ -6,9 +6,10 @@ would be asked of Slurm (account, partition, GPUs, time, memory) and that the wo
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
+
+import yaml
 
 from saeflow import cli
 from saeflow.commands.workflow import install_profile
@@ -91,7 +92,10 @@ def test_literal_profile_osc_works_after_install(tmp_path):
     assert "/fs/ess/PAS4321/alice/saev/runs/" in proc.stdout
 
 
-def test_no_default_profile_is_shipped():
-    """profiles/default/ would be picked up automatically and override --profile keys."""
-    assert not (REPO_ROOT / "profiles" / "default").exists()
-    assert pathlib.Path(REPO_ROOT / "profiles" / "osc" / "config.yaml").is_file()
+def test_the_default_profile_overrides_no_key_of_the_osc_profile():
+    """profiles/default/ (the workflow's rerun triggers, docs/workflow.md) is applied after --profile osc, so it
+    must hold no key the cluster profile sets."""
+    default = yaml.safe_load((REPO_ROOT / "profiles" / "default" / "config.yaml").read_text())
+    osc = yaml.safe_load((REPO_ROOT / "profiles" / "osc" / "config.yaml").read_text())
+    assert default == {"rerun-triggers": ["mtime"]}
+    assert not set(default) & set(osc)

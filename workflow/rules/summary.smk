@@ -1,11 +1,14 @@
 # Summary: every run's inference and splice-evaluation metrics and hyper-parameters in one CSV, and the L0 vs
-# normalized-MSE (and splice score) Pareto plot across the sweep. Cheap, so it follows every metrics file (no ancient()).
+# normalized-MSE (and splice score) Pareto plot across the sweep. Cheap, so it follows every metrics file (no ancient())
+# and .snakemake/saeflow/stages/summary.json, the runs and names it shows (rewritten only when they change:
+# removing, reordering or renaming).
 
 
 rule summary:
     input:
-        get_dump_metrics(),
-        get_evaluations(),
+        metrics=get_dump_metrics(),
+        evaluations=get_evaluations(),
+        runs=get_cli_config("stages", "summary"),
     output:
         csv=report(
             PLAN.summary_fpaths()[0],

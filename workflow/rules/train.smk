@@ -1,17 +1,17 @@
 # Training: each planned run gets its run directory (create-run: the hashed training config and links to its shard
 # directories), then its trained SAE (train). Run ids hash the training config and the shard hashes. Paths:
 # saeflow.layout.RunLayout.
-# Shards come in through ancient() and training depends on the run's own config.json, so a shard directory
-# purged from scratch does not retrain a finished run, and an extraction rerun for a new run leaves it alone.
+# A job asks for its shard directories (ancient) only while its own output is missing (get_shards_if_missing), so a
+# shard directory purged from scratch, or a moved shards_root, is extracted again only for a job that must read
+# its bytes; complete runs are never touched. Training depends on the run's own config.json (ancient).
 
 
 rule create_run:
     input:
-        train_shards=lambda wc: ancient(
-            get_activation_shards_json(PLAN.runs[wc.run_id].train_activation)
-        ),
-        val_shards=lambda wc: ancient(
-            get_activation_shards_json(PLAN.runs[wc.run_id].val_activation)
+        lambda wc: get_shards_if_missing(
+            PLAN.run(wc.run_id).config_fpath,
+            PLAN.runs[wc.run_id].train_activation,
+            PLAN.runs[wc.run_id].val_activation,
         ),
     output:
         RUNS.config_fpath,
@@ -23,13 +23,11 @@ rule create_run:
         SAEFLOW_ENV
     params:
         config=lambda wc: get_cli_config("runs", wc.run_id),
-        sae=lambda wc: PLAN.runs[wc.run_id].sae_name,
-        index=lambda wc: PLAN.runs[wc.run_id].index,
         shards_root=PLAN.cfg.shards_root,
         runs_root=PLAN.cfg.runs_root,
     shell:
         """
-        created=$(saeflow create-run {params.config:q} --sae {params.sae:q} --index {params.index} --shards-root {params.shards_root:q} --runs-root {params.runs_root:q} 2>{log:q})
+        created=$(saeflow create-run {params.config:q} --run-id {wildcards.run_id} --shards-root {params.shards_root:q} --runs-root {params.runs_root:q} 2>{log:q})
         if [ "$(basename "$created")" != {wildcards.run_id} ]; then
             echo "saeflow create-run made '$created'; the workflow planned {wildcards.run_id}" >>{log:q}
             exit 1
@@ -39,7 +37,12 @@ rule create_run:
 
 rule train:
     input:
-        ancient(RUNS.config_fpath),
+        config=ancient(RUNS.config_fpath),
+        shards=lambda wc: get_shards_if_missing(
+            PLAN.run(wc.run_id).sae_fpath,
+            PLAN.runs[wc.run_id].train_activation,
+            PLAN.runs[wc.run_id].val_activation,
+        ),
     output:
         RUNS.sae_fpath,
     log:

@@ -93,8 +93,9 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
 
 
-def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
-    """Read a YAML/JSON config file, apply top-level overrides, validate and fill defaults."""
+def read_yaml(fpath: str | pathlib.Path) -> dict:
+    """A YAML/JSON config file as a mapping, read strictly: a repeated key, a syntax error or a non-mapping is a
+    SaeflowError naming the file (and the line), on one line."""
     fpath = pathlib.Path(fpath)
     try:
         config = yaml.load(fpath.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (safe subclass)
@@ -108,6 +109,12 @@ def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
         raise SaeflowError(f"config file {fpath}: not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(config, dict):
         raise SaeflowError(f"config file {fpath} must hold a mapping, got {type(config).__name__}")
+    return config
+
+
+def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
+    """Read a YAML/JSON config file (`read_yaml`), apply top-level overrides, validate and fill defaults."""
+    config = read_yaml(fpath)
     config.update(overrides or {})
     try:
         return validate(config)

@@ -51,6 +51,7 @@ class Config:
     batch_size: int = DEFAULTS["batch_size"]
     dense_freq: float = DEFAULTS["dense_freq"]  # a latent firing on more than this fraction of rows is dense
     device: str = DEFAULTS["device"]  # "auto": cuda when visible; does not change the result beyond float rounding
+    replace_stale: bool = False  # replace a dump of another sae.pt or other RESULT_KEYS instead of refusing it
 
     def __post_init__(self):
         if self.top_k < 1:
@@ -140,21 +141,44 @@ def run_inference(cfg: Config) -> pathlib.Path:
     }
     final = run.dump(sd.hash)
     with atomic.no_space_as_error(final.dpath), atomic.exclusive_lock(run.dump_lock_fpath(sd.hash)):
+        stale = None
         if final.dpath.exists():
-            check_reusable(final, dump_config)
-            logger.info("reusing %s", final.dpath)
-            return final.dpath
-        # Built under the dump's lock, published under the run's (as training publishes sae.pt).
-        with atomic.building_dir(final.dpath, publish_lock=run.lock_fpath) as staging_dpath:
-            staging = layout.DumpLayout(staging_dpath)
-            started_at = provenance.utc_now()
-            atomic.write_json(staging.config_fpath, dump_config)
-            _dump(model, sd, layer, cfg, staging)
-            atomic.write_json(
-                staging.provenance_fpath,
-                {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
-            )
+            try:
+                check_reusable(final, dump_config)
+            except SaeflowError:
+                if not cfg.replace_stale:
+                    raise
+                stale = _set_aside(final.dpath)
+            else:
+                logger.info("reusing %s", final.dpath)
+                return final.dpath
+        try:
+            # Built under the dump's lock, published under the run's (as training publishes sae.pt).
+            with atomic.building_dir(final.dpath, publish_lock=run.lock_fpath) as staging_dpath:
+                staging = layout.DumpLayout(staging_dpath)
+                started_at = provenance.utc_now()
+                atomic.write_json(staging.config_fpath, dump_config)
+                _dump(model, sd, layer, cfg, staging)
+                atomic.write_json(
+                    staging.provenance_fpath,
+                    {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
+                )
+        except BaseException:
+            if stale is not None and not final.dpath.exists():
+                stale.rename(final.dpath)  # the old dump back: never left with none
+            raise
+        if stale is not None:
+            atomic.remove_staging(stale)
     return final.dpath
+
+
+def _set_aside(dump_dpath: pathlib.Path) -> pathlib.Path:
+    """Move a stale published dump to a hidden sibling (one rename), to be removed once its successor is out."""
+    old = atomic.staging_dpath(dump_dpath, "old")
+    atomic.remove_staging(old)
+    dump_dpath.rename(old)
+    logger.info("replacing %s: made from another checkpoint or with other settings", dump_dpath)
+    return old
 
 
 def check_reusable(dump: layout.DumpLayout, dump_config: dict) -> None:

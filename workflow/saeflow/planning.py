@@ -69,23 +69,45 @@ def _typed(build, obj, key: str):
         raise SaeflowError(f"{key}: {err}") from None
 
 
+def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
+    """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
+    a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
+    validation activations of different widths. The error names the key, as `saes.<name>[<sweep index>].<key>`."""
+    cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
+    for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
+        if cfg.layer not in md.layers:
+            raise SaeflowError(f"{where}.layer: layer {cfg.layer} is not extracted by the {role} activation "
+                               f"{name!r} (activations.{name}.layers resolve to {list(md.layers)})")  # fmt: skip
+        if cfg.tokens == "cls" and not md.cls_token:
+            raise SaeflowError(f"{where}.tokens: 'cls' asked for, but the {role} activation {name!r} has no CLS token")
+    if train_md.d_model != val_md.d_model:
+        raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
+                           f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
+    d_sae = cfg.expansion * train_md.d_model
+    if cfg.arch in ("topk", "batchtopk") and cfg.k > d_sae:
+        raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
+                           f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
+
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
-        self.shard_hash = {name: _typed(self._shard_hash, spec, f"activations.{name}")
-                           for name, spec in cfg.activations.items()}  # fmt: skip
+        self.metadata = {name: _typed(self._metadata, spec, f"activations.{name}")
+                         for name, spec in cfg.activations.items()}  # fmt: skip
+        self.shard_hash = {name: md.hash for name, md in self.metadata.items()}
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
         self.hash_activation: dict[str, str] = {}
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
+        for plan in self.runs.values():
+            check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
 
-    def _shard_hash(self, spec: ActivationSpec | ShardsSpec) -> str:
-        if isinstance(spec, ShardsSpec):  # an existing directory: its hash, no extraction
-            return spec.shard_hash(self.cfg.shards_root, expand_path)
-        return extract.plan_activation(spec).hash
+    def _metadata(self, spec: ActivationSpec | ShardsSpec):
+        if isinstance(spec, ShardsSpec):  # an existing directory: its own metadata, no extraction
+            return spec.metadata(self.cfg.shards_root, expand_path)
+        return extract.plan_activation(spec)
 
     @classmethod
     def from_config(cls, config: dict) -> "WorkflowPlan":
@@ -117,8 +139,10 @@ class WorkflowPlan:
         return self.cfg.summary_dir / summary.SUMMARY_FNAME, self.cfg.summary_dir / summary.PARETO_FNAME
 
     def targets(self) -> list[pathlib.Path]:
-        """What `snakemake` builds by default: every dump's visuals, the summary, every export."""
+        """What `snakemake` builds by default: every run's config and checkpoint (so a purged one is made again,
+        not left missing behind its up-to-date dump), every dump's visuals, the summary, every export."""
         return [
+            *(path for run_id in self.runs for path in (self.run(run_id).config_fpath, self.run(run_id).sae_fpath)),
             *(self.run(run_id).dump(shard_hash).index_fpath for run_id, shard_hash in self.dumps()),
             *self.summary_fpaths(),
             *(self.export_marker(name) for name in self.cfg.exports),
@@ -146,6 +170,14 @@ class WorkflowPlan:
             }
         for name in self.cfg.exports:
             configs[self.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
+        # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):
+        # the settings of inference and visuals, and the runs and names the summary shows.
+        configs[self.cli_config("stages", "inference")] = {s: self.cfg.settings[s] for s in ("inference", "visuals")}
+        configs[self.cli_config("stages", "evaluate")] = {"evaluate": self.cfg.settings["evaluate"]}
+        configs[self.cli_config("stages", "summary")] = {
+            "runs": sorted(str(self.run(run_id).root) for run_id in self.runs),
+            "labels": {run_id: f"{plan.sae_name}[{plan.index}]" for run_id, plan in sorted(self.runs.items())},
+        }
         return configs
 
     @staticmethod
@@ -155,36 +187,49 @@ class WorkflowPlan:
         return pathlib.Path(kind, f"{key}.json")
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
-        """Write every per-job config under `cache_dpath`, atomically and only where its content changed."""
+        """Write every per-job config under `cache_dpath`, atomically and only where its content changed.
+
+        A file written for the first time gets time stamp 0 (the epoch): Snakemake's mtime trigger then sees a
+        change of content, never the file's introduction (a saeflow upgrade, a fresh .snakemake/), as a reason to
+        rerun a job that has it as an input.
+        """
         for rel_fpath, content in self.cli_configs().items():
             fpath = cache_dpath / rel_fpath
             text = hashing.canonical_json(content) + "\n"
-            if not fpath.exists() or fpath.read_text(encoding="utf-8") != text:
+            is_new = not fpath.exists()
+            if is_new or fpath.read_text(encoding="utf-8") != text:
                 fpath.parent.mkdir(parents=True, exist_ok=True)
                 write_file_atomic(fpath, text.encode("utf-8"))
+                if is_new:
+                    os.utime(fpath, (0, 0))
 
     # -- what is gone -----------------------------------------------------------------------------------------
 
     def purged_shard_warnings(self) -> list[str]:
-        """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
+        """One line per shard directory that is missing (purged from scratch?) while runs built on it exist."""
+        return purged_shard_warnings(self)
 
-        Nothing is rebuilt for complete runs: their jobs read shards through ancient() inputs behind the run's own
-        checkpoint/config.json; a shard directory is extracted again only when a job still needs it.
-        """
-        warnings = []
-        for shard_hash, name in self.hash_activation.items():
-            shards = self.shard(shard_hash)
-            if shards.shards_fpath.exists():
-                continue
-            users = [
-                run_id
-                for run_id, plan in self.runs.items()
-                if name in (plan.train_activation, plan.val_activation) and self.run(run_id).config_fpath.exists()
-            ]
-            if users:
-                warnings.append(
-                    f"saeflow: shard directory {shards.dpath} (activation {name!r}) is missing, purged from scratch? "
-                    f"{len(users)} existing run(s) were built on it: {', '.join(u[:12] for u in users)}. Complete "
-                    "runs are kept as they are; the directory is extracted again only if a job still needs it."
-                )
-        return warnings
+
+def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
+    """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
+
+    Nothing is rebuilt for complete runs: a job asks for its shard directories only while its own output is
+    missing (common.smk get_shards_if_missing), so a shard directory is extracted again only when a job needs it.
+    """
+    warnings = []
+    for shard_hash, name in plan.hash_activation.items():
+        shards = plan.shard(shard_hash)
+        if shards.shards_fpath.exists():
+            continue
+        users = [
+            run_id
+            for run_id, run_plan in plan.runs.items()
+            if name in (run_plan.train_activation, run_plan.val_activation) and plan.run(run_id).config_fpath.exists()
+        ]
+        if users:
+            warnings.append(
+                f"saeflow: shard directory {shards.dpath} (activation {name!r}) is missing, purged from scratch? "
+                f"{len(users)} existing run(s) were built on it: {', '.join(u[:12] for u in users)}. Complete "
+                "runs are kept as they are; the directory is extracted again only if a job still needs it."
+            )
+    return warnings

@@ -81,8 +81,8 @@ class ShardsSpec:
 
     shards: str
 
-    def shard_hash(self, shards_root: pathlib.Path, expand_path: typing.Callable[[str, str], pathlib.Path]) -> str:
-        """The directory's hash, after checking it is a valid shard directory in shards_root."""
+    def metadata(self, shards_root: pathlib.Path, expand_path: typing.Callable[[str, str], pathlib.Path]):
+        """The directory's metadata (whose hash names it), after checking it is a valid shard dir in shards_root."""
         from saeflow.shards import ShardDir  # numpy: only when a config names a directory
 
         is_hash = re.fullmatch(r"[0-9a-f]{64}", self.shards) is not None
@@ -96,7 +96,9 @@ class ShardsSpec:
                 f"shards: {dpath} is not in shards_root {shards_root}; move it there (or convert with "
                 f"--shards-root {shards_root}) so runs can find it by its hash"
             )
-        return shard_dir.hash
+        if shard_dir.metadata.hash != shard_dir.hash:
+            raise SaeflowError(f"shards: {dpath}: its metadata hashes to {shard_dir.metadata.hash}, not its name")
+        return shard_dir.metadata
 
 
 def activation_from_dict(obj: dict) -> "ActivationSpec | ShardsSpec":

@@ -10,8 +10,10 @@ from saeflow import config
 def register(subparsers):
     p = subparsers.add_parser(
         "plan",
-        help="print an activation spec's shard metadata and hash (no model run)",
-        description="Resolve one `activations.<name>` entry of CONFIG into the saev protocol 2.0 metadata that "
+        help="list every activation (shard hash) and run of CONFIG, or one activation's metadata (no model run)",
+        description="Without --activation, list every `activations` entry of CONFIG with its shard hash and every "
+        "run its SAE sweeps plan (run id, `<sae>[<sweep index>]`, train/validation activations), as the workflow "
+        "would. With --activation NAME (or --json), resolve that entry into the saev protocol 2.0 metadata that "
         "names its shard directory: model revision, absolute layers, dataset size, preprocessing/tokenization. "
         "Reads the model's config.json only, never its weights; text corpora are tokenized to count examples.",
     )
@@ -49,6 +51,8 @@ def _spec(args) -> tuple[dict, str, dict]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from saeflow import extract, specs
 
+    if args.activation is None and not args.json:
+        return _print_workflow_plan(config.load(args.config))
     _, name, spec = _spec(args)
     md = extract.plan_activation(specs.ActivationSpec.from_dict(spec))
     if args.json:
@@ -58,6 +62,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  {md.family} {md.ckpt}, layers {list(md.layers)}, {md.n_ex} examples x {md.tokens_per_ex} tokens x "
           f"d={md.d_model} ({md.n_bytes / 2**20:,.1f} MiB in {len(md.shard_sizes)} shards)")
     print(json.dumps(md.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
+def _print_workflow_plan(cfg: dict) -> int:
+    """Every activation (hash) and every run of the config, as the workflow plans them."""
+    from saeflow.planning import WorkflowPlan
+
+    plan = WorkflowPlan.from_config(cfg)
+    for name, shard_hash in plan.shard_hash.items():
+        print(f"activation {name}: {shard_hash}")
+    for run_id, run in plan.runs.items():
+        print(f"run {run.sae_name}[{run.index}]: {run_id} (train {run.train_activation}, val {run.val_activation})")
     return 0
 
 

@@ -16,11 +16,17 @@ def register(subparsers):
         "RUN/inference/<shard_hash>/ atomically: patch_acts.npz (scipy CSR, row = example * tokens_per_ex + token, "
         "one column per latent), latents.npz (firing frequency, mean activation when firing, top-k rows per "
         "latent, L0 histogram), metrics.json (NMSE, L0, explained variance, dead/dense counts) and config.json. "
-        "An existing dump with the same settings is reused. Memory is bounded by --batch-size and --top-k.",
+        "An existing dump with the same checkpoint and settings is reused. Memory is bounded by --batch-size and "
+        "--top-k.",
     )
     p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory (holds a trained SAE)")
     p.add_argument("--shards", type=pathlib.Path, required=True, metavar="DIR", help="a shard directory <root>/<hash>")
     config.add_section_options(p, "inference")
+    p.add_argument(
+        "--replace-stale", action="store_true",
+        help="replace an existing dump made from another checkpoint (sae.pt) or with other result settings, "
+        "atomically (the old one stays in place if the new one fails); without it such a dump is an error",
+    )  # fmt: skip
     p.set_defaults(func=cmd_inference)
 
     p = subparsers.add_parser(

@@ -20,6 +20,10 @@ def register(subparsers):
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG", help="workflow config (YAML)")
     p.add_argument("--sae", default=None, help="name of the entry under `saes` (optional when there is one)")
     p.add_argument("--index", type=int, default=0, help="point of the sweep (0-based; see docs/training.md)")
+    p.add_argument(
+        "--run-id", default=None, help="the sweep point whose run id this is, instead of --sae/--index (the workflow "
+        "passes it, so renaming a spec or reordering a sweep list changes no command line)",
+    )
     p.add_argument("--shards-root", type=pathlib.Path, required=True, help="where shard directories <hash>/ live")
     p.add_argument("--runs-root", type=pathlib.Path, required=True, help="where run directories <run_id>/ live")
     p.set_defaults(func=cmd_create_run)
@@ -45,11 +49,17 @@ def cmd_create_run(args: argparse.Namespace) -> int:
     from saeflow.planning import WorkflowPlan
 
     cfg = config_mod.load(args.config)
-    name, _ = config_mod.pick(cfg["saes"], args.sae, "SAE spec")
-    plans = [p for p in WorkflowPlan.from_config(cfg).runs.values() if p.sae_name == name]
-    if not 0 <= args.index < len(plans):
-        raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
-    train_config = plans[args.index].train_config
+    planned = WorkflowPlan.from_config(cfg).runs
+    if args.run_id is not None:
+        if args.run_id not in planned:
+            raise SaeflowError(f"--run-id {args.run_id}: no sweep point of {args.config} has this run id")
+        train_config = planned[args.run_id].train_config
+    else:
+        name, _ = config_mod.pick(cfg["saes"], args.sae, "SAE spec")
+        plans = [p for p in planned.values() if p.sae_name == name]
+        if not 0 <= args.index < len(plans):
+            raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
+        train_config = plans[args.index].train_config
     train_shards = layout.ShardLayout.at(args.shards_root, train_config.train_shards)
     val_shards = layout.ShardLayout.at(args.shards_root, train_config.val_shards)
     run = runs.create_run(

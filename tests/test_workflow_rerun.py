@@ -1,0 +1,363 @@
+"""The change matrix: one complete run tree, then one change at a time, each asserting the exact set of jobs
+`snakemake -n` plans (docs/workflow.md, "What reruns, and what never does"); a few changes are also run for real,
+as root and as an unprivileged user, and leave the expected files.
+
+The tree is built once per module, by a paper repository that uses saeflow as a Snakemake module (a random-init
+GPT-2, 16 examples, a 2-point TopK sweep: 8 jobs); config-only
+changes dry-run against it in place (a dry run writes only the per-job configs under .snakemake/saeflow/), changes
+to files or to the workflow's own text work on copies.
+"""
+
+import copy
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from saeflow import config
+from saeflow.layout import RunLayout, ShardLayout
+from saeflow.planning import WorkflowPlan
+from test_faults_cli import _drop_dac_capabilities
+from workflow_helpers import REPO_ROOT, env, tree_state, write_config
+
+BASE = {
+    "shards_root": "shards",
+    "runs_root": "runs",
+    "summary_dir": "summary",
+    "activations": {
+        "text": {
+            "model": {"random": {"arch": "gpt2", "config": {"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 300,
+                                                            "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}}},
+            "tokenizer": "bytes",
+            "layers": [1],
+            "dataset": {"kind": "builtin_text", "n_ex": 16},
+            "context_length": 16,
+            "device": "cpu",
+        }
+    },
+    "saes": {"topk": {"train": "text", "layer": 1, "arch": "topk", "expansion": 2, "k": [4, 8], "aux_k": 8,
+                      "batch_size": 64}},
+    "visuals": {"n_latents": 2, "top_k": 2},
+    "evaluate": {"n_tokens": 32},
+}  # fmt: skip
+
+
+def variant(edit) -> dict:
+    cfg = copy.deepcopy(BASE)
+    edit(cfg)
+    return cfg
+
+
+def plan_of(cfg: dict) -> WorkflowPlan:
+    return WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+
+
+def snakemake(workdir, config_fpath, *args, snakefile=REPO_ROOT / "Snakefile", preexec=None, pythonpath=None):
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir),
+           "--configfile", str(config_fpath), "--cores", "2", *args]  # fmt: skip
+    extra = {"PYTHONPATH": str(pythonpath)} if pythonpath else {}
+    # cwd: the Snakefile's checkout, as a user runs it (Snakemake finds profiles/default there)
+    proc = subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, cwd=snakefile.parent,
+                          preexec_fn=preexec)  # fmt: skip
+    assert proc.returncode == 0, f"snakemake {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def planned_jobs(output: str) -> set[str]:
+    """Every job of a dry run as `rule` or `rule:wildcard values` (sorted by wildcard name, joined by /)."""
+    jobs, rule = set(), None
+    for line in output.splitlines():
+        match = re.fullmatch(r"(?:local)?rule (\w+):", line.strip())
+        if match:
+            if rule is not None:
+                jobs.add(rule)
+            rule = match.group(1)
+        elif rule is not None and line.strip().startswith("wildcards:"):
+            pairs = sorted(p.split("=", 1) for p in line.split(":", 1)[1].strip().split(", "))
+            jobs.add(f"{rule}:" + "/".join(value for _, value in pairs))
+            rule = None
+    if rule is not None:
+        jobs.add(rule)
+    return jobs
+
+
+def dry_run(workdir, cfg: dict, *args, **kwargs) -> set[str]:
+    fpath = write_config(workdir, cfg, f"case-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}.yaml")
+    return planned_jobs(snakemake(workdir, fpath, "-n", *args, **kwargs).stdout)
+
+
+def new_run_jobs(plan: WorkflowPlan, run_ids) -> set[str]:
+    """The jobs of runs not made yet: create_run, train, inference, evaluate (and the summary, and `all`)."""
+    jobs = {"summary", "all"}
+    for run_id in run_ids:
+        jobs |= {f"create_run:{run_id}", f"train:{run_id}"} | checkpoint_jobs(plan, run_id)
+    return jobs
+
+
+def checkpoint_jobs(plan: WorkflowPlan, run_id: str) -> set[str]:
+    """What follows a run's sae.pt: its dump (inference + visuals) and its splice evaluation."""
+    shard_hash = plan.shard_hash[plan.runs[run_id].val_activation]
+    return {f"inference:{run_id}/{shard_hash}", f"evaluate:{run_id}/{shard_hash}"}
+
+
+PAPER_SNAKEFILE = """\
+configfile: "config/paper.yaml"
+
+
+module saeflow:
+    snakefile:
+        {snakefile!r}
+    config:
+        config
+
+
+use rule * from saeflow as saeflow_*
+
+
+rule paper:
+    default_target: True
+    input:
+        rules.saeflow_all.input,
+"""
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """The complete run tree, built by a paper repository that uses saeflow as a Snakemake module (README, "Use
+    saeflow in your paper repository"): its own Snakefile, config, roots and working directory. The change
+    matrix then runs saeflow's own Snakefile on the same tree (the rules and paths are the same)."""
+    paper = tmp_path_factory.mktemp("paper")
+    os.chmod(paper, 0o755)
+    (paper / "config").mkdir()
+    (paper / "Snakefile").write_text(PAPER_SNAKEFILE.format(snakefile=str(REPO_ROOT / "Snakefile")))
+    shutil.copytree(REPO_ROOT / "profiles" / "default", paper / "profiles" / "default")  # saeflow's rerun triggers
+    config_fpath = write_config(paper / "config", BASE, "paper.yaml")
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2"]
+    proc = subprocess.run(cmd, cwd=paper, env=env(PYTHONPATH=str(REPO_ROOT / "workflow")), capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"workdir": paper, "config": config_fpath, "plan": plan_of(BASE), "module_cmd": cmd}
+
+
+def test_paper_repository_runs_saeflow_as_a_module_end_to_end(tree):
+    paper, plan = tree["workdir"], tree["plan"]
+    for shard_hash in plan.hash_activation:
+        assert ShardLayout.at(paper / "shards", shard_hash).shards_fpath.exists()
+    for run_id, shard_hash in plan.dumps():
+        run = RunLayout.at(paper / "runs", run_id)
+        assert run.sae_fpath.exists() and run.dump(shard_hash).index_fpath.exists()
+    assert (paper / "summary" / "summary.csv").exists()
+    again = subprocess.run([*tree["module_cmd"], "-n"], cwd=paper, env=env(PYTHONPATH=str(REPO_ROOT / "workflow")),
+                           capture_output=True, text=True)  # fmt: skip
+    assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def copy_tree(tree, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(tree["workdir"], dst, symlinks=True)
+    return dst
+
+
+def copy_workflow(dst: pathlib.Path) -> pathlib.Path:
+    """A copy of the checkout's workflow (Snakefile, rules, package, profiles) whose text a test may edit."""
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO_ROOT / "Snakefile", dst / "Snakefile")
+    for name in ("workflow", "profiles", "envs"):
+        if (REPO_ROOT / name).exists():
+            shutil.copytree(REPO_ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def edit_every_rule(workflow_dpath: pathlib.Path) -> int:
+    """Prefix the shell command of every rule with a no-op `: edited;`; returns how many rules were edited."""
+    n_edited = 0
+    for fpath in sorted((workflow_dpath / "workflow" / "rules").glob("*.smk")):
+        text, n = re.subn(r'(\n\s+shell:\s*\n(?:\s*#.*\n)*\s+(?:"""|"))', r"\1: edited; ", fpath.read_text())
+        fpath.write_text(text)
+        n_edited += n
+    return n_edited
+
+
+# -- dry runs: the exact set of planned jobs -------------------------------------------------------------------
+
+
+def _k(values):
+    return lambda cfg: cfg["saes"]["topk"].__setitem__("k", values)
+
+
+def _rename_sae(cfg):
+    cfg["saes"] = {"renamed": cfg["saes"].pop("topk")}
+
+
+def _rename_activation(cfg):
+    cfg["activations"] = {"words": cfg["activations"].pop("text")}
+    cfg["saes"]["topk"]["train"] = "words"
+
+
+def _extraction(key, value):
+    return lambda cfg: cfg["activations"]["text"].__setitem__(key, value)
+
+
+NAMES_ONLY = {"summary", "all"}  # what a change of names or of the set of runs reruns: the summary shows them
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        pytest.param(lambda cfg: None, set(), id="unchanged"),
+        pytest.param(_k([8, 4]), NAMES_ONLY, id="reorder-sweep"),
+        pytest.param(_k([4]), NAMES_ONLY, id="remove-sweep-value"),
+        pytest.param(_rename_sae, NAMES_ONLY, id="rename-sae"),
+        pytest.param(_rename_activation, set(), id="rename-activation"),
+        pytest.param(_extraction("batch_size", 5), set(), id="neutral-extraction-key"),
+        pytest.param(lambda cfg: cfg.update(train={"checkpoint_every": 7}), set(), id="train-settings"),
+        pytest.param(lambda cfg: cfg["visuals"].update(n_latents=3), "inference", id="visuals-settings"),
+        pytest.param(lambda cfg: cfg["evaluate"].update(batch_size=3), "evaluate", id="evaluate-settings"),
+        pytest.param(lambda cfg: cfg.update(summary_dir="elsewhere"), {"summary", "all"}, id="moved-summary-dir"),
+    ],
+)  # fmt: skip
+def test_change_reruns_exactly(tree, edit, expected):
+    cfg = variant(edit)
+    plan = plan_of(cfg)
+    if expected in ("inference", "evaluate"):  # a stage's settings: that stage of every run, then the summary
+        expected = {"summary", "all"} | {f"{expected}:{r}/{plan.shard_hash['text']}" for r in plan.runs}
+    assert dry_run(tree["workdir"], cfg) == expected
+
+
+@pytest.mark.parametrize("k", [[4, 16], [4, 8, 16]], ids=["change-hyperparameter", "add-sweep-value"])
+def test_new_sweep_point_makes_one_new_run(tree, k):
+    cfg = variant(_k(k))
+    plan = plan_of(cfg)
+    (new_run,) = set(plan.runs) - set(tree["plan"].runs)
+    assert dry_run(tree["workdir"], cfg) == new_run_jobs(plan, [new_run])
+
+
+def test_bytes_changing_extraction_key_makes_a_new_shard_dir_and_new_runs(tree):
+    cfg = variant(_extraction("context_length", 12))
+    plan = plan_of(cfg)
+    (shard_hash,) = plan.shard_hash.values()
+    assert shard_hash not in tree["plan"].hash_activation
+    assert dry_run(tree["workdir"], cfg) == {f"extract:{shard_hash}"} | new_run_jobs(plan, plan.runs)
+
+
+def test_new_hyperparameter_key_is_a_new_run(tree):
+    cfg = variant(lambda c: c["saes"]["topk"].update(lr=0.002))
+    plan = plan_of(cfg)
+    assert not set(plan.runs) & set(tree["plan"].runs)
+    assert dry_run(tree["workdir"], cfg) == new_run_jobs(plan, plan.runs)
+
+
+def test_moved_shards_root_reextracts_nothing_for_complete_runs(tree, tmp_path):
+    assert dry_run(tree["workdir"], variant(lambda c: c.update(shards_root=str(tmp_path / "new-scratch")))) == set()
+
+
+def test_moved_runs_root_reruns_every_run_but_extracts_nothing(tree, tmp_path):
+    cfg = variant(lambda c: c.update(runs_root=str(tmp_path / "new-runs")))
+    plan = plan_of(cfg)
+    assert dry_run(tree["workdir"], cfg) == new_run_jobs(plan, plan.runs)
+
+
+def test_purged_shard_dir_is_extracted_only_for_a_job_that_needs_it(tree, tmp_path):
+    workdir, plan = copy_tree(tree, tmp_path / "w"), tree["plan"]
+    (shard_hash,) = plan.hash_activation
+    shutil.rmtree(ShardLayout.at(workdir / "shards", shard_hash).dpath)  # root: a read-only tree is no obstacle
+    assert dry_run(workdir, BASE) == set(), "complete runs were touched"
+    run_id = sorted(plan.runs)[0]
+    dump = RunLayout.at(workdir / "runs", run_id).dump(shard_hash)
+    shutil.rmtree(dump.dpath)  # a job that reads the shard bytes again
+    assert dry_run(workdir, BASE) == {f"extract:{shard_hash}", f"inference:{run_id}/{shard_hash}", "summary", "all"}
+
+
+def test_purged_file_reruns_its_job_and_what_follows(tree, tmp_path):
+    workdir, plan = copy_tree(tree, tmp_path / "w"), tree["plan"]
+    (shard_hash,) = plan.hash_activation
+    run_id = sorted(plan.runs)[0]
+    (workdir / "summary" / "pareto.png").unlink()
+    assert dry_run(workdir, BASE) == {"summary", "all"}
+    sae_fpath = RunLayout.at(workdir / "runs", run_id).sae_fpath
+    sae_fpath.unlink()
+    assert dry_run(workdir, BASE) == {f"train:{run_id}", "summary", "all"} | checkpoint_jobs(plan, run_id)
+
+
+# -- real runs, as root and as an unprivileged user --------------------------------------------------------------
+
+
+def _as(user: str):
+    """Unprivileged: root without the capabilities that bypass file permissions (which then bind it like any
+    user: a read-only published directory stays read-only), so the root-owned tree needs no chown."""
+    if user == "root":
+        if os.geteuid() != 0:
+            pytest.skip("not root")
+        return None
+    return _drop_dac_capabilities if os.geteuid() == 0 else None
+
+
+@pytest.mark.parametrize("user", ["root", "unprivileged"])
+def test_rule_text_and_code_edits_rerun_nothing_and_delete_nothing(tree, tmp_path, user):
+    """Issue 12: an edited `extract` command made Snakemake (as root) delete a published shards.json."""
+    preexec = _as(user)
+    workdir = copy_tree(tree, tmp_path / "w")
+    wf = copy_workflow(tmp_path / "wf")
+    assert edit_every_rule(wf) >= 5
+    (wf / "workflow" / "saeflow" / "sae.py").open("a").write("\n# an edit of saeflow's code\n")
+    before = tree_state(workdir / "shards") | tree_state(workdir / "runs")
+    proc = snakemake(workdir, tree["config"], snakefile=wf / "Snakefile", preexec=preexec, pythonpath=wf / "workflow")
+    assert "Nothing to be done" in proc.stdout + proc.stderr
+    assert tree_state(workdir / "shards") | tree_state(workdir / "runs") == before
+
+
+@pytest.mark.parametrize("user", ["unprivileged"])  # the stricter case; root passes the same test
+def test_changed_checkpoint_rebuilds_its_dump_in_one_call(tree, tmp_path, user):
+    """A dump records the sha256 of its sae.pt; a new sae.pt reruns the dump, its visuals and the summary."""
+    preexec = _as(user)
+    workdir, plan = copy_tree(tree, tmp_path / "w"), tree["plan"]
+    (shard_hash,) = plan.hash_activation
+    run_a, run_b = (RunLayout.at(workdir / "runs", r) for r in sorted(plan.runs))
+    run_a.sae_fpath.chmod(0o644)
+    shutil.copyfile(run_b.sae_fpath, run_a.sae_fpath)  # a retrained checkpoint, as far as the dump can tell
+    new_sha256 = hashlib.sha256(run_a.sae_fpath.read_bytes()).hexdigest()
+    assert dry_run(workdir, BASE) == {"summary", "all"} | checkpoint_jobs(plan, run_a.root.name)
+    summary_mtime = (workdir / "summary" / "summary.csv").stat().st_mtime
+    snakemake(workdir, tree["config"], preexec=preexec)
+    dump = run_a.dump(shard_hash)
+    assert json.loads(dump.config_fpath.read_text())["sae_sha256"] == new_sha256
+    assert dump.index_fpath.exists() and (workdir / "summary" / "summary.csv").stat().st_mtime > summary_mtime
+    assert not [p.name for p in dump.dpath.parent.iterdir() if p.name.startswith(f".{shard_hash}.old")]
+    assert "Nothing to be done" in snakemake(workdir, tree["config"], "-n").stdout
+
+
+
+# -- which config runs ---------------------------------------------------------------------------------------------
+
+
+def test_configfile_is_the_whole_config_and_a_bad_one_is_named_on_one_line(tmp_path):
+    """The default config/config.yaml never leaks into a --configfile run; a repeated key names the file."""
+    plan = plan_of(BASE)
+    (shard_hash,) = plan.hash_activation
+    expected = {f"extract:{shard_hash}"} | new_run_jobs(plan, plan.runs)
+    assert dry_run(tmp_path, BASE) == expected
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("shards_root: a\nruns_root: b\nshards_root: c\nactivations: {}\nsaes: {}\n")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(bad), "-n"], env=env(), capture_output=True, text=True,
+                          cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"saeflow: config file {bad}: not valid YAML: line 3, column 1: found duplicate key 'shards_root' "
+        "(first given on line 1)"
+    )
+
+
+def test_plain_snakemake_in_a_fresh_clone_links_the_default_model(tmp_path):
+    clone = copy_workflow(tmp_path / "clone")
+    shutil.copytree(REPO_ROOT / "config", clone / "config")
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--quiet"], cwd=clone, env=env(),
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    link = clone / "results" / "models" / "all-MiniLM-L6-v2"
+    assert link.is_symlink() and (link / "config.json").exists()

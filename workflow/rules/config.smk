@@ -1,0 +1,37 @@
+# Which config the workflow runs (docs/workflow.md, "Config"): the files given with --configfile are the whole
+# config; config/config.yaml (relative to the working directory) is read only when none is given, and a module
+# declaration's `config:` replaces both. --config key=value overrides apply on top in every case.
+# Every file is first read strictly (saeflow.config.read_yaml): a repeated key or a YAML syntax error stops the
+# run with one line naming the file, before Snakemake's own, lenient reading is used.
+import sys
+
+from saeflow import config as saeflow_config
+from saeflow.errors import SaeflowError
+
+DEFAULT_CONFIG_FPATH = "config/config.yaml"
+
+
+def stop_workflow(err):
+    """A user-caused problem found while planning: one line on stderr naming the file or key, exit status 1."""
+    print(f"saeflow: {err}", file=sys.stderr)
+    sys.exit(1)
+
+
+def config_fpaths():
+    """The config files this invocation reads: the --configfile list, else the default (unless a module's
+    `config:` stands in for both)."""
+    if workflow.overwrite_configfiles:
+        return [str(fpath) for fpath in workflow.overwrite_configfiles]
+    if workflow.modifier.skip_configfile:
+        return []
+    return [DEFAULT_CONFIG_FPATH]
+
+
+for _fpath in config_fpaths():
+    try:
+        saeflow_config.read_yaml(_fpath)
+    except SaeflowError as err:
+        stop_workflow(err)
+
+if not workflow.overwrite_configfiles:
+    workflow.configfile(DEFAULT_CONFIG_FPATH)
