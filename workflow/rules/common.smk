@@ -1,6 +1,7 @@
 # The workflow's Python helpers: one saeflow.planning.WorkflowPlan built from the config at parse time (also inside
 # every Slurm job, so it only plans: no model weights, no data pass), and the get_* helpers the rules call.
 # Every path comes from saeflow.layout (the rules use its Snakemake patterns); nothing here spells one.
+import os
 import pathlib
 import sys
 
@@ -14,15 +15,22 @@ from saeflow.planning import WorkflowPlan
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on
-# PYTHONPATH (envs/saeflow.yaml). Being a shell prefix, it is no part of any rule's code or params.
+# PYTHONPATH (envs/saeflow.yaml), or for the config's `python` (same PYTHONPATH). Being a shell prefix, it is no
+# part of any rule's code or params. The job's shell ignores USR1 (Slurm's warning signal before the time limit,
+# sent to every process of the job step): saeflow itself catches it to save its resume point (saeflow.preempt).
 if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
     shell.prefix(
-        f"set -euo pipefail; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+        f"set -euo pipefail; trap '' USR1; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
         'saeflow() {{ python -m saeflow "$@"; }}; '
+    )
+elif config.get("python"):  # the jobs' own environment (a CUDA torch on a cluster)
+    shell.prefix(
+        f"set -euo pipefail; trap '' USR1; export PYTHONPATH={workflow.basedir}/workflow${{{{PYTHONPATH:+:$PYTHONPATH}}}}; "
+        f'saeflow() {{{{ "{os.path.expandvars(config["python"])}" -m saeflow "$@"; }}}}; '
     )
 else:
     shell.prefix(
-        f'set -euo pipefail; saeflow() {{{{ "{sys.executable}" -m saeflow "$@"; }}}}; '
+        f'set -euo pipefail; trap "" USR1; saeflow() {{{{ "{sys.executable}" -m saeflow "$@"; }}}}; '
     )
 SAEFLOW_ENV = "../../envs/saeflow.yaml"
 # Where the workflow keeps the config files it hands to the `saeflow` CLI (content-addressed, never edited).
@@ -100,6 +108,23 @@ def get_dump_metrics():
         PLAN.run(run_id).dump(shard_hash).metrics_fpath
         for run_id, shard_hash in PLAN.dumps()
     ]
+
+
+def split_hash_regex(split):
+    """The shard hashes extracted in parts (split=True) or in one job (split=False), as a wildcard regex."""
+    hashes = "|".join(PLAN.shard_parts)
+    if split:
+        return f"(?:{hashes})" if hashes else "(?!x)x"
+    return f"(?!{hashes})[0-9a-f]{{64}}" if hashes else "[0-9a-f]{64}"
+
+
+def get_part_markers(wildcards):
+    """The part jobs' markers while the directory is unpublished; a published one needs no part again."""
+    n_parts = PLAN.shard_parts[wildcards.shard_hash]
+    shards = PLAN.shard(wildcards.shard_hash)
+    if shards.shards_fpath.exists():
+        return []
+    return [shards.part(i, n_parts).part_done_fpath for i in range(n_parts)]
 
 
 def get_evaluations():

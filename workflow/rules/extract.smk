@@ -2,6 +2,11 @@
 # shards.json stands for the directory (a directory() output would make Snakemake write a timestamp file into
 # the published, read-only directory). It is protected: Snakemake aborts rather than rewrite it, and consumers
 # read it through ancient(), so neither a new mtime nor a saeflow code change re-extracts. New config, new hash.
+#
+# Split extraction (an activation's `parts` > 1, docs/extraction.md): extract_part jobs each write a contiguous
+# range of whole shards into <shards_root>/.<hash>.parts/ (resumable shard by shard), then extract_seal verifies
+# every part and publishes the same directory, byte for byte, in one rename. A part's part.json stands for it; it is
+# temp() because the seal removes the parts area once the directory is published.
 
 
 rule extract:
@@ -10,7 +15,7 @@ rule extract:
     log:
         "logs/extract/{shard_hash}.log",
     wildcard_constraints:
-        shard_hash="[0-9a-f]{64}",
+        shard_hash=split_hash_regex(split=False),
     conda:
         SAEFLOW_ENV
     threads: 2
@@ -23,6 +28,51 @@ rule extract:
         published=$(saeflow extract {params.config:q} --shards-root {params.shards_root:q} 2>{log:q})
         if [ "$(basename "$published")" != {wildcards.shard_hash} ]; then
             echo "saeflow extract published '$published'; the workflow planned {output}" >>{log:q}
+            exit 1
+        fi
+        """
+
+
+rule extract_part:
+    output:
+        temp(SHARDS.part("{part_idx}", "{n_parts}").part_done_fpath),
+    log:
+        "logs/extract/{shard_hash}.part-{part_idx}-of-{n_parts}.log",
+    wildcard_constraints:
+        shard_hash=split_hash_regex(split=True),
+        part_idx="[0-9]+",
+        n_parts="[0-9]+",
+    conda:
+        SAEFLOW_ENV
+    threads: 2
+    params:
+        config=lambda wc: get_cli_config("shards", wc.shard_hash),
+        shards_root=PLAN.cfg.shards_root,
+    shell:
+        "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
+        "--part {wildcards.part_idx}/{wildcards.n_parts} >/dev/null 2>{log:q}"
+
+
+rule extract_seal:
+    input:
+        get_part_markers,
+    output:
+        protected(SHARDS.shards_fpath),
+    log:
+        "logs/extract/{shard_hash}.seal.log",
+    wildcard_constraints:
+        shard_hash=split_hash_regex(split=True),
+    conda:
+        SAEFLOW_ENV
+    params:
+        config=lambda wc: get_cli_config("shards", wc.shard_hash),
+        shards_root=PLAN.cfg.shards_root,
+        n_parts=lambda wc: PLAN.shard_parts[wc.shard_hash],
+    shell:
+        """
+        published=$(saeflow extract {params.config:q} --shards-root {params.shards_root:q} --seal {params.n_parts} 2>{log:q})
+        if [ "$(basename "$published")" != {wildcards.shard_hash} ]; then
+            echo "saeflow extract --seal published '$published'; the workflow planned {output}" >>{log:q}
             exit 1
         fi
         """

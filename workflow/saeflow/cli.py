@@ -6,11 +6,15 @@ import logging
 import os
 import sys
 
-from saeflow import __version__
+from saeflow import __version__, devices, preempt
 from saeflow.errors import SaeflowError, one_line
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
 COMMAND_MODULES = ("store", "extract", "train", "inference", "evaluate", "interop", "sae_interop", "workflow")
+# The commands that compute with torch: inside a job given a GPU, they check that torch sees it first.
+GPU_COMMANDS = ("extract", "train", "inference", "evaluate")
+# The commands whose work loops save their resume point and stop on Slurm's warning signal or SIGTERM.
+PREEMPTIBLE_COMMANDS = ("extract", "train")
 
 DESCRIPTION = """\
 saeflow: reproducible, content-addressed sparse-autoencoder workflows on transformer activations.
@@ -52,6 +56,11 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in GPU_COMMANDS:
+            devices.check_requested_gpu()  # a job given a GPU that torch cannot see fails now, not hours later
+        if args.command in PREEMPTIBLE_COMMANDS:
+            with preempt.handling():  # USR1/TERM: save the resume point, then stop (saeflow.preempt)
+                return args.func(args) or 0
         return args.func(args) or 0
     except SaeflowError as err:  # the specific messages: what and where, raised where the fault was found
         if args.debug:

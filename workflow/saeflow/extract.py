@@ -22,9 +22,10 @@ import time
 
 import numpy as np
 
-from saeflow import datasets, devices, layout, models, shards, specs, tokenization
+from saeflow import datasets, devices, layout, models, preempt, shards, specs, tokenization
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
+from saeflow.shards import parts
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +187,18 @@ def model_source(spec: models.ModelSpec) -> str | None:
     return str(local.resolve()) if local.is_dir() else spec.name
 
 
-def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, progress: bool = True) -> Result:
-    """Write (or reuse) `<shards_root>/<hash>/`. Every input is checked before the model is loaded."""
+def extract(
+    spec: specs.ActivationSpec,
+    shards_root,
+    device: str | None = None,
+    progress: bool = True,
+    part: tuple[int, int] | None = None,
+) -> Result:
+    """Write (or reuse) `<shards_root>/<hash>/`. Every input is checked before the model is loaded.
+
+    With `part=(part_idx, n_parts)` only that part's contiguous range of whole shards is written, into the parts
+    area (`seal` publishes the directory once every part is finished); `Result.dpath` is then the part directory.
+    """
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -204,22 +215,33 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
         # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
         "model_source": model_source(plan_.model_spec),
     }
-    with shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra) as writer:
+    if part is None:
+        writer = shards.ShardWriter(shards_root, md, aux=(plan_.aux_fname,), provenance_extra=provenance_extra)
+    else:
+        writer = parts.PartWriter(shards_root, md, *part, aux=(plan_.aux_fname,), provenance_extra=provenance_extra)
+    ex_stop = getattr(writer, "ex_stop", md.n_ex)  # a part stops at its last shard
+    with writer:
         if writer.reused:
-            return Result(writer.dpath, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
+            return Result(
+                getattr(writer, "part_dpath", writer.dpath), True, 0, md.n_ex, total_sec=time.perf_counter() - t0
+            )
         if writer.resumed_from:
             logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
         adapter = models.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
-        spans = batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, writer.n_written)
+        spans = [
+            s for s in batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, writer.n_written) if s[0] < ex_stop
+        ]
         source = _image_batches if plan_.info.modality == "vision" else _text_batches
-        result = Result(writer.dpath, False, writer.resumed_from, md.n_ex)
+        result = Result(getattr(writer, "part_dpath", writer.dpath), False, writer.resumed_from, md.n_ex)
         bar = tqdm(
-            total=md.n_ex, initial=writer.n_written, unit="ex", desc=f"extract {md.hash[:12]}", disable=not progress
+            total=ex_stop, initial=writer.n_written, unit="ex", desc=f"extract {md.hash[:12]}", disable=not progress
         )
         n_tokens = 0
         t_loop = time.perf_counter()
         with bar:
             for inputs, aux_rows in source(plan_, spans):
+                if preempt.received():  # a stop signal: the writer keeps every complete shard to resume from
+                    raise preempt.stopped(f"{writer.staging} keeps its complete shards")
                 t = time.perf_counter()
                 acts = adapter.run(inputs, md.layers)
                 acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
@@ -237,3 +259,19 @@ def extract(spec: specs.ActivationSpec, shards_root, device: str | None = None, 
     result.total_sec = time.perf_counter() - t0
     result.loop_sec = time.perf_counter() - t_loop
     return result
+
+
+def seal(spec: specs.ActivationSpec, shards_root, n_parts: int) -> Result:
+    """Publish `<shards_root>/<hash>/` from the `n_parts` finished parts of a split extraction (no model run):
+    every part is verified (shard names, counts, sizes, sha256) before one rename publishes the directory."""
+    t0 = time.perf_counter()
+    plan_ = plan(spec)
+    md = plan_.metadata
+    dpath, reused = parts.seal(
+        shards_root,
+        md,
+        n_parts,
+        aux=(plan_.aux_fname,),
+        provenance_extra={"model_source": model_source(plan_.model_spec)},
+    )
+    return Result(dpath, reused, 0, md.n_ex, total_sec=time.perf_counter() - t0)

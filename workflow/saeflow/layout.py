@@ -8,6 +8,9 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
       metadata.json  shards.json  acts000000.bin ...  labels.bin  tokens.bin  checksums.json  provenance.json
     <shards_root>/.<shard_hash>.partial/         staging while it is built (with progress.json), renamed when done
     <shards_root>/.<shard_hash>.lock             flock: one builder per hash
+    <shards_root>/.<shard_hash>.parts/           split extraction (docs/extraction.md): one directory per part job
+      part-<i>-of-<n>/  metadata.json  progress.json  acts<k>.bin ...  tokens.bin|labels.bin  part.json
+      .part-<i>-of-<n>.lock                      flock: one writer per part
 
     <runs_root>/<run_id>/                        RunLayout (storage-and-run-manifest v1)
       checkpoint/config.json  sae.pt  resume.pt  metrics.jsonl  metrics.json
@@ -69,6 +72,7 @@ class ShardLayout(_ContentAddressed):
     CHECKSUMS_FNAME = "checksums.json"
     PROVENANCE_FNAME = PROVENANCE_FNAME
     PROGRESS_FNAME = "progress.json"  # staging only: the completed shards, for resume
+    PART_DONE_FNAME = "part.json"  # a finished part of a split extraction: its shards, checksums, provenance
     LABELS_FNAME = "labels.bin"
     TOKENS_FNAME = "tokens.bin"
 
@@ -96,6 +100,17 @@ class ShardLayout(_ContentAddressed):
     @property
     def lock_fpath(self) -> pathlib.Path:
         return self.dpath.parent / f".{self.dpath.name}.lock"
+
+    @property
+    def parts_dpath(self) -> pathlib.Path:
+        """`.<hash>.parts/`: the shared area where the part jobs of a split extraction write (same filesystem)."""
+        return staging_dpath(self.dpath, "parts")
+
+    def part(self, part_idx: int | str, n_parts: int | str) -> "ShardLayout":
+        """Part `part_idx` (0-based) of `n_parts`: a directory holding a contiguous range of whole shards."""
+        return ShardLayout(self.parts_dpath / f"part-{part_idx}-of-{n_parts}")
+
+    part_done_fpath = _path("dpath", PART_DONE_FNAME, doc="part.json: written last by a part job; stands for the part")
 
 
 @dataclasses.dataclass(frozen=True)

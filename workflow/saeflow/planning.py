@@ -18,6 +18,7 @@ import pathlib
 from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
+from saeflow.shards import parts
 from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
@@ -100,6 +101,10 @@ class WorkflowPlan:
         self.hash_activation: dict[str, str] = {}
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
+        # Split extraction: hash -> number of part jobs (> 1 only; capped at the shard count). Not hashed.
+        n_parts = {h: parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)
+                   for h, name in self.hash_activation.items()}  # fmt: skip
+        self.shard_parts = {h: n for h, n in n_parts.items() if n > 1}
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
         for plan in self.runs.values():
             check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])

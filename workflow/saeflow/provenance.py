@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import saeflow
+from saeflow import devices
 from saeflow.layout import PROVENANCE_FNAME  # noqa: F401 (importable here, as before)
 
 
@@ -52,4 +53,5 @@ def collect() -> dict:
         "user": user,
         "argv": list(sys.argv),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        **devices.gpu_provenance(),  # gpu, gpu_count, cuda_version, cudnn_version when a GPU was used
     }

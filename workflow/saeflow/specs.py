@@ -36,7 +36,7 @@ def _validated(obj: dict, def_name: str) -> dict:
 class ActivationSpec:
     """One `activations.<name>` entry: one model + layers + dataset -> one content-addressed shard directory.
 
-    Everything but batch_size, device and n_workers changes the stored bytes, and so the shard hash.
+    Everything but batch_size, device, n_workers and parts changes the stored bytes, and so the shard hash.
     """
 
     model: models.ModelSpec  # a checkpoint (id or path, revision) or a random-init architecture
@@ -50,6 +50,7 @@ class ActivationSpec:
     batch_size: int  # examples per forward pass (not hashed)
     device: str  # "auto", "cpu", "cuda", "cuda:1", ... (not hashed)
     n_workers: int  # image decoding worker processes (not hashed)
+    parts: int = 1  # workflow: part jobs of whole shards, then a seal job (not hashed: same bytes for any value)
 
     @classmethod
     def from_dict(cls, obj: dict) -> "ActivationSpec":
@@ -70,6 +71,7 @@ class ActivationSpec:
             batch_size=spec["batch_size"],
             device=spec["device"],
             n_workers=spec["n_workers"],
+            parts=spec["parts"],
         )
 
 
@@ -80,6 +82,7 @@ class ShardsSpec:
     --shards-root` publishes it), where runs and the workflow find every shard directory by hash."""
 
     shards: str
+    parts: int = 1  # split-extraction part jobs: an existing directory is never extracted
 
     def metadata(self, shards_root: pathlib.Path, expand_path: typing.Callable[[str, str], pathlib.Path]):
         """The directory's metadata (whose hash names it), after checking it is a valid shard dir in shards_root."""

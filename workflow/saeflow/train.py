@@ -21,7 +21,7 @@ import typing
 import torch
 import tqdm
 
-from saeflow import atomic, config, devices, runs
+from saeflow import atomic, config, devices, localcopy, preempt, runs
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
@@ -310,10 +310,12 @@ def train_runs(
     device: str = TRAIN_DEFAULTS["device"],
     checkpoint_every: int = TRAIN_DEFAULTS["checkpoint_every"],
     max_steps: int | None = None,
+    local_copy: str = "",
 ) -> list[dict]:
     """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
 
     `max_steps` stops after that many steps (with a resume checkpoint), for tests and time-limited jobs.
+    `local_copy` (e.g. "$TMPDIR") reads the training shards from a node-local copy (saeflow.localcopy).
     Returns the final validation metrics of runs that finished. Each run's lock (`RunLayout.lock_fpath`) is held
     throughout, so a second trainer of the same run waits and then finds it done.
     """
@@ -331,7 +333,7 @@ def train_runs(
             todo.setdefault(cfg.loader_key(), []).append((run, cfg))
         results = []
         for group in todo.values():
-            results.extend(_train_group(group, dev, checkpoint_every, max_steps))
+            results.extend(_train_group(group, dev, checkpoint_every, max_steps, local_copy))
     return results
 
 
@@ -339,7 +341,7 @@ def _open_shards(run: runs.Run, link: str) -> ShardDir:
     return ShardDir(run.link(link).resolve())
 
 
-def _open_data(group: list[tuple[runs.Run, TrainConfig]]) -> tuple[ShuffledLoader, list[ShardDir]]:
+def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str = "") -> tuple[ShuffledLoader, list]:
     """The group's shared training loader and each run's validation shards, checked against the configs."""
     run0, cfg0 = group[0]
     train_dir = _open_shards(run0, run0.TRAIN_SHARDS)
@@ -347,6 +349,8 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]]) -> tuple[ShuffledLoade
         if _open_shards(run, run.TRAIN_SHARDS).hash != cfg0.train_shards or train_dir.hash != cfg0.train_shards:
             raise SaeflowError(f"{run.link(run.TRAIN_SHARDS)}: does not point to shards {cfg0.train_shards}")
     val_dirs = [_open_shards(run, run.VAL_SHARDS) for run, _ in group]
+    if local_copy:  # read the training shards from node-local disk (checked copy, made once per node)
+        train_dir = ShardDir(localcopy.local_copy(train_dir.dpath, local_copy))
     loader = ShuffledLoader(train_dir, cfg0.layer, cfg0.batch_size, cfg0.data_seed, tokens=cfg0.tokens)
     d_model = train_dir.metadata.d_model
     for (run, _), val_dir in zip(group, val_dirs):
@@ -357,9 +361,9 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]]) -> tuple[ShuffledLoade
     return loader, val_dirs
 
 
-def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int | None) -> list[dict]:
+def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int | None, local_copy="") -> list[dict]:
     cfg0 = group[0][1]
-    loader, val_dirs = _open_data(group)
+    loader, val_dirs = _open_data(group, local_copy)
     d_model = loader.view.d_model
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]
@@ -371,17 +375,20 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
             t.init_from_data(init_nd)
     start = min(t.step for t in trainers)
     stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
-    _run_steps(trainers, loader, start, stop, checkpoint_every)
+    stop = _run_steps(trainers, loader, start, stop, checkpoint_every)  # earlier when a stop signal came
     loader.close()
     if stop < n_steps:
         for t in trainers:
             t.checkpoint.save(t.state_dict())
+        if preempt.received():
+            raise preempt.stopped(f"resume checkpoints saved at step {stop} of {n_steps}")
         return []
     return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
 
 
-def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> None:
-    """Steps `start..stop-1` of the group: each batch is read once and fed to every trainer at that step."""
+def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> int:
+    """Steps `start..stop-1` of the group: each batch is read once and fed to every trainer at that step. Returns
+    the step reached: `stop`, or the step after which a stop signal (saeflow.preempt) came."""
     batch_size, n_steps, per_epoch = loader.batch_size, trainers[0].n_steps, len(loader)
     bar = tqdm.tqdm(total=(stop - start) * batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
     step = start
@@ -402,11 +409,14 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
                 if trainers[0].last and step % LOG_EVERY == 0:
                     last = trainers[0].last
                     bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
+                if preempt.received():
+                    stop = step
                 if step >= stop:
                     break
     finally:
         bar.close()  # the error message starts on a line of its own
     logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0_sec)
+    return stop
 
 
 def _first_vectors(loader: ShuffledLoader, n: int) -> torch.Tensor:

@@ -34,7 +34,31 @@ def register(subparsers):
     )
     p.add_argument("--device", help="override the spec's device (cpu, cuda, cuda:1, auto); not hashed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument(
+        "--part",
+        metavar="I/N",
+        type=_part_arg,
+        help="write only part I (0-based) of N: a contiguous range of whole shards, into SHARDS_ROOT/.<hash>.parts/ "
+        "(resumable; prints the part directory). Any N gives the same bytes once sealed",
+    )
+    split.add_argument(
+        "--seal",
+        metavar="N",
+        type=int,
+        help="verify the N finished parts (shard sizes, counts, sha256) and publish SHARDS_ROOT/<hash>/ in one rename",
+    )
     p.set_defaults(func=cmd_extract)
+
+
+def _part_arg(text: str) -> tuple[int, int]:
+    try:
+        part_idx, n_parts = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--part {text!r}: expected I/N, e.g. 0/4") from None
+    if n_parts < 1 or not 0 <= part_idx < n_parts:
+        raise argparse.ArgumentTypeError(f"--part {text!r}: I must be in 0..N-1")
+    return part_idx, n_parts
 
 
 def _common_args(p: argparse.ArgumentParser):
@@ -59,8 +83,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"name": name, "hash": md.hash, "metadata": md.to_dict()}, indent=2, sort_keys=True))
         return 0
     print(f"activation {name}: {md.hash}")
-    print(f"  {md.family} {md.ckpt}, layers {list(md.layers)}, {md.n_ex} examples x {md.tokens_per_ex} tokens x "
-          f"d={md.d_model} ({md.n_bytes / 2**20:,.1f} MiB in {len(md.shard_sizes)} shards)")
+    print(
+        f"  {md.family} {md.ckpt}, layers {list(md.layers)}, {md.n_ex} examples x {md.tokens_per_ex} tokens x "
+        f"d={md.d_model} ({md.n_bytes / 2**20:,.1f} MiB in {len(md.shard_sizes)} shards)"
+    )
     print(json.dumps(md.to_dict(), indent=2, sort_keys=True))
     return 0
 
@@ -85,7 +111,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
     cfg, name, spec = _spec(args)
     shards_root = args.shards_root or pathlib.Path(cfg["shards_root"])
     spec = specs.ActivationSpec.from_dict(spec)
-    result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress)
+    if args.seal is not None:
+        result = extract.seal(spec, shards_root, args.seal)
+    else:
+        result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress, part=args.part)
     if result.reused:
         print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)
     elif result.resumed_from:

@@ -88,6 +88,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.checkpoint_every < 1:
         raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
-    for result in train.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps):
+    for result in train.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy):
         print(json.dumps(result, sort_keys=True))
     return 0
