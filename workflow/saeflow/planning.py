@@ -89,12 +89,19 @@ def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
         raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
                            f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
 
+def _metadata(spec: ActivationSpec | ShardsSpec, shards_root: pathlib.Path):
+    """The shard metadata an activation plans; an existing directory (ShardsSpec) hands its own, no extraction."""
+    if isinstance(spec, ShardsSpec):
+        return spec.metadata(shards_root, expand_path)
+    return extract.plan_activation(spec)
+
+
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
-        self.metadata = {name: _typed(self._metadata, spec, f"activations.{name}")
+        self.metadata = {name: _typed(lambda s: _metadata(s, cfg.shards_root), spec, f"activations.{name}")
                          for name, spec in cfg.activations.items()}  # fmt: skip
         self.shard_hash = {name: md.hash for name, md in self.metadata.items()}
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
@@ -108,11 +115,6 @@ class WorkflowPlan:
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
         for plan in self.runs.values():
             check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
-
-    def _metadata(self, spec: ActivationSpec | ShardsSpec):
-        if isinstance(spec, ShardsSpec):  # an existing directory: its own metadata, no extraction
-            return spec.metadata(self.cfg.shards_root, expand_path)
-        return extract.plan_activation(spec)
 
     @classmethod
     def from_config(cls, config: dict) -> "WorkflowPlan":
