@@ -22,7 +22,7 @@ class Codes:
     """A batch encoded for training, and what decoding it needs."""
 
     pre_bs: torch.Tensor  # pre-activations (AuxK picks dead latents among them)
-    f_bs: torch.Tensor  # activations; for TopK a copy without gradient (metrics, firing counts)
+    f_bs: torch.Tensor | None  # activations; None for TopK, whose (vals_bk, idx_bk) carry the same information
     vals_bk: torch.Tensor | None  # TopK only: the k kept activations, with gradient
     idx_bk: torch.Tensor | None  # TopK only: their latent ids
 
@@ -32,15 +32,28 @@ class Codes:
             return sae.decode_sparse_normed(self.vals_bk, self.idx_bk, n_latents)
         return sae.decode_normed(self.f_bs, n_latents)
 
+    @torch.no_grad()
+    def fired_s(self) -> torch.Tensor:
+        """(s,) bool: the latents active on some vector of the batch."""
+        if self.idx_bk is None:
+            return (self.f_bs > 0).any(0)
+        fired_s = torch.zeros(self.pre_bs.shape[-1], dtype=torch.bool, device=self.pre_bs.device)
+        fired_s[self.idx_bk[self.vals_bk > 0]] = True
+        return fired_s
+
+    @torch.no_grad()
+    def l0(self) -> float:
+        """Mean active latents per vector."""
+        active_bk = self.f_bs > 0 if self.idx_bk is None else self.vals_bk > 0
+        return float(active_bk.sum(-1).float().mean())
+
 
 def encode(sae: SAE, xn_bd: torch.Tensor, arch: str, k: int) -> Codes:
     pre_bs = sae.pre_acts_normed(xn_bd)
     if arch != "topk":
         return Codes(pre_bs, sae.activate(pre_bs), None, None)
     vals_bk, idx_bk = pre_bs.topk(k, dim=-1, sorted=False)
-    vals_bk = torch.relu(vals_bk)
-    f_bs = torch.zeros_like(pre_bs).scatter_(-1, idx_bk, vals_bk.detach())
-    return Codes(pre_bs, f_bs, vals_bk, idx_bk)
+    return Codes(pre_bs, None, torch.relu(vals_bk), idx_bk)  # no dense (b, s) codes: the step never needs them
 
 
 def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +118,7 @@ class Loss:
     total: torch.Tensor  # what the optimizer minimizes: the sum of `terms`
     terms: dict[str, torch.Tensor]  # mse, and l1 (relu) or aux (topk, batchtopk), weights applied
     xn_hat_bd: torch.Tensor  # the full reconstruction
-    f_bs: torch.Tensor  # the activations (firing counts, the BatchTopK threshold, metrics)
+    codes: Codes  # the activations (firing counts, the BatchTopK threshold, metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,4 +139,4 @@ class Objective:
             terms["l1"] = cfg.l1_coeff * ramp * l1_penalty(sae, codes.f_bs)
         else:
             terms["aux"] = cfg.aux_alpha * aux_k_loss(sae, codes.pre_bs, xn_bd - xn_hat_bd, dead.dead_s, cfg.aux_k)
-        return Loss(sum(terms.values()), terms, xn_hat_bd, codes.f_bs)
+        return Loss(sum(terms.values()), terms, xn_hat_bd, codes)

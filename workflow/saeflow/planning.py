@@ -19,7 +19,7 @@ from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
 from saeflow.shards import parts
-from saeflow.specs import ActivationSpec, ExportSpec
+from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
 
@@ -40,7 +40,7 @@ class WorkflowConfig:
     shards_root: pathlib.Path  # where shard directories <sha256>/ are published (scratch on a cluster)
     runs_root: pathlib.Path  # where run directories <run_id>/ live (project storage on a cluster)
     summary_dir: pathlib.Path  # summary.csv and pareto.png
-    activations: dict[str, ActivationSpec]  # name -> spec; each is one content-addressed shard directory
+    activations: dict[str, ActivationSpec | ShardsSpec]  # name -> spec; each is one content-addressed shard dir
     saes: dict[str, sweeps.SAESpec]  # name -> spec; list-valued hyper-parameters expand into a sweep
     exports: dict[str, ExportSpec]  # name -> interop export
     settings: dict[str, dict]  # `train`, `inference`, `visuals`: how stages run, handed to the CLI as flags
@@ -52,7 +52,7 @@ class WorkflowConfig:
             shards_root=expand_path(config["shards_root"], "shards_root"),
             runs_root=expand_path(config["runs_root"], "runs_root"),
             summary_dir=expand_path(config["summary_dir"], "summary_dir"),
-            activations={name: _typed(ActivationSpec.from_dict, spec, f"activations.{name}")
+            activations={name: _typed(activation_from_dict, spec, f"activations.{name}")
                          for name, spec in config["activations"].items()},
             saes={name: _typed(lambda s, n=name: sweeps.SAESpec.from_dict(n, s), spec, f"saes.{name}")
                   for name, spec in config["saes"].items()},
@@ -89,12 +89,19 @@ def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
         raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
                            f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
 
+def _metadata(spec: ActivationSpec | ShardsSpec, shards_root: pathlib.Path):
+    """The shard metadata an activation plans; an existing directory (ShardsSpec) hands its own, no extraction."""
+    if isinstance(spec, ShardsSpec):
+        return spec.metadata(shards_root, expand_path)
+    return extract.plan_activation(spec)
+
+
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
     def __init__(self, cfg: WorkflowConfig):
         self.cfg = cfg
-        self.metadata = {name: _typed(extract.plan_activation, spec, f"activations.{name}")
+        self.metadata = {name: _typed(lambda s: _metadata(s, cfg.shards_root), spec, f"activations.{name}")
                          for name, spec in cfg.activations.items()}  # fmt: skip
         self.shard_hash = {name: md.hash for name, md in self.metadata.items()}
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
@@ -102,8 +109,9 @@ class WorkflowPlan:
         for name, shard_hash in self.shard_hash.items():
             self.hash_activation.setdefault(shard_hash, name)
         # Split extraction: hash -> number of part jobs (> 1 only; capped at the shard count). Not hashed.
-        self.shard_parts = {h: n for h, name in self.hash_activation.items()
-                            if (n := parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)) > 1}  # fmt: skip
+        n_parts = {h: parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)
+                   for h, name in self.hash_activation.items()}  # fmt: skip
+        self.shard_parts = {h: n for h, n in n_parts.items() if n > 1}
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
         for plan in self.runs.values():
             check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])

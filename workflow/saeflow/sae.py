@@ -161,6 +161,17 @@ class SAE(torch.nn.Module):
         self.W_dec.div_(self.W_dec.norm(dim=-1, keepdim=True).clamp_min(1e-8))
 
     @torch.no_grad()
+    def fold_decoder_norms(self) -> None:
+        """Unit decoder rows without changing the function: row j's norm moves into latent j's encoder column and
+        bias (and the BatchTopK threshold is per vector, so only ReLU SAEs may be folded; TopK would re-rank)."""
+        if self.cfg.arch != "relu":
+            raise SaeflowError(f"fold_decoder_norms is exact for relu SAEs only, not {self.cfg.arch}")
+        norms_s = self.W_dec.norm(dim=-1).clamp_min(1e-8)
+        self.W_dec.div_(norms_s[:, None])
+        self.W_enc.mul_(norms_s)
+        self.b_enc.mul_(norms_s)
+
+    @torch.no_grad()
     def remove_parallel_grad(self) -> None:
         """Drop the gradient component along each (unit) decoder row: it would only change the row's norm."""
         if self.W_dec.grad is None:

@@ -11,6 +11,8 @@ gzip-pickle, the interop engine) read their defaults from the schema too, throug
 
 import copy
 import dataclasses
+import pathlib
+import re
 import typing
 
 from saeflow import config, datasets, models
@@ -76,6 +78,43 @@ class ActivationSpec:
             n_workers=spec["n_workers"],
             parts=spec["parts"],
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardsSpec:
+    """An `activations.<name>` entry naming an existing shard directory (converted, imported, shared) instead of
+    a model and a dataset: `shards` is its path or its hash. It must lie in shards_root (as `saeflow convert
+    --shards-root` publishes it), where runs and the workflow find every shard directory by hash."""
+
+    shards: str
+    parts: int = 1  # split-extraction part jobs: an existing directory is never extracted
+
+    def metadata(self, shards_root: pathlib.Path, expand_path: typing.Callable[[str, str], pathlib.Path]):
+        """The directory's metadata (whose hash names it), after checking it is a valid shard dir in shards_root."""
+        from saeflow.shards import ShardDir  # numpy: only when a config names a directory
+
+        is_hash = re.fullmatch(r"[0-9a-f]{64}", self.shards) is not None
+        dpath = shards_root / self.shards if is_hash else expand_path(self.shards, "shards")
+        if not dpath.is_dir():
+            where = f"no directory {dpath}" + (" (a hash is looked up under shards_root)" if is_hash else "")
+            raise SaeflowError(f"shards: {where}")
+        shard_dir = ShardDir(dpath)
+        if dpath.resolve().parent != shards_root.resolve():
+            raise SaeflowError(
+                f"shards: {dpath} is not in shards_root {shards_root}; move it there (or convert with "
+                f"--shards-root {shards_root}) so runs can find it by its hash"
+            )
+        if shard_dir.metadata.hash != shard_dir.hash:
+            raise SaeflowError(f"shards: {dpath}: its metadata hashes to {shard_dir.metadata.hash}, not its name")
+        return shard_dir.metadata
+
+
+def activation_from_dict(obj: dict) -> "ActivationSpec | ShardsSpec":
+    """One `activations.<name>` entry, typed: an existing shard directory, or a model + dataset to extract."""
+    if isinstance(obj, dict) and "shards" in obj:
+        _validated(obj, "activation_spec")
+        return ShardsSpec(shards=obj["shards"])
+    return ActivationSpec.from_dict(obj)
 
 
 # ---------------------------------------------------------------------------------------------------------------

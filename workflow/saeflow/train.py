@@ -33,6 +33,8 @@ from saeflow.sweeps import TrainConfig
 logger = logging.getLogger("saeflow.train")
 
 N_INIT_VECTORS = 16384
+DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
+RELU_DECODER_INIT_NORM = 0.1  # ReLU decoder rows start this short and their norms train freely (see init_from_data)
 LOG_EVERY = 10
 TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
 
@@ -42,6 +44,29 @@ def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
     d_sae = cfg.expansion * d_model
     prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in cfg.matryoshka}))
     return SAEConfig(d_model=d_model, d_sae=d_sae, arch=cfg.arch, k=cfg.k, matryoshka=prefixes)
+
+
+def auto_lr(d_sae: int, arch: str) -> float:
+    """The default peak learning rate: 8e-4 at d_sae = 16384, scaled by 1/sqrt(d_sae); a fifth of that for ReLU.
+
+    Adam moves every weight by about lr per step whatever its gradient's size, so what matters is lr against the
+    weights' own size: a unit decoder row's (and its encoder column's) entries are about 1/sqrt(d_model), and
+    scaling lr with them keeps the relative step (how fast a latent's direction turns) the same across widths at a
+    fixed expansion (sparsify scales its default the same way). ReLU rows start ten times shorter (see
+    `init_from_data`), so the same lr would turn them ten times faster; 0.2x was best on the planted dictionary
+    (benchmarks/bench_planted.py). 4e-4 (the old fixed default) left TopK at 1% and ReLU at 0% of a planted
+    dictionary in 256 steps where sparsify's defaults reach 75%.
+    """
+    lr = 8e-4 * math.sqrt(16384 / d_sae)
+    return 0.2 * lr if arch == "relu" else lr
+
+
+def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
+    """Steps a latent must stay silent to count as dead: `dead_after_vectors` in steps, or by default a tenth of
+    the run (so AuxK can revive latents in short runs too), at most 10M vectors (long runs: OpenAI's window)."""
+    if cfg.dead_after_vectors is not None:
+        return max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
+    return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
@@ -165,15 +190,25 @@ class Trainer:
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
         self.checkpoint = Checkpoint(run)
         self.sae = SAE(sae_config(cfg, d_model)).to(device).train()
-        self.opt = torch.optim.Adam(self.sae.parameters(), lr=cfg.lr)
+        self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae, cfg.arch)
+        self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
         self.step = 0
-        self.dead = DeadLatents(self.sae.d_sae, max(1, -(-cfg.dead_after_vectors // cfg.batch_size)), device)
+        self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}  # the latest metrics record (for the progress bar)
 
     @torch.no_grad()
     def init_from_data(self, x_nd: torch.Tensor) -> None:
-        """Scale so mean ||x||^2 = d_model; b_dec = mean; random unit decoder rows; encoder = decoder transpose."""
+        """Scale so mean ||x||^2 = d_model; b_dec = mean; random decoder rows; encoder = decoder transpose.
+
+        TopK/BatchTopK decoder rows are unit vectors and stay so (the top-k choice keeps codes honest). ReLU rows
+        start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
+        rescaling games nothing), as in Anthropic's April 2024 update and sae-lens: with unit rows, pre-activations
+        start at the data's own scale (about 1 in normalized space) and Adam, which moves each weight by about lr
+        per step, cannot bring the encoder biases down far enough to sparsify in a short run; the codes stay dense
+        and the decoder rows never leave their random init (0 of 1,024 planted atoms recovered).
+        The norms are folded back into the encoder when the SAE is published (`SAE.fold_decoder_norms`).
+        """
         sae = self.sae
         x_nd = x_nd.to(self.device, torch.float32)
         mean_sq = x_nd.square().sum(-1).mean()
@@ -184,6 +219,8 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.seed)
         sae.W_dec.copy_(torch.randn(sae.d_sae, sae.d_model, generator=gen))
         sae.normalize_decoder()
+        if self.cfg.arch == "relu":
+            sae.W_dec.mul_(RELU_DECODER_INIT_NORM)
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.zero_()
 
@@ -205,18 +242,22 @@ class Trainer:
     def train_step(self, x_bd: torch.Tensor) -> None:
         sae = self.sae
         for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, self.n_steps, self.cfg.lr, self.cfg.lr_warmup_frac)
+            group["lr"] = lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
         loss = self.objective(sae, x_bd, self.step, self.dead)
         self.opt.zero_grad(set_to_none=True)
         loss.total.backward()
-        sae.remove_parallel_grad()
+        unit_rows = self.cfg.arch != "relu"  # see init_from_data
+        if unit_rows:
+            sae.remove_parallel_grad()
         self.opt.step()
-        sae.normalize_decoder()
+        if unit_rows:
+            sae.normalize_decoder()
         with torch.no_grad():
-            fired_s = (loss.f_bs > 0).any(0)
+            fired_s = loss.codes.fired_s()
             self.dead.update(fired_s)
             if self.cfg.arch == "batchtopk":  # inference threshold: running mean of the smallest kept activation
-                min_kept = loss.f_bs[loss.f_bs > 0].min() if fired_s.any() else sae.threshold
+                f_bs = loss.codes.f_bs
+                min_kept = f_bs[f_bs > 0].min() if fired_s.any() else sae.threshold
                 sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
@@ -232,13 +273,15 @@ class Trainer:
             "loss": float(loss.total),
             **{name: float(value) for name, value in loss.terms.items()},
             "nmse": batch_nmse(x_bd * self.sae.scale, loss.xn_hat_bd),
-            "l0": float((loss.f_bs > 0).sum(-1).float().mean()),
+            "l0": loss.codes.l0(),
             "n_dead": int(self.dead.dead_s.sum()),
         }
 
     def finish(self, val_dir: ShardDir) -> dict:
         """Validation metrics in raw space, then the run's final files (sae.pt last)."""
         self.sae.eval()
+        if self.cfg.arch == "relu":
+            self.sae.fold_decoder_norms()  # sae.pt always has unit decoder rows
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
         self.sae.cpu()

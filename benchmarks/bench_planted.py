@@ -1,0 +1,139 @@
+"""Does every architecture learn a planted dictionary? saeflow beside sae-lens and sparsify, same data, same steps.
+
+    python benchmarks/bench_planted.py [--d-model 256] [--n-atoms 1024] [--n-active 8] [--batch-size 4096]
+                                       [--steps 512] [--l1 0.5,1,2,5] [--peers] [--only relu,topk,...]
+
+Data: `benchmarks/planted.py` (unit atoms, `n_active` per vector, coefficients in [0.5, 2.5]); every trainer reads
+the identical stream of `steps` batches. Each SAE has d_sae = n_atoms (expansion n_atoms / d_model) and k =
+n_active. saeflow trains with its real `Trainer.train_step` at its defaults (lr null = auto, warm-ups, AuxK); ReLU
+is swept over `--l1` and its best point (most atoms recovered) is shown, as is sae-lens' over the same grid.
+
+Peers (`--peers`) run in a subprocess (`_planted_peers.py`) with SAELens and sparsify on PYTHONPATH (the dir of
+tests/_sae_peers.py's install, `$SAEFLOW_TEST_CACHE`, default ~/.cache/saeflow-tests/sae-lens-6.54.12+eai-sparsify-
+1.3.3), each with its own training code and defaults: sae-lens' `SAETrainer` (lr 3e-4, decoder init norm 0.1);
+sparsify's SAE, loss (FVU + AuxK) and default optimizer (schedule-free SignSGD, lr 5e-3 / sqrt(d_sae / 2^14)).
+
+Printed: per architecture the recovered fraction (an atom is recovered when some decoder row has cosine > 0.9
+with it), the mean max cosine, NMSE and L0 on a held-out batch, and the ratio recovered / best peer's recovered.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import planted  # noqa: E402
+from saeflow import runs, sweeps, train  # noqa: E402
+
+PEERS_DNAME = "sae-lens-6.54.12+eai-sparsify-1.3.3"
+SAEFLOW_ARCHS = {
+    "relu": dict(arch="relu"),
+    "topk": dict(arch="topk"),
+    "batchtopk": dict(arch="batchtopk"),
+    "matryoshka-batchtopk": dict(arch="batchtopk", matryoshka=(0.25,)),
+}
+
+
+def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> dict:
+    """One saeflow SAE trained with `Trainer.train_step` on the planted stream; its scores."""
+    d_model, n_atoms = atoms_ad.shape[1], atoms_ad.shape[0]
+    spec = dict(
+        trainer=sweeps.TRAINER, train_shards="planted", val_shards="planted", layer=0, tokens="all", arch="topk",
+        expansion=max(1, n_atoms // d_model), k=args.n_active, matryoshka=(), l1_coeff=5.0, aux_k=256,
+        aux_alpha=1 / 32, dead_after_vectors=10_000_000, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.05,
+        batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=seed, data_seed=0,
+    )  # fmt: skip
+    spec.update(overrides)
+    cfg = sweeps.TrainConfig(**spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = runs.Run(pathlib.Path(tmp))
+        run.checkpoint_dpath.mkdir()
+        trainer = train.Trainer(run, cfg, d_model, n_steps, torch.device("cpu"))
+        trainer.init_from_data(planted.batch(atoms_ad, args.n_active, 16384, args.seed, n_steps + 1))
+        for step in range(n_steps):
+            trainer.train_step(planted.batch(atoms_ad, args.n_active, args.batch_size, args.seed, step))
+        sae = trainer.sae.eval()
+        if cfg.arch == "relu":
+            sae.fold_decoder_norms()
+        with torch.no_grad():
+            x_bd = planted.batch(atoms_ad, args.n_active, args.batch_size, args.seed, n_steps + 2)
+            x_hat_bd, f_bs = sae(x_bd)
+        return {**planted.score(atoms_ad, sae.W_dec.detach()), **planted.nmse_l0(x_bd, x_hat_bd, f_bs)}
+
+
+def run_peers(args, n_steps: int) -> dict:
+    cache = pathlib.Path(os.environ.get("SAEFLOW_TEST_CACHE", pathlib.Path.home() / ".cache" / "saeflow-tests"))
+    peers_dpath = cache / PEERS_DNAME
+    if not peers_dpath.is_dir():
+        sys.exit(f"{peers_dpath}: no SAELens/sparsify install (run tests/test_sae_interop.py once, or drop --peers)")
+    job = {**vars(args), "n_steps": n_steps}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(peers_dpath), str(pathlib.Path(__file__).parent)])}
+    script = pathlib.Path(__file__).parent / "_planted_peers.py"
+    proc = subprocess.run([sys.executable, str(script), json.dumps(job)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"peer training failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def best_of(results: list[dict]) -> dict:
+    return max(results, key=lambda r: (r["recovered"], r["mean_max_cos"]))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-atoms", type=int, default=1024)
+    parser.add_argument("--n-active", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=512)
+    parser.add_argument("--l1", default="1,2,5", help="ReLU L1 coefficients swept (saeflow and sae-lens)")
+    parser.add_argument("--seed", type=int, default=0, help="data seed")
+    parser.add_argument("--only", default=",".join(SAEFLOW_ARCHS), help="architectures to run")
+    parser.add_argument("--peers", action="store_true", help="also train sae-lens and sparsify")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    atoms_ad = planted.dictionary(args.d_model, args.n_atoms, args.seed)
+    n_steps = args.steps
+    print(
+        f"planted: d {args.d_model}, {args.n_atoms} atoms, {args.n_active} active, {n_steps} steps of "
+        f"{args.batch_size} ({n_steps * args.batch_size:,} vectors), torch threads {torch.get_num_threads()}"
+    )
+    rows = {}
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        if name == "relu":
+            sweep = [dict(train_saeflow(atoms_ad, args, n_steps, l1_coeff=float(c), **SAEFLOW_ARCHS[name]), l1=c)
+                     for c in args.l1.split(",")]  # fmt: skip
+            rows[f"saeflow {name}"] = best_of(sweep)
+        else:
+            rows[f"saeflow {name}"] = train_saeflow(atoms_ad, args, n_steps, **SAEFLOW_ARCHS[name])
+        rows[f"saeflow {name}"]["sec"] = time.perf_counter() - t0
+        print(f"  saeflow {name}: {rows[f'saeflow {name}']}", flush=True)
+    peers = run_peers(args, n_steps) if args.peers else {}
+    _print_table(rows, peers)
+
+
+def _print_table(rows: dict, peers: dict) -> None:
+    print(f"\n{'SAE':34s} {'recovered':>9s} {'mean max cos':>12s} {'NMSE':>7s} {'L0':>7s}  vs best peer")
+    for name, r in {**rows, **peers}.items():
+        arch = name.split(" ", 1)[1].split(" ")[0]
+        same = [p["recovered"] for n, p in peers.items() if n.split(" ", 1)[1].split(" ")[0] == arch]
+        ratio = f"{r['recovered'] / max(same):.2f}x" if name in rows and same and max(same) > 0 else ""
+        extra = f" (l1 {r['l1']})" if "l1" in r else ""
+        print(
+            f"{name + extra:34s} {r['recovered']:9.1%} {r['mean_max_cos']:12.3f} {r['nmse']:7.3f} {r['l0']:7.1f}  "
+            f"{ratio}"
+        )
+
+
+if __name__ == "__main__":
+    main()
