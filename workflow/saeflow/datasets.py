@@ -82,8 +82,28 @@ def _limit(items: list, n_ex: int | None, where: str) -> list:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class _ImageGeometry:
+    """What both preprocessing rules share: masks and the visuals' view follow the same resize and crop as the
+    pixels (each rule defines `_geometry(img, resample)`)."""
+
+    patch_size: int
+
+    def patch_labels(self, mask, rule: str = "majority", background: int = 0) -> np.ndarray:
+        """Label mask (PIL, mode L/P/I) -> uint8 (n_patches,), row-major patch order like the ViT."""
+        from PIL import Image
+
+        m_hw = np.asarray(self._geometry(mask, Image.Resampling.NEAREST))
+        return patch_labels(m_hw, self.patch_size, rule, background)
+
+    def view(self, img):
+        """The image as the model sees it (before normalization), for visuals."""
+        from PIL import Image
+
+        return self._geometry(img.convert("RGB"), Image.Resampling.BICUBIC)
+
+
 @dataclasses.dataclass(frozen=True)
-class Preprocess:
+class Preprocess(_ImageGeometry):
     """How pixels reach the model; hashed inside `data` as `preprocess`."""
 
     resize_size: int
@@ -93,8 +113,7 @@ class Preprocess:
     std: tuple[float, ...]
     resample: str = "bicubic"
 
-    def _resize_crop(self, img, resample):
-
+    def _geometry(self, img, resample):
         w, h = img.size
         scale = self.resize_size / min(w, h)
         new_w, new_h = max(self.image_size, round(w * scale)), max(self.image_size, round(h * scale))
@@ -106,29 +125,16 @@ class Preprocess:
         """RGB PIL image -> normalized float32 (3, image_size, image_size)."""
         from PIL import Image
 
-        x_hwc = np.asarray(self._resize_crop(img.convert("RGB"), Image.Resampling.BICUBIC), dtype=np.float32) / 255.0
+        x_hwc = np.asarray(self._geometry(img.convert("RGB"), Image.Resampling.BICUBIC), dtype=np.float32) / 255.0
         x_hwc = (x_hwc - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
         return np.ascontiguousarray(x_hwc.transpose(2, 0, 1))
-
-    def patch_labels(self, mask, rule: str = "majority", background: int = 0) -> np.ndarray:
-        """Label mask (PIL, mode L/P/I) -> uint8 (n_patches,), row-major patch order like the ViT."""
-        from PIL import Image
-
-        m_hw = np.asarray(self._resize_crop(mask, Image.Resampling.NEAREST))
-        return patch_labels(m_hw, self.patch_size, rule, background)
-
-    def view(self, img):
-        """The image as the model sees it (before normalization), for visuals."""
-        from PIL import Image
-
-        return self._resize_crop(img.convert("RGB"), Image.Resampling.BICUBIC)
 
     def hashed(self) -> dict:
         return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
-class ProcessorPreprocess:
+class ProcessorPreprocess(_ImageGeometry):
     """The checkpoint's own image processor (`transformers.AutoImageProcessor`): stored activations are those of
     `model(**processor(images))`. Its preprocessor_config.json is hashed inside `data` as `preprocess.settings`;
     masks follow the same geometry (resize as `size` says, center crop as `crop_size` says) with nearest neighbour."""
@@ -184,17 +190,6 @@ class ProcessorPreprocess:
             top, left = (img.size[1] - crop_h) // 2, (img.size[0] - crop_w) // 2
             img = img.crop((left, top, left + crop_w, top + crop_h))
         return img
-
-    def patch_labels(self, mask, rule: str = "majority", background: int = 0) -> np.ndarray:
-        from PIL import Image
-
-        m_hw = np.asarray(self._geometry(mask, Image.Resampling.NEAREST))
-        return patch_labels(m_hw, self.patch_size, rule, background)
-
-    def view(self, img):
-        from PIL import Image
-
-        return self._geometry(img.convert("RGB"), Image.Resampling.BICUBIC)
 
     def hashed(self) -> dict:
         sizes = {"image_size": self.image_size, "patch_size": self.patch_size}

@@ -35,7 +35,7 @@ import typing
 
 from saeflow.atomic import write_file_atomic
 from saeflow.errors import SaeflowError
-from saeflow.hashing import canonical_json
+from saeflow.hashing import canonical_json, file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -193,15 +193,10 @@ def _hash_files(root: pathlib.Path, todo: list[_Entry], progress: bool) -> dict[
     bar = tqdm(total=n_bytes, unit="B", unit_scale=True, desc=f"fingerprint {root}", disable=not progress, delay=1.0)
     with bar:
         for i, entry in enumerate(todo):
-            h = hashlib.sha256()
             try:
-                with open(entry.path, "rb") as fd:
-                    while chunk := fd.read(16 << 20):
-                        h.update(chunk)
-                        bar.update(len(chunk))
+                digests[entry.line] = bytes.fromhex(file_sha256(entry.path, progress=bar.update))
             except OSError as err:
                 raise SaeflowError(f"{entry.path}: unreadable ({err.strerror})") from None
-            digests[entry.line] = h.digest()
             if i % 1024 == 0:
                 bar.set_postfix_str(f"{i + 1}/{len(todo)} files", refresh=False)
     return digests
