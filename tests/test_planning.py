@@ -63,14 +63,32 @@ def test_each_job_config_holds_only_what_that_job_reads_and_is_rewritten_only_on
     assert written["activations"]["text"] == smallest_config()["activations"]["text"]
 
 
-def test_targets_are_every_runs_checkpoint_every_dumps_visuals_and_the_summary():
-    plan = WorkflowPlan.from_config(smallest_config())
+def test_targets_are_every_runs_checkpoint_every_dumps_visuals_and_the_summary(tmp_path):
+    plan = WorkflowPlan.from_config(smallest_config(tmp_path))
     targets = plan.targets()
-    assert len(targets) == 3 * len(plan.runs) + 2
+    passes = set(plan.train_passes.values())  # nothing trained yet: every run is in a pass
+    assert sorted(map(len, passes)) == [1, 2], passes  # the 2-point TopK sweep in one, the other SAE alone
+    assert len(targets) == 2 * len(plan.runs) + len(passes) + 2
     for run_id in plan.runs:
-        assert {plan.run(run_id).config_fpath, plan.run(run_id).sae_fpath} <= set(targets)
+        assert plan.run(run_id).config_fpath in targets
+        assert plan.run(plan.trained_by(run_id)).sae_fpath in targets  # the pass's representative stands for it
     for run_id, shard_hash in plan.dumps():
         assert plan.run(run_id).dump(shard_hash).index_fpath in targets
+
+
+def test_passes_are_made_of_untrained_runs_that_read_identical_batches(tmp_path):
+    cfg = smallest_config(tmp_path)
+    cfg["train"]["runs_per_pass"] = 1
+    assert sorted(map(len, WorkflowPlan.from_config(cfg).train_passes.values())) == [1, 1, 1]
+    plan = WorkflowPlan.from_config(smallest_config(tmp_path))
+    (sweep,) = {members for members in plan.train_passes.values() if len(members) == 2}
+    assert sweep[-1] == min(sweep)  # the representative (its sae.pt is published last) is the smallest run id
+    for run_id in sweep:  # once trained, a run is in no pass and stands for itself
+        plan.run(run_id).sae_fpath.parent.mkdir(parents=True)
+        plan.run(run_id).sae_fpath.write_bytes(b"trained")
+    plan = WorkflowPlan.from_config(smallest_config(tmp_path))
+    assert not set(sweep) & set(plan.train_passes) and all(plan.trained_by(run_id) == run_id for run_id in sweep)
+    assert len(plan.train_passes) == 1  # the other SAE, still untrained
 
 
 def test_a_purged_shard_directory_is_reported_for_the_runs_built_on_it(tmp_path):

@@ -93,11 +93,13 @@ def dry_run(workdir, cfg: dict, *args, **kwargs) -> set[str]:
 
 
 def new_run_jobs(plan: WorkflowPlan, run_ids) -> set[str]:
-    """The jobs of runs not made yet: create_run, train, inference, evaluate (and the summary, and `all`)."""
-    jobs = {"summary", "all"}
-    for run_id in run_ids:
-        jobs |= {f"create_run:{run_id}", f"train:{run_id}"} | checkpoint_jobs(plan, run_id)
-    return jobs
+    """The jobs of runs not made yet: create_run, inference, evaluate (and the summary, and `all`), and one train
+    job per pass: new runs that read identical batches train together, in the job of the smallest run id."""
+    jobs, passes = {"summary", "all"}, {}
+    for run_id in sorted(run_ids):
+        passes.setdefault(plan.runs[run_id].train_config.loader_key(), run_id)
+        jobs |= {f"create_run:{run_id}"} | checkpoint_jobs(plan, run_id)
+    return jobs | {f"train:{run_id}" for run_id in passes.values()}
 
 
 def checkpoint_jobs(plan: WorkflowPlan, run_id: str) -> set[str]:

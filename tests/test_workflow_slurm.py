@@ -13,15 +13,20 @@ import sys
 import pytest
 import yaml
 
-from saeflow import cli
+from saeflow import cli, runs, train
 from saeflow.commands.workflow import install_profile
 from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
 
 
-def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets):
-    """Snakemake with `profile` against the fake Slurm commands; the sbatch command lines, keyed by rule (a list)."""
+def _snakemake_output(tmp_path) -> str:
+    return (tmp_path / "slurm" / "snakemake.out").read_text()
+
+
+def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, **env_extra):
+    """Snakemake with `profile` against the fake Slurm commands; the sbatch command lines, keyed by rule (a list).
+    Snakemake's output is kept in slurm/snakemake.out."""
     state = tmp_path / "slurm"
     state.mkdir(exist_ok=True)
     proc = subprocess.run(
@@ -35,11 +40,13 @@ def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets):
             PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}",
             FAKE_SLURM_DIR=str(state),
             FAKE_SLURM_ACCOUNT="PAS1234",
+            **env_extra,
         ),
         capture_output=True,
         text=True,
         timeout=300,
     )
+    (state / "snakemake.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     calls = [json.loads(line) for line in (state / "sbatch_calls.jsonl").read_text().splitlines()]
     by_rule = {}
@@ -50,11 +57,36 @@ def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets):
     return by_rule
 
 
-def test_osc_profile_submits_gpu_jobs_and_completes(tmp_path):
+def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_warning_signal(tmp_path):
+    """The whole workflow through the profile; the training job gets Slurm's warning signal (USR1, asked for with
+    --signal) from the fake scheduler once its first resume checkpoint exists, saves and fails, and Snakemake's
+    retry (with a longer time limit) resumes it to the weights of an uninterrupted run."""
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
     cfg = tiny_config(k=(4,))
+    cfg["saes"]["topk"]["n_epochs"] = 60  # 180 steps: the signal comes long before the end
+    cfg["train"] = {"checkpoint_every": 5}
     config_fpath = write_config(tmp_path, cfg)
-    by_rule = {rule: lines[0] for rule, lines in _run_through_fake_slurm(tmp_path, profile, config_fpath).items()}
+    lines_by_rule = _run_through_fake_slurm(
+        tmp_path, profile, config_fpath, FAKE_SLURM_SIGNAL_WHEN=str(tmp_path / "ess" / "*" / "checkpoint" / "resume.pt")
+    )
+    (sent,) = [json.loads(line) for line in (tmp_path / "slurm" / "signals.jsonl").read_text().splitlines()]
+    assert sent["signal"] == "SIGUSR1" and not sent["batch_only"] and sent["to"], sent
+    first, retry = lines_by_rule["train"]  # the signalled attempt and its retry, with a longer time limit
+    assert "-t 720" in first and "-t 1440" in retry, (first, retry)
+    stopped = re.search(
+        r"stopped by SIGUSR1: resume checkpoints saved at step (\d+) of 180", _snakemake_output(tmp_path)
+    )
+    assert stopped, "the failed attempt's log (show-failed-logs) says where it stopped"
+    (run_dpath,) = (p.parents[1] for p in (tmp_path / "ess").glob("*/checkpoint/sae.pt"))
+    (train_log,) = (tmp_path / "logs" / "train").iterdir()  # the retry's
+    assert f"resuming at step {stopped.group(1)} of 180" in train_log.read_text()
+    alone = runs.create_run(tmp_path / "alone", json.loads((run_dpath / "checkpoint" / "config.json").read_text()),
+                            train_shards=(run_dpath / "links" / "train-shards").resolve(),
+                            val_shards=(run_dpath / "links" / "val-shards").resolve())  # fmt: skip
+    train.train_runs([alone.root], device="cpu")
+    assert (run_dpath / "checkpoint" / "sae.pt").read_bytes() == alone.sae_fpath.read_bytes()
+
+    by_rule = {rule: lines[0] for rule, lines in lines_by_rule.items()}
     # create_run and summary are local rules: they never reach Slurm.
     assert set(by_rule) == {"extract", "train", "inference", "evaluate"}, sorted(by_rule)
     for line in by_rule.values():

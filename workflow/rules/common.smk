@@ -98,6 +98,43 @@ def get_shards_if_missing(output_fpath, *activations):
     ]
 
 
+def get_pass(run_id):
+    """The runs trained in `run_id`'s job (one pass over the data), the representative last; itself once trained."""
+    return PLAN.train_passes.get(run_id, (run_id,))
+
+
+def pass_representative_regex():
+    """Run ids whose sae.pt the train job makes: any but a pass member other than its representative (that member's
+    checkpoint comes from the representative's job, so no second job may make, delete or redo it).
+    """
+    members = "|".join(
+        r for r, run_ids in PLAN.train_passes.items() if run_ids[-1] != r
+    )
+    return f"(?!{members})[0-9a-f]{{64}}" if members else "[0-9a-f]{64}"
+
+
+def get_pass_configs(run_id):
+    return [ancient(PLAN.run(member).config_fpath) for member in get_pass(run_id)]
+
+
+def get_pass_shards(run_id):
+    """Every member's train and val shards.json while its sae.pt is missing (get_shards_if_missing)."""
+    shards = []
+    for member in get_pass(run_id):
+        plan = PLAN.runs[member]
+        member_shards = get_shards_if_missing(
+            PLAN.run(member).sae_fpath, plan.train_activation, plan.val_activation
+        )
+        shards += [f for f in member_shards if f not in shards]
+    return shards
+
+
+def get_trained_sae(wildcards):
+    """The sae.pt a job reading run `wildcards.run_id`'s checkpoint waits for: its pass's representative's while
+    it is untrained (that job trains it too), its own once trained."""
+    return PLAN.run(PLAN.trained_by(wildcards.run_id)).sae_fpath
+
+
 def get_settings_flags(section):
     """A settings section of the config (train, inference, visuals) as CLI flags (defaults left out)."""
     return saeflow_config.section_flags(section, PLAN.cfg.settings[section])

@@ -1,14 +1,14 @@
 # Evaluation: every run's SAE spliced into its model on the run's validation activation spec (CE loss recovered
 # and KL for causal LMs, embedding similarity for encoders and vision towers). Path: saeflow.layout.RunLayout.
 # The job gets the per-shard config of the validation activations; saeflow checks it plans the run's val_shards.
-# The evaluation records the sha256 of the sae.pt it scored, and sae.pt is a plain input, so a retrained checkpoint
+# The evaluation records the sha256 of the sae.pt it scored, and sae.pt is a plain input (get_trained_sae), so a retrained checkpoint
 # is evaluated again in the same call; the `evaluate` settings are in .snakemake/saeflow/stages/evaluate.json, an
 # input rewritten only when they change (the workflow's rerun trigger is mtime: docs/workflow.md).
 
 
 rule evaluate:
     input:
-        sae=RUNS.sae_fpath,
+        sae=get_trained_sae,
         run_config=ancient(RUNS.config_fpath),
         settings=get_cli_config("stages", "evaluate"),
     output:

@@ -6,7 +6,7 @@
 # as flags; they are also in .snakemake/saeflow/stages/inference.json, an input rewritten only when they change, so
 # changing one reruns this job (the workflow's rerun trigger is mtime: docs/workflow.md).
 # No stale dumps: the dump records the sha256 of the sae.pt it used (config.json `sae_sha256`), and sae.pt is a
-# plain input, so a retrained checkpoint reruns this job in the same call (and the summary after it). The outputs
+# plain input (while the run is untrained, its pass representative's: get_trained_sae), so a retrained checkpoint reruns this job in the same call (and the summary after it). The outputs
 # are update(): Snakemake does not delete files inside the read-only dump; saeflow replaces a stale dump or
 # drawing atomically (--replace-stale, --force) and reuses an identical one. The outputs are then touched, so their
 # time stamps say the job ran, and made writable by their owner: Snakemake refuses to rerun a job whose outputs
@@ -16,7 +16,7 @@
 
 rule inference:
     input:
-        sae=RUNS.sae_fpath,
+        sae=get_trained_sae,
         run_config=ancient(RUNS.config_fpath),
         settings=get_cli_config("stages", "inference"),
         shards=lambda wc: get_shards_if_missing(

@@ -4,6 +4,11 @@
 # A job asks for its shard directories (ancient) only while its own output is missing (get_shards_if_missing), so a
 # shard directory purged from scratch, or a moved shards_root, is extracted again only for a job that must read
 # its bytes; complete runs are never touched. Training depends on the run's own config.json (ancient).
+# One pass, one job: untrained runs that read identical batches (same train shards, layer, tokens, batch size, data
+# seed and length) train together, up to `train.runs_per_pass` (WorkflowPlan.train_passes). The job is the
+# pass's representative run's; it declares that run's sae.pt, which saeflow publishes after every other member's,
+# and the jobs that read a member's checkpoint ask for the representative's (get_trained_sae). Trained runs are in
+# no pass: a new sweep point trains alone (or with other new points), never the existing ones.
 
 
 rule create_run:
@@ -37,23 +42,21 @@ rule create_run:
 
 rule train:
     input:
-        config=ancient(RUNS.config_fpath),
-        shards=lambda wc: get_shards_if_missing(
-            PLAN.run(wc.run_id).sae_fpath,
-            PLAN.runs[wc.run_id].train_activation,
-            PLAN.runs[wc.run_id].val_activation,
-        ),
+        configs=lambda wc: get_pass_configs(wc.run_id),
+        shards=lambda wc: get_pass_shards(wc.run_id),
     output:
         RUNS.sae_fpath,
     log:
         "logs/train/{run_id}.log",
     wildcard_constraints:
-        run_id="[0-9a-f]{64}",
+        run_id=pass_representative_regex(),
     conda:
         SAEFLOW_ENV
     threads: 2
     params:
-        run=lambda wc: PLAN.run(wc.run_id).root,
+        runs=lambda wc: [
+            f"--run={PLAN.run(member).root}" for member in get_pass(wc.run_id)
+        ],
         settings=get_settings_flags("train"),
     shell:
-        "saeflow train --run {params.run:q} {params.settings:q} >{log:q} 2>&1"
+        "saeflow train {params.runs:q} {params.settings:q} >{log:q} 2>&1"

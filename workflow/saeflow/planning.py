@@ -11,6 +11,7 @@ datasets, never weights or activations. Paths come from `saeflow.layout`; nothin
 """
 
 import dataclasses
+import functools
 import getpass
 import os
 import pathlib
@@ -135,6 +136,16 @@ class WorkflowPlan:
         """(run_id, shard_hash) of every inference dump: each run on its validation activations."""
         return [(run_id, self.shard_hash[plan.val_activation]) for run_id, plan in self.runs.items()]
 
+    @functools.cached_property
+    def train_passes(self) -> dict[str, tuple[str, ...]]:
+        """Run id -> the runs trained with it in one job, for every run untrained when first asked (one snapshot,
+        so every job of a Snakemake invocation sees the same passes; see `train_passes`)."""
+        return train_passes(self)
+
+    def trained_by(self, run_id: str) -> str:
+        """The run whose sae.pt stands for `run_id`'s training: its pass's representative, or itself once trained."""
+        return self.train_passes.get(run_id, (run_id,))[-1]
+
     def export_dpath(self, name: str) -> pathlib.Path:
         return expand_path(self.cfg.exports[name].out_dpath(name), f"exports.{name}.out")
 
@@ -149,7 +160,8 @@ class WorkflowPlan:
         """What `snakemake` builds by default: every run's config and checkpoint (so a purged one is made again,
         not left missing behind its up-to-date dump), every dump's visuals, the summary, every export."""
         return [
-            *(path for run_id in self.runs for path in (self.run(run_id).config_fpath, self.run(run_id).sae_fpath)),
+            *(self.run(run_id).config_fpath for run_id in self.runs),
+            *dict.fromkeys(self.run(self.trained_by(run_id)).sae_fpath for run_id in self.runs),
             *(self.run(run_id).dump(shard_hash).index_fpath for run_id, shard_hash in self.dumps()),
             *self.summary_fpaths(),
             *(self.export_marker(name) for name in self.cfg.exports),
@@ -158,34 +170,8 @@ class WorkflowPlan:
     # -- the configs each job hands to the CLI ----------------------------------------------------------------
 
     def cli_configs(self) -> dict[pathlib.Path, dict]:
-        """Relative path -> content of every per-job config, each named by what it holds (hash, run id, export).
-
-        A job's command line then depends on its own hash only, so renaming an activation or editing an SAE never
-        looks like a change to a protected shard directory.
-        """
-        raw = self.cfg.raw
-        roots = {"shards_root": str(self.cfg.shards_root), "runs_root": str(self.cfg.runs_root)}
-        configs = {}
-        for shard_hash, name in self.hash_activation.items():
-            configs[self.cli_config("shards", shard_hash)] = {**roots, "activations": {name: raw["activations"][name]}}
-        for run_id, plan in self.runs.items():
-            names = (plan.train_activation, plan.val_activation)
-            configs[self.cli_config("runs", run_id)] = {
-                **roots,
-                "activations": {name: raw["activations"][name] for name in names},
-                "saes": {plan.sae_name: raw["saes"][plan.sae_name]},
-            }
-        for name in self.cfg.exports:
-            configs[self.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
-        # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):
-        # the settings of inference and visuals, and the runs and names the summary shows.
-        configs[self.cli_config("stages", "inference")] = {s: self.cfg.settings[s] for s in ("inference", "visuals")}
-        configs[self.cli_config("stages", "evaluate")] = {"evaluate": self.cfg.settings["evaluate"]}
-        configs[self.cli_config("stages", "summary")] = {
-            "runs": sorted(str(self.run(run_id).root) for run_id in self.runs),
-            "labels": {run_id: f"{plan.sae_name}[{plan.index}]" for run_id, plan in sorted(self.runs.items())},
-        }
-        return configs
+        """Relative path -> content of every per-job config (see `cli_configs`)."""
+        return cli_configs(self)
 
     @staticmethod
     def cli_config(kind: str, key: str) -> pathlib.Path:
@@ -240,3 +226,57 @@ def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
                 "runs are kept as they are; the directory is extracted again only if a job still needs it."
             )
     return warnings
+
+
+def train_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
+    """Run id -> the runs trained with it in one job (one pass over the data), for every run not yet trained.
+
+    Untrained runs (no sae.pt) that read identical batches (`TrainConfig.loader_key`) are taken in run-id order and
+    cut into passes of at most `train.runs_per_pass`. Trained runs are in no pass, so adding a sweep point never
+    retrains an existing one. Each pass is listed with its representative (its smallest run id) last: that run's
+    sae.pt is the job's declared output, and `saeflow train` publishes it last, so its presence means the whole
+    pass is done.
+    """
+    untrained: dict[tuple, list[str]] = {}
+    for run_id in sorted(plan.runs):
+        if not plan.run(run_id).sae_fpath.exists():
+            untrained.setdefault(plan.runs[run_id].train_config.loader_key(), []).append(run_id)
+    size, passes = plan.cfg.settings["train"]["runs_per_pass"], {}
+    for run_ids in untrained.values():
+        for first in range(0, len(run_ids), size):
+            members = (*run_ids[first + 1 : first + size], run_ids[first])
+            passes.update(dict.fromkeys(members, members))
+    return passes
+
+
+def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
+    """Relative path -> content of every per-job config, each named by what it holds (hash, run id, export).
+
+    A job's command line then depends on its own hash only, so renaming an activation or editing an SAE never
+    looks like a change to a protected shard directory.
+    """
+    raw = plan.cfg.raw
+    roots = {"shards_root": str(plan.cfg.shards_root), "runs_root": str(plan.cfg.runs_root)}
+    configs = {}
+    for shard_hash, name in plan.hash_activation.items():
+        configs[plan.cli_config("shards", shard_hash)] = {**roots, "activations": {name: raw["activations"][name]}}
+    for run_id, run_plan in plan.runs.items():
+        names = (run_plan.train_activation, run_plan.val_activation)
+        configs[plan.cli_config("runs", run_id)] = {
+            **roots,
+            "activations": {name: raw["activations"][name] for name in names},
+            "saes": {run_plan.sae_name: raw["saes"][run_plan.sae_name]},
+        }
+    for name in plan.cfg.exports:
+        configs[plan.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
+    # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):
+    # the settings of inference and visuals, and the runs and names the summary shows.
+    configs[plan.cli_config("stages", "inference")] = {
+        section: plan.cfg.settings[section] for section in ("inference", "visuals")
+    }
+    configs[plan.cli_config("stages", "evaluate")] = {"evaluate": plan.cfg.settings["evaluate"]}
+    configs[plan.cli_config("stages", "summary")] = {
+        "runs": sorted(str(plan.run(run_id).root) for run_id in plan.runs),
+        "labels": {run_id: f"{p.sae_name}[{p.index}]" for run_id, p in sorted(plan.runs.items())},
+    }
+    return configs

@@ -311,13 +311,16 @@ def train_runs(
     checkpoint_every: int = TRAIN_DEFAULTS["checkpoint_every"],
     max_steps: int | None = None,
     local_copy: str = "",
+    runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"],
 ) -> list[dict]:
     """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
 
-    `max_steps` stops after that many steps (with a resume checkpoint), for tests and time-limited jobs.
-    `local_copy` (e.g. "$TMPDIR") reads the training shards from a node-local copy (saeflow.localcopy).
-    Returns the final validation metrics of runs that finished. Each run's lock (`RunLayout.lock_fpath`) is held
-    throughout, so a second trainer of the same run waits and then finds it done.
+    Runs that read identical batches (`TrainConfig.loader_key`) train in one pass, at most `runs_per_pass` at a
+    time, in the order given: each publishes its own sae.pt, in that order. `max_steps` stops after that many steps
+    (with a resume checkpoint), for tests and time-limited jobs. `local_copy` (e.g. "$TMPDIR") reads the training
+    shards from a node-local copy (saeflow.localcopy). Returns the final validation metrics of runs that finished.
+    Each run's lock (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then
+    finds it done.
     """
     dev = devices.resolve_device(device)
     opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
@@ -333,7 +336,9 @@ def train_runs(
             todo.setdefault(cfg.loader_key(), []).append((run, cfg))
         results = []
         for group in todo.values():
-            results.extend(_train_group(group, dev, checkpoint_every, max_steps, local_copy))
+            for first in range(0, len(group), runs_per_pass):
+                chunk = group[first : first + runs_per_pass]
+                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy))
     return results
 
 

@@ -33,7 +33,8 @@ def register(subparsers):
         help="train SAE runs (resumes after a crash); several runs on the same data share one pass",
         description="Train each --run (a directory made by create-run) to checkpoint/sae.pt, writing "
         "checkpoint/metrics.jsonl during training and checkpoint/metrics.json (validation) at the end. "
-        "Runs that read the same shards, layer, tokens, batch size and data seed train in one pass over the data. "
+        "Runs that read the same shards, layer, tokens, batch size and data seed train in one pass over the data "
+        "(at most --runs-per-pass of them), each publishing its own sae.pt in the order given. "
         "A resume checkpoint is saved every --checkpoint-every steps; rerunning after a kill continues from it and "
         "reaches the same final weights. Finished runs are skipped.",
     )
@@ -88,6 +89,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.checkpoint_every < 1:
         raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
-    for result in train.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy):
+    results = train.train_runs(
+        args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy, args.runs_per_pass
+    )
+    for result in results:
         print(json.dumps(result, sort_keys=True))
     return 0
