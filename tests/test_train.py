@@ -72,6 +72,31 @@ def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
     assert train.train_runs([run.root]) == [] and run.sae_fpath.stat().st_mtime_ns == mtime
 
 
+@pytest.mark.parametrize("aux_alpha, revived", [(0.0, False), (1 / 32, True)], ids=["no-handling", "ghost-auxk"])
+def test_dead_relu_latents_come_back(tmp_path, planted, monkeypatch, aux_alpha, revived):
+    """Half the latents of a ReLU SAE start dead (encoder bias -4: negative pre-activations on every input, where
+    ReLU passes no gradient). Without dead-latent handling they stay dead; with it (AuxK through softplus once
+    they have been silent for the dead window) they fire again by the end."""
+    init = train.Trainer.init_from_data
+
+    def init_half_dead(self, x_nd):
+        init(self, x_nd)
+        with torch.no_grad():
+            self.sae.b_enc[::2] = -4.0
+
+    monkeypatch.setattr(train.Trainer, "init_from_data", init_half_dead)
+    sd, _ = planted
+    run = run_from_sae_spec(tmp_path, sd, arch="relu", expansion=2, batch_size=128, n_epochs=2,
+                            dead_after_vectors=2048, aux_alpha=aux_alpha)  # fmt: skip
+    train.train_runs([run.root], device="cpu")
+    sae = load_sae(run.sae_fpath)
+    x_nd = torch.from_numpy(sd.acts(0).reshape(-1, 64).copy())
+    with torch.no_grad():
+        fired_s = (sae(x_nd)[1] > 0).any(0)
+    n_revived = int(fired_s[::2].sum())
+    assert (n_revived >= 0.5 * fired_s[::2].numel()) if revived else n_revived == 0, n_revived
+
+
 def _cfg(**saes):
     """The typed SAE specs of a config holding `saes` (validated, so with the schema's defaults)."""
     cfg = config.validate({"activations": {}, "saes": saes})

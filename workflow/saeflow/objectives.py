@@ -95,17 +95,21 @@ class DeadLatents:
 
 
 def aux_k_loss(
-    sae: SAE, pre_bs: torch.Tensor, resid_bd: torch.Tensor, dead_s: torch.Tensor, aux_k: int
+    sae: SAE, pre_bs: torch.Tensor, resid_bd: torch.Tensor, dead_s: torch.Tensor, aux_k: int, ghost: bool = False
 ) -> torch.Tensor:
     """AuxK: the top-`aux_k` dead latents reconstruct the residual, so dead latents get gradient again.
 
     Normalized by the residual's energy, so the weight `aux_alpha` does not depend on how well the SAE does.
+    `ghost` (ReLU SAEs): the dead latents act through softplus instead of ReLU. A ReLU latent is dead because its
+    pre-activation is negative on every input, where ReLU passes no gradient at all; softplus passes a small one
+    of the right sign, which Adam (a step of about lr whatever the gradient's size) turns into a real move
+    (Anthropic's ghost grads use exp the same way).
     """
     n_dead = int(dead_s.sum())
     if n_dead == 0:
         return torch.zeros((), device=pre_bs.device)
     vals_bk, idx_bk = pre_bs.masked_fill(~dead_s, -math.inf).topk(min(aux_k, n_dead), dim=-1, sorted=False)
-    vals_bk = torch.relu(vals_bk)
+    vals_bk = torch.nn.functional.softplus(vals_bk) if ghost else torch.relu(vals_bk)
     resid_bd = resid_bd.detach()
     err = (sae.decode_sparse_normed(vals_bk, idx_bk) - sae.b_dec - resid_bd).square().sum(-1).mean()
     return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
@@ -137,6 +141,8 @@ class Objective:
         if cfg.arch == "relu":
             ramp = l1_ramp(step, self.n_steps, cfg.sparsity_warmup_frac)
             terms["l1"] = cfg.l1_coeff * ramp * l1_penalty(sae, codes.f_bs)
-        else:
-            terms["aux"] = cfg.aux_alpha * aux_k_loss(sae, codes.pre_bs, xn_bd - xn_hat_bd, dead.dead_s, cfg.aux_k)
+        resid_bd = xn_bd - xn_hat_bd
+        terms["aux"] = cfg.aux_alpha * aux_k_loss(
+            sae, codes.pre_bs, resid_bd, dead.dead_s, cfg.aux_k, ghost=cfg.arch == "relu"
+        )
         return Loss(sum(terms.values()), terms, xn_hat_bd, codes)

@@ -16,7 +16,7 @@ import typing
 from saeflow import runs
 from saeflow.errors import SaeflowError
 
-TRAINER = "saeflow-train-2"  # bump when the training maths change, so old run ids are not reused
+TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val")
 
 
@@ -74,7 +74,7 @@ class TrainConfig:
     aux_k: int
     aux_alpha: float
     dead_after_vectors: int | None  # None: train.dead_after_steps' default
-    lr: float | None  # None: train.auto_lr(d_sae, arch)
+    lr: float | None  # None: train.auto_lr(d_sae)
     lr_warmup_frac: float
     sparsity_warmup_frac: float
     batch_size: int

@@ -21,7 +21,7 @@ import typing
 import torch
 import tqdm
 
-from saeflow import atomic, config, devices, localcopy, preempt, runs
+from saeflow import atomic, config, devices, localcopy, preempt, runs, tracking
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
@@ -46,19 +46,20 @@ def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
     return SAEConfig(d_model=d_model, d_sae=d_sae, arch=cfg.arch, k=cfg.k, matryoshka=prefixes)
 
 
-def auto_lr(d_sae: int, arch: str) -> float:
-    """The default peak learning rate: 8e-4 at d_sae = 16384, scaled by 1/sqrt(d_sae); a fifth of that for ReLU.
+def auto_lr(d_sae: int) -> float:
+    """The default peak learning rate of every architecture: 8e-4 at d_sae = 16384, scaled by 1/sqrt(d_sae).
 
     Adam moves every weight by about lr per step whatever its gradient's size, so what matters is lr against the
     weights' own size: a unit decoder row's (and its encoder column's) entries are about 1/sqrt(d_model), and
     scaling lr with them keeps the relative step (how fast a latent's direction turns) the same across widths at a
-    fixed expansion (sparsify scales its default the same way). ReLU rows start ten times shorter (see
-    `init_from_data`), so the same lr would turn them ten times faster; 0.2x was best on the planted dictionary
-    (benchmarks/bench_planted.py). 4e-4 (the old fixed default) left TopK at 1% and ReLU at 0% of a planted
-    dictionary in 256 steps where sparsify's defaults reach 75%.
+    fixed expansion (sparsify scales its default the same way). 4e-4 (an older fixed default) left TopK at 1% of a
+    planted dictionary in 256 steps where sparsify's defaults reach 75%. ReLU, whose decoder rows start at norm 0.1,
+    once got a fifth of this (to turn its short rows no faster than TopK's unit ones); that left its encoder biases
+    too slow to sparsify the codes in a short run: 11% of the planted dictionary at L0 70 (true 8), against 91% at
+    L0 13 with the full rate (benchmarks/bench_planted.py, d 128, 512 atoms, 1M vectors; 2x the rate gave 96%,
+    0.5x 87%).
     """
-    lr = 8e-4 * math.sqrt(16384 / d_sae)
-    return 0.2 * lr if arch == "relu" else lr
+    return 8e-4 * math.sqrt(16384 / d_sae)
 
 
 def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
@@ -190,12 +191,13 @@ class Trainer:
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
         self.checkpoint = Checkpoint(run)
         self.sae = SAE(sae_config(cfg, d_model)).to(device).train()
-        self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae, cfg.arch)
+        self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
         self.step = 0
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}  # the latest metrics record (for the progress bar)
+        self.tracker = tracking.Tracker([])  # W&B / TensorBoard mirrors of the metrics, opened by `_train_group`
 
     @torch.no_grad()
     def init_from_data(self, x_nd: torch.Tensor) -> None:
@@ -263,6 +265,7 @@ class Trainer:
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = self._record(x_bd, loss)
             self.checkpoint.log(self.last)
+            self.tracker.log(self.last)
 
     @torch.no_grad()
     def _record(self, x_bd: torch.Tensor, loss: Loss) -> dict:
@@ -286,6 +289,7 @@ class Trainer:
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
         self.sae.cpu()
         self.checkpoint.publish(result, self.sae)
+        self.tracker.close(final=result)
         return result
 
 
@@ -312,13 +316,15 @@ def train_runs(
     max_steps: int | None = None,
     local_copy: str = "",
     runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"],
+    tracking_settings: tracking.Settings | None = None,
 ) -> list[dict]:
     """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
 
     Runs that read identical batches (`TrainConfig.loader_key`) train in one pass, at most `runs_per_pass` at a
     time, in the order given: each publishes its own sae.pt, in that order. `max_steps` stops after that many steps
     (with a resume checkpoint), for tests and time-limited jobs. `local_copy` (e.g. "$TMPDIR") reads the training
-    shards from a node-local copy (saeflow.localcopy). Returns the final validation metrics of runs that finished.
+    shards from a node-local copy (saeflow.localcopy). `tracking_settings` mirrors the metrics to W&B/TensorBoard
+    (saeflow.tracking). Returns the final validation metrics of runs that finished.
     Each run's lock (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then
     finds it done.
     """
@@ -338,7 +344,7 @@ def train_runs(
         for group in todo.values():
             for first in range(0, len(group), runs_per_pass):
                 chunk = group[first : first + runs_per_pass]
-                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy))
+                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy, tracking_settings))
     return results
 
 
@@ -366,7 +372,7 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str = "") 
     return loader, val_dirs
 
 
-def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int | None, local_copy="") -> list[dict]:
+def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local_copy="", tracking_settings=None):
     cfg0 = group[0][1]
     loader, val_dirs = _open_data(group, local_copy)
     d_model = loader.view.d_model
@@ -380,15 +386,19 @@ def _train_group(group, dev: torch.device, checkpoint_every: int, max_steps: int
             t.init_from_data(init_nd)
     start = min(t.step for t in trainers)
     stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
-    stop = _run_steps(trainers, loader, start, stop, checkpoint_every)  # earlier when a stop signal came
-    loader.close()
-    if stop < n_steps:
+    with contextlib.ExitStack() as trackers:
         for t in trainers:
-            t.checkpoint.save(t.state_dict())
-        if preempt.received():
-            raise preempt.stopped(f"resume checkpoints saved at step {stop} of {n_steps}")
-        return []
-    return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
+            t.tracker = tracking.open_tracker(tracking_settings, t.run, t.step)
+            trackers.callback(t.tracker.close)  # stopped or failed: closed without a final record
+        stop = _run_steps(trainers, loader, start, stop, checkpoint_every)  # earlier when a stop signal came
+        loader.close()
+        if stop < n_steps:
+            for t in trainers:
+                t.checkpoint.save(t.state_dict())
+            if preempt.received():
+                raise preempt.stopped(f"resume checkpoints saved at step {stop} of {n_steps}")
+            return []
+        return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
 
 
 def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> int:

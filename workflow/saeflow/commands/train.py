@@ -89,8 +89,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.checkpoint_every < 1:
         raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
+    from saeflow import tracking
+
+    settings = tracking.Settings.from_section(
+        {"tracking": args.tracking, "tracking_dir": args.tracking_dir, "wandb_project": args.wandb_project}
+    )
     results = train.train_runs(
-        args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy, args.runs_per_pass
+        args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy, args.runs_per_pass, settings
     )
     for result in results:
         print(json.dumps(result, sort_keys=True))

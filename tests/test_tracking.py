@@ -1,0 +1,100 @@
+"""Optional tracking (saeflow.tracking): TensorBoard event files and an offline W&B run hold the metrics.jsonl
+records; a stopped and resumed run logs no step twice; a missing package is one line."""
+
+import json
+import pathlib
+import struct
+import sys
+
+import pytest
+
+from builders import planted_data, run_from_sae_spec, write_shards
+from saeflow import cli
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("wandb")
+
+SPEC = dict(arch="topk", k=2, expansion=2, batch_size=32, n_epochs=1)  # 32 steps: metrics at 10, 20, 30, 32
+
+
+@pytest.fixture
+def shard_dir(tmp_path):
+    x_nd, _ = planted_data(1024, d_model=16, n_atoms=16, k=2, seed=3)
+    return write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=64, tag="t")
+
+
+def _train(run, tracking_dpath, *extra):
+    argv = ["train", "--run", str(run.root), "--device", "cpu", "--tracking-dir", str(tracking_dpath), *extra]
+    return cli.main(argv)
+
+
+def _logged(run) -> dict[int, float]:
+    lines = [json.loads(line) for line in run.metrics_log_fpath.read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if not line.get("final")}
+
+
+def test_tensorboard_holds_the_metrics_and_a_resumed_run_logs_each_step_once(tmp_path, shard_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = run_from_sae_spec(tmp_path / "runs", shard_dir, **SPEC)
+    assert _train(run, tmp_path / "tb", "--tracking", "tensorboard", "--max-steps", "25") == 0  # stops at 25
+    assert _train(run, tmp_path / "tb", "--tracking", "tensorboard", "--checkpoint-every", "5") == 0  # resumes
+    events = EventAccumulator(str(tmp_path / "tb" / run.root.name / "tensorboard"))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == sorted(_logged(run)) == [10, 20, 30, 32]
+    assert [e.value for e in loss] == pytest.approx([_logged(run)[e.step] for e in loss], rel=1e-6)
+    (val_nmse,) = events.Scalars("val/nmse")
+    final = json.loads(run.final_metrics_fpath.read_text())
+    assert val_nmse.step == 32 and val_nmse.value == pytest.approx(final["nmse"], rel=1e-6)
+
+
+def _wandb_records(fpath: pathlib.Path):
+    """The protobuf records of a .wandb file: a 7-byte W&B header, then LevelDB-log records (32 KiB blocks, each
+    chunk headed by checksum, length and type: 1 full, 2 first, 3 middle, 4 last)."""
+    data = fpath.read_bytes()
+    assert data[:4] == b":W&B", fpath
+    pos, block_bytes, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block_bytes - pos % block_bytes < 7:  # a block's tail too short for a header is padding
+            pos += block_bytes - pos % block_bytes
+            continue
+        _, n_bytes, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + n_bytes], pos + 7 + n_bytes
+        if kind == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            yield buf
+
+
+def test_an_offline_wandb_run_holds_the_metrics(tmp_path, shard_dir, monkeypatch):
+    from wandb.proto import wandb_internal_pb2
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = run_from_sae_spec(tmp_path / "runs", shard_dir, **SPEC)
+    assert _train(run, tmp_path / "wb", "--tracking", "wandb", "--wandb-project", "planted") == 0
+    (log_fpath,) = (tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run.root.name[:32]}/run-*.wandb")
+    history, summary = {}, {}
+    for data in _wandb_records(log_fpath):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        kind = record.WhichOneof("record_type")
+        items = record.history.item if kind == "history" else record.summary.update if kind == "summary" else []
+        values = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+        if kind == "history" and "train/loss" in values:
+            history[values["_step"]] = values["train/loss"]
+        elif kind == "summary":
+            summary.update(values)
+    assert history == pytest.approx(_logged(run), rel=1e-6)
+    assert summary["val/nmse"] == pytest.approx(json.loads(run.final_metrics_fpath.read_text())["nmse"], rel=1e-6)
+
+
+def test_a_missing_tracking_package_is_one_line(tmp_path, shard_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    run = run_from_sae_spec(tmp_path / "runs", shard_dir, **SPEC)
+    assert _train(run, tmp_path / "wb", "--tracking", "wandb") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "saeflow train: error: train.tracking: wandb is not installed; pip install 'saeflow[tracking]'"
+    assert not run.sae_fpath.exists()
