@@ -9,7 +9,6 @@ Shapes: b batch, d d_model, s d_sae latents, k active latents per vector, z dead
 """
 
 import dataclasses
-import math
 
 import torch
 
