@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import cli, config, shards, sweeps, train
+from saeflow import cli, config, objectives, shards, sweeps, train
 from saeflow.errors import SaeflowError
 from saeflow.layout import RunLayout, ShardLayout
-from saeflow.sae import load_sae
+from saeflow.sae import SAE, SAEConfig, load_sae
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +70,38 @@ def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
     # Done runs are skipped, nothing is rewritten.
     mtime = run.sae_fpath.stat().st_mtime_ns
     assert train.train_runs([run.root]) == [] and run.sae_fpath.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("ghost", [False, True], ids=["relu", "softplus"])
+@pytest.mark.parametrize("dead_frac", [0.25, 1.0])
+def test_aux_k_loss_and_its_gradients_match_the_plain_definition(ghost, dead_frac):
+    """AuxK works on the dead latents' columns and decodes them with one dense product (objectives.aux_k_loss);
+    loss and gradients equal the plain definition: mask the live latents, top-aux_k, activate, decode them all."""
+    torch.manual_seed(0)
+    sae = SAE(SAEConfig(d_model=16, d_sae=64, arch="topk", k=4))
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.normal_()
+    x_bd, resid_bd = torch.randn(32, 16), torch.randn(32, 16)
+    dead_s = torch.zeros(64, dtype=torch.bool)
+    dead_s[:: round(1 / dead_frac)] = True
+    act = torch.nn.functional.softplus if ghost else torch.relu
+
+    def plain():
+        pre_bs = sae.pre_acts_normed(x_bd)
+        vals_bk, idx_bk = pre_bs.masked_fill(~dead_s, -float("inf")).topk(8, dim=-1)
+        f_bs = torch.zeros_like(pre_bs).scatter(1, idx_bk, act(vals_bk))
+        return (f_bs @ sae.W_dec - resid_bd).square().sum(-1).mean() / resid_bd.square().sum(-1).mean()
+
+    losses, grads = [], []
+    for loss_fn in (plain, lambda: objectives.aux_k_loss(sae, sae.pre_acts_normed(x_bd), resid_bd, dead_s, 8, ghost)):
+        sae.zero_grad()
+        losses.append(loss_fn())
+        losses[-1].backward()
+        grads.append([param.grad.clone() for param in (sae.W_enc, sae.b_enc, sae.W_dec, sae.b_dec)])
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5)
+    for plain_grad, grad in zip(*grads):
+        assert torch.allclose(plain_grad, grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("aux_alpha, revived", [(0.0, False), (1 / 32, True)], ids=["no-handling", "ghost-auxk"])
