@@ -75,7 +75,7 @@ def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
 @pytest.mark.parametrize("ghost", [False, True], ids=["relu", "softplus"])
 @pytest.mark.parametrize("dead_frac", [0.25, 1.0])
 def test_aux_k_loss_and_its_gradients_match_the_plain_definition(ghost, dead_frac):
-    """AuxK works on the dead latents' columns and decodes them with one dense product (objectives.aux_k_loss);
+    """AuxK picks among the dead latents' columns and decodes them with one dense product (objectives.aux_k_loss);
     loss and gradients equal the plain definition: mask the live latents, top-aux_k, activate, decode them all."""
     torch.manual_seed(0)
     sae = SAE(SAEConfig(d_model=16, d_sae=64, arch="topk", k=4))
@@ -94,7 +94,12 @@ def test_aux_k_loss_and_its_gradients_match_the_plain_definition(ghost, dead_fra
         return (f_bs @ sae.W_dec - resid_bd).square().sum(-1).mean() / resid_bd.square().sum(-1).mean()
 
     losses, grads = [], []
-    for loss_fn in (plain, lambda: objectives.aux_k_loss(sae, sae.pre_acts_normed(x_bd), resid_bd, dead_s, 8, ghost)):
+    def ours():
+        pre_bs = sae.pre_acts_normed(x_bd)
+        dead_z, pick_bk = objectives.pick_dead(pre_bs, dead_s, 8)
+        return objectives.aux_k_loss(sae, pre_bs.gather(1, dead_z[pick_bk]), dead_z, pick_bk, resid_bd, ghost)
+
+    for loss_fn in (plain, ours):
         sae.zero_grad()
         losses.append(loss_fn())
         losses[-1].backward()

@@ -47,12 +47,21 @@ class Codes:
         return float(active_bk.sum(-1).float().mean())
 
 
-def encode(sae: SAE, xn_bd: torch.Tensor, arch: str, k: int) -> Codes:
-    pre_bs = sae.pre_acts_normed(xn_bd)
+def encode(sae: SAE, pre_bs: torch.Tensor, arch: str, k: int, aux_ids_bk: torch.Tensor | None):
+    """The batch's codes, and the pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
+
+    TopK chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching the
+    (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
+    """
     if arch != "topk":
-        return Codes(pre_bs, sae.activate(pre_bs), None, None)
-    vals_bk, idx_bk = pre_bs.topk(k, dim=-1, sorted=False)
-    return Codes(pre_bs, None, torch.relu(vals_bk), idx_bk)  # no dense (b, s) codes: the step never needs them
+        aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
+        return Codes(pre_bs, sae.activate(pre_bs), None, None), aux_pre_bk
+    with torch.no_grad():
+        idx_bk = pre_bs.topk(k, dim=-1, sorted=False).indices
+    if aux_ids_bk is None:
+        return Codes(pre_bs, None, torch.relu(pre_bs.gather(1, idx_bk)), idx_bk), None
+    vals_bk, aux_pre_bk = pre_bs.gather(1, torch.cat([idx_bk, aux_ids_bk], 1)).split([k, aux_ids_bk.shape[1]], 1)
+    return Codes(pre_bs, None, torch.relu(vals_bk), idx_bk), aux_pre_bk  # no dense (b, s) codes: never needed
 
 
 def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,26 +102,32 @@ class DeadLatents:
         self.since_fired_s[fired_s] = 0
 
 
+@torch.no_grad()
+def pick_dead(pre_bs: torch.Tensor, dead_s: torch.Tensor, aux_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AuxK's choice: the dead latents (z,) and, per vector, the `aux_k` of them with the highest pre-activations
+    (b, k: positions among the dead); None when no latent is dead. The search runs on the dead latents' columns
+    only, so it costs in proportion to how many are dead."""
+    dead_z = dead_s.nonzero().squeeze(1)
+    if dead_z.numel() == 0:
+        return dead_z, None
+    return dead_z, pre_bs.index_select(1, dead_z).topk(min(aux_k, dead_z.numel()), dim=-1, sorted=False).indices
+
+
 def aux_k_loss(
-    sae: SAE, pre_bs: torch.Tensor, resid_bd: torch.Tensor, dead_s: torch.Tensor, aux_k: int, ghost: bool = False
+    sae: SAE, aux_pre_bk: torch.Tensor, dead_z: torch.Tensor, pick_bk: torch.Tensor, resid_bd: torch.Tensor,
+    ghost: bool = False,
 ) -> torch.Tensor:
-    """AuxK: the top-`aux_k` dead latents reconstruct the residual, so dead latents get gradient again.
+    """AuxK: the picked dead latents (`pick_dead`; their pre-activations `aux_pre_bk`) reconstruct the residual, so
+    dead latents get gradient again.
 
     Normalized by the residual's energy, so the weight `aux_alpha` does not depend on how well the SAE does.
     `ghost` (ReLU SAEs): the dead latents act through softplus instead of ReLU. A ReLU latent is dead because its
     pre-activation is negative on every input, where ReLU passes no gradient at all; softplus passes a small one
     of the right sign, which Adam (a step of about lr whatever the gradient's size) turns into a real move
-    (Anthropic's ghost grads use exp the same way).
-    The work is on the dead latents' columns only (z: the dead latents), so it costs in proportion to how many
-    are dead; their codes decode with one dense product, cheaper than a sparse decode of aux_k per vector.
+    (Anthropic's ghost grads use exp the same way). The codes decode over the dead latents' rows with one dense
+    product, cheaper than a sparse decode of aux_k per vector.
     """
-    dead_z = dead_s.nonzero().squeeze(1)
-    if dead_z.numel() == 0:
-        return torch.zeros((), device=pre_bs.device)
-    with torch.no_grad():  # which latents: no gradient flows through the choice, only through their values
-        pick_bk = pre_bs.index_select(1, dead_z).topk(min(aux_k, dead_z.numel()), dim=-1, sorted=False).indices
-    vals_bk = pre_bs.gather(1, dead_z[pick_bk])
-    vals_bk = torch.nn.functional.softplus(vals_bk) if ghost else torch.relu(vals_bk)
+    vals_bk = torch.nn.functional.softplus(aux_pre_bk) if ghost else torch.relu(aux_pre_bk)
     codes_bz = vals_bk.new_zeros(vals_bk.shape[0], dead_z.numel()).scatter(1, pick_bk, vals_bk)
     resid_bd = resid_bd.detach()
     err = (codes_bz @ sae.W_dec.index_select(0, dead_z) - resid_bd).square().sum(-1).mean()
@@ -139,14 +154,17 @@ class Objective:
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
         cfg = self.cfg
         xn_bd = x_bd * sae.scale
-        codes = encode(sae, xn_bd, cfg.arch, cfg.k)
+        pre_bs = sae.pre_acts_normed(xn_bd)
+        dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
+        codes, aux_pre_bk = encode(sae, pre_bs, cfg.arch, cfg.k, None if pick_bk is None else dead_z[pick_bk])
         mse, xn_hat_bd = reconstruction_loss(sae, codes, xn_bd)
         terms = {"mse": mse}
         if cfg.arch == "relu":
             ramp = l1_ramp(step, self.n_steps, cfg.sparsity_warmup_frac)
             terms["l1"] = cfg.l1_coeff * ramp * l1_penalty(sae, codes.f_bs)
-        resid_bd = xn_bd - xn_hat_bd
-        terms["aux"] = cfg.aux_alpha * aux_k_loss(
-            sae, codes.pre_bs, resid_bd, dead.dead_s, cfg.aux_k, ghost=cfg.arch == "relu"
-        )
+        terms["aux"] = torch.zeros((), device=x_bd.device)
+        if pick_bk is not None:
+            ghost = cfg.arch == "relu"
+            aux = aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, xn_bd - xn_hat_bd, ghost)
+            terms["aux"] = cfg.aux_alpha * aux
         return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
