@@ -430,7 +430,7 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
                     break
     finally:
         bar.close()  # the error message starts on a line of its own
-    logger.info("trained %d steps in %.1f s", stop - start, time.perf_counter() - t0_sec)
+    logger.info("trained %d steps in %.2f s", stop - start, time.perf_counter() - t0_sec)
     return stop
 
 
