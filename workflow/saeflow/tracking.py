@@ -81,6 +81,7 @@ class _TensorBoard:
     def log(self, record: dict) -> None:
         for key, value in _scalars(record).items():
             self.writer.add_scalar(f"train/{key}", value, record["step"])
+        self.writer.flush()  # on disk like its metrics.jsonl line: a kill loses no step before the resume point
 
     def close(self, final: dict | None) -> None:
         if final is not None:
