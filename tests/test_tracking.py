@@ -1,5 +1,6 @@
 """Optional tracking (saeflow.tracking): TensorBoard event files and an offline W&B run hold the metrics.jsonl
-records; a stopped and resumed run logs no step twice; a missing package is one line."""
+records; a run killed after a logged step and resumed from an earlier one logs no step twice; a missing package
+is one line."""
 
 import json
 import pathlib
@@ -29,20 +30,35 @@ def _train(run, tracking_dpath, *extra):
 
 
 def _logged(run) -> dict[int, float]:
+    """metrics.jsonl's loss per logged step (one line per step: the log is cut back to the resume point)."""
     lines = [json.loads(line) for line in run.metrics_log_fpath.read_text().splitlines()]
+    steps = [line["step"] for line in lines if not line.get("final")]
+    assert len(steps) == len(set(steps))
     return {line["step"]: line["loss"] for line in lines if not line.get("final")}
 
 
-def test_tensorboard_holds_the_metrics_and_a_resumed_run_logs_each_step_once(tmp_path, shard_dir):
+def _train_killed_and_resumed(run, tracking_dpath, *backend, before_resume=lambda: None):
+    """Train with a kill after step 25 whose last resume point was step 10 (a logged step), then to the end: steps
+    10 and 20 reach the trackers before the kill, 20, 30 and 32 after it."""
+    track = ["--tracking", *backend]
+    assert _train(run, tracking_dpath, *track, "--max-steps", "10") == 0  # resume point at step 10
+    kept = run.resume_fpath.read_bytes()
+    assert _train(run, tracking_dpath, *track, "--max-steps", "15") == 0  # logs step 20, stops at 25
+    run.resume_fpath.write_bytes(kept)  # as if SIGKILLed at step 25 with its last checkpoint at step 10
+    before_resume()
+    assert _train(run, tracking_dpath, *track) == 0
+    assert sorted(_logged(run)) == [10, 20, 30, 32]
+
+
+def test_tensorboard_holds_the_metrics_and_a_killed_run_logs_each_step_once(tmp_path, shard_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = run_from_sae_spec(tmp_path / "runs", shard_dir, **SPEC)
-    assert _train(run, tmp_path / "tb", "--tracking", "tensorboard", "--max-steps", "25") == 0  # stops at 25
-    assert _train(run, tmp_path / "tb", "--tracking", "tensorboard", "--checkpoint-every", "5") == 0  # resumes
+    _train_killed_and_resumed(run, tmp_path / "tb", "tensorboard")
     events = EventAccumulator(str(tmp_path / "tb" / run.root.name / "tensorboard"))
     events.Reload()
     loss = events.Scalars("train/loss")
-    assert [e.step for e in loss] == sorted(_logged(run)) == [10, 20, 30, 32]
+    assert [e.step for e in loss] == [10, 20, 30, 32]  # step 10 (the resume point) kept, step 20 once
     assert [e.value for e in loss] == pytest.approx([_logged(run)[e.step] for e in loss], rel=1e-6)
     (val_nmse,) = events.Scalars("val/nmse")
     final = json.loads(run.final_metrics_fpath.read_text())
@@ -68,25 +84,33 @@ def _wandb_records(fpath: pathlib.Path):
             yield buf
 
 
-def test_an_offline_wandb_run_holds_the_metrics(tmp_path, shard_dir, monkeypatch):
+def test_offline_wandb_runs_hold_the_metrics_and_a_killed_run_logs_each_step_once(tmp_path, shard_dir, monkeypatch):
     from wandb.proto import wandb_internal_pb2
 
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # offline by default (saeflow's choice), then by WANDB_MODE
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = run_from_sae_spec(tmp_path / "runs", shard_dir, **SPEC)
-    assert _train(run, tmp_path / "wb", "--tracking", "wandb", "--wandb-project", "planted") == 0
-    (log_fpath,) = (tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run.root.name[:32]}/run-*.wandb")
-    history, summary = {}, {}
-    for data in _wandb_records(log_fpath):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
-        kind = record.WhichOneof("record_type")
-        items = record.history.item if kind == "history" else record.summary.update if kind == "summary" else []
-        values = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
-        if kind == "history" and "train/loss" in values:
-            history[values["_step"]] = values["train/loss"]
-        elif kind == "summary":
-            summary.update(values)
+    offline = lambda: monkeypatch.setenv("WANDB_MODE", "offline")  # noqa: E731
+    _train_killed_and_resumed(run, tmp_path / "wb", "wandb", "--wandb-project", "planted", before_resume=offline)
+    # An offline run cannot resume: one offline run directory per start, all with the run's W&B id.
+    log_fpaths = sorted((tmp_path / "wb" / "wandb").glob(f"offline-run-*-{run.root.name[:32]}*/run-*.wandb"))
+    assert len(log_fpaths) == 3
+    steps, history, summary = [], {}, {}
+    for log_fpath in log_fpaths:
+        for data in _wandb_records(log_fpath):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                assert record.run.project == "planted"
+            items = record.history.item if kind == "history" else record.summary.update if kind == "summary" else []
+            values = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+            if kind == "history" and "train/loss" in values:
+                steps.append(values["_step"])
+                history[values["_step"]] = values["train/loss"]
+            elif kind == "summary":
+                summary.update(values)
+    assert sorted(steps) == [10, 20, 30, 32]  # step 20, logged before the kill and again after it, once
     assert history == pytest.approx(_logged(run), rel=1e-6)
     assert summary["val/nmse"] == pytest.approx(json.loads(run.final_metrics_fpath.read_text())["nmse"], rel=1e-6)
 
