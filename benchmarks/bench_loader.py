@@ -10,7 +10,8 @@ its example's index in its first component), then measures, in one run and on th
                       windows of 4 blocks); then the plan alone for other buffer sizes, on this directory
                       and on a larger one (index space only), and at saev's default reservoir size (64 batches)
   seq cold / warm     16 MiB sequential reads into a reused buffer, dd-style (the limit for streaming the data)
-  loader warm         ShuffledLoader epoch from the page cache: vectors/s (target >= 1M at d=768) and GB/s
+  loader warm         ShuffledLoader epochs from the page cache: vectors/s (target >= 1M at d=768) and GB/s, the
+                      median of --warm-epochs epochs (a shared VM's speed drifts between epochs)
   loader cold         the same after evicting the files (posix_fadvise DONTNEED): ratio to seq cold (target >= 0.85)
   memmap gather cold  random 4096-row gathers through np.memmap fancy indexing (the slow path), files evicted
                       before every batch, for a few seconds
@@ -163,6 +164,7 @@ def main():
     parser.add_argument("--buffer-gib", type=float, default=1.0, help="the loader's shuffle pool (1.0, its default)")
     parser.add_argument("--big-gib", type=float, default=20.0, help="size of the plan-only mixing case (20)")
     parser.add_argument("--gather-seconds", type=float, default=3.0, help="time spent on the memmap gather (3)")
+    parser.add_argument("--warm-epochs", type=int, default=5, help="page-cache epochs timed; the median counts (5)")
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write the shards (a temp dir)")
     args = parser.parse_args()
 
@@ -179,13 +181,15 @@ def main():
         buffer_bytes = int(args.buffer_gib * (1 << 30))
         loader = ShuffledLoader(sd, 0, batch_size=args.batch_size, seed=0, buffer_bytes=buffer_bytes)
         loader_epoch(loader, 0)  # allocates the loader's pool (as any training run's first batches do)
-        t_warm, n_vec = loader_epoch(loader, 1)  # the files are in the page cache: they were just read
+        warm = [loader_epoch(loader, 1 + e) for e in range(args.warm_epochs)]  # files in the page cache: just read
+        n_vec = warm[0][1]
+        t_warm = float(np.median([t for t, _ in warm]))
         evict(sd)
-        t_cold, _ = loader_epoch(loader, 2)
-        read = distinct_read(loader, 3)
-        planned = distinct_planned(loader.plan(3), PATCHES)
+        t_cold, _ = loader_epoch(loader, args.warm_epochs + 1)
+        read = distinct_read(loader, args.warm_epochs + 2)
+        planned = distinct_planned(loader.plan(args.warm_epochs + 2), PATCHES)
         old = distinct_old_windows(loader)
-        pool_gb = loader.plan(3).n_pool * row_bytes / 1e9
+        pool_gb = loader.plan(0).n_pool * row_bytes / 1e9
         mixing_table(loader, args.big_gib, row_bytes)
         loader.close()
         gather_rows_s = memmap_gather(sd, args.gather_seconds, args.batch_size)
@@ -195,13 +199,15 @@ def main():
     seq_cold, seq_warm = n_bytes / t_seq_cold / 1e9, n_bytes / t_seq_warm / 1e9
     # The loader reads every example's content rows (CLS skipped): bytes it delivered per second.
     gb = n_vec * row_bytes / 1e9
-    print(f"\nloader pool            {pool_gb:6.2f} GB (--buffer-gib {args.buffer_gib:g}; RAM beside 4 batch buffers)")
+    print(f"\nloader pool            {pool_gb:6.2f} GB (--buffer-gib {args.buffer_gib:g}; RAM beside 4 batches and 2")
+    print("                       staging buffers of a batch)")
     print(f"distinct ex / batch    read: median {np.median(read):.0f}, 10th pct {np.percentile(read, 10):.0f}, min")
     print(f"                       {read.min()}; plan: median {np.median(planned):.0f}; uniform: {uniform:.0f};")
     print(f"                       the old window loader's policy: median {np.median(old):.0f}")
     print(f"seq read cold          {seq_cold:6.2f} GB/s")
     print(f"seq read warm          {seq_warm:6.2f} GB/s")
-    print(f"loader warm            {n_vec / t_warm / 1e6:6.2f} M vectors/s  {gb / t_warm:6.2f} GB/s")
+    print(f"loader warm            {n_vec / t_warm / 1e6:6.2f} M vectors/s  {gb / t_warm:6.2f} GB/s  (median of")
+    print(f"                       {len(warm)} epochs: " + " ".join(f"{n_vec / t / 1e6:.2f}" for t, _ in warm) + ")")
     print(f"loader cold            {n_vec / t_cold / 1e6:6.2f} M vectors/s  {gb / t_cold:6.2f} GB/s")
     print(f"memmap gather cold     {gather_rows_s / 1e6:6.4f} M vectors/s")
     print(f"ratio mixing: median distinct / uniform : {np.median(read) / uniform:.2f} (target >= 0.8)")

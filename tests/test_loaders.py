@@ -235,7 +235,7 @@ def test_plan_exactly_once_deterministic_resumable(sizes, n_tok, ex_per_block, b
     batch_size=st.integers(1, 25),
     pool_rows=st.integers(1, 60),
     start=st.integers(0, 5),
-    d=st.sampled_from([8, 256]),  # rows of 1 KiB use the pool's prebuilt row views
+    d=st.sampled_from([8, 256]),
 )
 def test_loader_reads_what_the_plan_says(
     n_ex, ex_per_shard, two_layers, tokens, ex_per_block, batch_size, pool_rows, start, d
@@ -261,6 +261,31 @@ def test_loader_reads_what_the_plan_says(
     assert len(got) == max(0, len(loader) - start)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("two_layers", [False, True])  # refills through the staging buffer; straight into slots
+def test_two_workers_never_race_on_a_slot(shards_root, two_layers):
+    """Many epochs of odd sizes (a partial last refill every epoch), each batch checked against its plan: a worker
+    refilling a slot that the other has yet to gather, gathering one before its refill, or reusing the buffer of a
+    batch the consumer still holds shows up here."""
+    n_ex, Tx, d = 150, 9, 64
+    ex, layer, tok = np.meshgrid(np.arange(n_ex), np.arange(1 + two_layers), np.arange(Tx), indexing="ij")
+    acts_nltd = ((ex * 1000 + layer * 100 + tok)[..., None] + np.arange(d) / 1000).astype(np.float32)
+    layers = (3, 7)[: 1 + two_layers]
+    sd = write_shards(shards_root, acts_nltd, layers=layers, cls_token=True, ex_per_shard=41)
+    vectors = acts_nltd[:, -1, 1:].reshape(-1, d)
+    for batch_size in (37, 64):
+        loader = ShuffledLoader(sd, layers[-1], batch_size, seed=3, block_bytes=5 * Tx * d * 4, buffer_bytes=97 * d * 4)
+        for epoch in range(12):
+            want = [vectors[g] for g in loader.plan(epoch).batches()]
+            n_got, held = 0, None
+            for i, x_bd in enumerate(loader.iter_batches(epoch)):
+                if held is not None:  # a batch stays valid until the second next one is asked for
+                    np.testing.assert_array_equal(held.numpy(), want[i - 1])
+                np.testing.assert_array_equal(x_bd.numpy(), want[i])
+                n_got, held = i + 1, x_bd
+            assert n_got == len(want)
+        loader.close()
 
 
 def test_shard_truncated_after_open(shard_dir):

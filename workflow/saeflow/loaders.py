@@ -11,6 +11,8 @@ drawn uniformly. Batch `b` of an epoch is known without reading batches `0..b-1`
 """
 
 import dataclasses
+import functools
+import itertools
 import os
 import queue
 import threading
@@ -169,6 +171,13 @@ class _Stoppable:
             except queue.Empty:
                 pass
         raise _Stopped
+
+    def _wait(self, cond: threading.Condition, ready: typing.Callable[[], bool]) -> None:
+        with cond:
+            while not ready():
+                if self.stop.is_set():
+                    raise _Stopped
+                cond.wait(0.05)
 
 
 def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
@@ -489,10 +498,7 @@ def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.
     new_buf = new_call | np.concatenate([[True], (gap != 0) | (np.diff(slots) != 1)])
     seg = np.flatnonzero(new_buf)
     seg_end = np.append(seg[1:], offsets.size)
-    if seg.size == slots.size and pool.row_views is not None:  # no two consecutive (steady state): prebuilt views
-        bufs = [pool.row_views[s] for s in slots.tolist()]
-    else:
-        bufs = [pool.mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
+    bufs = [pool.mv[a:b] for a, b in zip((slots[seg] * rb).tolist(), ((slots[seg] + seg_end - seg) * rb).tolist())]
     seg_gap = np.concatenate([[0], gap])[seg]
     seg_bytes = (seg_end - seg) * rb
     calls = np.flatnonzero(new_call[seg])
@@ -509,22 +515,54 @@ def _scatter_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.
             _preadv_all(fd, iov, want, int(offsets[seg[p0]]), fpath)
 
 
+class _Staging:
+    """A worker's landing buffer for refills into scattered pool slots: one pread of the rows' whole byte range,
+    then one numpy row scatter into the pool. That is two native calls where a preadv straight into the slots needs
+    a Python buffer object per row, which held the GIL for about a fifth of a steady-state batch. The range's rows
+    nobody asked for (the CLS row between two examples) are copied into the worker's own sink row."""
+
+    def __init__(self, n_rows: int, view: LayerView, sink: int):
+        self.rows_nd = np.empty((n_rows, view.d_model), dtype=view.dtype)
+        self.mv = memoryview(self.rows_nd.reshape(-1).view(np.uint8))
+        self.sink = sink
+
+
 class _Pool:
-    """The shuffled loader's rows in RAM, with a memoryview per row (scattered reads name rows by the thousand)."""
+    """The shuffled loader's rows in RAM, and each worker's staging buffer with its sink row past them."""
 
-    def __init__(self, n_rows: int, view: LayerView):
-        self.rows = torch.from_numpy(np.empty((n_rows, view.d_model), dtype=view.dtype))
-        self.mv = memoryview(self.rows.numpy().reshape(-1).view(np.uint8))
-        rb = view.row_bytes
-        # ~190 bytes each: worth it for rows of 1 KiB and more (d >= 256 float32), sliced on demand below that
-        self.row_views = [self.mv[i * rb : (i + 1) * rb] for i in range(n_rows)] if rb >= 1024 else None
-        self.scratch_mv = memoryview(bytearray(max(1, view.n_tok) * rb))  # gaps read through (CLS rows)
+    def __init__(self, n_rows: int, view: LayerView, n_workers: int, stage_rows: int):
+        self.n_rows = n_rows
+        self.rows_nd = np.empty((n_rows + n_workers, view.d_model), dtype=view.dtype)
+        self.rows = torch.from_numpy(self.rows_nd)
+        self.mv = memoryview(self.rows_nd.reshape(-1).view(np.uint8))
+        self.scratch_mv = memoryview(bytearray(max(1, view.n_tok) * view.row_bytes))  # gaps read through (CLS rows)
+        self.stages = [_Staging(stage_rows, view, sink=n_rows + w) for w in range(n_workers)]
 
 
-def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray, rows: np.ndarray, advised: int) -> int:
+def _stage_read(view: LayerView, block: Block, offsets: np.ndarray, slots: np.ndarray, pool: _Pool, stage: _Staging):
+    """Read the rows at file `offsets` (ascending, one shard, few gaps: `view.contiguous`) into pool `slots`."""
+    rb, cap = view.row_bytes, stage.rows_nd.shape[0]
+    range_rows = (offsets - offsets[0]) // rb  # each row's place in the byte range from the first
+    fpath, fd = view.sd.shard_fpath(block.shard_idx), view.fd(block.shard_idx)
+    lo = 0
+    while lo < offsets.size:  # a range longer than the staging buffer takes several reads
+        hi = lo + int(np.searchsorted(range_rows[lo:], range_rows[lo] + cap))
+        n = int(range_rows[hi - 1] - range_rows[lo]) + 1
+        dest = np.full(n, stage.sink, dtype=np.int64)
+        dest[range_rows[lo:hi] - range_rows[lo]] = slots[lo:hi]
+        _preadv_all(fd, [stage.mv[: n * rb]], n * rb, int(offsets[lo]), fpath)
+        pool.rows_nd[dest] = stage.rows_nd[:n]  # numpy's row scatter: 1.2-1.3x torch's index_copy_ here
+        lo = hi
+
+
+def _read_rows(
+    view: LayerView, plan: EpochPlan, pool: _Pool, stage: _Staging, slots: np.ndarray, rows: np.ndarray, advised: int
+) -> int:
     """Read stream `rows` (ascending within a block) into pool `slots`, advising the kernel of the blocks ahead.
 
-    Returns the last stream block advised (pass it back in: each block is advised once).
+    Slots in long runs (the pool's load) are read into directly; scattered ones (a refill) through `stage` where
+    the layer's rows lie close together in the file. Returns the last stream block advised (pass it back in: each
+    block is advised once).
     """
     if not rows.size:
         return advised
@@ -538,127 +576,130 @@ def _read_rows(view: LayerView, plan: EpochPlan, pool: _Pool, slots: np.ndarray,
         block = plan.blocks[b]
         ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
         offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
-        _scatter_read(view, block, offsets, slots[lo:hi], pool)
+        if view.contiguous and 4 * np.count_nonzero(np.diff(slots[lo:hi]) != 1) > hi - lo:
+            _stage_read(view, block, offsets, slots[lo:hi], pool, stage)
+        else:
+            _scatter_read(view, block, offsets, slots[lo:hi], pool)
     return advised
 
 
-def _one_torch_thread(target: typing.Callable[[], None]) -> None:
+def _one_torch_thread(target: typing.Callable[..., None], *args) -> None:
     """Run `target` with torch's intra-op parallelism off in this thread: the two pipeline threads already use both
     cores of a small machine, and a parallel `index_select` on a busy one ran 4x slower than a serial one. With the
     OpenMP backend the setting is per thread (the caller's training keeps its threads); with others it is global,
     so it is left alone there."""
     if "parallel backend: OpenMP" in torch.__config__.parallel_info():
         torch.set_num_threads(1)
-    target()
+    target(*args)
 
 
 class _ReservoirPipeline(_Stoppable):
-    """One pass of an EpochPlan: a reader thread preads stream rows into pool slots while a gather thread copies
-    each batch's slots out (`torch.index_select`) into one of `N_OUT` reused batch buffers.
+    """One pass of an EpochPlan by two worker threads that split every batch in halves.
 
-    The plan never draws the slots refilled after the previous batch, so the refill of batch t and the gather of
-    batch t+1 run at the same time; the gather of t+2 waits for the refill of t.
+    Worker 0 walks the plan and passes each step on to worker 1. For each batch a worker copies its half of
+    the batch's slots out of the pool (`torch.index_select`) into the batch's buffer, then preads its half of the
+    refill rows into the slots emptied. The plan never draws the slots refilled after the previous batch, so a
+    worker gathers batch t+1 while the other may still refill batch t, and waits for that refill before batch t+2
+    (in the final drain, which draws from every slot, before t+1). Whichever worker finishes the second half of a
+    batch hands it to the consumer. The halves keep the two workers equally busy with no job queue between them.
     """
 
-    N_OUT = 4
+    N_WORKERS = 2
+    N_OUT = 4  # batch buffers: the consumer holds two, the workers fill the next two
 
     def __init__(self, loader: "ShuffledLoader", plan: EpochPlan, start_batch: int):
-        self.loader, self.plan, self.start_batch = loader, plan, start_batch
-        self.view = loader.view
-        self.pool = loader._pool_for(plan.n_pool)
-        self.out_free: queue.Queue = queue.Queue()
-        for buf in loader._batch_bufs(self.N_OUT):
-            self.out_free.put(buf)
-        self.jobs: queue.Queue = queue.Queue()  # (slots, stream rows) in order; None ends
-        self.out_q: queue.Queue = queue.Queue()  # (buffer, rows), then None or the error that ended the pass
+        self.plan, self.start_batch, self.view = plan, start_batch, loader.view
+        self.pool = loader._pool_for(plan.n_pool, self.N_WORKERS)
+        self.bufs = loader._batch_bufs(self.N_OUT)
+        self.out_q: queue.Queue = queue.Queue()  # (buffer, rows) in batch order, then None or the error
         self.cond = threading.Condition()
-        self.n_done = 0  # jobs read
-        self.error: BaseException | None = None
+        self.refilled = [0] * self.N_WORKERS  # reads each worker finished: the pool's load, then one per batch
+        self.halves: dict[int, int] = {}  # batch -> halves gathered, until both are
+        self.released = 0  # batches the consumer no longer holds (their buffers are free for batch + N_OUT)
+        self.n_finished = 0  # workers done with the pass
+        self.shared_steps: queue.Queue = queue.Queue()  # worker 0's plan items for worker 1; None ends
         self.stop = threading.Event()
-        self.advised = self.own_advised = -1  # stream blocks advised up to this one (reader, gather thread)
         self.threads: list[threading.Thread] = []
 
-    def _wait_done(self, n_jobs: int) -> None:
+    def _signal(self, worker: int, batch: int | None = None, buf: torch.Tensor | None = None, n: int = 0) -> None:
+        """Count a finished read of `worker`, or its half of `batch` (the second half publishes the batch)."""
         with self.cond:
-            while self.n_done < n_jobs:
-                if self.stop.is_set():
-                    raise _Stopped
-                if self.error is not None:
-                    raise self.error
-                self.cond.wait(0.05)
-
-    def _reader(self) -> None:
-        try:
-            while (job := self._take(self.jobs)) is not None:
-                kind, slots, where = job
-                if kind == "read":
-                    self.advised = _read_rows(self.view, self.plan, self.pool, slots, where, self.advised)
-                else:  # "gather": half a batch of the drain
-                    torch.index_select(self.pool.rows, 0, slots, out=where)
-                with self.cond:
-                    self.n_done += 1
-                    self.cond.notify_all()
-        except _Stopped:
-            pass
-        except BaseException as err:  # surfaced by the gather thread
-            with self.cond:
-                self.error = err
-                self.cond.notify_all()
-
-    def _share_read(self, slots: np.ndarray, rows: np.ndarray, n_own: int) -> None:
-        """Queue a read job for the reader but read its first `n_own` rows here, at the same time (in steady state
-        the scattered reads cost 2-4x the gather, so this thread takes a third of them)."""
-        self.jobs.put(("read", slots[n_own:], rows[n_own:]))
-        self.own_advised = _read_rows(self.view, self.plan, self.pool, slots[:n_own], rows[:n_own], self.own_advised)
-
-    def _gather(self) -> None:
-        try:
-            steps = self.plan.steps(self.start_batch)
-            load = next(steps, None)
-            if load is not None:  # half each
-                self._share_read(*load, load[0].size // 2)
-            n_jobs = 1
-            for step in steps:
-                # the load, and every refill but the previous batch's (in the drain: every refill)
-                self._wait_done(max(1, n_jobs - 1) if step.refill_slots.size else n_jobs)
-                buf = self._take(self.out_free)
-                n = step.slots.size
-                slots = torch.from_numpy(step.slots)
-                if step.refill_slots.size:
-                    torch.index_select(self.pool.rows, 0, slots, out=buf[:n])
-                    k = step.refill_slots.size
-                    self._share_read(step.refill_slots, np.arange(step.refill_row, step.refill_row + k), k // 3)
-                else:  # the drain reads nothing: the reader gathers half of each batch
-                    self.jobs.put(("gather", slots[n // 2 :], buf[n // 2 : n]))
-                    torch.index_select(self.pool.rows, 0, slots[: n // 2], out=buf[: n // 2])
-                    self._wait_done(n_jobs + 1)
-                n_jobs += 1
+            if batch is None:
+                self.refilled[worker] += 1
+            elif self.halves.setdefault(batch, 0) + 1 == self.N_WORKERS:
+                del self.halves[batch]
                 self.out_q.put((buf, n))
-            self.out_q.put(None)
+            else:
+                self.halves[batch] += 1
+            self.cond.notify_all()
+
+    def _may_gather(self, other: int, need: int, batch: int) -> bool:
+        """The other worker has done `need` reads, and the buffer of `batch` is no longer the consumer's."""
+        return self.refilled[other] >= need and self.released > batch - self.N_OUT
+
+    def _steps(self, w: int) -> typing.Iterator:
+        """The plan's items (the load, then Steps): worker 0 computes them and passes them on to worker 1."""
+        if w == 1:
+            while (item := self._take(self.shared_steps)) is not None:
+                yield item
+            return
+        for item in self.plan.steps(self.start_batch):
+            self.shared_steps.put(item)
+            yield item
+        self.shared_steps.put(None)
+
+    def _worker(self, w: int) -> None:
+        other = 1 - w
+        stage = self.pool.stages[w]
+        advised = -1 if w == 0 else len(self.plan.blocks)  # worker 0 advises the kernel of blocks ahead, for both
+        try:
+            steps = self._steps(w)
+            load = next(steps, None)
+            if load is not None:
+                part = _half(load[0].size, w)
+                advised = _read_rows(self.view, self.plan, self.pool, stage, load[0][part], load[1][part], advised)
+            self._signal(w)
+            for t, step in enumerate(steps):
+                drain = not step.refill_slots.size
+                need = t + 1 if drain else max(t, 1)
+                self._wait(self.cond, functools.partial(self._may_gather, other, need, t))
+                buf, n = self.bufs[t % self.N_OUT], step.slots.size
+                part = _half(n, w)
+                torch.index_select(self.pool.rows, 0, torch.from_numpy(step.slots[part]), out=buf[part])
+                self._signal(w, t, buf, n)
+                k = step.refill_slots.size  # the first k of the batch's slots; each worker refills those it emptied
+                part = slice(min(part.start, k), min(part.stop, k))
+                rows = np.arange(step.refill_row, step.refill_row + k)[part]
+                advised = _read_rows(self.view, self.plan, self.pool, stage, step.refill_slots[part], rows, advised)
+                self._signal(w)
         except _Stopped:
-            pass
-        except BaseException as err:
+            return
+        except BaseException as err:  # the consumer raises it
             self.out_q.put(err)
-        finally:
-            self.jobs.put(None)
+            return
+        with self.cond:
+            self.n_finished += 1
+            if self.n_finished == self.N_WORKERS:
+                self.out_q.put(None)
 
     def __iter__(self) -> typing.Iterator[torch.Tensor]:
         self.threads = [
-            threading.Thread(target=_one_torch_thread, args=(target,), name=f"saeflow-{name}", daemon=True)
-            for name, target in (("reader", self._reader), ("gather", self._gather))
+            threading.Thread(target=_one_torch_thread, args=(self._worker, w), name=f"saeflow-shuffle{w}", daemon=True)
+            for w in range(self.N_WORKERS)
         ]
         for thread in self.threads:
             thread.start()
-        in_use: list[torch.Tensor] = []
         try:
-            while (item := self._take(self.out_q)) is not None:
+            for i in itertools.count():
+                if (item := self._take(self.out_q)) is None:
+                    break
                 if isinstance(item, BaseException):
                     raise item
                 buf, n = item
-                in_use.append(buf)
-                if len(in_use) > 2:  # the consumer no longer holds the batch before the last
-                    self.out_free.put(in_use.pop(0))
                 yield buf[:n]
+                with self.cond:  # asked for batch i + 1, the consumer may still hold batch i but no earlier one
+                    self.released = i
+                    self.cond.notify_all()
         except _Stopped:
             raise SaeflowError("this pass of the shuffled loader was stopped by a newer pass of it") from None
         finally:
@@ -670,6 +711,11 @@ class _ReservoirPipeline(_Stoppable):
         for thread in self.threads:
             if thread is not threading.current_thread():
                 thread.join()
+
+
+def _half(n: int, worker: int) -> slice:
+    """Worker `worker`'s half of n items (the first half: worker 0)."""
+    return slice(0, n // 2) if worker == 0 else slice(n // 2, n)
 
 
 class ShuffledLoader:
@@ -714,9 +760,9 @@ class ShuffledLoader:
             self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed, epoch
         )
 
-    def _pool_for(self, n_rows: int) -> "_Pool":
-        if self._pool is None or self._pool.rows.shape[0] != n_rows:
-            self._pool = _Pool(n_rows, self.view)
+    def _pool_for(self, n_rows: int, n_workers: int) -> "_Pool":
+        if self._pool is None or self._pool.n_rows != n_rows:
+            self._pool = _Pool(n_rows, self.view, n_workers, stage_rows=self.batch_size)
         return self._pool
 
     def _batch_bufs(self, n: int) -> list[torch.Tensor]:
