@@ -601,7 +601,7 @@ class _ReservoirPipeline(_Stoppable):
     refill rows into the slots emptied. The plan never draws the slots refilled after the previous batch, so a
     worker gathers batch t+1 while the other may still refill batch t, and waits for that refill before batch t+2
     (in the final drain, which draws from every slot, before t+1). Whichever worker finishes the second half of a
-    batch hands it to the consumer. The halves keep the two workers equally busy with no job queue between them.
+    batch hands it to the consumer. The halves keep the two workers equally busy (the split assumes two workers).
     """
 
     N_WORKERS = 2
@@ -669,7 +669,7 @@ class _ReservoirPipeline(_Stoppable):
                 self._signal(w, t, buf, n)
                 k = step.refill_slots.size  # the first k of the batch's slots; each worker refills those it emptied
                 part = slice(min(part.start, k), min(part.stop, k))
-                rows = np.arange(step.refill_row, step.refill_row + k)[part]
+                rows = np.arange(step.refill_row + part.start, step.refill_row + part.stop)
                 advised = _read_rows(self.view, self.plan, self.pool, stage, step.refill_slots[part], rows, advised)
                 self._signal(w)
         except _Stopped:
