@@ -24,9 +24,10 @@ def _snakemake_output(tmp_path) -> str:
     return (tmp_path / "slurm" / "snakemake.out").read_text()
 
 
-def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, **env_extra):
+def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, expect_restarts=0, **env_extra):
     """Snakemake with `profile` against the fake Slurm commands; the sbatch command lines, keyed by rule (a list).
-    Snakemake's output is kept in slurm/snakemake.out."""
+    Snakemake's output is kept in slurm/snakemake.out. The profile retries failed jobs: a failure the test does not
+    expect (`expect_restarts`) must not hide behind a retry, so every restart is counted."""
     state = tmp_path / "slurm"
     state.mkdir(exist_ok=True)
     proc = subprocess.run(
@@ -48,6 +49,8 @@ def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, **env_ext
     )
     (state / "snakemake.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    restarts = (proc.stdout + proc.stderr).count("Trying to restart job")
+    assert restarts == expect_restarts, f"{restarts} job(s) failed and were retried:\n{proc.stderr[-4000:]}"
     calls = [json.loads(line) for line in (state / "sbatch_calls.jsonl").read_text().splitlines()]
     by_rule = {}
     for argv in calls:
@@ -67,7 +70,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     cfg["train"] = {"checkpoint_every": 5}
     config_fpath = write_config(tmp_path, cfg)
     lines_by_rule = _run_through_fake_slurm(
-        tmp_path, profile, config_fpath, FAKE_SLURM_SIGNAL_WHEN=str(tmp_path / "ess" / "*" / "checkpoint" / "resume.pt")
+        tmp_path, profile, config_fpath, expect_restarts=1, FAKE_SLURM_SIGNAL_WHEN=str(tmp_path / "ess" / "*" / "checkpoint" / "resume.pt")
     )
     (sent,) = [json.loads(line) for line in (tmp_path / "slurm" / "signals.jsonl").read_text().splitlines()]
     assert sent["signal"] == "SIGUSR1" and not sent["batch_only"] and sent["to"], sent
