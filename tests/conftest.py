@@ -5,8 +5,11 @@ import os
 
 import pytest
 
+from saeflow import numerics  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+numerics.apply()  # before any torch kernel runs in the test process: the CPU kernels the CLI's commands use
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,5 @@
-"""A run publishes metrics.jsonl, metrics.json and sae.pt together: a crash between them never shows a run with
-metrics but no weights as done, the rerun finishes it, and the published files are read-only."""
+"""A run publishes metrics.jsonl, metrics.json, provenance.json and sae.pt together: a crash between them never
+shows a run with metrics but no weights as done, the rerun finishes it, and the published files are read-only."""
 
 import os
 import stat
@@ -11,7 +11,7 @@ from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow import atomic, train
 
 SPEC = dict(arch="topk", k=2, expansion=4, batch_size=32, n_epochs=1)
-PUBLISHED = ("config.json", "metrics.json", "metrics.jsonl", "sae.pt")
+PUBLISHED = ("config.json", "metrics.json", "metrics.jsonl", "provenance.json", "sae.pt")
 
 
 @pytest.fixture
@@ -21,14 +21,15 @@ def shard_dir(tmp_path):
 
 
 def checkpoint_files(run) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(run.checkpoint_dpath.iterdir())}
+    """Every checkpoint file's bytes; provenance.json (times, host, argv) only by its presence."""
+    return {p.name: p.read_bytes() if p.name != "provenance.json" else b"" for p in run.checkpoint_dpath.iterdir()}
 
 
 class Crash(BaseException):
     """Stands for a SIGKILL: nothing after it runs, not even `except Exception` handlers."""
 
 
-@pytest.mark.parametrize("crash_after", ["metrics.jsonl", "metrics.json"])
+@pytest.mark.parametrize("crash_after", ["metrics.jsonl", "metrics.json", "provenance.json"])
 def test_crash_between_metrics_and_sae_pt_is_finished_by_the_rerun(tmp_path, shard_dir, monkeypatch, crash_after):
     clean = run_from_sae_spec(tmp_path / "clean", shard_dir, **SPEC)
     train.train_runs([clean.root], device="cpu")

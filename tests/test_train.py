@@ -227,8 +227,11 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     metrics_of = lambda run: run.metrics_log_fpath.read_text()  # noqa: E731
     assert metrics_of(clean) == metrics_of(killed)
     assert sorted(killed.checkpoint_dpath.iterdir()) == sorted(
-        [killed.config_fpath, killed.final_metrics_fpath, killed.metrics_log_fpath, killed.sae_fpath]
-    )
+        [killed.config_fpath, killed.final_metrics_fpath, killed.metrics_log_fpath, killed.provenance_fpath,
+         killed.sae_fpath]
+    )  # fmt: skip
+    prov = json.loads(killed.provenance_fpath.read_text())
+    assert len(prov["platforms"]) == 1 and not prov["mixed_platforms"]  # both attempts ran here
 
 
 def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):

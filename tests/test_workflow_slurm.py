@@ -69,8 +69,9 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     cfg["saes"]["topk"]["n_epochs"] = 60  # 180 steps: the signal comes long before the end
     cfg["train"] = {"checkpoint_every": 5}
     config_fpath = write_config(tmp_path, cfg)
+    resume_glob = str(tmp_path / "ess" / "*" / "checkpoint" / "resume.pt")
     lines_by_rule = _run_through_fake_slurm(
-        tmp_path, profile, config_fpath, expect_restarts=1, FAKE_SLURM_SIGNAL_WHEN=str(tmp_path / "ess" / "*" / "checkpoint" / "resume.pt")
+        tmp_path, profile, config_fpath, expect_restarts=1, FAKE_SLURM_SIGNAL_WHEN=resume_glob
     )
     (sent,) = [json.loads(line) for line in (tmp_path / "slurm" / "signals.jsonl").read_text().splitlines()]
     assert sent["signal"] == "SIGUSR1" and not sent["batch_only"] and sent["to"], sent

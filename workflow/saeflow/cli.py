@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from saeflow import __version__, devices, preempt
+from saeflow import __version__, devices, numerics, preempt
 from saeflow.errors import SaeflowError, one_line
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        numerics.apply()  # before torch runs a kernel: which CPU kernels it may choose (saeflow.numerics)
         if args.command in GPU_COMMANDS:
             devices.check_requested_gpu()  # a job given a GPU that torch cannot see fails now, not hours later
         if args.command in PREEMPTIBLE_COMMANDS:

@@ -7,6 +7,7 @@ driver is a one-line error at once, never hours of silent CPU work with `device:
 
 import os
 
+from saeflow import numerics
 from saeflow.errors import SaeflowError
 
 # Environment variables that say this process runs in a job that was given GPUs, in the order they are named.
@@ -21,8 +22,11 @@ GPU_REQUEST_VARS = (
 
 
 def resolve_device(name: str):
-    """A `torch.device` for a config or CLI device name; a clear error for a bad name or a missing GPU."""
+    """A `torch.device` for a config or CLI device name; a clear error for a bad name or a missing GPU. Every stage
+    that computes resolves its device first, so this is also where torch's CPU kernels are configured."""
     import torch
+
+    numerics.configure_torch()
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -14,7 +14,7 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
       .part-<i>-of-<n>.lock                      flock: one writer per part
 
     <runs_root>/<run_id>/                        RunLayout (storage-and-run-manifest v1)
-      checkpoint/config.json  sae.pt  resume.pt  metrics.jsonl  metrics.json
+      checkpoint/config.json  sae.pt  resume.pt  metrics.jsonl  metrics.json  provenance.json
       checkpoint/.publish.partial/               the final files staged together, renamed out sae.pt last
       links/train-shards  train-dataset  val-shards  val-dataset
       inference/<shard_hash>/                    DumpLayout
@@ -171,6 +171,7 @@ class RunLayout(_ContentAddressed):
     resume_fpath = _path("root", CHECKPOINT_DNAME, "resume.pt")
     metrics_log_fpath = _path("root", CHECKPOINT_DNAME, "metrics.jsonl", doc="one line per logged step, then the final")
     final_metrics_fpath = _path("root", CHECKPOINT_DNAME, "metrics.json", doc="validation metrics at the end")
+    provenance_fpath = _path("root", CHECKPOINT_DNAME, PROVENANCE_FNAME, doc="versions, platforms, times: not hashed")
     publish_dpath = _path("root", CHECKPOINT_DNAME, ".publish.partial", doc="the final files staged together")
     links_dpath = _path("root", LINKS_DNAME)
     inference_dpath = _path("root", INFERENCE_DNAME)

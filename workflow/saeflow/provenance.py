@@ -4,13 +4,13 @@ import datetime
 import getpass
 import importlib.metadata
 import os
-import platform
+import platform as _platform
 import socket
 import subprocess
 import sys
 
 import saeflow
-from saeflow import devices
+from saeflow import devices, numerics
 from saeflow.layout import PROVENANCE_FNAME  # noqa: F401 (importable here, as before)
 
 
@@ -37,6 +37,11 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def platform() -> dict:
+    """What decides the float bytes of a result: the CPU and its kernels, torch, the GPU (saeflow.numerics)."""
+    return {**numerics.platform(), **devices.gpu_provenance()}
+
+
 def collect() -> dict:
     try:
         user = getpass.getuser()
@@ -45,7 +50,7 @@ def collect() -> dict:
     return {
         "saeflow_version": saeflow.__version__,
         "git_commit": _git_commit(),
-        "python_version": platform.python_version(),
+        "python_version": _platform.python_version(),
         "torch_version": _version("torch"),
         "transformers_version": _version("transformers"),
         "numpy_version": _version("numpy"),
@@ -53,5 +58,5 @@ def collect() -> dict:
         "user": user,
         "argv": list(sys.argv),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        **devices.gpu_provenance(),  # gpu, gpu_count, cuda_version, cudnn_version when a GPU was used
+        "platform": platform(),
     }

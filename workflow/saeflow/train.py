@@ -21,7 +21,7 @@ import typing
 import torch
 import tqdm
 
-from saeflow import atomic, config, devices, localcopy, preempt, runs, tracking
+from saeflow import atomic, config, devices, localcopy, numerics, preempt, provenance, runs, tracking
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
@@ -139,8 +139,9 @@ class Checkpoint:
                 keep.append(line)
         atomic.write_file_atomic(fpath, "".join(line + "\n" for line in keep).encode())
 
-    def publish(self, result: dict, sae: SAE) -> None:
-        """Stage metrics.jsonl (with the final line), metrics.json and sae.pt together, then rename them out.
+    def publish(self, result: dict, sae: SAE, prov: dict) -> None:
+        """Stage metrics.jsonl (with the final line), metrics.json, provenance.json and sae.pt together, then rename
+        them out.
 
         The staging directory is sealed once its sae.pt exists (written last, after the other two are fsynced);
         `finish_pending` completes a sealed publish after a crash and an unsealed one is redone, so a run never
@@ -158,6 +159,7 @@ class Checkpoint:
                 for fname, text in (
                     (log_fpath.name, log_text + final_line),
                     (self.run.final_metrics_fpath.name, json.dumps(result, indent=2, sort_keys=True) + "\n"),
+                    (self.run.provenance_fpath.name, json.dumps(prov, indent=2, sort_keys=True) + "\n"),
                 ):
                     (staging / fname).write_text(text, encoding="utf-8")
                     atomic.fsync_path(staging / fname)
@@ -173,7 +175,7 @@ class Checkpoint:
         finished run no longer needs. True when the run is trained (sae.pt present)."""
         run, staging = self.run, self.run.publish_dpath
         if not run.sae_fpath.exists() and (staging / run.sae_fpath.name).exists():
-            for final_fpath in (run.metrics_log_fpath, run.final_metrics_fpath, run.sae_fpath):
+            for final_fpath in (run.metrics_log_fpath, run.final_metrics_fpath, run.provenance_fpath, run.sae_fpath):
                 if (staging / final_fpath.name).exists():
                     os.replace(staging / final_fpath.name, final_fpath)
             atomic.fsync_path(run.checkpoint_dpath)
@@ -197,6 +199,8 @@ class Trainer:
         self.step = 0
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}  # the latest metrics record (for the progress bar)
+        self.platforms = [provenance.platform()]  # of each attempt that trained it, when they differ (resume.pt)
+        self.started_at = provenance.utc_now()
         self.tracker = tracking.Tracker([])  # W&B / TensorBoard mirrors of the metrics, opened by `_train_group`
 
     @torch.no_grad()
@@ -233,6 +237,7 @@ class Trainer:
             "opt": self.opt.state_dict(),
             "since_fired_s": self.dead.since_fired_s,
             "step": self.step,
+            "platforms": self.platforms,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -240,6 +245,14 @@ class Trainer:
         self.opt.load_state_dict(state["opt"])
         self.dead.since_fired_s.copy_(state["since_fired_s"])
         self.step = int(state["step"])
+        earlier, here = list(state.get("platforms", [])), self.platforms[-1]
+        if earlier and numerics.platform_key(earlier[-1]) != numerics.platform_key(here):
+            logger.warning(
+                "%s: resumed on another platform than step %d was computed on; the result matches an "
+                "uninterrupted run within float tolerance, not bitwise", self.run.root, self.step,
+            )
+            earlier.append(here)
+        self.platforms = earlier or [here]
 
     def train_step(self, x_bd: torch.Tensor) -> None:
         sae = self.sae
@@ -288,7 +301,9 @@ class Trainer:
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
         self.sae.cpu()
-        self.checkpoint.publish(result, self.sae)
+        prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
+                "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
+        self.checkpoint.publish(result, self.sae, prov)
         self.tracker.close(final=result)
         return result
 

@@ -1,10 +1,11 @@
-"""`saeflow validate` and `saeflow info`: check and describe a shard directory."""
+"""`saeflow validate`, `saeflow info` and `saeflow compare`: check, describe and compare results."""
 
 import argparse
+import dataclasses
 import json
 import pathlib
 
-from saeflow import shards
+from saeflow import compare, shards
 from saeflow.errors import SaeflowError
 
 
@@ -29,6 +30,26 @@ def register(subparsers):
     p.add_argument("dpath", type=pathlib.Path, metavar="DIR", help="the shard directory <shards_root>/<hash>")
     p.add_argument("--json", action="store_true", help="print one JSON object for machines")
     p.set_defaults(func=cmd_info)
+
+    p = subparsers.add_parser(
+        "compare",
+        help="compare two results of one hash made on different machines (exit 0 within tolerance)",
+        description="Compare two shard directories of the same metadata hash, or two runs of the same run id, made "
+        "on different platforms (other CPU instruction sets, GPUs or torch builds round floats differently: the "
+        "README's reproducibility statement). Shards: per layer, the largest absolute difference and the largest "
+        "relative difference of a vector, ||a - b|| / ||a||; integer side files must be identical. Runs: per tensor "
+        "of sae.pt, the largest absolute and the relative difference ||a - b|| / ||a||, and the validation metrics "
+        "side by side. Exit 0 when every relative difference is within --tol, 1 otherwise.",
+    )
+    p.add_argument("a_path", type=pathlib.Path, metavar="A", help="a shard directory or a run directory")
+    p.add_argument("b_path", type=pathlib.Path, metavar="B", help="the same kind, of the same hash")
+    p.add_argument(
+        "--tol", type=float, default=None,
+        help=f"relative tolerance (default: shards {compare.FLOAT32_TOL:g} for float32, 4 steps of float16 for "
+        f"float16; runs {compare.RUN_TOL:g}, as training amplifies rounding)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object for machines")
+    p.set_defaults(func=cmd_compare)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -77,3 +98,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  made         {prov.get('finished_at')} on {prov.get('host')} "
               f"by saeflow {prov.get('saeflow_version')}")
     return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if args.tol is not None and not args.tol >= 0:
+        raise SaeflowError(f"--tol {args.tol}: must be a non-negative number")
+    report = compare.compare(args.a_path, args.b_path, args.tol)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report) | {"ok": report.ok}, indent=2))
+    else:
+        print(compare.format_report(report, args.a_path, args.b_path))
+    return 0 if report.ok else 1

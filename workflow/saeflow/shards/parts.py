@@ -15,11 +15,12 @@ rename). Shards are cut and batched exactly as in one job, so any number of part
 """
 
 import json
+import logging
 import os
 import pathlib
 import shutil
 
-from saeflow import atomic, provenance
+from saeflow import atomic, numerics, provenance
 from saeflow.errors import SaeflowError
 from saeflow.hashing import file_sha256
 from saeflow.layout import ShardLayout
@@ -27,6 +28,8 @@ from saeflow.shards.metadata import Metadata, aux_row_bytes
 from saeflow.shards.reader import open_existing
 from saeflow.shards.validate import read_json
 from saeflow.shards.writer import ShardWriter, _remove_strays, _Staging
+
+logger = logging.getLogger(__name__)
 
 
 def part_ranges(n_shards: int, n_parts: int) -> list[tuple[int, int]]:
@@ -258,6 +261,7 @@ def seal(
         parts = [final.part(i, n_parts) for i in range(n_parts)]
         dones = [_checked_part(p, md, rng, aux_fnames, moved) for p, rng in zip(parts, ranges)]
         staging.provenance_extra["parts"] = [done["provenance"] for done in dones]
+        staging.provenance_extra["mixed_platforms"] = _warn_if_mixed_platforms(final.dpath, dones)
         aux_fds = {f: open(staging.layout.file(f), "ab") for f in aux_fnames}
         try:
             for part, (first, _stop), done in zip(parts, ranges, dones):
@@ -272,6 +276,19 @@ def seal(
         staging.release()
     shutil.rmtree(final.parts_dpath, ignore_errors=True)
     return final.dpath, False
+
+
+def _warn_if_mixed_platforms(dpath: pathlib.Path, dones: list[dict]) -> bool:
+    """Parts computed on different platforms (an A100 part and an H100 part) agree within float tolerance, not
+    bitwise: the directory is sealed anyway (its name is its config, and a cluster picks the nodes), with a warning
+    and `mixed_platforms` in its provenance (docs/extraction.md)."""
+    keys = [numerics.platform_key(done["provenance"].get("platform", {})) for done in dones]
+    if len(set(keys)) == 1:
+        return False
+    names = sorted({" ".join(str(v) for v in key if v not in (None, False)) for key in keys})
+    logger.warning("%s: its parts were computed on %d platforms (%s): its bytes match a one-job extraction within "
+                   "float tolerance, not bitwise", dpath, len(names), "; ".join(names))  # fmt: skip
+    return True
 
 
 def _move_shard(part: ShardLayout, staging: _Staging, md: Metadata, first: int, idx: int, entry: dict, aux_fds):

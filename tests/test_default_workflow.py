@@ -1,0 +1,38 @@
+"""The default workflow reproduces its committed reference on any machine (tests/default_reference.py).
+
+Pinned exactly: what is platform-independent (each shard directory's metadata.json and so its name, its integer
+side files, the run ids). Compared within a tolerance: the float outputs, which depend on the CPU's kernels
+(saeflow.numerics). The workflow runs twice: with saeflow's default kernels (`portable`), and with torch's own
+kernels on AVX2 (`SAEFLOW_NUMERICS=native ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`: a second instruction
+set on any x86-64 machine), and both must match the reference the same way.
+"""
+
+import json
+import pathlib
+
+import pytest
+
+from default_reference import check
+from saeflow import config, numerics
+from saeflow.planning import WorkflowPlan
+from workflow_helpers import REPO_ROOT, minilm_path, snakemake
+
+NATIVE_AVX2 = {numerics.ENV_VAR: "native", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", [{}, NATIVE_AVX2], ids=["portable", "native-avx2"])
+def test_default_workflow_matches_its_reference(tmp_path, monkeypatch, kernels):
+    model_link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    model_link.parent.mkdir(parents=True)
+    model_link.symlink_to(minilm_path())
+    monkeypatch.chdir(tmp_path)  # the config's relative paths (the model link, the roots) as the workflow sees them
+    plan = WorkflowPlan.from_config(config.load(REPO_ROOT / "config" / "config.yaml"))
+    sae_targets = {str(plan.run(plan.trained_by(run_id)).sae_fpath) for run_id in plan.runs}  # one job per pass
+    for name in numerics.PORTABLE_ENV:  # this process's own pins (conftest) must not reach a native run
+        monkeypatch.delenv(name, raising=False)
+    snakemake(tmp_path, REPO_ROOT / "config" / "config.yaml", *sorted(sae_targets), **kernels)
+    results = pathlib.Path(tmp_path) / "results" / "saev"
+    for prov_fpath in [*results.glob("shards/*/provenance.json"), *results.glob("runs/*/checkpoint/provenance.json")]:
+        assert json.loads(prov_fpath.read_text())["platform"]["numerics"] == kernels.get(numerics.ENV_VAR, "portable")
+    assert check(results) == []
