@@ -36,12 +36,13 @@ one-line error.
 
 IMPORT_SAEV_DESCRIPTION = """\
 Check a directory written by saev (metadata keys n_examples, content_tokens_per_example, max_tokens_per_shard,
-pixel_agg, a base64-pickled data field, protocol 2.1, named by 8 hex digits of its sha256) by saev's own rules and
-publish it as a saev protocol 2.0 directory ROOT/<sha256>/ that saeflow trains on. Shard files become symlinks to
-the originals (nothing is copied) except a padded last shard, which is trimmed into a copy; labels.bin is linked.
-saev's data pickle is decoded without running it (saev dataset-config classes and paths only) into the protocol 2.0
-`data` object; the original string is kept under data.__saev__. checksums.json records every file; for linked
-shards that reads them once (about 1 GB/s cold), unless --no-link-checksums. Importing again reuses the directory.
+pixel_agg, a base64-pickled data field, protocol 2.1; named by the first 8 hex digits of the sha256 of its metadata,
+or by all 64 as saev's 2.1 commits before 075ac76 named it) by saev's own rules and publish it as a saev protocol 2.0
+directory ROOT/<sha256>/ that saeflow trains on. Shard files become symlinks to the originals (nothing is copied)
+except a padded last shard, which is trimmed into a copy; labels.bin is linked. saev's data pickle is decoded without
+running it (saev dataset-config classes and paths only) into the protocol 2.0 `data` object; the original string is
+kept under data.__saev__. checksums.json records every file; for linked shards that reads them once (about 1 GB/s
+cold), unless --no-link-checksums. Importing again reuses the directory.
 """
 
 
@@ -80,7 +81,8 @@ def register(subparsers):
     formats = p.add_subparsers(dest="import_format", metavar="FORMAT", required=True)
     s = formats.add_parser("saev", help="a saev (OSU-NLP-Group) protocol 2.1 shard directory",
                            description=IMPORT_SAEV_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("src", type=pathlib.Path, metavar="DIR", help="the saev directory (<...>/shards/<8-digit hash>)")
+    s.add_argument("src", type=pathlib.Path, metavar="DIR",
+                   help="the saev directory (<...>/shards/<8- or 64-digit hash>)")
     s.add_argument("--shards-root", type=pathlib.Path, required=True, metavar="ROOT",
                    help="saeflow shards root: the import is published as ROOT/<sha256>/")
     s.add_argument("--allow-empty-extra-shard", action="store_true",

@@ -2,11 +2,14 @@
 
 saev writes the same bytes in the same layout (C-order (n, L, T, D) float32 shards) under other names: metadata keys
 `content_tokens_per_example`, `n_examples`, `max_tokens_per_shard`, `pixel_agg`, `data` as base64 of a pickle,
-`protocol` "2.1"; the directory is named by the first 8 hex digits of the metadata's sha256; shards.json counts
-`n_examples`; every shard file, the last included, is allocated at full size. `read_saev` checks a directory by saev's
-own rules (its `Metadata`, `ShardInfo` and writer); `import_saev` publishes `<shards_root>/<sha256>/` through the
-store's staging sibling and one rename, with every shard a symlink to the original except a trimmed copy of a padded
-last shard. docs/interop.md ("Importing saev directories") has the key map.
+`protocol` "2.1"; shards.json counts `n_examples`; every shard file, the last included, is allocated at full size.
+saev names the directory by the sha256 of `orjson.dumps(metadata, option=OPT_SORT_KEYS)`: its metadata is a dataclass,
+which orjson writes in field order (OPT_SORT_KEYS sorts dict keys only), so the hashed bytes are the compact JSON of
+the metadata in saev's field order (`KEYS`). saev since 075ac76 (2025-10-14) keeps the first 8 hex digits; its 2.1
+commits before (00d8cec..c4c888f) kept all 64. `read_saev` checks a directory by saev's own rules (its `Metadata`,
+`ShardInfo` and writer); `import_saev` publishes `<shards_root>/<sha256>/` through the store's staging sibling and one
+rename, with every shard a symlink to the original except a trimmed copy of a padded last shard. docs/interop.md
+("Importing saev directories") has the key map; tests/fixtures/saev/ holds directories saev itself wrote.
 """
 
 import dataclasses
@@ -26,17 +29,21 @@ from saeflow.shards.reader import open_existing
 from saeflow.shards.validate import file_problem, validate
 
 PROTOCOL = "2.1"
+# saev's Metadata fields in definition order: the order its directory hash serializes them in.
 KEYS = ("family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
         "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol")
 PIXEL_AGGS = ("majority", "prefer-fg")
-HASH_CHARS = 8
+SHORT_NAME_CHARS = 8  # saev since 075ac76; before it, all 64 hex digits
 COPY_CHUNK_BYTES = 16 << 20
 
 
-def saev_hash(md_obj: dict) -> str:
-    """saev's directory name: sha256 of orjson's sorted compact dump (UTF-8, not ASCII-escaped), first 8 digits."""
-    text = json.dumps(md_obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:HASH_CHARS]
+def saev_digest(md_obj: dict) -> str:
+    """The full sha256 saev names a directory by: orjson's compact dump of its Metadata dataclass (fields in `KEYS`
+    order, UTF-8 not ASCII-escaped; json.dumps with ensure_ascii=False escapes every code point as orjson 3.13
+    does, checked one by one). `md_obj` has exactly saev's keys; UnicodeEncodeError for a lone surrogate,
+    which orjson cannot write."""
+    text = json.dumps({key: md_obj[key] for key in KEYS}, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def looks_like_saev(dpath: pathlib.Path) -> bool:
@@ -60,10 +67,7 @@ class SaevDir:
     metadata: Metadata  # protocol 2.0
     shard_fpaths: tuple[pathlib.Path, ...]  # the shards holding examples (an empty extra one left out)
     labels_fpath: pathlib.Path | None
-
-    @property
-    def hash8(self) -> str:
-        return self.dpath.resolve().name
+    saev_name: str  # the directory's name: 8 or 64 hex digits of saev_digest
 
 
 def _int_ok(value, low: int) -> bool:
@@ -89,7 +93,7 @@ def _check_md(md_obj, where: str) -> None:
         bad.append("layers")
     if not isinstance(md_obj["cls_token"], bool):
         bad.append("cls_token")
-    if md_obj["pixel_agg"] not in PIXEL_AGGS:
+    if md_obj["pixel_agg"] not in (*PIXEL_AGGS, None):  # null: saev's 64-digit era, for datasets without masks
         bad.append("pixel_agg")
     if md_obj["dtype"] != "float32":
         bad.append("dtype")
@@ -97,12 +101,30 @@ def _check_md(md_obj, where: str) -> None:
         raise SaeflowError(f"{where}: saev metadata has invalid {', '.join(bad)}")
 
 
-def to_metadata(md_obj: dict, hash8: str, limit_bytes: int, where: str) -> Metadata:
+def _check_name(dpath: pathlib.Path, md_obj: dict, where: str) -> str:
+    """The directory's name, if it is saev's for this metadata (either era); else a one-line error naming both."""
+    name = dpath.resolve().name
+    try:
+        digest = saev_digest(md_obj)
+    except UnicodeEncodeError:
+        raise SaeflowError(f"{where}: holds an unpaired surrogate escape, which saev (orjson) cannot write; "
+                           "edited") from None
+    if len(name) not in (SHORT_NAME_CHARS, len(digest)) or digest[: len(name)] != name:
+        raise SaeflowError(f"{dpath}: named {name}, but saev names this metadata {digest[:SHORT_NAME_CHARS]} (saev "
+                           f"since 075ac76) or {digest} (its 2.1 commits before); it was renamed or its "
+                           "metadata.json was edited")
+    if len(name) == SHORT_NAME_CHARS and md_obj["pixel_agg"] is None:
+        raise SaeflowError(f"{where}: pixel_agg null, which saev wrote only under 64-digit names (since 075ac76 it "
+                           f"writes and reads {' or '.join(PIXEL_AGGS)}); edited")
+    return name
+
+
+def to_metadata(md_obj: dict, saev_name: str, limit_bytes: int, where: str) -> Metadata:
     """The protocol 2.0 metadata of a checked saev metadata object (docs/interop.md has the table)."""
     data = saev_data.decode(md_obj["data"], limit_bytes, where)
     if "__saev__" in data:
         raise SaeflowError(f"{where}: saev's data has a field named __saev__, which the import needs for itself")
-    data["__saev__"] = {"data": md_obj["data"], "hash": hash8, "pixel_agg": md_obj["pixel_agg"],
+    data["__saev__"] = {"data": md_obj["data"], "hash": saev_name, "pixel_agg": md_obj["pixel_agg"],
                         "protocol": md_obj["protocol"]}
     md = Metadata(family=md_obj["family"], ckpt=md_obj["ckpt"], layers=tuple(md_obj["layers"]),
                   patches_per_ex=md_obj["content_tokens_per_example"], cls_token=md_obj["cls_token"],
@@ -154,11 +176,8 @@ def read_saev(dpath: str | os.PathLike, limit_bytes: int = DEFAULT_MEMORY_BUDGET
     layout = ShardLayout(dpath)
     md_obj = read_json(layout.metadata_fpath, limit_bytes, "saev metadata")
     _check_md(md_obj, str(layout.metadata_fpath))
-    hash8 = saev_hash(md_obj)
-    if dpath.resolve().name != hash8:
-        raise SaeflowError(f"{dpath}: saev names this directory {hash8} (the sha256 of its metadata.json, first "
-                           f"{HASH_CHARS} digits); it was renamed or its metadata.json was edited")
-    md = to_metadata(md_obj, hash8, limit_bytes, str(layout.metadata_fpath))
+    saev_name = _check_name(dpath, md_obj, str(layout.metadata_fpath))
+    md = to_metadata(md_obj, saev_name, limit_bytes, str(layout.metadata_fpath))
     listed = read_json(layout.shards_fpath, limit_bytes, "saev shard list")
     n_shards = _check_shards_json(listed, md, str(layout.shards_fpath), allow_empty_extra_shard)
     fpaths = _check_files(dpath, md, n_shards)
@@ -168,7 +187,7 @@ def read_saev(dpath: str | os.PathLike, limit_bytes: int = DEFAULT_MEMORY_BUDGET
             raise SaeflowError(problem)
     else:
         labels_fpath = None
-    return SaevDir(dpath, md_obj, md, fpaths, labels_fpath)
+    return SaevDir(dpath, md_obj, md, fpaths, labels_fpath, saev_name)
 
 
 def _trimmed_copy(src_fpath: pathlib.Path, dst_fpath: pathlib.Path, n_bytes: int) -> str:
@@ -227,7 +246,7 @@ def import_saev(src_dpath: str | os.PathLike, shards_root: str | os.PathLike,
         with atomic.building_dir(final.dpath) as staging_dpath:
             staging = ShardLayout(staging_dpath)
             done = _populate(staging, src, link_checksums)
-            prov = {**provenance.collect(), "imported_from": str(src.dpath.resolve()), "saev_hash": src.hash8,
+            prov = {**provenance.collect(), "imported_from": str(src.dpath.resolve()), "saev_hash": src.saev_name,
                     **done, "started_at": started_at, "finished_at": provenance.utc_now(), "resumed_from_ex": 0}
             atomic.write_json(staging.provenance_fpath, prov)
             report = validate(staging_dpath, name=md.hash)
