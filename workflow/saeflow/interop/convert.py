@@ -65,7 +65,8 @@ def open_source(dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_B
         reader = zarr_store.ZarrReader(dpath, memory_budget)
         keys = [row["sample_key"] for row in reader.text("prompt")]
         ident = {"__class__": "ZarrActivationStore",
-                 "attrs": {k: reader.attrs[k] for k in ("layers", "P_max", "R_max")},
+                 "attrs": {"layers": list(reader.layers), "P_max": reader.t_max["prompt"],
+                           "R_max": reader.t_max.get("response", 0)},
                  "sample_keys_sha256": zarr_store.sample_key("".join(keys)).decode()}
         model = reader.attrs.get("model_id", "unknown")
         return Source(reader.records, reader.n, model, reader.attrs.get("model_revision"), dpath.name, "text", ident)
