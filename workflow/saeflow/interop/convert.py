@@ -90,7 +90,8 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> path
         raise SaeflowError(f"{fmt} output: the source has no examples")
     records = itertools.chain([first], records)
     if fmt == "lmprobe":
-        opts = dataclasses.replace(spec.lmprobe, top_k=spec.lmprobe.top_k if first.topk_values is not None else 0,
+        top_k = 0 if first.topk_values is None else min(spec.lmprobe.top_k, len(first.topk_values))  # what it has
+        opts = dataclasses.replace(spec.lmprobe, top_k=top_k,
                                    perplexity=spec.lmprobe.perplexity and first.token_nll is not None)
         return lmprobe.write(records, out, source.model_name, source.model_revision, opts)
     if fmt == "pickle":
