@@ -272,13 +272,6 @@ class _Store:
             raise SaeflowError(f"{self.dpath / 'arrays' / f'{kind}_len'}: expected {self.n} integer lengths")
         return lens
 
-    def sample_fields(self) -> list[str]:
-        """Names of the other (n,) numeric arrays under arrays/ (the spec's hallu_label, split, ...)."""
-        names = (key[len("arrays/") : -len("/.zarray")] for key in self.meta if key.startswith("arrays/")
-                 and key.endswith("/.zarray") and key.count("/") == 2)
-        return sorted(name for name in names if name not in SAMPLE_CORE and not name.endswith("_activations")
-                      and len(self.meta[f"arrays/{name}/.zarray"].get("shape") or ()) == 1)
-
     def _direct_ok(self, array: str) -> dict | None:
         """The array's .zarray when its chunks are raw C-order bytes we can read ourselves, else None."""
         zarray = self._zarray(array, 4)
@@ -362,6 +355,18 @@ def _checked_zarray(meta: dict, dpath: pathlib.Path, array: str, ndim: int, memo
     if zarray.get("dimension_separator", ".") not in (".", "/"):
         raise SaeflowError(f"{where}: dimension_separator must be '.' or '/'")
     return zarray
+
+
+def _sample_fields(meta: dict) -> list[str]:
+    """Names of a store's other 1-D arrays under arrays/ (the spec's hallu_label, split, ...)."""
+    names = []
+    for key, zarray in meta.items():
+        name = key.removeprefix("arrays/").removesuffix("/.zarray")
+        shape = zarray.get("shape") if isinstance(zarray, dict) else None
+        if (key == f"arrays/{name}/.zarray" and "/" not in name and name not in SAMPLE_CORE
+                and not name.endswith("_activations") and isinstance(shape, list) and len(shape) == 1):
+            names.append(name)
+    return sorted(names)
 
 
 def _stored_layers(attrs: dict, n_layers: int, n: int, where: pathlib.Path) -> tuple[int, ...]:
@@ -499,7 +504,8 @@ class ZarrReader:
 
     def sample_fields(self) -> dict[str, list]:
         """Per-sample values of the arrays besides lengths and keys (`label`: -1 is none), as Python scalars."""
-        names = [name for name in self.stores[0].sample_fields() if all(name in s.sample_fields() for s in self.stores)]
+        names = [name for name in _sample_fields(self.stores[0].meta)
+                 if all(name in _sample_fields(s.meta) for s in self.stores)]
         if all("arrays/label/.zarray" in s.meta for s in self.stores):
             names.append("label")
         fields = {}
