@@ -250,7 +250,8 @@ def pip_site(dname: str, requirements: list[str], probe: str) -> pathlib.Path:
     site = cache / dname
     if not (site / probe).exists():
         tmp = cache / f".{dname}.{os.getpid()}"
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *requirements]
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *requirements,
+               "--retries", "1", "--timeout", "15"]  # an unreachable index fails within a minute: the test skips
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             pytest.skip(f"cannot install {dname}: {proc.stderr[-500:]}")

@@ -123,3 +123,74 @@ def test_validator_catches_damage(exports, tmp_path):
     assert any("hidden_layer001_shard000" in p and "(2, 32)" in p for p in problems)
     with pytest.raises(SaeflowError, match="invalid lmprobe dataset"):
         lmprobe.LmprobeDataset(dpath)
+
+
+LMPROBE_FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "lmprobe"  # fixtures/lmprobe/make_lmprobe_datasets.py
+VARIANTS = ("pooled-last-token", "full-sequence", "pooled-mean")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reads_datasets_lmprobe_wrote_as_lmprobe_reads_them(variant):
+    """lmprobe 0.10.3's push_dataset wrote them; its own readers' values are saved beside them."""
+    want = np.load(LMPROBE_FIXTURES / variant / "lmprobe.npz")
+    ds = lmprobe.LmprobeDataset(LMPROBE_FIXTURES / variant / "dataset")
+    assert ds.info["provenance"]["lmprobe_version"] == LMPROBE_VERSION and ds.info["prompt_ordering"] == "random"
+    assert ds.index["text"] == list(want["prompts"]) and ds.index["label"] == want["labels"].tolist()
+    assert ds.pooling == ("mean" if variant == "pooled-mean" else "last_token")
+    for layer in (0, 1):
+        np.testing.assert_array_equal(ds.pooled(layer), want[f"pooled.{layer}"])
+        if variant == "full-sequence":
+            for i in range(ds.n_prompts):
+                np.testing.assert_array_equal(ds.tokens(i, layer), want[f"tokens.{layer}.{i}"])
+        else:
+            np.testing.assert_array_equal(ds.pooled(layer), want[f"raw.hidden.layer_{layer}"])  # shard order
+    if "raw.logits_topk.values" in want:
+        values_nk, indices_nk = ds.logits_topk()
+        np.testing.assert_array_equal(values_nk, want["raw.logits_topk.values"])
+        np.testing.assert_array_equal(indices_nk, want["raw.logits_topk.indices"])
+    else:
+        assert ds.logits_topk() is None
+
+
+@pytest.mark.parametrize("variant", ["pooled-last-token", "full-sequence"])
+def test_records_of_lmprobe_datasets_carry_lmprobe_perplexities(variant):
+    """lmprobe writes token_perplexity as strings when the first row has none (a one-token prompt)."""
+    ds = lmprobe.LmprobeDataset(LMPROBE_FIXTURES / variant / "dataset")
+    records = list(ds.records())
+    assert [r.extra for r in records] == [{"source": s} for s in ds.index["source"]]
+    for i, rec in enumerate(records):
+        assert len(rec.token_nll) == len(rec.token_ids) - 1 and rec.token_strings[0] == rec.text.split()[0]
+        if len(rec.token_nll):
+            want = [ds.index[f"perplexity_{s}"][i] for s in ("mean", "min", "max")]
+            np.testing.assert_allclose(rec.perplexity_stats(), want, rtol=1e-6)
+        if variant == "full-sequence":  # lmprobe leaves num_tokens empty in pooled datasets
+            assert len(rec.token_ids) == ds.index["num_tokens"][i] and rec.acts[1].shape == (len(rec.token_ids), 16)
+        else:
+            assert rec.acts[1].shape == (1, 16)
+
+
+def test_mean_pooled_datasets_are_no_token_activations():
+    ds = lmprobe.LmprobeDataset(LMPROBE_FIXTURES / "pooled-mean" / "dataset")
+    with pytest.raises(SaeflowError, match="pooled by 'mean'"):
+        ds.last_token(0)
+    with pytest.raises(SaeflowError, match="pooled by 'mean'"):
+        next(ds.records())
+
+
+def test_convert_lmprobe_written_datasets(tmp_path, capsys):
+    from saeflow import cli
+
+    for variant in ("pooled-last-token", "full-sequence"):
+        src = lmprobe.LmprobeDataset(LMPROBE_FIXTURES / variant / "dataset")
+        assert cli.main(["convert", str(src.dpath), "--to", "lmprobe", str(tmp_path / variant)]) == 0, variant
+        back = lmprobe.LmprobeDataset(tmp_path / variant)
+        assert back.index["text"] == src.index["text"] and back.index["label"] == src.index["label"]
+        assert back.info["model"]["name"] == "fixture/tiny-gpt2" and back.logits_topk()[0].shape == (6, 5)
+        np.testing.assert_array_equal(back.last_token(1), src.last_token(1))
+        np.testing.assert_array_equal(back.logits_topk()[1], src.logits_topk()[1])
+    capsys.readouterr()
+    assert cli.main(["convert", str(LMPROBE_FIXTURES / "pooled-mean" / "dataset"), "--to", "pickle",
+                     str(tmp_path / "mean")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("saeflow convert: error: ") and "pooled by 'mean'" in err and "\n" not in err
+    assert not (tmp_path / "mean").exists()

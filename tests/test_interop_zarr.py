@@ -180,3 +180,37 @@ def test_zarr_2_18_and_installed_zarr_read_each_others_stores(zarr2_site, tmp_pa
                 np.testing.assert_array_equal(reader.prompt(i, layer), want)
                 np.testing.assert_array_equal(reader.response(i, layer),
                                               rec.response_acts[layer][: other.R_MAX].astype(np.float16))
+
+
+ZARR_FIXTURES_DPATH = pathlib.Path(__file__).parent / "fixtures" / "zarr"  # made by fixtures/zarr/make_zarr_stores.py
+
+
+@pytest.mark.parametrize("version", ["2.18.7", "3.1.6"])
+def test_reads_stores_zarr_python_wrote_by_the_spec(version):
+    """A store another logger wrote with plain zarr-python calls (spec names, no saeflow attrs; under 3.x the
+    padding-only chunks are absent) reads exactly as zarr-python itself read it back."""
+    fixture_dpath = ZARR_FIXTURES_DPATH / f"zarr-{version}"
+    want = np.load(fixture_dpath / "expected.npz")
+    assert str(want["zarr_version"]) == version
+    reader = zarr_store.ZarrReader(fixture_dpath / "activations.zarr")
+    assert len(reader) == 5 and reader.layers == (0, 1, 2)
+    assert all(reader.stores[0].direct.values())  # raw chunks: the direct path, not zarr-python
+    n_chunk_files = len(list((fixture_dpath / "activations.zarr/arrays/response_activations").glob("[0-9]*")))
+    assert n_chunk_files == {"2.18.7": 15, "3.1.6": 12}[version]  # 3.x skips sample 2's all-padding chunks
+    np.testing.assert_array_equal(reader.lengths(), want["arrays/prompt_len"])
+    np.testing.assert_array_equal(reader.lengths("response"), want["arrays/response_len"])
+    for i in range(len(reader)):
+        p, r = want["arrays/prompt_len"][i], want["arrays/response_len"][i]
+        for layer in reader.layers:
+            np.testing.assert_array_equal(reader.prompt(i, layer), want["arrays/prompt_activations"][i, layer, :p])
+            np.testing.assert_array_equal(reader.response(i, layer), want["arrays/response_activations"][i, layer, :r])
+    out, lens = reader.batch([2, 0, 4], [[2, 0], [1, 1], [0, 2]])
+    assert out.shape == (3, 2, 4, 8) and list(lens) == list(want["arrays/response_len"][[2, 0, 4]])
+    np.testing.assert_array_equal(out[2, 1], want["arrays/response_activations"][4, 2])
+    assert [row["prompt"] for row in reader.text("prompt")] == list(want["prompts"])
+    records = list(reader.records())
+    assert [rec.text for rec in records] == list(want["prompts"])
+    assert [rec.response_text for rec in records] == list(want["responses"])
+    assert [rec.extra for rec in records] == [{"hallu_label": int(h), "split": int(s)}
+                                              for h, s in zip(want["arrays/hallu_label"], want["arrays/split"])]
+    np.testing.assert_array_equal(records[1].acts[2], want["arrays/prompt_activations"][1, 2].astype(np.float32))

@@ -207,6 +207,8 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
         arch, k, weights = (_from_saelens if fmt == "saelens" else _from_sparsify)(cfg, tensors)
     except KeyError as err:
         raise SaeflowError(f"{src_dpath}: {fmt} checkpoint lacks {err}") from None
+    except _Unsupported as err:
+        raise SaeflowError(f"{src_dpath}: cannot import: {err}") from None
     d_sae, d_model = weights.W_dec_sd.shape
     if weights.W_enc_ds.shape != (d_model, d_sae) or weights.b_enc_s.shape != (d_sae,) or weights.b_dec_d.shape != (
         d_model,
@@ -245,9 +247,27 @@ def _read_tensors(fpath: pathlib.Path) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.float32) for name, t in tensors.items()}
 
 
+class _Unsupported(Exception):
+    """A checkpoint saeflow's SAE cannot compute; `read_checkpoint` names the directory."""
+
+
 def _refuse_unless(ok: bool, what: str) -> None:
     if not ok:
-        raise SaeflowError(f"cannot import: {what}")
+        raise _Unsupported(what)
+
+
+def _checked_k(k) -> int:
+    if type(k) is not int or k < 1:
+        raise _Unsupported(f"k={k!r} (k must be a positive integer)")
+    return k
+
+
+def _saelens_k(cfg: dict) -> int:
+    """k of a TopK SAE, or of a BatchTopK SAE saved as JumpReLU (SAELens keeps it only in the training metadata);
+    1 when unnamed (BatchTopK's k matters in training only)."""
+    metadata = cfg.get("metadata")
+    details = metadata.get("training_architecture_details") if isinstance(metadata, dict) else None
+    return _checked_k(cfg.get("k") or (details.get("k") if isinstance(details, dict) else None) or 1)
 
 
 def _from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
@@ -272,7 +292,7 @@ def _from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int
                        "(saeflow's BatchTopK has one threshold)")  # fmt: skip
         threshold = float(threshold_s[0])
     arch = {v: k for k, v in SAELENS_ARCHS.items()}[arch_name]
-    k = int(cfg.get("k") or 1) if arch != "relu" else 1  # batchtopk: k matters in training only; 1 when unnamed
+    k = _saelens_k(cfg) if arch != "relu" else 1
     return arch, min(k, W_dec.shape[0]), RawWeights(W_enc, b_enc, W_dec, b_dec, threshold)
 
 
@@ -283,7 +303,7 @@ def _from_sparsify(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, in
                    "connections (saeflow SAEs reconstruct their input)")  # fmt: skip
     weights = RawWeights(tensors["encoder.weight"].T.contiguous(), tensors["encoder.bias"], tensors["W_dec"],
                          tensors["b_dec"])  # fmt: skip
-    return "topk", int(cfg.get("k", 32)), weights
+    return "topk", _checked_k(cfg.get("k", 32)), weights
 
 
 def import_checkpoint(

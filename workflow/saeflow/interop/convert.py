@@ -65,7 +65,8 @@ def open_source(dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_B
         reader = zarr_store.ZarrReader(dpath, memory_budget)
         keys = [row["sample_key"] for row in reader.text("prompt")]
         ident = {"__class__": "ZarrActivationStore",
-                 "attrs": {k: reader.attrs[k] for k in ("layers", "P_max", "R_max")},
+                 "attrs": {"layers": list(reader.layers), "P_max": reader.t_max["prompt"],
+                           "R_max": reader.t_max.get("response", 0)},
                  "sample_keys_sha256": zarr_store.sample_key("".join(keys)).decode()}
         model = reader.attrs.get("model_id", "unknown")
         return Source(reader.records, reader.n, model, reader.attrs.get("model_revision"), dpath.name, "text", ident)
@@ -89,7 +90,8 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> path
         raise SaeflowError(f"{fmt} output: the source has no examples")
     records = itertools.chain([first], records)
     if fmt == "lmprobe":
-        opts = dataclasses.replace(spec.lmprobe, top_k=spec.lmprobe.top_k if first.topk_values is not None else 0,
+        top_k = 0 if first.topk_values is None else min(spec.lmprobe.top_k, len(first.topk_values))  # what it has
+        opts = dataclasses.replace(spec.lmprobe, top_k=top_k,
                                    perplexity=spec.lmprobe.perplexity and first.token_nll is not None)
         return lmprobe.write(records, out, source.model_name, source.model_revision, opts)
     if fmt == "pickle":

@@ -469,11 +469,27 @@ class LmprobeDataset:
         fpath = self.dpath / HIDDEN_FILE_PATTERN.format(layer=layer, shard=shard)
         return self._tensor(fpath, HIDDEN_KEY_PATTERN.format(layer=layer))
 
-    def last_token(self, layer: int) -> np.ndarray:
-        """(n_prompts, D) last-token vectors in index order."""
+    @property
+    def pooling(self) -> str:
+        """What each prompt's stored vector is: `last_token` (always, for full sequences), or lmprobe's pooling
+        over the prompt's tokens (`mean`, `first_token`)."""
+        return "last_token" if self.full_sequence else str(self.hidden.get("pooling", "last_token"))
+
+    def pooled(self, layer: int) -> np.ndarray:
+        """(n_prompts, D) the stored per-prompt vectors in index order, whatever their `pooling`."""
         return np.stack(
             [self._hidden(layer, s)[o] for s, o in zip(self.index["shard_index"], self.index["row_offset"])]
         )
+
+    def _require_last_token(self) -> None:
+        if self.pooling != "last_token":
+            raise SaeflowError(f"{self.dpath}: pooled by {self.pooling!r} over each prompt's tokens, so its vectors "
+                               "are no token's activations (read them with LmprobeDataset.pooled)")
+
+    def last_token(self, layer: int) -> np.ndarray:
+        """(n_prompts, D) last-token vectors in index order."""
+        self._require_last_token()
+        return self.pooled(layer)
 
     def tokens(self, i: int, layer: int) -> np.ndarray:
         """(num_tokens, D) every token of prompt i (full-sequence datasets only)."""
@@ -497,8 +513,17 @@ class LmprobeDataset:
         keys, o = self._logits_keys[fpath], self.index["row_offset_logits"][i]
         return self._tensor(fpath, keys[0])[o].copy(), self._tensor(fpath, keys[1])[o].copy()
 
+    def _floats(self, values: list, i: int) -> np.ndarray:
+        """A list column's numbers: lmprobe writes a list column as strings when its first row is empty."""
+        try:
+            return np.asarray(values, dtype=np.float64)
+        except (TypeError, ValueError) as err:
+            raise SaeflowError(f"{self.dpath / PARQUET_PATH}: row {i}: token_perplexity holds no numbers "
+                               f"({_one_line(err)})") from None
+
     def records(self) -> typing.Iterator[Record]:
         """One record per prompt, reading shards through a cache bounded by half the memory budget."""
+        self._require_last_token()
         has_logits = self.info["tensors"].get("logits_topk") is not None
         extra_cols = [c for c in self.index if c not in CORE_COLUMNS]
         for i in range(self.n_prompts):
@@ -518,6 +543,6 @@ class LmprobeDataset:
                 token_strings=None if strs is None or strs[i] is None else tuple(strs[i]),
                 topk_values=None if logits is None else logits[0],
                 topk_indices=None if logits is None else logits[1],
-                token_nll=None if ppl is None or ppl[i] is None else np.log(np.asarray(ppl[i])),
+                token_nll=None if ppl is None or ppl[i] is None else np.log(self._floats(ppl[i], i)),
                 extra={c: self.index[c][i] for c in extra_cols},
             )

@@ -49,6 +49,7 @@ SCHEMA_VERSION = "saeflow-zarr-activations-1"
 MANIFEST_FNAME = "manifest.json"
 PROMPT, RESPONSE = "prompt", "response"
 TEXT_FILES = {PROMPT: "text/prompts.jsonl", RESPONSE: "text/responses.jsonl", "extra": "text/extra_metadata.jsonl"}
+SAMPLE_CORE = ("prompt_len", "response_len", "sample_key", "label")  # per-sample arrays that are not extra fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,19 +228,21 @@ class _Store:
         zmeta_fpath = dpath / ".zmetadata"
         zmeta = read_json(zmeta_fpath, memory_budget, "consolidated zarr metadata")
         self.meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
-        if not isinstance(self.meta, dict) or not isinstance(self.meta.get(".zattrs"), dict):
-            raise SaeflowError(f"{zmeta_fpath}: no metadata/.zattrs object (not a consolidated zarr v2 store)")
-        self.attrs = self.meta[".zattrs"]
-        if self.attrs.get("schema_version") != SCHEMA_VERSION:
-            raise SaeflowError(
-                f"{dpath}: schema_version {self.attrs.get('schema_version')!r}, expected {SCHEMA_VERSION!r}"
-            )
-        _check_attrs(self.attrs, zmeta_fpath)
-        self.n = self.attrs["num_samples"]
-        kinds = (PROMPT, RESPONSE) if self.attrs["R_max"] else (PROMPT,)
-        for kind in kinds:  # before zarr-python opens the store: 3.x parses every .zarray at open
-            self._zarray(f"arrays/{kind}_activations", 4)
-        self.lens = {kind: self._small(f"{kind}_len") for kind in kinds}
+        if not isinstance(self.meta, dict) or not isinstance(self.meta.get(".zattrs", {}), dict):
+            raise SaeflowError(f"{zmeta_fpath}: no metadata object (not a consolidated zarr v2 store)")
+        self.attrs = self.meta.get(".zattrs", {})
+        # Sizes come from the arrays (the spec fixes their names and axes, not the attrs): any store that follows
+        # it reads, whoever wrote it. Checked before zarr-python opens the store: 3.x parses every .zarray at open.
+        zarrays = {kind: self._zarray(f"arrays/{kind}_activations", 4) for kind in (PROMPT, RESPONSE)
+                   if kind == PROMPT or f"arrays/{kind}_activations/.zarray" in self.meta}
+        self.n, n_layers, _, self.hidden_size = zarrays[PROMPT]["shape"]
+        for kind, zarray in zarrays.items():
+            if [zarray["shape"][i] for i in (0, 1, 3)] != [self.n, n_layers, self.hidden_size]:
+                raise SaeflowError(f"{zmeta_fpath}: arrays/{kind}_activations has shape {zarray['shape']}, but "
+                                   f"prompt_activations has {zarrays[PROMPT]['shape']}")
+        self.layers = _stored_layers(self.attrs, n_layers, self.n, zmeta_fpath)
+        self.t_max = {kind: zarray["shape"][2] for kind, zarray in zarrays.items()}
+        self.lens = {kind: self._lengths(kind) for kind in zarrays}
         self.direct = {kind: self._direct_ok(f"arrays/{kind}_activations") for kind in self.lens}
         self._zarr = None
 
@@ -250,7 +253,8 @@ class _Store:
     def _zarray(self, array: str, ndim: int) -> dict:
         return _checked_zarray(self.meta, self.dpath, array, ndim, self.memory_budget)
 
-    def _small(self, name: str) -> np.ndarray:
+    def small(self, name: str) -> np.ndarray:
+        """The (n,) per-sample array arrays/<name>, decoded by zarr-python once its chunks are checked."""
         array = f"arrays/{name}"
         zarray = self._zarray(array, 1)
         if zarray["shape"] != [self.n]:
@@ -258,11 +262,14 @@ class _Store:
                                f"expected [{self.n}] samples")
         _check_chunk_files(self.dpath / array, zarray, self.memory_budget)
         try:
-            lens = zarr_compat.open_consolidated(self.dpath)["arrays"][name][:]
+            return zarr_compat.open_consolidated(self.dpath)["arrays"][name][:]
         except Exception as err:  # zarr-python and numcodecs raise many types; the file is named either way
             raise SaeflowError(f"{self.dpath / array}: unreadable ({type(err).__name__}: {err})") from None
-        if lens.dtype.kind not in "iu" or lens.shape != (self.n,):
-            raise SaeflowError(f"{self.dpath / array}: expected {self.n} integer lengths")
+
+    def _lengths(self, kind: str) -> np.ndarray:
+        lens = self.small(f"{kind}_len")
+        if lens.dtype.kind not in "iu":
+            raise SaeflowError(f"{self.dpath / 'arrays' / f'{kind}_len'}: expected {self.n} integer lengths")
         return lens
 
     def _direct_ok(self, array: str) -> dict | None:
@@ -350,13 +357,28 @@ def _checked_zarray(meta: dict, dpath: pathlib.Path, array: str, ndim: int, memo
     return zarray
 
 
-def _check_attrs(attrs: dict, where: pathlib.Path) -> None:
-    """The .zattrs the reader relies on, with the types it relies on."""
-    ints = {k: attrs.get(k) for k in ("num_samples", "R_max", "P_max", "hidden_size")}
-    layers = attrs.get("layers")
-    if (not all(type(v) is int and v >= 0 for v in ints.values()) or not isinstance(layers, list) or not layers
+def _sample_fields(meta: dict) -> list[str]:
+    """Names of a store's other 1-D arrays under arrays/ (the spec's hallu_label, split, ...)."""
+    names = []
+    for key, zarray in meta.items():
+        name = key.removeprefix("arrays/").removesuffix("/.zarray")
+        shape = zarray.get("shape") if isinstance(zarray, dict) else None
+        if (key == f"arrays/{name}/.zarray" and "/" not in name and name not in SAMPLE_CORE
+                and not name.endswith("_activations") and isinstance(shape, list) and len(shape) == 1):
+            names.append(name)
+    return sorted(names)
+
+
+def _stored_layers(attrs: dict, n_layers: int, n: int, where: pathlib.Path) -> tuple[int, ...]:
+    """Block numbers along axis 1: the `layers` attribute saeflow writes, else 0..L-1 (the spec's layer index)."""
+    layers = attrs.get("layers", list(range(n_layers)))
+    if (not isinstance(layers, list) or len(layers) != n_layers or len(set(layers)) != n_layers
             or not all(type(x) is int for x in layers)):
-        raise SaeflowError(f"{where}: .zattrs needs non-negative integers {sorted(ints)} and a list of int layers")
+        raise SaeflowError(f"{where}: .zattrs layers must list {n_layers} distinct int layers (axis 1 of the "
+                           f"activation arrays), got {str(layers)[:80]}")
+    if attrs.get("num_samples", n) != n:
+        raise SaeflowError(f"{where}: .zattrs num_samples={attrs['num_samples']!r}, the arrays hold {n} samples")
+    return tuple(layers)
 
 
 def _check_chunk_files(array_dpath: pathlib.Path, zarray: dict, memory_budget: int) -> None:
@@ -417,7 +439,12 @@ class ZarrReader:
             raise SaeflowError(f"{path}: neither a zarr store (.zmetadata) nor a sharded root ({MANIFEST_FNAME})")
         self.path = path
         self.attrs = self.stores[0].attrs
-        self.layers = tuple(self.attrs["layers"])
+        first = self.stores[0]
+        self.layers, self.hidden_size, self.t_max = first.layers, first.hidden_size, first.t_max
+        for store in self.stores[1:]:
+            if (store.layers, store.hidden_size, store.t_max) != (self.layers, self.hidden_size, self.t_max):
+                raise SaeflowError(f"{store.dpath}: layers {list(store.layers)}, hidden size {store.hidden_size} and "
+                                   f"token axes {store.t_max} differ from {first.dpath}'s")
         self.starts = np.cumsum([0] + [s.n for s in self.stores])
         self._starts = [int(x) for x in self.starts]  # a list: bisect on it beats numpy on single lookups
         self.n = self._starts[-1]
@@ -456,9 +483,10 @@ class ZarrReader:
     def batch(self, idx: typing.Sequence[int], layers_per_sample: typing.Sequence[typing.Sequence[int]],
               kind: str = RESPONSE) -> tuple[np.ndarray, np.ndarray]:
         """The training pattern: for each sample its listed layers, padded to T_max -> ((B, k, T, H), lens (B,))."""
-        t_max = self.attrs["R_max"] if kind == RESPONSE else self.attrs["P_max"]
+        if kind not in self.t_max:
+            raise SaeflowError(f"{self.path}: no {kind} activations stored")
         k = len(layers_per_sample[0])
-        out = np.zeros((len(idx), k, t_max, self.attrs["hidden_size"]), np.float16)
+        out = np.zeros((len(idx), k, self.t_max[kind], self.hidden_size), np.float16)
         lens = np.zeros(len(idx), np.int32)
         for b, (i, sample_layers) in enumerate(zip(idx, layers_per_sample)):
             store, j = self._locate(int(i))
@@ -474,18 +502,36 @@ class ZarrReader:
             rows += [{**row, "i": row["i"] + int(start)} for row in store.text(key)]
         return rows
 
+    def sample_fields(self) -> dict[str, list]:
+        """Per-sample values of the arrays besides lengths and keys (`label`: -1 is none), as Python scalars."""
+        names = [name for name in _sample_fields(self.stores[0].meta)
+                 if all(name in _sample_fields(s.meta) for s in self.stores)]
+        if all("arrays/label/.zarray" in s.meta for s in self.stores):
+            names.append("label")
+        fields = {}
+        for name in names:
+            values = np.concatenate([s.small(name) for s in self.stores]).tolist()
+            fields[name] = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in values]
+        if "label" in fields:
+            fields["label"] = [None if v == -1 else v for v in fields["label"]]
+        return fields
+
     def records(self) -> typing.Iterator[Record]:
-        """float32 records of the prompt (and response) activations, for converters."""
+        """float32 records of the prompt (and response) activations, for converters. Labels and extra fields come
+        from text/extra_metadata.jsonl when it exists, else from the per-sample arrays."""
         prompts, responses, extras = self.text(PROMPT), self.text(RESPONSE), self.text("extra")
-        if len(prompts) != self.n or len(extras) != self.n:
-            raise SaeflowError(f"{self.path}: {TEXT_FILES[PROMPT]} and {TEXT_FILES['extra']} need a row per sample")
+        if len(prompts) != self.n:
+            raise SaeflowError(f"{self.path}: {TEXT_FILES[PROMPT]} needs a row per sample")
+        fields = self.sample_fields()
         for i in range(self.n):
-            extra = {k: v for k, v in extras[i].items() if k not in ("i", "sample_key", "label")}
+            extra = {name: values[i] for name, values in fields.items()}
+            if extras:
+                extra.update({k: v for k, v in extras[i].items() if k not in ("i", "sample_key")})
             resp = None
-            if responses:
+            if RESPONSE in self.t_max:
                 resp = {layer: self.response(i, layer).astype(np.float32) for layer in self.layers}
             yield Record(
-                text=prompts[i]["prompt"], label=extras[i].get("label"), extra=extra,
+                text=prompts[i]["prompt"], label=extra.pop("label", None), extra=extra,
                 acts={layer: self.prompt(i, layer).astype(np.float32) for layer in self.layers},
                 response_text=responses[i]["response"] if responses else None, response_acts=resp,
             )
