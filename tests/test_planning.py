@@ -110,7 +110,7 @@ def test_an_sae_on_an_unknown_activation_is_refused_naming_its_key():
 
 def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
     monkeypatch.delenv("SAEFLOW_UNSET_ROOT", raising=False)
-    with pytest.raises(SaeflowError, match="config key shards_root: .*not set"):
+    with pytest.raises(SaeflowError, match="shards_root: .*not set"):
         expand_path("$SAEFLOW_UNSET_ROOT/shards", "shards_root")
     monkeypatch.delenv("USER", raising=False)
     assert expand_path("/x/$USER", "runs_root").name == os.environ["USER"]

@@ -67,6 +67,8 @@ def plan_workflow(config):
 
 
 PLAN = plan_workflow(config)
+for _line in saeflow_config.describe_roots(config, ROOT_SOURCES):
+    logger.info(f"saeflow: {_line}")
 PLAN.write_cli_configs(CLI_CONFIG_DPATH)
 for _warning in PLAN.purged_shard_warnings():
     logger.warning(_warning)

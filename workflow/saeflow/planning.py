@@ -12,26 +12,17 @@ datasets, never weights or activations. Paths come from `saeflow.layout`; nothin
 
 import dataclasses
 import functools
-import getpass
 import os
 import pathlib
 
 from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
+from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
 from saeflow.shards import parts
 from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
-
-
-def expand_path(value: str, key: str) -> pathlib.Path:
-    """Config paths may use $USER, $SAEV_SCRATCH or ~ (the OSC profile does); an unset variable is an error."""
-    os.environ.setdefault("USER", getpass.getuser())  # unset in some batch and container shells
-    expanded = os.path.expanduser(os.path.expandvars(value))
-    if "$" in expanded:
-        raise SaeflowError(f"config key {key}: {value!r} names an environment variable that is not set")
-    return pathlib.Path(expanded)
 
 
 @dataclasses.dataclass(frozen=True)
