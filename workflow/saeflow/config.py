@@ -125,6 +125,12 @@ def expand_path(value: str, key: str) -> pathlib.Path:
     return pathlib.Path(expanded)
 
 
+def root(config: dict, key: str, given: str | pathlib.Path | None, flag: str) -> pathlib.Path:
+    """The root a command uses: the option's value when given, else the config's; either way expanded as the
+    planner expands it (`expand_path`), so a command and the workflow agree on every path."""
+    return expand_path(given, flag) if given is not None else expand_path(config[key], key)
+
+
 def resolve_roots(config: dict, files: list[tuple[str, dict]], overrides: dict) -> dict[str, str]:
     """Fill in each root (`ROOT_KEYS`) that no config file and no --config gives from `default_roots` (what a
     profile supplies), in place and before the schema's defaults; return where each root comes from.
@@ -159,11 +165,16 @@ def describe_roots(config: dict, sources: dict[str, str]) -> list[str]:
 def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
     """Read a YAML/JSON config file (`read_yaml`), apply top-level overrides and `default_roots`, validate and fill
     defaults."""
+    return load_with_root_sources(fpath, overrides)[0]
+
+
+def load_with_root_sources(fpath: str | pathlib.Path, overrides: dict | None = None) -> tuple[dict, dict[str, str]]:
+    """`load`, and where each root comes from (`resolve_roots`)."""
     config = read_yaml(fpath)
+    sources = resolve_roots(config, [(str(fpath), dict(config))], overrides or {})
     config.update(overrides or {})
-    resolve_roots(config, [(str(fpath), config)], overrides or {})
     try:
-        return validate(config)
+        return validate(config), sources
     except SaeflowError as err:
         raise SaeflowError(f"config file {fpath}: {err}") from None
 
