@@ -200,3 +200,36 @@ def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
         f"runs_root: {tmp_path / 'default-runs'} (from default_roots (the profile's default))",
         "summary_dir: results/summary (from schema default)",
     ]
+
+
+def test_a_damaged_published_shard_directory_is_refused_only_while_a_job_still_reads_it(tmp_path):
+    """A stat per file finds a deleted or truncated shard of a published directory that a run still has to read;
+    once every run on it is complete (config, checkpoint, dump), nothing reads it and planning goes on."""
+    from saeflow import extract, layout
+
+    cfg = smallest_config(tmp_path)
+    cfg["activations"] = {"text": cfg["activations"]["text"]}
+    cfg["saes"] = {"text-topk": cfg["saes"]["text-topk"]}
+    plan = WorkflowPlan.from_config(cfg)
+    spec = plan.cfg.activations["text"]
+    dpath = extract.extract(spec, plan.cfg.shards_root, progress=False).dpath
+    assert plan.shard_hashes_to_read() == [dpath.name]
+    plan.check_published_shards()  # intact
+    shard_fpath = layout.ShardLayout(dpath).shard_fpath(0)
+    dpath.chmod(0o755)
+    shard_fpath.chmod(0o644)
+    with open(shard_fpath, "r+b") as fd:
+        fd.truncate(shard_fpath.stat().st_size - 4)
+    with pytest.raises(SaeflowError, match=rf"{dpath} \(activation 'text'\) is damaged and a job needs it: "
+                                           rf"{shard_fpath}: \d+ bytes, expected \d+ \(truncated"):  # fmt: skip
+        plan.check_published_shards()
+    shard_fpath.unlink()
+    with pytest.raises(SaeflowError, match=rf"{shard_fpath}: missing\. Remove it .*saeflow validate --deep {dpath}"):
+        plan.check_published_shards()
+    for run_id in plan.runs:  # every run complete: no job reads the directory any more
+        run = plan.run(run_id)
+        for fpath in (run.config_fpath, run.sae_fpath, run.dump(dpath.name).metrics_fpath):
+            fpath.parent.mkdir(parents=True, exist_ok=True)
+            fpath.touch()
+    assert plan.shard_hashes_to_read() == []
+    plan.check_published_shards()

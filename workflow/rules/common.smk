@@ -61,9 +61,14 @@ def link_default_model(config):
 def plan_workflow(config):
     link_default_model(config)
     try:
-        return WorkflowPlan.from_config(config)
+        plan = WorkflowPlan.from_config(config)
     except SaeflowError as err:
         stop_workflow(f"could not plan the workflow: {err}")
+    try:  # before any job runs: a job must not start on a damaged published directory
+        plan.check_published_shards()
+    except SaeflowError as err:
+        stop_workflow(err)
+    return plan
 
 
 PLAN = plan_workflow(config)
