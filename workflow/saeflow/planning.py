@@ -199,18 +199,8 @@ class WorkflowPlan:
         return shard_hashes_to_read(self)
 
     def check_published_shards(self) -> None:
-        """Refuse, in one line, a published shard directory a job will read whose files are missing or of the wrong
-        size (a stat per file: planning stays cheap), before any job starts on it."""
-        for shard_hash in self.shard_hashes_to_read():
-            shards, name = self.shard(shard_hash), self.hash_activation[shard_hash]
-            if not shards.shards_fpath.exists():
-                continue  # not published: its extraction job makes it
-            if problem := stat_problem(shards.dpath, self.metadata[name]):
-                raise SaeflowError(
-                    f"shard directory {shards.dpath} (activation {name!r}) is damaged and a job needs it: {problem}. "
-                    f"Remove it to extract it again (chmod -R u+w {shards.dpath} && rm -rf {shards.dpath}; runs "
-                    f"trained on it are kept), or see every problem with `saeflow validate --deep {shards.dpath}`"
-                )
+        """Refuse a damaged published shard directory a job will read (see `check_published_shards`)."""
+        check_published_shards(self)
 
 
 def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
@@ -236,6 +226,21 @@ def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
                 "runs are kept as they are; the directory is extracted again only if a job still needs it."
             )
     return warnings
+
+
+def check_published_shards(plan: WorkflowPlan) -> None:
+    """Refuse, in one line, a published shard directory a job will read whose files are missing or of the wrong
+    size (a stat per file: planning stays cheap), before any job starts on it."""
+    for shard_hash in plan.shard_hashes_to_read():
+        shards, name = plan.shard(shard_hash), plan.hash_activation[shard_hash]
+        if not shards.shards_fpath.exists():
+            continue  # not published: its extraction job makes it
+        if problem := stat_problem(shards.dpath, plan.metadata[name]):
+            raise SaeflowError(
+                f"shard directory {shards.dpath} (activation {name!r}) is damaged and a job needs it: {problem}. "
+                f"Remove it to extract it again (chmod -R u+w {shards.dpath} && rm -rf {shards.dpath}; runs "
+                f"trained on it are kept), or see every problem with `saeflow validate --deep {shards.dpath}`"
+            )
 
 
 def shard_hashes_to_read(plan: WorkflowPlan) -> list[str]:
