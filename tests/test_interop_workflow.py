@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_dry_run_plans_one_job_per_export(tmp_path):
     (tmp_path / "Snakefile").write_text(
         "from snakemake.utils import validate\n\n\n"
-        'configfile: "config.yaml"\n\n\n'
+        f'include: "{ROOT}/workflow/rules/config.smk"\n\n\n'
         f'validate(config, "{ROOT}/workflow/schemas/config.schema.yaml")\n\n\n'
         f'include: "{ROOT}/workflow/rules/common.smk"\n'
         f'include: "{ROOT}/workflow/rules/interop.smk"\n\n\n'
@@ -21,8 +21,8 @@ def test_dry_run_plans_one_job_per_export(tmp_path):
     spec = {"model": {"name": "m"}, "prompts": {"path": "p.jsonl"}, "layers": [0]}
     exports = {"a": {**spec, "format": "lmprobe"}, "b": {**spec, "format": "zarr", "out": "elsewhere/b"}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"activations": {}, "exports": exports}))
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "-p"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "snakemake", "--configfile", "config.yaml", "-n", "--cores", "1", "-p"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "export_a" in out and "export_b" in out

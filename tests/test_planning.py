@@ -11,7 +11,7 @@ import os
 import pytest
 import yaml
 
-from saeflow import config
+from saeflow import cli, config
 from saeflow.errors import SaeflowError
 from saeflow.planning import WorkflowPlan, expand_path
 from workflow_helpers import REPO_ROOT
@@ -110,7 +110,7 @@ def test_an_sae_on_an_unknown_activation_is_refused_naming_its_key():
 
 def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
     monkeypatch.delenv("SAEFLOW_UNSET_ROOT", raising=False)
-    with pytest.raises(SaeflowError, match="config key shards_root: .*not set"):
+    with pytest.raises(SaeflowError, match="shards_root: .*not set"):
         expand_path("$SAEFLOW_UNSET_ROOT/shards", "shards_root")
     monkeypatch.delenv("USER", raising=False)
     assert expand_path("/x/$USER", "runs_root").name == os.environ["USER"]
@@ -152,3 +152,84 @@ def test_what_training_would_refuse_is_refused_at_plan_time_naming_the_key(edit,
     edit(cfg)
     with pytest.raises(SaeflowError, match=message):
         WorkflowPlan.from_config(config.validate(cfg))
+
+
+def test_extract_and_create_run_expand_vars_in_roots_as_the_planner_does(tmp_path, monkeypatch, capsys):
+    """`saeflow extract` and `saeflow create-run` on their own (not through the workflow) put a config's
+    `$VAR/...` roots, and roots given as options, where the plan puts them: expanded, never a literal `$VAR` dir."""
+    monkeypatch.setenv("SAEFLOW_TEST_ROOT", str(tmp_path / "root"))
+    monkeypatch.chdir(tmp_path)
+    cfg = copy.deepcopy(TEST_CONFIG)
+    cfg.update(shards_root="$SAEFLOW_TEST_ROOT/shards", runs_root="$SAEFLOW_TEST_ROOT/runs")
+    cfg["activations"] = {"text": cfg["activations"]["text"]}
+    cfg["saes"] = {"text-topk": cfg["saes"]["text-topk"]}
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    plan = WorkflowPlan.from_config(config.load(config_fpath))
+    assert plan.cfg.shards_root == tmp_path / "root" / "shards"
+
+    assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip() == str(plan.activation_shards("text").dpath)
+    assert cli.main(["create-run", str(config_fpath), "--sae", "text-topk", "--index", "0"]) == 0
+    run = plan.run(next(r for r, p in plan.runs.items() if p.index == 0))
+    assert capsys.readouterr().out.strip() == str(run.root) and run.config_fpath.is_file()
+    assert run.link("train-shards").resolve() == plan.activation_shards("text").dpath
+    other = ["--runs-root", "$SAEFLOW_TEST_ROOT/other", "--shards-root", "~/shards"]
+    monkeypatch.setenv("HOME", str(tmp_path / "root"))
+    assert cli.main(["create-run", str(config_fpath), "--sae", "text-topk", "--index", "1", *other]) == 0
+    assert capsys.readouterr().out.strip().startswith(str(tmp_path / "root" / "other") + "/")
+    assert not list(tmp_path.glob("$*")) and not list(tmp_path.glob("~*"))  # no literal "$SAEFLOW_TEST_ROOT" dir
+
+    monkeypatch.delenv("SAEFLOW_TEST_ROOT")
+    assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 1
+    assert "shards_root: '$SAEFLOW_TEST_ROOT/shards' names an environment variable that is not set" in (
+        capsys.readouterr().err
+    )
+
+
+def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
+    cfg = copy.deepcopy(TEST_CONFIG)
+    del cfg["runs_root"], cfg["summary_dir"]
+    cfg["default_roots"] = {"runs_root": str(tmp_path / "default-runs")}
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["plan", str(config_fpath)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        f"shards_root: results/shards (from config file {config_fpath})",
+        f"runs_root: {tmp_path / 'default-runs'} (from default_roots (the profile's default))",
+        "summary_dir: results/summary (from schema default)",
+    ]
+
+
+def test_a_damaged_published_shard_directory_is_refused_only_while_a_job_still_reads_it(tmp_path):
+    """A stat per file finds a deleted or truncated shard of a published directory that a run still has to read;
+    once every run on it is complete (config, checkpoint, dump), nothing reads it and planning goes on."""
+    from saeflow import extract, layout
+
+    cfg = smallest_config(tmp_path)
+    cfg["activations"] = {"text": cfg["activations"]["text"]}
+    cfg["saes"] = {"text-topk": cfg["saes"]["text-topk"]}
+    plan = WorkflowPlan.from_config(cfg)
+    spec = plan.cfg.activations["text"]
+    dpath = extract.extract(spec, plan.cfg.shards_root, progress=False).dpath
+    assert plan.shard_hashes_to_read() == [dpath.name]
+    plan.check_published_shards()  # intact
+    shard_fpath = layout.ShardLayout(dpath).shard_fpath(0)
+    dpath.chmod(0o755)
+    shard_fpath.chmod(0o644)
+    with open(shard_fpath, "r+b") as fd:
+        fd.truncate(shard_fpath.stat().st_size - 4)
+    with pytest.raises(SaeflowError, match=rf"{dpath} \(activation 'text'\) is damaged and a job needs it: "
+                                           rf"{shard_fpath}: \d+ bytes, expected \d+ \(truncated"):  # fmt: skip
+        plan.check_published_shards()
+    shard_fpath.unlink()
+    with pytest.raises(SaeflowError, match=rf"{shard_fpath}: missing\. Remove it .*saeflow validate --deep {dpath}"):
+        plan.check_published_shards()
+    for run_id in plan.runs:  # every run complete: no job reads the directory any more
+        run = plan.run(run_id)
+        for fpath in (run.config_fpath, run.sae_fpath, run.dump(dpath.name).metrics_fpath):
+            fpath.parent.mkdir(parents=True, exist_ok=True)
+            fpath.touch()
+    assert plan.shard_hashes_to_read() == []
+    plan.check_published_shards()

@@ -154,6 +154,32 @@ def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
         aside.rename(shard_dpath)
 
 
+def test_a_damaged_published_shard_dir_a_job_needs_stops_snakemake_before_any_job_runs(tmp_path):
+    """An acts file of a published shard directory deleted (a scratch purge removes files one by one) while runs
+    still have to read it: `snakemake` stops at once with one line naming the directory, the file and what to do,
+    and runs no job."""
+    from saeflow import extract
+
+    cfg = tiny_config(k=(4,))
+    config_fpath = write_config(tmp_path, cfg)
+    published = extract.extract(typed(cfg["activations"]["docs"]), tmp_path / "shards", progress=False).dpath
+    published.chmod(0o755)  # published directories are read-only: the purge is as good as root
+    ShardLayout(published).shard_fpath(0).unlink()
+    before = tree_state(published)
+    proc = snakemake(tmp_path, config_fpath, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    acts = f"shards/{published.name}/acts000000.bin"
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("Using workflow specific profile")]
+    assert lines == [
+        f"saeflow: shard directory shards/{published.name} (activation 'docs') is damaged and a job needs it: {acts}: "
+        f"missing. Remove it to extract it again (chmod -R u+w shards/{published.name} && rm -rf "
+        f"shards/{published.name}; runs trained on it are kept), or see every problem with `saeflow validate --deep "
+        f"shards/{published.name}`"
+    ], proc.stderr
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "runs").exists(), "a job ran"
+    assert tree_state(published) == before
+
+
 def completed_shards(staging: pathlib.Path) -> int:
     """Shards the extraction has made durable in its staging directory (0 while there is none)."""
     try:

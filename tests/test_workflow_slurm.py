@@ -18,6 +18,36 @@ from saeflow.commands.workflow import install_profile
 from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
+SLURM_FIXTURES_DPATH = REPO_ROOT / "tests" / "fixtures" / "slurm"
+GPU_RULES = {"extract", "extract_part", "train", "inference", "evaluate"}
+
+
+def fixture_gpus(cluster: str) -> dict[str, int]:
+    """Partition -> GPUs (its TRES gres/gpu) in what `scontrol show partition` prints on `cluster` (the fixture)."""
+    text = (SLURM_FIXTURES_DPATH / cluster / "scontrol-show-partition.txt").read_text()
+    blocks = [b for b in text.split("PartitionName=") if b.strip()]
+    return {b.split()[0]: int(m.group(1)) if (m := re.search(r"gres/gpu=(\d+)", b)) else 0 for b in blocks}
+
+
+def fake_slurm_env(state, cluster: str = "cardinal", **extra) -> dict:
+    """The fake Slurm commands first on PATH, standing for `cluster` (tests/fixtures/slurm/<cluster>/)."""
+    return env(
+        PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}",
+        FAKE_SLURM_DIR=str(state),
+        FAKE_SLURM_ACCOUNT="PAS1234",
+        FAKE_SLURM_CLUSTER=cluster,
+        **extra,
+    )
+
+
+def _lines_by_rule(state) -> dict[str, list[str]]:
+    """The recorded sbatch command lines, keyed by rule (a list: retries too)."""
+    by_rule = {}
+    for argv in map(json.loads, (state / "sbatch_calls.jsonl").read_text().splitlines()):
+        line = " ".join(argv)
+        rule = line.split("--comment ")[1].split()[0].strip("'\"").removeprefix("rule_").split("_wildcards")[0]
+        by_rule.setdefault(rule, []).append(line)
+    return by_rule
 
 
 def _snakemake_output(tmp_path) -> str:
@@ -25,8 +55,9 @@ def _snakemake_output(tmp_path) -> str:
 
 
 def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, expect_restarts=0, **env_extra):
-    """Snakemake with `profile` against the fake Slurm commands; the sbatch command lines, keyed by rule (a list).
-    Snakemake's output is kept in slurm/snakemake.out. The profile retries failed jobs: a failure the test does not
+    """Snakemake with `profile` against the fake Slurm commands (Cardinal); the sbatch command lines, keyed by rule
+    (a list). Snakemake's output is kept in slurm/snakemake.out. The roots come from the config file, as a user
+    gives them: they must beat the profile's defaults. The profile retries failed jobs: a failure the test does not
     expect (`expect_restarts`) must not hide behind a retry, so every restart is counted."""
     state = tmp_path / "slurm"
     state.mkdir(exist_ok=True)
@@ -34,15 +65,9 @@ def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, expect_re
         [
             sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
             "--configfile", str(config_fpath), "--profile", str(profile),
-            "--config", f"shards_root={tmp_path / 'scratch'}", f"runs_root={tmp_path / 'ess'}",
             "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1", *targets,
         ],  # fmt: skip
-        env=env(
-            PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}",
-            FAKE_SLURM_DIR=str(state),
-            FAKE_SLURM_ACCOUNT="PAS1234",
-            **env_extra,
-        ),
+        env=fake_slurm_env(state, **env_extra),
         capture_output=True,
         text=True,
         timeout=300,
@@ -51,13 +76,14 @@ def _run_through_fake_slurm(tmp_path, profile, config_fpath, *targets, expect_re
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     restarts = (proc.stdout + proc.stderr).count("Trying to restart job")
     assert restarts == expect_restarts, f"{restarts} job(s) failed and were retried:\n{proc.stderr[-4000:]}"
-    calls = [json.loads(line) for line in (state / "sbatch_calls.jsonl").read_text().splitlines()]
-    by_rule = {}
-    for argv in calls:
-        line = " ".join(argv)
-        rule = line.split("--comment ")[1].split()[0].strip("'\"").removeprefix("rule_").split("_wildcards")[0]
-        by_rule.setdefault(rule, []).append(line)
-    return by_rule
+    assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
+    return _lines_by_rule(state)
+
+
+def _user_roots(tmp_path, cfg: dict) -> dict:
+    """`cfg` with the user's own roots under tmp_path (absolute, as a user's config file gives them)."""
+    return {**cfg, "shards_root": str(tmp_path / "scratch"), "runs_root": str(tmp_path / "ess"),
+            "summary_dir": str(tmp_path / "summary")}  # fmt: skip
 
 
 def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_warning_signal(tmp_path):
@@ -68,7 +94,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     cfg = tiny_config(k=(4,))
     cfg["saes"]["topk"]["n_epochs"] = 60  # 180 steps: the signal comes long before the end
     cfg["train"] = {"checkpoint_every": 5}
-    config_fpath = write_config(tmp_path, cfg)
+    config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
     resume_glob = str(tmp_path / "ess" / "*" / "checkpoint" / "resume.pt")
     lines_by_rule = _run_through_fake_slurm(
         tmp_path, profile, config_fpath, expect_restarts=1, FAKE_SLURM_SIGNAL_WHEN=resume_glob
@@ -91,12 +117,13 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     assert (run_dpath / "checkpoint" / "sae.pt").read_bytes() == alone.sae_fpath.read_bytes()
 
     by_rule = {rule: lines[0] for rule, lines in lines_by_rule.items()}
-    # create_run and summary are local rules: they never reach Slurm.
+    # create_run and summary are local rules (CPU-only bookkeeping): they never reach Slurm, so ask for no GPU.
     assert set(by_rule) == {"extract", "train", "inference", "evaluate"}, sorted(by_rule)
     for line in by_rule.values():
         assert "-A PAS1234" in line or "--account PAS1234" in line or "--account=PAS1234" in line, line
-        # No partition of the profile's: the plugin names the default one `sinfo` reports (the fake says cpu).
-        assert " -p cpu " in line and "--partition" not in line, line
+        # Cardinal's default partition (what the plugin names for a job that names none) is CPU-only: every GPU
+        # job names the GPU partition, which has GPUs (the fake sbatch refuses a GPU job anywhere else).
+        assert " -p gpu " in line and fixture_gpus("cardinal")["gpu"] > 0, line
         assert "--gpus=1" in line or "--gres=gpu:1" in line or "--gpus 1" in line, line
     assert "-t 360" in by_rule["extract"] and "--mem 96000" in by_rule["extract"], by_rule["extract"]
     assert "-t 720" in by_rule["train"] and "--mem 96000" in by_rule["train"], by_rule["train"]
@@ -105,7 +132,9 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
 
     summary_csv = tmp_path / "summary" / "summary.csv"
     assert summary_csv.is_file() and len(summary_csv.read_text().splitlines()) == 2
+    # The config file's roots beat the profile's default_roots (/fs/scratch/..., /fs/ess/...), jobs included.
     assert list((tmp_path / "scratch").glob("*/shards.json")) and list((tmp_path / "ess").glob("*/checkpoint/sae.pt"))
+    assert f"saeflow: runs_root: {tmp_path / 'ess'} (from config file {config_fpath})" in _snakemake_output(tmp_path)
 
 
 def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path, capsys):
@@ -113,6 +142,8 @@ def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path,
     text = (dest / "config.yaml").read_text()
     assert "PAS0000" not in text and "SAEFLOW_PYTHON" not in text
     assert "slurm_account: PAS4321" in text and "/fs/scratch/PAS4321/$USER/saev/shards" in text
+    # The profile's roots are defaults only (a profile's `config:` is a --config, which beats --configfile).
+    assert set(yaml.safe_load(text)["config"]) == {"default_roots", "python"}
     assert f"python: {json.dumps(sys.executable)}" in text
     base = ["install-profile", "--account", "PAS4321", "--cluster", "pitzer", "--allow-cpu-torch"]
     assert cli.main([*base, "--dest", str(dest)]) == 1
@@ -126,20 +157,45 @@ def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path,
     assert "a CPU-only build: GPU jobs would refuse to run" in err and not (tmp_path / "y").exists()
 
 
-def test_literal_profile_osc_works_after_install(tmp_path):
-    """`saeflow install-profile` then the literal `snakemake --profile osc` (found in ~/.config/snakemake)."""
+def _dry_run_with_osc_profile(tmp_path, config_fpath, *args) -> str:
+    """`snakemake --profile osc -n` as user alice, the profile installed in her ~/.config/snakemake; its output."""
     home = tmp_path / "home"
-    install_profile("PAS4321", home / ".config" / "snakemake" / "osc", allow_cpu_torch=True)
-    config_fpath = write_config(tmp_path, tiny_config(k=(4,)))
+    if not (home / ".config" / "snakemake" / "osc").exists():
+        install_profile("PAS4321", home / ".config" / "snakemake" / "osc", allow_cpu_torch=True)
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
-         "--configfile", str(config_fpath), "--profile", "osc", "-n"],
-        env=env(HOME=str(home), USER="alice", PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}"),
+         "--configfile", str(config_fpath), "--profile", "osc", "-n", *args],
+        env=fake_slurm_env(tmp_path / "slurm", HOME=str(home), USER="alice"),
         cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "output: /fs/scratch/PAS4321/alice/saev/shards/" in proc.stdout
-    assert "/fs/ess/PAS4321/alice/saev/runs/" in proc.stdout
+    return proc.stdout + proc.stderr
+
+
+def test_literal_profile_osc_works_after_install_and_supplies_the_roots_a_config_lacks(tmp_path):
+    """`saeflow install-profile` then the literal `snakemake --profile osc` (found in ~/.config/snakemake): a config
+    without roots gets the profile's scratch and project roots, and the plan says so."""
+    cfg = tiny_config(k=(4,))
+    del cfg["shards_root"], cfg["runs_root"]
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    assert "output: /fs/scratch/PAS4321/alice/saev/shards/" in out and "/fs/ess/PAS4321/alice/saev/runs/" in out
+    assert "saeflow: shards_root: /fs/scratch/PAS4321/alice/saev/shards (from default_roots (the profile's " in out
+    assert "saeflow: runs_root: /fs/ess/PAS4321/alice/saev/runs (from default_roots (the profile's default))" in out
+    assert f"saeflow: summary_dir: summary (from config file {tmp_path / 'config.yaml'})" in out
+
+
+def test_the_users_config_file_and_config_roots_beat_the_profiles(tmp_path):
+    """--profile osc --configfile my.yaml: my.yaml's roots win over the profile's defaults; --config beats both;
+    the plan names where each root came from."""
+    mine = write_config(tmp_path, {**tiny_config(k=(4,)), "shards_root": "$HOME/mine/shards"}, name="my.yaml")
+    out = _dry_run_with_osc_profile(tmp_path, mine)
+    home = tmp_path / "home"
+    assert "/fs/scratch/" not in out and "/fs/ess/" not in out
+    assert f"output: {home}/mine/shards/" in out and "output: runs/" in out
+    assert f"saeflow: shards_root: {home}/mine/shards (from config file {mine})" in out
+    assert f"saeflow: runs_root: runs (from config file {mine})" in out
+    out = _dry_run_with_osc_profile(tmp_path, mine, "--config", f"runs_root={tmp_path / 'cli-runs'}")
+    assert f"saeflow: runs_root: {tmp_path / 'cli-runs'} (from --config or a profile's `config:`)" in out
 
 
 def test_the_default_profile_overrides_no_key_of_the_osc_profile():
@@ -178,14 +234,15 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     monkeypatch.setattr(models.Adapter, "run", real_run)
 
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
-    config_fpath = write_config(tmp_path, cfg)
+    config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
     target = tmp_path / "scratch" / one_job.name / "shards.json"
     by_rule = _run_through_fake_slurm(tmp_path, profile, config_fpath, str(target))
     assert sorted(by_rule) == ["extract_part", "extract_seal"], sorted(by_rule)
     assert len(by_rule["extract_part"]) == 4 and len(by_rule["extract_seal"]) == 1
     for line in by_rule["extract_part"]:
-        assert "--gpus=1" in line or "--gres=gpu:1" in line, line
-    assert "gpu" not in by_rule["extract_seal"][0], by_rule["extract_seal"][0]  # verifying and renaming needs none
+        assert "--gpus=1" in line and " -p gpu " in line, line
+    (seal,) = by_rule["extract_seal"]  # verifying and renaming needs no GPU: the CPU partition
+    assert "--gpus" not in seal and "gres" not in seal and " -p cpu " in seal, seal
 
     assert file_bytes(target.parent) == file_bytes(one_job)
     prov = json.loads((target.parent / "provenance.json").read_text())
@@ -194,7 +251,7 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     assert not (tmp_path / "scratch" / f".{one_job.name}.parts").exists()
 
 
-# What each cluster's profile asks of Slurm: GPU request, cores and memory per GPU, partition, walltime per attempt.
+# What each cluster's profile asks of Slurm: GPU request, cores and memory per GPU, walltime per attempt.
 CLUSTER_REQUESTS = {
     "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000}},
     "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000}},
@@ -205,8 +262,9 @@ RUNTIME_MIN = {"extract": 360, "extract_part": 360, "extract_seal": 120, "train"
 
 @pytest.fixture(scope="module")
 def half_built(tmp_path_factory):
-    """A config whose every GPU rule has one job ready to submit: an activation to extract in one job (`one`),
-    one to extract in 2 parts (`split`), a run to train (k=8) and a trained run to run inference with (k=4)."""
+    """A config whose every Slurm rule has one job ready to submit: an activation to extract in one job (`one`),
+    one to extract in 2 parts (`split`), one whose 2 parts are extracted, to seal (`sealed`), a run to train (k=8)
+    and a trained run to run inference with (k=4)."""
     from saeflow import config as config_mod
     from saeflow.planning import WorkflowPlan
 
@@ -216,9 +274,12 @@ def half_built(tmp_path_factory):
     docs = cfg["activations"]["docs"]
     cfg["activations"]["one"] = {**docs, "layers": [2]}
     cfg["activations"]["split"] = {**docs, "layers": [3], "parts": 2}
+    cfg["activations"]["sealed"] = {**docs, "layers": [4], "parts": 2}
     config_fpath = write_config(root, cfg)
     plan = WorkflowPlan.from_config(config_mod.load(config_fpath))
     assert cli.main(["extract", str(config_fpath), "--activation", "docs", "--no-progress"]) == 0
+    for part in ("0/2", "1/2"):
+        assert cli.main(["extract", str(config_fpath), "--activation", "sealed", "--part", part, "--no-progress"]) == 0
     for index in (0, 1):
         roots = ["--shards-root", cfg["shards_root"], "--runs-root", cfg["runs_root"]]
         assert cli.main(["create-run", str(config_fpath), "--sae", "topk", "--index", str(index), *roots]) == 0
@@ -227,53 +288,88 @@ def half_built(tmp_path_factory):
     targets = [
         plan.activation_shards("one").shards_fpath,
         plan.activation_shards("split").shards_fpath,
+        plan.activation_shards("sealed").shards_fpath,
         k8.sae_fpath,
         k4.dump(plan.shard_hash["docs"]).index_fpath,
     ]
-    roots = [f"shards_root={cfg['shards_root']}", f"runs_root={cfg['runs_root']}"]
-    return config_fpath, roots, [str(t) for t in targets]
+    return config_fpath, [str(t) for t in targets]
 
 
 @pytest.mark.parametrize("cluster", sorted(CLUSTER_REQUESTS))
-def test_each_cluster_profile_asks_slurm_for_what_exists_there(tmp_path, half_built, cluster):
-    """Every GPU rule through the installed profile and the fake sbatch (which records and fails each job, so each
-    is retried on Cardinal): the GPU flag, cores and memory per GPU, no partition for GPU jobs, and a walltime
-    that grows with each attempt."""
-    config_fpath, roots, targets = half_built
+def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_default_has_none(
+    tmp_path, half_built, cluster
+):
+    """Every Slurm rule through the installed profile and the fake Slurm of `cluster` (its sinfo and scontrol
+    fixtures), with a CPU-only partition made the default: the plugin names that default for a job that names no
+    partition, and Slurm refuses a GPU there. Every GPU job names a partition with GPUs, the seal asks for no GPU;
+    the GPU flag, cores and memory per GPU, and a walltime that grows with each attempt. The fake sbatch records
+    each job and fails it, so each is retried on Cardinal."""
+    config_fpath, targets = half_built
     want = CLUSTER_REQUESTS[cluster]
+    gpus = fixture_gpus(cluster)
+    cpu_only = next(p for p, n in gpus.items() if n == 0)
     n_attempts = 2 if cluster == "cardinal" else 1  # the walltime per attempt once: retries are slow to simulate
-    profile = install_profile("PAS1234", tmp_path / "osc", cluster=cluster, allow_cpu_torch=True)
-    # The one partition named anywhere: Ascend's CPU-only jobs (the seal) go to `cpuonly`.
-    partitions = re.findall(r"slurm_partition: (\S+)", (profile / "config.yaml").read_text())
-    assert partitions == (["cpuonly"] if cluster == "ascend" else [])
     state = tmp_path / "slurm"
+    slurm_env = fake_slurm_env(state, cluster, FAKE_SLURM_NO_RUN="1", FAKE_SLURM_DEFAULT_PARTITION=cpu_only)
+    checked = []
+    with pytest.MonkeyPatch.context() as mp:  # install-profile checks the partitions against the fake scontrol
+        mp.setenv("PATH", slurm_env["PATH"])
+        mp.setenv("FAKE_SLURM_CLUSTER", cluster)
+        profile = install_profile("PAS1234", tmp_path / "osc", cluster=cluster, allow_cpu_torch=True,
+                                  report=checked.append)  # fmt: skip
+    assert checked[0].startswith(f"partitions checked against scontrol on {cluster}"), checked
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
-         "--configfile", str(config_fpath), "--profile", str(profile), "--latency-wait", "0", "--config", *roots,
+         "--configfile", str(config_fpath), "--profile", str(profile), "--latency-wait", "0",
          "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
          "--retries", str(n_attempts - 1), "--", *targets],
-        env=env(PATH=f"{FAKE_SLURM_DPATH}{os.pathsep}{env()['PATH']}", FAKE_SLURM_DIR=str(state),
-                FAKE_SLURM_ACCOUNT="PAS1234", FAKE_SLURM_NO_RUN="1"),
-        capture_output=True, text=True, timeout=300,
+        env=slurm_env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    # Every job "failed": only the submissions are of interest.
+    # Every job "failed": only the submissions are of interest, and Slurm refused none of them.
     assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    by_rule = {}
-    for argv in map(json.loads, (state / "sbatch_calls.jsonl").read_text().splitlines()):
-        line = " ".join(argv)
-        rule = line.split("--comment ")[1].split()[0].strip("'\"").removeprefix("rule_").split("_wildcards")[0]
-        by_rule.setdefault(rule, []).append(line)
-    n_jobs = {"extract": 1, "extract_part": 2, "train": 1, "inference": 1}
+    assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
+    by_rule = _lines_by_rule(state)
+    n_jobs = {"extract": 1, "extract_part": 2, "extract_seal": 1, "train": 1, "inference": 1}
     assert {r: len(lines) for r, lines in by_rule.items()} == {r: n * n_attempts for r, n in n_jobs.items()}
     for rule, lines in by_rule.items():
         minutes = sorted(int(line.split(" -t ")[1].split()[0]) for line in lines)
         assert minutes == sorted([RUNTIME_MIN[rule] * (a + 1) for a in range(n_attempts)] * n_jobs[rule]), rule
         for line in lines:
             assert "--account PAS1234" in line or "-A PAS1234" in line, line
-            assert "--gpus=1" in line, line
+            partition = line.split(" -p ")[1].split()[0]
+            if rule not in GPU_RULES:  # the seal verifies and renames: CPU-only, in a partition without GPUs
+                assert "--gpus" not in line and "gres" not in line and gpus[partition] == 0, line
+                assert "--mem 8000" in line, line
+                continue
+            assert "--gpus=1" in line and gpus[partition] > 0, line
             assert f"--cpus-per-gpu={want['gpu_cpus']}" in line or f"--cpus-per-task={want['gpu_cpus']}" in line, line
             assert f"--mem {want['gpu_mem'][rule.removesuffix('_part')]}" in line, line
             # Slurm's warning signal 3 minutes before the limit where saeflow saves its resume point on it.
             assert (" --signal=USR1@180 " in line) == (rule != "inference"), line  # one bare argument
-            # No partition of the profile's: the plugin names the default one `sinfo` reports (the fake says cpu).
-            assert " -p cpu " in line and "cpuonly" not in line and "--partition" not in line, line
+
+
+@pytest.mark.parametrize("cluster", ["cardinal", "ascend", "pitzer"])
+def test_install_profile_checks_the_partitions_against_the_clusters_scontrol(tmp_path, monkeypatch, cluster, capsys):
+    """On the cluster (here its fake scontrol) install-profile refuses a partition Slurm lacks or a GPU partition
+    without GPUs, in one line; a partition named with --gpu-partition reaches every GPU rule."""
+    gpus = fixture_gpus(cluster)
+    monkeypatch.setenv("PATH", f"{FAKE_SLURM_DPATH}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_CLUSTER", cluster)
+    base = ["install-profile", "--account", "PAS1234", "--cluster", cluster, "--allow-cpu-torch"]
+    cpu_only = next(p for p, n in gpus.items() if n == 0)
+    assert cli.main([*base, "--dest", str(tmp_path / "a"), "--gpu-partition", cpu_only]) == 1
+    err = capsys.readouterr().err
+    assert f"--gpu-partition {cpu_only}: that partition has no GPUs" in err and len(err.splitlines()) == 1, err
+    assert cli.main([*base, "--dest", str(tmp_path / "b"), "--cpu-partition", "nope"]) == 1
+    assert "--cpu-partition nope: no such partition on" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with_gpus = next(p for p, n in gpus.items() if n)
+    assert cli.main([*base, "--dest", str(tmp_path / "c"), "--gpu-partition", with_gpus]) == 0
+    assert f"GPU jobs go to {with_gpus}" in capsys.readouterr().out
+    resources = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())["set-resources"]
+    assert {r for r, res in resources.items() if res.get("gpu")} == GPU_RULES
+    assert {resources[r]["slurm_partition"] for r in GPU_RULES} == {with_gpus}
+    assert gpus[resources["extract_seal"]["slurm_partition"]] == 0 and "gpu" not in resources["extract_seal"]
+    monkeypatch.setenv("FAKE_SLURM_CLUSTER", next(c for c in CLUSTER_REQUESTS if c != cluster))
+    assert cli.main([*base, "--dest", str(tmp_path / "d"), "--gpu-partition", "elsewhere"]) == 0
+    assert f"not {cluster}" in capsys.readouterr().out  # another cluster's login node: nothing to check against

@@ -1,11 +1,14 @@
 # The workflow's Python helpers: one saeflow.planning.WorkflowPlan built from the config at parse time (also inside
 # every Slurm job, so it only plans: no model weights, no data pass), and the get_* helpers the rules call.
 # Every path comes from saeflow.layout (the rules use its Snakemake patterns); nothing here spells one.
+# Included after config.smk (which resolves the roots before validation fills the schema's defaults: ROOT_SOURCES,
+# stop_workflow).
 import os
 import pathlib
 import sys
 
 from snakemake.logging import logger
+from snakemake_interface_executor_plugins.settings import ExecMode
 from snakemake.settings.types import DeploymentMethod
 
 from saeflow import config as saeflow_config
@@ -61,12 +64,22 @@ def link_default_model(config):
 def plan_workflow(config):
     link_default_model(config)
     try:
-        return WorkflowPlan.from_config(config)
+        plan = WorkflowPlan.from_config(config)
     except SaeflowError as err:
         stop_workflow(f"could not plan the workflow: {err}")
+    # Before any job runs, once (not again in every job's own parse): no job may start on a damaged published
+    # directory. A stat per shard file of the directories jobs still read (about 15 us each on a local disk).
+    if workflow.exec_mode == ExecMode.DEFAULT:
+        try:
+            plan.check_published_shards()
+        except SaeflowError as err:
+            stop_workflow(err)
+    return plan
 
 
 PLAN = plan_workflow(config)
+for _line in saeflow_config.describe_roots(config, ROOT_SOURCES):
+    logger.info(f"saeflow: {_line}")
 PLAN.write_cli_configs(CLI_CONFIG_DPATH)
 for _warning in PLAN.purged_shard_warnings():
     logger.warning(_warning)

@@ -3,6 +3,8 @@
 # declaration's `config:` replaces both. --config key=value overrides apply on top in every case.
 # Every file is first read strictly (saeflow.config.read_yaml): a repeated key or a YAML syntax error stops the
 # run with one line naming the file, before Snakemake's own, lenient reading is used.
+# Roots (shards_root, runs_root, summary_dir): --config, else the last config file that sets one, else the config's
+# `default_roots` (the OSC profile's), else the schema's default (saeflow.config.resolve_roots).
 import sys
 
 from saeflow import config as saeflow_config
@@ -27,11 +29,18 @@ def config_fpaths():
     return [DEFAULT_CONFIG_FPATH]
 
 
+CONFIG_FILES = []  # (path, content) of every config file read, in order
 for _fpath in config_fpaths():
     try:
-        saeflow_config.read_yaml(_fpath)
+        CONFIG_FILES.append((_fpath, saeflow_config.read_yaml(_fpath)))
     except SaeflowError as err:
         stop_workflow(err)
 
 if not workflow.overwrite_configfiles:
     workflow.configfile(DEFAULT_CONFIG_FPATH)
+
+# The user's roots win: a profile supplies only `default_roots`, used where no config file and no --config gives a
+# root (before the schema's defaults fill in the rest). common.smk prints each root and where it came from.
+ROOT_SOURCES = saeflow_config.resolve_roots(
+    config, CONFIG_FILES, workflow.config_settings.config
+)

@@ -10,6 +10,8 @@ import argparse
 import copy
 import dataclasses
 import functools
+import getpass
+import os
 import pathlib
 import typing
 
@@ -19,6 +21,7 @@ import yaml
 from saeflow.errors import SaeflowError, read_problem
 
 SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
+ROOT_KEYS = ("shards_root", "runs_root", "summary_dir")  # where the workflow writes; `default_roots` may fill them
 
 
 @functools.cache
@@ -112,12 +115,66 @@ def read_yaml(fpath: str | pathlib.Path) -> dict:
     return config
 
 
+def expand_path(value: str, key: str) -> pathlib.Path:
+    """A path of the config with $VARS and ~ expanded (the OSC profile's roots use $USER): the one expansion the
+    planner and every command apply. An unset variable is an error naming the key."""
+    os.environ.setdefault("USER", getpass.getuser())  # unset in some batch and container shells
+    expanded = os.path.expanduser(os.path.expandvars(str(value)))
+    if "$" in expanded:
+        raise SaeflowError(f"{key}: {value!r} names an environment variable that is not set")
+    return pathlib.Path(expanded)
+
+
+def root(config: dict, key: str, given: str | pathlib.Path | None, flag: str) -> pathlib.Path:
+    """The root a command uses: the option's value when given, else the config's; either way expanded as the
+    planner expands it (`expand_path`), so a command and the workflow agree on every path."""
+    return expand_path(given, flag) if given is not None else expand_path(config[key], key)
+
+
+def resolve_roots(config: dict, files: list[tuple[str, dict]], overrides: dict) -> dict[str, str]:
+    """Fill in each root (`ROOT_KEYS`) that no config file and no --config gives from `default_roots` (what a
+    profile supplies), in place and before the schema's defaults; return where each root comes from.
+
+    A Snakemake profile's `config:` is a --config, which beats every --configfile, so a profile that set the roots
+    themselves would silently win over the user's own file: it sets `default_roots` instead. `files` are the
+    config files read, in order, as (path, content); `overrides` is the --config mapping."""
+    defaults = config.get("default_roots")
+    defaults = defaults if isinstance(defaults, dict) else {}  # a malformed one is the schema's to report
+    sources = {}
+    for key in ROOT_KEYS:
+        in_files = [fpath for fpath, content in files if key in content]
+        if key in overrides:
+            sources[key] = "--config or a profile's `config:`"
+        elif in_files:
+            sources[key] = f"config file {in_files[-1]}"
+        elif key in config:
+            sources[key] = "the workflow's config"
+        elif key in defaults:
+            config[key] = defaults[key]
+            sources[key] = "default_roots (the profile's default)"
+        else:
+            sources[key] = "schema default"
+    return sources
+
+
+def describe_roots(config: dict, sources: dict[str, str]) -> list[str]:
+    """One line per root: the expanded path and where it comes from (printed by `snakemake -n` and `saeflow plan`)."""
+    return [f"{key}: {expand_path(config[key], key)} (from {sources[key]})" for key in ROOT_KEYS]
+
+
 def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
-    """Read a YAML/JSON config file (`read_yaml`), apply top-level overrides, validate and fill defaults."""
+    """Read a YAML/JSON config file (`read_yaml`), apply top-level overrides and `default_roots`, validate and fill
+    defaults."""
+    return load_with_root_sources(fpath, overrides)[0]
+
+
+def load_with_root_sources(fpath: str | pathlib.Path, overrides: dict | None = None) -> tuple[dict, dict[str, str]]:
+    """`load`, and where each root comes from (`resolve_roots`)."""
     config = read_yaml(fpath)
+    sources = resolve_roots(config, [(str(fpath), dict(config))], overrides or {})
     config.update(overrides or {})
     try:
-        return validate(config)
+        return validate(config), sources
     except SaeflowError as err:
         raise SaeflowError(f"config file {fpath}: {err}") from None
 

@@ -12,26 +12,18 @@ datasets, never weights or activations. Paths come from `saeflow.layout`; nothin
 
 import dataclasses
 import functools
-import getpass
 import os
 import pathlib
 
 from saeflow import extract, hashing, layout, summary, sweeps
 from saeflow.atomic import write_file_atomic
+from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
 from saeflow.shards import parts
+from saeflow.shards.validate import stat_problem
 from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
-
-
-def expand_path(value: str, key: str) -> pathlib.Path:
-    """Config paths may use $USER, $SAEV_SCRATCH or ~ (the OSC profile does); an unset variable is an error."""
-    os.environ.setdefault("USER", getpass.getuser())  # unset in some batch and container shells
-    expanded = os.path.expanduser(os.path.expandvars(value))
-    if "$" in expanded:
-        raise SaeflowError(f"config key {key}: {value!r} names an environment variable that is not set")
-    return pathlib.Path(expanded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +194,14 @@ class WorkflowPlan:
         """One line per shard directory that is missing (purged from scratch?) while runs built on it exist."""
         return purged_shard_warnings(self)
 
+    def shard_hashes_to_read(self) -> list[str]:
+        """The shard directories a job still has to read (see `shard_hashes_to_read`)."""
+        return shard_hashes_to_read(self)
+
+    def check_published_shards(self) -> None:
+        """Refuse a damaged published shard directory a job will read (see `check_published_shards`)."""
+        check_published_shards(self)
+
 
 def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
     """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
@@ -226,6 +226,36 @@ def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
                 "runs are kept as they are; the directory is extracted again only if a job still needs it."
             )
     return warnings
+
+
+def check_published_shards(plan: WorkflowPlan) -> None:
+    """Refuse, in one line, a published shard directory a job will read whose files are missing or of the wrong
+    size (a stat per file: planning stays cheap), before any job starts on it."""
+    for shard_hash in plan.shard_hashes_to_read():
+        shards, name = plan.shard(shard_hash), plan.hash_activation[shard_hash]
+        if not shards.shards_fpath.exists():
+            continue  # not published: its extraction job makes it
+        if problem := stat_problem(shards.dpath, plan.metadata[name]):
+            raise SaeflowError(
+                f"shard directory {shards.dpath} (activation {name!r}) is damaged and a job needs it: {problem}. "
+                f"Remove it to extract it again (chmod -R u+w {shards.dpath} && rm -rf {shards.dpath}; runs "
+                f"trained on it are kept), or see every problem with `saeflow validate --deep {shards.dpath}`"
+            )
+
+
+def shard_hashes_to_read(plan: WorkflowPlan) -> list[str]:
+    """The shard directories that jobs still have to read, in plan order: a run's train and validation directories
+    while its run config or checkpoint is missing (create_run, train), its validation directory while its dump is
+    missing (inference). The same conditions as common.smk's get_shards_if_missing, which asks for them."""
+    hashes: dict[str, None] = {}
+    for run_id, run_plan in plan.runs.items():
+        run = plan.run(run_id)
+        train_hash, val_hash = (plan.shard_hash[run_plan.train_activation], plan.shard_hash[run_plan.val_activation])
+        if not run.config_fpath.exists() or not run.sae_fpath.exists():
+            hashes.update(dict.fromkeys((train_hash, val_hash)))
+        elif not run.dump(val_hash).metrics_fpath.exists():
+            hashes[val_hash] = None
+    return list(hashes)
 
 
 def train_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:

@@ -30,7 +30,8 @@ def register(subparsers):
     )
     _common_args(p)
     p.add_argument(
-        "--shards-root", type=pathlib.Path, help="where shard directories live (default: the config's shards_root)"
+        "--shards-root",
+        help="where shard directories live (default: the config's shards_root); $VARS and ~ are expanded",
     )
     p.add_argument("--device", help="override the spec's device (cpu, cuda, cuda:1, auto); not hashed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -76,7 +77,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from saeflow import extract, specs
 
     if args.activation is None and not args.json:
-        return _print_workflow_plan(config.load(args.config))
+        return _print_workflow_plan(*config.load_with_root_sources(args.config))
     _, name, spec = _spec(args)
     md = extract.plan_activation(specs.ActivationSpec.from_dict(spec))
     if args.json:
@@ -91,11 +92,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_workflow_plan(cfg: dict) -> int:
-    """Every activation (hash) and every run of the config, as the workflow plans them."""
+def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
+    """The roots (and where each came from), every activation (hash) and every run of the config, as the workflow
+    plans them."""
     from saeflow.planning import WorkflowPlan
 
     plan = WorkflowPlan.from_config(cfg)
+    for line in config.describe_roots(cfg, root_sources):
+        print(line)
     for name, shard_hash in plan.shard_hash.items():
         print(f"activation {name}: {shard_hash}")
     for run_id, run in plan.runs.items():
@@ -109,7 +113,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from saeflow import extract, specs
 
     cfg, name, spec = _spec(args)
-    shards_root = args.shards_root or pathlib.Path(cfg["shards_root"])
+    shards_root = config.root(cfg, "shards_root", args.shards_root, "--shards-root")
     spec = specs.ActivationSpec.from_dict(spec)
     if args.seal is not None:
         result = extract.seal(spec, shards_root, args.seal)

@@ -15,7 +15,8 @@ def register(subparsers):
         help="create (or find) the run directory of one sweep point; prints its path",
         description="Expand the SAE spec NAME of CONFIG into its sweep (the cartesian product of list-valued keys), "
         "take point INDEX, and create <runs-root>/<run_id>/ with checkpoint/config.json (the hashed training config) "
-        "and links/ to the train/val shard directories and their source datasets. Idempotent; prints the run dir.",
+        "and links/ to the train/val shard directories and their source datasets. Idempotent; prints the run dir. "
+        "Roots default to the config's; $VARS and ~ in them are expanded as the workflow expands them.",
     )
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG", help="workflow config (YAML)")
     p.add_argument("--sae", default=None, help="name of the entry under `saes` (optional when there is one)")
@@ -24,8 +25,8 @@ def register(subparsers):
         "--run-id", default=None, help="the sweep point whose run id this is, instead of --sae/--index (the workflow "
         "passes it, so renaming a spec or reordering a sweep list changes no command line)",
     )
-    p.add_argument("--shards-root", type=pathlib.Path, required=True, help="where shard directories <hash>/ live")
-    p.add_argument("--runs-root", type=pathlib.Path, required=True, help="where run directories <run_id>/ live")
+    p.add_argument("--shards-root", help="where shard directories <hash>/ live (default: the config's shards_root)")
+    p.add_argument("--runs-root", help="where run directories <run_id>/ live (default: the config's runs_root)")
     p.set_defaults(func=cmd_create_run)
 
     p = subparsers.add_parser(
@@ -61,10 +62,11 @@ def cmd_create_run(args: argparse.Namespace) -> int:
         if not 0 <= args.index < len(plans):
             raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
         train_config = plans[args.index].train_config
-    train_shards = layout.ShardLayout.at(args.shards_root, train_config.train_shards)
-    val_shards = layout.ShardLayout.at(args.shards_root, train_config.val_shards)
+    shards_root = config_mod.root(cfg, "shards_root", args.shards_root, "--shards-root")
+    train_shards = layout.ShardLayout.at(shards_root, train_config.train_shards)
+    val_shards = layout.ShardLayout.at(shards_root, train_config.val_shards)
     run = runs.create_run(
-        args.runs_root,
+        config_mod.root(cfg, "runs_root", args.runs_root, "--runs-root"),
         train_config.to_dict(),
         train_shards=train_shards.dpath,
         val_shards=val_shards.dpath,

@@ -5,8 +5,11 @@ import getpass
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+
+import yaml
 
 from saeflow import summary
 from saeflow.errors import SaeflowError, one_line
@@ -17,6 +20,17 @@ ACCOUNT_PLACEHOLDER = "PAS0000"
 PYTHON_PLACEHOLDER = "SAEFLOW_PYTHON"
 CLUSTERS = tuple(sorted(f.stem for f in (PROFILE_TEMPLATE_DPATH / "clusters").glob("*.yaml")))
 DEFAULT_PROFILE_DPATH = pathlib.Path.home() / ".config" / "snakemake" / "osc"
+# The YAML anchors of the partition names in profiles/osc/clusters/<cluster>.yaml: the GPU rules' and the seal's.
+PARTITION_ANCHORS = {"gpu": "gpu_partition", "cpu": "cpu_partition"}
+
+
+def cluster_partitions(cluster: str) -> dict[str, str]:
+    """The partition a cluster's GPU jobs and its CPU-only jobs name by default (its profile resources, cited there)."""
+    resources = yaml.safe_load((PROFILE_TEMPLATE_DPATH / "clusters" / f"{cluster}.yaml").read_text(encoding="utf-8"))
+    return {
+        "gpu": resources["set-resources"]["extract"]["slurm_partition"],
+        "cpu": resources["set-resources"]["extract_seal"]["slurm_partition"],
+    }
 
 
 def register(subparsers):
@@ -41,11 +55,13 @@ def register(subparsers):
         "install-profile",
         help="install the OSC Slurm profile of one cluster so that `snakemake --profile osc` works",
         description="Write ~/.config/snakemake/osc/config.yaml (where Snakemake looks up `--profile osc`): "
-        "profiles/osc/config.yaml with your Slurm account filled in everywhere (the account, and the scratch and "
-        "project roots /fs/scratch/<account>/$USER/saev/shards and /fs/ess/<account>/$USER/saev/runs) and the "
-        "jobs' Python, followed by the resources of one cluster (profiles/osc/clusters/<cluster>.yaml: GPU "
-        "requests, cores and memory per GPU, walltimes). The Python must have a CUDA build of torch: jobs given a "
-        "GPU refuse to run on the CPU. README 'At OSC' shows how to create that environment.",
+        "profiles/osc/config.yaml with your Slurm account filled in everywhere (the account, and the default roots "
+        "/fs/scratch/<account>/$USER/saev/shards and /fs/ess/<account>/$USER/saev/runs, used where your config "
+        "gives none) and the jobs' Python, followed by the resources of one cluster (profiles/osc/clusters/"
+        "<cluster>.yaml: GPU requests, cores and memory per GPU, walltimes, and the partitions GPU jobs and "
+        "CPU-only jobs name, checked against `scontrol show partition` when run on that cluster). The Python must "
+        "have a CUDA build of torch: jobs given a GPU refuse to run on the CPU. README 'At OSC' shows how to create "
+        "that environment.",
     )
     p.add_argument("--account", required=True, help="your OSC project account, e.g. PAS1234")
     p.add_argument("--cluster", required=True, choices=CLUSTERS, help="the OSC cluster whose login node you run on")
@@ -55,6 +71,17 @@ def register(subparsers):
         default=pathlib.Path(sys.executable),
         help="the interpreter of the environment the jobs run saeflow in, e.g. "
         "/fs/ess/PAS1234/$USER/saeflow-env/bin/python (default: this one, %(default)s)",
+    )
+    defaults = ", ".join(f"{c}: {cluster_partitions(c)['gpu']}" for c in CLUSTERS)
+    p.add_argument(
+        "--gpu-partition",
+        help=f"the Slurm partition every GPU job names (default: the cluster's, {defaults}; docs/workflow.md says "
+        "which names are confirmed); checked against `scontrol show partition` when run on the cluster",
+    )
+    defaults = ", ".join(f"{c}: {cluster_partitions(c)['cpu']}" for c in CLUSTERS)
+    p.add_argument(
+        "--cpu-partition",
+        help=f"the Slurm partition the CPU-only job (the seal of a split extraction) names (default: {defaults})",
     )
     p.add_argument(
         "--allow-cpu-torch",
@@ -97,9 +124,13 @@ def install_profile(
     cluster: str = "cardinal",
     python: pathlib.Path | None = None,
     allow_cpu_torch: bool = False,
+    partitions: dict[str, str | None] | None = None,
+    report=lambda line: None,
 ) -> pathlib.Path:
-    """Render the profile template for `cluster` with `account` and the jobs' `python`; refuses to overwrite
-    unless `force`, and refuses a `python` without a CUDA build of torch unless `allow_cpu_torch`."""
+    """Render the profile template for `cluster` with `account`, the jobs' `python` and the `partitions` its GPU
+    and CPU-only jobs name ({"gpu": name, "cpu": name}; None or absent: the cluster's defaults); refuses to
+    overwrite unless `force`, a `python` without a CUDA build of torch unless `allow_cpu_torch`, and a partition
+    that `scontrol show partition` here lacks, or a GPU partition without GPUs. `report` gets what was checked."""
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", account):
         raise SaeflowError(f"--account {account!r} is not a Slurm account name (expected e.g. PAS1234)")
     if not PROFILE_TEMPLATE_DPATH.is_dir():
@@ -108,16 +139,79 @@ def install_profile(
         raise SaeflowError(f"--cluster {cluster!r}: the profile knows {', '.join(CLUSTERS)}")
     if dest_dpath.exists() and not force:
         raise SaeflowError(f"{dest_dpath} already exists; pass --force to replace it")
+    chosen = {kind: (partitions or {}).get(kind) or name for kind, name in cluster_partitions(cluster).items()}
+    for kind, name in chosen.items():
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise SaeflowError(f"--{kind}-partition {name!r} is not a Slurm partition name")
     python = pathlib.Path(python or sys.executable)
     if not allow_cpu_torch:
         _check_cuda_torch(python)
+    checked = check_partitions(cluster, chosen)
+    report(checked)
     base = (PROFILE_TEMPLATE_DPATH / "config.yaml").read_text(encoding="utf-8")
     base = base.replace(PYTHON_PLACEHOLDER, json.dumps(str(python)))
     resources = (PROFILE_TEMPLATE_DPATH / "clusters" / f"{cluster}.yaml").read_text(encoding="utf-8")
-    text = f"{base}\n# ---- resources for {cluster} (profiles/osc/clusters/{cluster}.yaml) ----\n{resources}"
+    for kind, name in chosen.items():
+        resources = _set_partition(resources, kind, name)
+    header = f"# ---- resources for {cluster} (profiles/osc/clusters/{cluster}.yaml) ----\n# {checked}"
+    text = f"{base}\n{header}\n{resources}"
     dest_dpath.mkdir(parents=True, exist_ok=True)
     (dest_dpath / "config.yaml").write_text(text.replace(ACCOUNT_PLACEHOLDER, account), encoding="utf-8")
     return dest_dpath
+
+
+def _set_partition(resources: str, kind: str, name: str) -> str:
+    """The cluster resources with the GPU (kind "gpu") or CPU-only ("cpu") jobs' partition set to `name`."""
+    anchor = PARTITION_ANCHORS[kind]
+    text, n_set = re.subn(rf"&{anchor} \S+", f"&{anchor} {name}", resources)
+    assert n_set == 1, f"the profile template names its {kind} partition once, as &{anchor}"
+    return text
+
+
+def slurm_partitions() -> tuple[str, dict[str, int]] | None:
+    """(cluster name, partition -> GPUs) from `scontrol` on this machine; None where there is no Slurm."""
+    if shutil.which("scontrol") is None:
+        return None
+    outputs = []
+    for what in ("config", "partition"):
+        try:
+            out = subprocess.run(["scontrol", "show", what], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise SaeflowError(f"scontrol show {what}: {one_line(str(err))}") from None
+        if out.returncode != 0:
+            raise SaeflowError(f"scontrol show {what} failed: {one_line(out.stderr.strip() or 'no message')}")
+        outputs.append(out.stdout)
+    found = re.search(r"^ClusterName\s*=\s*(\S+)", outputs[0], re.MULTILINE)
+    gpus = {}
+    for block in re.split(r"\n\s*\n", outputs[1].strip()):
+        if name := re.match(r"PartitionName=(\S+)", block.strip()):
+            n_gpus = re.search(r"gres/gpu(?::[^=,\s]+)?=(\d+)", block)
+            gpus[name.group(1)] = int(n_gpus.group(1)) if n_gpus else 0
+    return (found.group(1) if found else "", gpus)
+
+
+def check_partitions(cluster: str, chosen: dict[str, str]) -> str:
+    """Refuse a chosen partition this cluster's Slurm lacks, or a GPU partition without GPUs; say what was checked.
+    Only on the cluster itself (a login node): elsewhere there is nothing to ask, and the note says so."""
+    found = slurm_partitions()
+    if found is None:
+        return (f"partitions {chosen['gpu']} (GPU jobs) and {chosen['cpu']} (CPU-only jobs) not checked: no scontrol "
+                f"here; on a login node of {cluster}, `sinfo -s` lists the partitions")  # fmt: skip
+    slurm_cluster, gpus = found
+    if cluster not in slurm_cluster.lower():
+        return f"partitions not checked: this is Slurm cluster {slurm_cluster!r}, not {cluster}"
+    for kind, name in chosen.items():
+        if name not in gpus:
+            raise SaeflowError(f"--{kind}-partition {name}: no such partition on {cluster} (scontrol show partition "
+                               f"lists {', '.join(gpus)})")  # fmt: skip
+    if gpus[chosen["gpu"]] == 0:
+        with_gpus = ", ".join(p for p, n in gpus.items() if n) or "none"
+        raise SaeflowError(f"--gpu-partition {chosen['gpu']}: that partition has no GPUs (its TRES lists no "
+                           f"gres/gpu): Slurm refuses GPU jobs there; partitions with GPUs: {with_gpus}")  # fmt: skip
+    return (
+        f"partitions checked against scontrol on {slurm_cluster}: GPU jobs go to {chosen['gpu']} "
+        f"({gpus[chosen['gpu']]} GPUs), CPU-only jobs to {chosen['cpu']}"
+    )
 
 
 def _check_cuda_torch(python: pathlib.Path) -> None:
@@ -139,7 +233,10 @@ def _check_cuda_torch(python: pathlib.Path) -> None:
 
 
 def cmd_install_profile(args: argparse.Namespace) -> int:
-    dest = install_profile(args.account, args.dest, args.force, args.cluster, args.python, args.allow_cpu_torch)
+    partitions = {"gpu": args.gpu_partition, "cpu": args.cpu_partition}
+    dest = install_profile(
+        args.account, args.dest, args.force, args.cluster, args.python, args.allow_cpu_torch, partitions, print
+    )
     print(f"installed the OSC profile for {args.cluster}, account {args.account} (user {getpass.getuser()}) at {dest}")
     print(f"jobs run saeflow with {args.python}")
     print("run the workflow on Slurm with:  snakemake --profile osc")

@@ -67,6 +67,22 @@ def file_problem(fpath: pathlib.Path, n_bytes: int | None = None) -> str | None:
     return None
 
 
+def stat_problem(dpath: str | os.PathLike, md: Metadata) -> str | None:
+    """The first file of a published directory that is missing, unreadable or of the wrong size, found by stat
+    alone (nothing read, nothing hashed): metadata.json, every shard `md` implies, and the side files present.
+
+    Cheap enough for planning, where a job must not start on a directory whose files were deleted or truncated
+    (a scratch purge removes files one by one); `validate` (`--deep`: every sha256) checks everything else."""
+    layout = ShardLayout(pathlib.Path(dpath))
+    expected: dict[str, int | None] = {layout.METADATA_FNAME: None}
+    expected.update({layout.shard_fname(i): n * md.bytes_per_ex for i, n in enumerate(md.shard_sizes)})
+    expected.update({fname: aux_n_bytes(md, fname) for fname in AUX_FILES if os.path.lexists(layout.file(fname))})
+    for fname, n_bytes in expected.items():
+        if problem := file_problem(layout.file(fname), n_bytes):
+            return problem
+    return None
+
+
 @dataclasses.dataclass
 class Report:
     """What `validate` found: problems make a directory invalid; warnings (stray files) do not."""
