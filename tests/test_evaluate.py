@@ -147,3 +147,27 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     config_fpath = _spec_config(tmp_path, other, also=text_spec("gpt2", layers=[1], context_length=12))
     assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--no-progress"]) == 1
     assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err
+
+
+def _scores(**means: float) -> evaluate.Scores:
+    scores = evaluate.Scores()
+    for name, value in means.items():
+        scores.add(name, torch.tensor([value], dtype=torch.float64))
+    return scores
+
+
+def test_a_ratio_over_float_noise_is_null_not_minus_zero():
+    # The ablation changed nothing: cos_ablated is 1 within an ulp (1 - cos = -2.2e-16), and so is cos_spliced.
+    one_up = 1.0 + 2.0**-52
+    noise = _scores(pooled_cos_spliced=one_up, pooled_cos_ablated=one_up, pooled_rel_err_spliced=0.0,
+                    pooled_rel_err_ablated=1e-12)  # fmt: skip
+    got = evaluate.summarize(noise, causal=False)
+    assert got["pooled_cos_recovered"] is None and got["pooled_rel_err_recovered"] is None
+    assert json.loads(json.dumps(got))["pooled_cos_recovered"] is None  # null in the JSON, not -0.0
+    lm = evaluate.summarize(_scores(ce_clean=3.0, ce_spliced=3.0, ce_ablated=3.0 + 1e-9, kl_spliced=0.0,
+                                    kl_ablated=1e-10), causal=True)  # fmt: skip
+    assert lm["ce_loss_recovered"] is None and lm["kl_score"] is None
+    # A small but real change is a ratio.
+    real = evaluate.summarize(_scores(ce_clean=3.0, ce_spliced=3.01, ce_ablated=3.1, kl_spliced=0.01,
+                                      kl_ablated=0.1), causal=True)  # fmt: skip
+    assert real["ce_loss_recovered"] == pytest.approx(0.9) and real["kl_score"] == pytest.approx(0.9)

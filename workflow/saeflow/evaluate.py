@@ -32,9 +32,11 @@ has a CLS token: vision CLS, or the [CLS]/<s> every text encoder example starts 
     <which>_cos_recovered = (cos_spliced - cos_ablated) / (1 - cos_ablated)
     <which>_rel_err_recovered = (rel_err_ablated - rel_err_spliced) / rel_err_ablated
 
-A ratio whose denominator is 0 (the ablation changes nothing) is null. The output is what is scored, so every pass
-runs to the end of the model; but the blocks up to `layer` run once: the clean pass records their outputs and the
-spliced and ablated passes replay them (identical inputs give identical outputs), running only the later blocks.
+A ratio whose denominator is 0 within float32 noise (at most 2^-20 of the magnitudes it is the difference of: the
+ablation changes nothing measurable) is null, never a quotient of noise such as -0.0. The output is what is scored,
+so every pass runs to the end of the model; but the blocks up to `layer` run once: the clean pass records their
+outputs and the spliced and ablated passes replay them (identical inputs give identical outputs), running only the
+later blocks.
 """
 
 import contextlib
@@ -59,6 +61,9 @@ logger = logging.getLogger(__name__)
 DEFAULTS = config.section_defaults("evaluate")
 CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 MODES = ("clean", "spliced", "ablated")
+# A recovered fraction's denominator at most this fraction of the magnitudes it is made of (8 float32 ulps) is noise:
+# the ablation changed nothing measurable, and the ratio is null.
+NOISE_FRAC = 2.0**-20
 Reconstruct = typing.Callable[[torch.Tensor], torch.Tensor]  # raw activations (n, d) -> reconstruction (n, d)
 
 
@@ -260,24 +265,29 @@ def score_embeddings(scores: Scores, hidden: dict[str, torch.Tensor], has_cls: b
             scores.add(f"{which}_rel_err_{mode}", (e_bd - clean_bd).norm(dim=-1) / clean_bd.norm(dim=-1))
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den != 0 and math.isfinite(num / den) else None
+def _ratio(num: float, den: float, scale: float) -> float | None:
+    """num / den, None when den is zero within float32 noise of the quantities it is made of (`scale`: their
+    magnitude), where the quotient would be noise (e.g. 0 / -2e-16 = -0.0 when the ablation changes nothing)."""
+    if not abs(den) > NOISE_FRAC * abs(scale) or not math.isfinite(num / den):
+        return None
+    return num / den
 
 
 def summarize(scores: Scores, causal: bool) -> dict:
     """The averaged metrics plus the recovered fractions (module docstring)."""
     out = {name: scores.mean(name) for name in sorted(scores.sums)}
     if causal:
-        out["ce_loss_recovered"] = _ratio(out["ce_ablated"] - out["ce_spliced"], out["ce_ablated"] - out["ce_clean"])
-        out["kl_score"] = _ratio(out["kl_ablated"] - out["kl_spliced"], out["kl_ablated"])
+        ce_s, ce_a, ce_c = out["ce_spliced"], out["ce_ablated"], out["ce_clean"]
+        out["ce_loss_recovered"] = _ratio(ce_a - ce_s, ce_a - ce_c, max(abs(ce_a), abs(ce_c)))
+        out["kl_score"] = _ratio(out["kl_ablated"] - out["kl_spliced"], out["kl_ablated"], ce_c)  # KL noise: nats
         out["n_scored_tokens"] = scores.counts["ce_clean"]
         return out
     for which in ("pooled", "cls"):
         if f"{which}_cos_spliced" in out:
             cos_s, cos_a = out[f"{which}_cos_spliced"], out[f"{which}_cos_ablated"]
             err_s, err_a = out[f"{which}_rel_err_spliced"], out[f"{which}_rel_err_ablated"]
-            out[f"{which}_cos_recovered"] = _ratio(cos_s - cos_a, 1 - cos_a)
-            out[f"{which}_rel_err_recovered"] = _ratio(err_a - err_s, err_a)
+            out[f"{which}_cos_recovered"] = _ratio(cos_s - cos_a, 1 - cos_a, 1.0)
+            out[f"{which}_rel_err_recovered"] = _ratio(err_a - err_s, err_a, 1.0)  # already relative to |e_clean|
     out["n_scored_examples"] = scores.counts["pooled_cos_spliced"]
     return out
 
