@@ -95,12 +95,6 @@ def special_tokens(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
     raise SaeflowError(f"tokenizer {tok.name_or_path}: special tokens wrap the text in an unsupported way")
 
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-)  # fmt: skip
-
-
 def tokenizer_files_sha256(info: models.ModelInfo, tokenizer: str | None) -> str:
     """sha256 over the name and bytes of every tokenizer file of the checkpoint (planning never loads it)."""
     if tokenizer == "bytes":
@@ -112,13 +106,13 @@ def tokenizer_files_sha256(info: models.ModelInfo, tokenizer: str | None) -> str
         )
     h = hashlib.sha256()
     found = False
-    for fname in TOKENIZER_FILES:
+    for fname in models.TOKENIZER_FILES:
         fpath = models.model_file(source, revision, fname)
         if fpath is not None:
             found = True
             h.update(f"{fname}\0{file_sha256(fpath)}\0".encode())
     if not found:
-        raise SaeflowError(f"tokenizer {source!r}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+        raise SaeflowError(f"tokenizer {source!r}: no tokenizer files ({', '.join(models.TOKENIZER_FILES[:3])}, ...)")
     return h.hexdigest()
 
 
