@@ -423,6 +423,24 @@ def record_blocks(blocks, layers: typing.Sequence[int], stop_after_deepest: bool
             handle.remove()
 
 
+def stored_positions(info: ModelInfo, n_model_tokens: int):
+    """The positions of a model's sequence that extraction stores, in order (int64 array): all but the register
+    tokens (DINOv2 with registers: CLS, registers, patches; CLS then the patches are stored)."""
+    import numpy as np
+
+    r = info.n_registers
+    return np.r_[0:1, 1 + r : n_model_tokens] if r else np.arange(n_model_tokens)
+
+
+def keep_stored(info: ModelInfo, acts_btd):
+    """The stored positions (`stored_positions`) of a block's output (B, T_model, D)."""
+    if info.n_registers == 0:
+        return acts_btd
+    import torch
+
+    return acts_btd[:, torch.from_numpy(stored_positions(info, acts_btd.shape[1])).to(acts_btd.device)]
+
+
 class Adapter:
     """A loaded model with one job: activations of chosen blocks for a batch, stopping after the deepest."""
 
@@ -455,15 +473,6 @@ class Adapter:
 
         return tokenization.load_tokenizer(self.info, None)
 
-    def _keep_tokens(self, acts_btd):
-        """Drop register tokens (DINOv2 with registers): keep CLS then the patches, in model order."""
-        r = self.info.n_registers
-        if r == 0:
-            return acts_btd
-        import torch
-
-        return torch.cat([acts_btd[:, :1], acts_btd[:, 1 + r :]], dim=1)
-
     def run(self, batch, layers: typing.Sequence[int]) -> dict:
         """{layer: float32 acts (B, T, D) on CPU} for images (B, 3, H, W) or token ids (B, T).
 
@@ -478,7 +487,7 @@ class Adapter:
                 self.model(pixel_values=batch.to(self.torch_dtype))
             else:
                 self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
-        return {layer: self._keep_tokens(recorded[layer]).float().cpu() for layer in layers}
+        return {layer: keep_stored(self.info, recorded[layer]).float().cpu() for layer in layers}
 
 
 def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):

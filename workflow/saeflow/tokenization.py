@@ -176,6 +176,12 @@ class Packing:
     def body_len(self) -> int:
         return self.context_length - len(self.prefix) - len(self.suffix)
 
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """The special ids an example holds ([CLS], [SEP], BOS, EOS: prefix, suffix, separators), sorted: what
+        `tokens: no_special` leaves out and `evaluate` keeps clean. Packed examples have no padding."""
+        return tuple(sorted({*self.prefix, *self.suffix, *self.separator}))
+
     def count(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> tuple[int, int]:
         """(examples, largest id) that `pack` would give, streaming: memory does not grow with the corpus."""
         if self.body_len < 1:
@@ -220,6 +226,18 @@ class Packing:
         if ids_nt.max() > np.iinfo(np.int32).max:
             raise SaeflowError("token ids do not fit tokens.bin (int32)")
         return ids_nt.astype(np.int32)
+
+
+def recorded_packing(md) -> Packing | None:
+    """The packing a text shard directory's metadata records (`data.tokenization`), None when it records none
+    (vision, or text shards another tool wrote)."""
+    obj = md.data.get("tokenization")
+    if not isinstance(obj, dict):
+        return None
+    try:
+        return Packing(**{**obj, **{key: tuple(obj[key]) for key in ("prefix", "suffix", "separator")}})
+    except (KeyError, TypeError) as err:
+        raise SaeflowError(f"metadata.json data.tokenization is no packing this saeflow reads ({err!r})") from None
 
 
 def packing_for(tokenizer, tokenizer_name: str, context_length: int, encoder: bool) -> Packing:
