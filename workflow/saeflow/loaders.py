@@ -63,53 +63,24 @@ class Block:
     n_ex: int
 
 
-class LayerView:
-    """Where one layer's selected tokens live in a shard directory, and how to read them."""
+class TokenSelection:
+    """Which stored positions of each example a loader selects (`tokens`): the same range [t_lo, t_hi) of every
+    example, or (`no_special`) a mask per example; and the numbering of the selected vectors (global index)."""
 
-    def __init__(self, shard_dir: ShardDir, layer: int, tokens: str = "content"):
+    def __init__(self, shard_dir: ShardDir, tokens: str):
         md = shard_dir.metadata
         if tokens not in TOKENS:
             raise SaeflowError(f"tokens must be one of {TOKENS}, got {tokens!r}")
         if tokens == "cls" and not md.cls_token:
             raise SaeflowError(f"{shard_dir.dpath}: tokens='cls' asked for, but metadata.json has cls_token=false")
-        self.sd, self.md, self.layer, self.tokens = shard_dir, md, layer, tokens
-        self.layer_idx = md.layer_idx(layer)
+        self.sd, self.md, self.tokens = shard_dir, md, tokens
         T, c = md.tokens_per_ex, int(md.cls_token)
         self.t_lo, self.t_hi = {"content": (c, T), "cls": (0, 1), "all": (0, T), "no_special": (0, T)}[tokens]
         self.n_tok = self.t_hi - self.t_lo  # vectors per example (at most, with a mask)
         # no_special: which positions are kept, and the global index of each example's first vector (n_ex + 1).
         self.keep_nt = no_special_mask(shard_dir) if tokens == "no_special" else None
         self.ex_starts = None if self.keep_nt is None else np.concatenate([[0], np.cumsum(self.keep_nt.sum(1))])
-        self.d_model = md.d_model
-        self.dtype = np.dtype(md.dtype)
-        self.row_bytes = self.d_model * self.dtype.itemsize
         self.n_vectors = int(self.first_vector(md.n_ex))
-        # The rows read per example ("span"). With one stored layer, a block of examples is one contiguous run on
-        # disk, so we read all T tokens in one pread (skipping CLS in RAM) unless that would read over 2x the rows.
-        self.contiguous = md.n_layers == 1 and 2 * self.n_tok >= T
-        self.span_lo, self.span = (0, T) if self.contiguous else (self.t_lo, self.n_tok)
-        self.compact = self.span == self.n_tok and self.keep_nt is None  # the rows read are the rows selected
-        self._fds: dict[int, int] = {}
-
-    def __getstate__(self):  # file descriptors are per process
-        return {**self.__dict__, "_fds": {}}
-
-    def fd(self, shard_idx: int) -> int:
-        with _FD_LOCK:  # the shuffled loader's two threads read at once
-            if shard_idx not in self._fds:
-                fpath = self.sd.shard_fpath(shard_idx)
-                try:
-                    self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
-                except OSError as err:
-                    raise SaeflowError(
-                        f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?"
-                    ) from None
-            return self._fds[shard_idx]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
     def coords(self, index: int) -> tuple[int, int]:
         """Global vector index -> (example, token within T)."""
@@ -139,6 +110,52 @@ class LayerView:
         ex = self.global_ex(block)
         return int(self.first_vector(ex + block.n_ex) - self.first_vector(ex))
 
+    def tokens_of(self, block: "Block", rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(example within the block, token within T) of the block's selected rows `rows` (0 = its first)."""
+        if self.keep_nt is None:
+            ex, tok = np.divmod(rows, self.n_tok)
+            return ex, self.t_lo + tok
+        ex = self.global_ex(block)
+        return np.divmod(np.flatnonzero(self.keep_nt[ex : ex + block.n_ex])[rows], self.md.tokens_per_ex)
+
+
+class LayerView(TokenSelection):
+    """Where one layer's selected tokens live in a shard directory, and how to read them."""
+
+    def __init__(self, shard_dir: ShardDir, layer: int, tokens: str = "content"):
+        super().__init__(shard_dir, tokens)
+        md, T = self.md, self.md.tokens_per_ex
+        self.layer, self.layer_idx = layer, md.layer_idx(layer)
+        self.d_model = md.d_model
+        self.dtype = np.dtype(md.dtype)
+        self.row_bytes = self.d_model * self.dtype.itemsize
+        # The rows read per example ("span"). With one stored layer, a block of examples is one contiguous run on
+        # disk, so we read all T tokens in one pread (skipping CLS in RAM) unless that would read over 2x the rows.
+        self.contiguous = md.n_layers == 1 and 2 * self.n_tok >= T
+        self.span_lo, self.span = (0, T) if self.contiguous else (self.t_lo, self.n_tok)
+        self.compact = self.span == self.n_tok and self.keep_nt is None  # the rows read are the rows selected
+        self._fds: dict[int, int] = {}
+
+    def __getstate__(self):  # file descriptors are per process
+        return {**self.__dict__, "_fds": {}}
+
+    def fd(self, shard_idx: int) -> int:
+        with _FD_LOCK:  # the shuffled loader's two threads read at once
+            if shard_idx not in self._fds:
+                fpath = self.sd.shard_fpath(shard_idx)
+                try:
+                    self._fds[shard_idx] = os.open(fpath, os.O_RDONLY)
+                except OSError as err:
+                    raise SaeflowError(
+                        f"{fpath}: cannot open shard ({err.strerror}); was the directory purged?"
+                    ) from None
+            return self._fds[shard_idx]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
     def offset(self, shard_idx: int, ex_in_shard: int, token: int) -> int:
         """Byte offset (protocol 4.2) of token `token` (0..T-1) of an example at this layer."""
         md = self.md
@@ -151,14 +168,6 @@ class LayerView:
             return torch.from_numpy(np.flatnonzero(self.keep_nt[ex : ex + block.n_ex]))
         first = self.t_lo - self.span_lo
         return (torch.arange(block.n_ex)[:, None] * self.span + torch.arange(first, first + self.n_tok)).reshape(-1)
-
-    def tokens_of(self, block: "Block", rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(example within the block, token within T) of the block's selected rows `rows` (0 = its first)."""
-        if self.keep_nt is None:
-            ex, tok = np.divmod(rows, self.n_tok)
-            return ex, self.t_lo + tok
-        ex = self.global_ex(block)
-        return np.divmod(np.flatnonzero(self.keep_nt[ex : ex + block.n_ex])[rows], self.md.tokens_per_ex)
 
     def blocks(self, block_bytes: int) -> list[Block]:
         """The directory cut into blocks of about `block_bytes` of selected rows, never crossing a shard."""
