@@ -139,6 +139,18 @@ def local_model(tmp_path) -> pathlib.Path:
     return dpath
 
 
+def _shard_hash(model_dpath) -> str:
+    spec = {"model": {"name": str(model_dpath)}, "layers": [1], "dataset": {"kind": "builtin_text", "n_ex": 2},
+            "context_length": 16}  # fmt: skip
+    return extract.plan_activation(typed(spec)).hash
+
+
+def test_a_same_size_rewrite_of_the_weights_gives_a_new_shard_hash(local_model):
+    first = _shard_hash(local_model)
+    _rewrite_same_size(local_model / "model.safetensors", offset=-100)  # a fine-tune saved over the directory
+    assert _shard_hash(local_model) != first
+
+
 def test_a_local_directory_is_the_sha256_of_its_activation_files(local_model):
     assert models.identity_fnames(local_model) == ["config.json", "model.safetensors", "special_tokens_map.json",
                                                    "tokenizer.json", "tokenizer_config.json", "vocab.txt"]  # fmt: skip
