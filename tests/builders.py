@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from saeflow import config, runs, sae, shards, sweeps
+from saeflow.planning import auto_tokens_of
 from saeflow.specs import ActivationSpec
 
 # Shard metadata and data
@@ -104,12 +105,14 @@ def write_shards(
     ex_per_shard: int | None = None,
     tag: str | None = None,
     aux: dict[str, np.ndarray] | None = None,
+    data: dict | None = None,
     **md_kw,
 ) -> shards.ShardDir:
     """Publish `acts_nltd` (n, L, T, D) as one shard directory, with `aux` ({fname: rows}) beside it.
 
     `ex_per_shard` defaults to all examples in one shard; `tag` goes into the (Synthetic) data spec, to keep
-    otherwise equal data sets apart; `md_kw` (family, ckpt, dtype, ...) are further Metadata fields for `make_md`.
+    otherwise equal data sets apart, and `data` more of its keys (a text packing's `tokenization`); `md_kw`
+    (family, ckpt, dtype, ...) are further Metadata fields for `make_md`.
     """
     n, _, T, D = acts_nltd.shape
     md = make_md(
@@ -119,7 +122,7 @@ def write_shards(
         cls_token=cls_token,
         d_model=D,
         ex_per_shard=ex_per_shard or n,
-        data={"__class__": "Synthetic", **({"tag": tag} if tag else {})},
+        data={"__class__": "Synthetic", **({"tag": tag} if tag else {}), **(data or {})},
         dataset="/nonexistent",
         **md_kw,
     )
@@ -146,7 +149,8 @@ def run_from_sae_spec(
     val_sd = val_sd or train_sd
     cfg = config.validate({"activations": {}, "saes": {"s": {"train": "tr", "val": "va", "layer": 0, **spec}}})
     sae_spec = sweeps.SAESpec.from_dict("s", cfg["saes"]["s"])
-    (plan,) = sweeps.plan_runs({"s": sae_spec}, {"tr": train_sd.hash, "va": val_sd.hash})
+    auto_tokens = {"tr": auto_tokens_of(train_sd.metadata), "va": auto_tokens_of(val_sd.metadata)}
+    (plan,) = sweeps.plan_runs({"s": sae_spec}, {"tr": train_sd.hash, "va": val_sd.hash}, auto_tokens)
     return runs.create_run(runs_root, plan.train_config.to_dict(), train_sd.dpath, val_sd.dpath)
 
 

@@ -1,14 +1,17 @@
 """`saeflow evaluate`: the SAE spliced into its model (known answers, and agreement with plain transformers hooks)."""
 
 import json
+import os
+import shutil
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from builders import text_spec, typed, vision_spec
-from saeflow import cli, evaluate, extract, runs, sae
+from builders import run_from_sae_spec, text_spec, typed, vision_spec
+from saeflow import cli, evaluate, extract, loaders, runs, sae, shards, train
+from saeflow.planning import auto_tokens_of
 
 
 def _spec_config(tmp_path, spec: dict, **others: dict):
@@ -17,10 +20,16 @@ def _spec_config(tmp_path, spec: dict, **others: dict):
     return fpath
 
 
+def _shards(tmp_path, spec: dict) -> shards.ShardDir:
+    return shards.ShardDir(extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath)
+
+
 def _run(tmp_path, spec: dict, layer: int, model: sae.SAE, **extra) -> runs.Run:
-    shard_hash = extract.plan_activation(typed(spec)).hash
-    run_cfg = {"layer": layer, "train_shards": shard_hash, "val_shards": shard_hash, **extra}
-    run = runs.create_run(tmp_path / "runs", run_cfg, tmp_path / "no-shards")
+    """A run around `model`, validated on the spec's shards (extracted), tokens as planning resolves `auto`."""
+    sd = _shards(tmp_path, spec)
+    run_cfg = {"layer": layer, "train_shards": sd.hash, "val_shards": sd.hash, "tokens": auto_tokens_of(sd.metadata),
+               **extra}  # fmt: skip
+    run = runs.create_run(tmp_path / "runs", run_cfg, sd.dpath, sd.dpath)
     sae.save_sae(model, run.sae_fpath)
     return run
 
@@ -32,13 +41,16 @@ def _random_sae(d: int, d_sae: int = 64, seed: int = 0) -> sae.SAE:
                                 arch="topk", k=8, scale=0.5)  # fmt: skip
 
 
-def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp_path, capsys):
+@pytest.mark.parametrize("tokens", ["no_special", "content"])
+def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp_path, capsys, tokens):
+    """The splice replaces exactly the positions the SAE trained on: every token but the specials ([CLS], [SEP]
+    of the BERT tokenizer) for `no_special` (the text default), every token for `content`."""
     import transformers
 
     spec = {"model": {"name": str(tiny_lm_dpath)}, "layers": [0], "dataset": {"kind": "builtin_text", "n_ex": 6},
             "context_length": 16, "device": "cpu"}  # fmt: skip
     model = _random_sae(32)
-    run = _run(tmp_path, spec, 0, model)
+    run = _run(tmp_path, spec, 0, model, tokens=tokens)
     # A config with another activation too: evaluate picks the one that plans the run's validation shards.
     config_fpath = _spec_config(tmp_path, spec, other=text_spec("gpt2", layers=[1]))
     argv = ["evaluate", "--run", str(run.root), str(config_fpath), "--n-tokens", "70",
@@ -46,13 +58,14 @@ def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp
     assert cli.main(argv) == 0
     out = json.loads(run.evaluation_fpath(run.config()["val_shards"]).read_text())
     got = out["metrics"]
-    assert out["config"]["n_ex"] == 5  # ceil(70 / 16)
+    assert out["config"]["n_ex"] == 5 and out["config"]["tokens"] == tokens  # ceil(70 / 16)
 
     # Independent: the checkpoint's own LM head model, a forward hook on block 0, torch's own CE and KL.
     plan = extract.plan(typed(spec))
     special = {*plan.packing.prefix, *plan.packing.suffix, *plan.packing.separator}
     ids = torch.from_numpy(extract.tokenization.token_ids(plan.info, None, plan.dataset, plan.packing)[:5]).long()
-    keep = torch.from_numpy(np.isin(ids.numpy(), sorted(special)))
+    keep = torch.from_numpy(np.isin(ids.numpy(), sorted(special)) & (tokens == "no_special"))  # stays clean
+    assert np.isin(ids.numpy(), sorted(special)).any()  # the examples hold [CLS]/[SEP]: the two choices differ
     lm = transformers.GPT2LMHeadModel.from_pretrained(tiny_lm_dpath).eval()
 
     def logits_with(fn):
@@ -100,18 +113,20 @@ def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp
     ],
     ids=["gpt2", "gpt2-bf16", "bert", "vit", "dinov2-registers"],
 )
-def test_known_answers_identity_and_zero_reconstruction(spec, keys):
+def test_known_answers_identity_and_zero_reconstruction(spec, keys, tmp_path):
     plan = extract.plan(typed(spec))
+    sd = _shards(tmp_path, spec)
+    view = loaders.LayerView(sd, 1, auto_tokens_of(sd.metadata))  # no_special for text, content for vision
     m = evaluate.load_model(plan.info, plan.spec.model, plan.spec.compute_dtype, torch.device("cpu"))
-    identity = evaluate.three_passes(m, plan, 1, "content", lambda x: x, 3, 2, "cpu", progress=False)
-    zero = evaluate.three_passes(m, plan, 1, "content", torch.zeros_like, 3, 2, "cpu", progress=False)
+    identity = evaluate.three_passes(m, plan, view, lambda x: x, 3, 2, "cpu", progress=False)
+    zero = evaluate.three_passes(m, plan, view, torch.zeros_like, 3, 2, "cpu", progress=False)
     for key in keys:
         assert identity[key] == pytest.approx(1.0, abs=1e-6), key
         assert zero[key] == pytest.approx(0.0, abs=1e-9), key
-    _, ids_nt = evaluate.example_inputs(plan, 2)
-    mask_bt = evaluate.splice_mask(plan, "content", ids_nt, 0, 2)
+    mask_bt = evaluate.splice_mask(view, plan.info, 0, 2)
+    ids_nt = np.array(sd.aux("tokens.bin")[:2]) if plan.info.modality == "text" else None
     # The prefix replayed from the clean pass gives exactly what running every block again gives.
-    batch, _ = evaluate.example_inputs(plan, 2)
+    batch = evaluate.example_inputs(plan, sd)
     prefix = {}
     clean = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None, prefix)
     assert sorted(prefix) == [0, 1]
@@ -147,3 +162,72 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     config_fpath = _spec_config(tmp_path, other, also=text_spec("gpt2", layers=[1], context_length=12))
     assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--no-progress"]) == 1
     assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err
+
+
+def _scores(**means: float) -> evaluate.Scores:
+    scores = evaluate.Scores()
+    for name, value in means.items():
+        scores.add(name, torch.tensor([value], dtype=torch.float64))
+    return scores
+
+
+def test_a_ratio_over_float_noise_is_null_not_minus_zero():
+    # The ablation changed nothing: cos_ablated is 1 within an ulp (1 - cos = -2.2e-16), and so is cos_spliced.
+    one_up = 1.0 + 2.0**-52
+    noise = _scores(pooled_cos_spliced=one_up, pooled_cos_ablated=one_up, pooled_rel_err_spliced=0.0,
+                    pooled_rel_err_ablated=1e-12)  # fmt: skip
+    got = evaluate.summarize(noise, causal=False)
+    assert got["pooled_cos_recovered"] is None and got["pooled_rel_err_recovered"] is None
+    assert json.loads(json.dumps(got))["pooled_cos_recovered"] is None  # null in the JSON, not -0.0
+    lm = evaluate.summarize(_scores(ce_clean=3.0, ce_spliced=3.0, ce_ablated=3.0 + 1e-9, kl_spliced=0.0,
+                                    kl_ablated=1e-10), causal=True)  # fmt: skip
+    assert lm["ce_loss_recovered"] is None and lm["kl_score"] is None
+    # A small but real change is a ratio.
+    real = evaluate.summarize(_scores(ce_clean=3.0, ce_spliced=3.01, ce_ablated=3.1, kl_spliced=0.01,
+                                      kl_ablated=0.1), causal=True)  # fmt: skip
+    assert real["ce_loss_recovered"] == pytest.approx(0.9) and real["kl_score"] == pytest.approx(0.9)
+
+
+def _rewrite_in_place(fpath, new_fpath, keep_mtime: bool) -> None:
+    """Write `new_fpath`'s bytes over `fpath` in place (same size, same inode), as a fine-tune saved over the
+    directory; `keep_mtime` then puts its time stamp back, so its stat is exactly what it was."""
+    st, data = fpath.stat(), new_fpath.read_bytes()
+    assert len(data) == st.st_size
+    with open(fpath, "r+b") as fd:
+        fd.write(data)
+    assert fpath.stat().st_ino == st.st_ino
+    if keep_mtime:
+        os.utime(fpath, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["rewritten", "rewritten-stat-kept"])
+def test_evaluate_refuses_a_model_rewritten_in_place(tiny_lm_dpath, tmp_path, capsys, keep_mtime):
+    """Extract, train, then save other weights over the model: evaluate refuses in one line naming the model and the
+    shard directory. The new identity sees the rewrite (a new shard hash); when the stat cache cannot (size, mtime
+    and inode kept), the clean pass's mismatch with the stored activations does."""
+    import transformers
+
+    lm_dpath = tmp_path / "my-lm"
+    shutil.copytree(tiny_lm_dpath, lm_dpath)
+    weights = lm_dpath / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns - 3600 * 10**9))  # settled
+    spec = {"model": {"name": str(lm_dpath)}, "layers": [1], "dataset": {"kind": "builtin_text", "n_ex": 8},
+            "context_length": 16, "device": "cpu"}  # fmt: skip
+    sd = _shards(tmp_path, spec)
+    run = run_from_sae_spec(tmp_path / "runs", sd, layer=1, expansion=2, k=4, aux_k=8, batch_size=32)
+    assert run.config()["tokens"] == "no_special"  # the text default
+    train.train_runs([run.root], device="cpu")
+    argv = ["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--no-progress", "--device", "cpu"]
+    assert cli.main(argv) == 0  # the model extraction ran: its clean pass matches the shards
+    assert cli.main([*argv, "--compute-dtype", "bfloat16"]) == 0  # within bfloat16's tolerance
+    tuned = transformers.GPT2LMHeadModel.from_pretrained(lm_dpath)
+    with torch.no_grad():
+        for param in tuned.parameters():
+            param.mul_(1.5)
+    tuned.save_pretrained(tmp_path / "tuned")
+    _rewrite_in_place(weights, tmp_path / "tuned" / "model.safetensors", keep_mtime)
+    capsys.readouterr()
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar, when it loaded
+    assert err.startswith("saeflow evaluate: error: model ") and str(lm_dpath) in err and str(sd.dpath) in err, err
+    assert ("does not compute the activations stored" if keep_mtime else "rewritten in place") in err

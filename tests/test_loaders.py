@@ -12,10 +12,13 @@ import torch
 
 from builders import write_shards
 from saeflow.errors import SaeflowError, ShardDirError
+from saeflow.layout import ShardLayout
 from saeflow.loaders import TOKENS, Block, EpochPlan, IndexedReader, OrderedLoader, ShuffledLoader
 from saeflow.shards import ShardDir
 
 N_EX, L, T, D = 37, 2, 5, 8  # 3 shards of 12 examples + one of 1; CLS at token 0
+# A text packing's record in metadata.json (data.tokenization): BOS 1 before each example, EOS 2 between documents.
+PACKING = {"tokenizer": "bytes", "context_length": T, "prefix": [1], "suffix": [], "separator": [2]}
 
 
 @pytest.fixture
@@ -245,15 +248,18 @@ def test_loader_reads_what_the_plan_says(
     Tx = 4
     ex, layer, tok = np.meshgrid(np.arange(n_ex), np.arange(1 + two_layers), np.arange(Tx), indexing="ij")
     acts_nltd = ((ex * 1000 + layer * 100 + tok)[..., None] + np.arange(d) / 1000).astype(np.float32)
+    ids_nt = np.random.default_rng([n_ex, start]).integers(0, 5, size=(n_ex, Tx), dtype=np.int32)  # 1, 2: special
     with tempfile.TemporaryDirectory() as tmp:
         layers = (3, 7)[: 1 + two_layers]
-        sd = write_shards(pathlib.Path(tmp), acts_nltd, layers=layers, cls_token=True, ex_per_shard=ex_per_shard)
+        sd = write_shards(pathlib.Path(tmp), acts_nltd, layers=layers, cls_token=True, ex_per_shard=ex_per_shard,
+                          aux={ShardLayout.TOKENS_FNAME: ids_nt}, data={"tokenization": PACKING})  # fmt: skip
         loader = ShuffledLoader(
             sd, layers[-1], batch_size, seed=start, tokens=tokens,
             block_bytes=ex_per_block * Tx * d * 4, buffer_bytes=pool_rows * d * 4,
         )  # fmt: skip
-        vectors = acts_nltd[:, -1, {"content": slice(1, Tx), "cls": slice(0, 1), "all": slice(0, Tx)}[tokens]]
-        vectors = vectors.reshape(-1, d)
+        keep_nt = {"content": np.arange(Tx) >= 1, "cls": np.arange(Tx) < 1, "all": np.arange(Tx) < Tx,
+                   "no_special": ~np.isin(ids_nt, [1, 2])}[tokens] & np.ones((n_ex, Tx), dtype=bool)  # fmt: skip
+        vectors = acts_nltd[:, -1][keep_nt]
         plan = loader.plan(2)
         want = [vectors[g] for g in plan.batches(start)]
         got = [b.clone().numpy() for b in loader.iter_batches(2, start)]
@@ -298,3 +304,30 @@ def test_shard_truncated_after_open(shard_dir):
         fd.truncate(os.path.getsize(victim) - 100)
     with pytest.raises(SaeflowError, match="acts000002.bin: ended early"):
         _rows(loader)
+
+
+def test_no_special_reads_every_token_but_the_packings_special_ids(shards_root, acts_nltd):
+    """Examples of different sizes: each loader gives exactly the stored vectors whose id is not BOS/EOS."""
+    ids_nt = np.random.default_rng(0).integers(0, 6, size=(N_EX, T), dtype=np.int32)
+    ids_nt[5] = 2  # an example of special tokens only: no vector
+    sd = write_shards(shards_root, acts_nltd, layers=(3, 7), ex_per_shard=12, aux={ShardLayout.TOKENS_FNAME: ids_nt},
+                      data={"tokenization": PACKING})  # fmt: skip
+    keep_nt = ~np.isin(ids_nt, [1, 2])
+    expected = acts_nltd[:, 1][keep_nt]
+    ordered = OrderedLoader(sd, 7, batch_size=7, tokens="no_special", block_bytes=3 * T * D * 4)
+    assert ordered.n_vectors == keep_nt.sum() == len(expected)
+    np.testing.assert_array_equal(_rows(ordered), expected)
+    shuffled = _loader(sd, tokens="no_special")
+    for epoch in (0, 1):  # every vector once per epoch, in a new order
+        np.testing.assert_array_equal(_sorted(_rows(shuffled.iter_batches(epoch))), _sorted(expected))
+    reader = IndexedReader(sd, 7, tokens="no_special")
+    rows_n = np.flatnonzero(keep_nt.reshape(-1))
+    for index in (0, 17, len(expected) - 1):
+        assert reader.view.coords(index) == tuple(divmod(int(rows_n[index]), T))
+        np.testing.assert_array_equal(reader[index].numpy(), expected[index])
+    assert np.array_equal(reader.view.keep(4, 7), keep_nt[4:7])
+
+
+def test_no_special_needs_text_shards_saeflow_extracted(shard_dir):
+    with pytest.raises(SaeflowError, match="tokens='no_special' needs text shards extracted by saeflow"):
+        OrderedLoader(shard_dir, 3, batch_size=4, tokens="no_special")

@@ -1,7 +1,6 @@
-"""Model adapters: stored vectors equal the model's own hidden states; early exit; model identity."""
+"""Model adapters: stored vectors equal the model's own hidden states; early exit (identity: test_model_identity.py)."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -106,35 +105,6 @@ def test_unknown_model_is_a_clear_error(monkeypatch, tmp_path):
         models.describe(models.ModelSpec(name=str(tmp_path)))
 
 
-def test_hf_cache_snapshot_gives_commit_in_ckpt(monkeypatch, tmp_path):
-    """An HF id resolves offline through the cache; the snapshot's commit is part of ckpt (and so of the hash)."""
-    import huggingface_hub.constants
-
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = tmp_path / "models--acme--minilm"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for fname in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt"):
-        (snapshot / fname).symlink_to(f"{MINILM}/{fname}")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    info = models.describe(models.ModelSpec(name="acme/minilm"))
-    assert info.ckpt == f"acme/minilm@{commit}" and info.n_layers == 6 and info.d_model == 384
-    assert models.describe(models.ModelSpec(name=str(snapshot))).ckpt == info.ckpt  # the path, same identity
-
-
-def test_local_directory_fingerprint_changes_with_weights(tmp_path):
-    local = tmp_path / "my-model"
-    local.mkdir()
-    shutil.copy(f"{MINILM}/config.json", local / "config.json")
-    (local / "model.safetensors").write_bytes(b"x" * 10)
-    ckpt1 = models.describe(models.ModelSpec(name=str(local))).ckpt
-    (local / "model.safetensors").write_bytes(b"x" * 11)
-    ckpt2 = models.describe(models.ModelSpec(name=str(local))).ckpt
-    assert ckpt1.startswith("my-model@local-") and ckpt1 != ckpt2
-
-
 def test_unsupported_architecture(tmp_path):
     local = tmp_path / "weird"
     local.mkdir()
@@ -173,28 +143,6 @@ def test_packing_tokenizer_matches_transformers_tokenizer():
     assert list(tokenization.tokenize(fast, texts)) == hf(texts, add_special_tokens=False)["input_ids"]
     assert tokenization.special_tokens(fast) == ((hf.cls_token_id,), (hf.sep_token_id,))
     assert models.load(models.ModelSpec(name=MINILM), info=info).tokenizer("a b")["input_ids"] == hf("a b")["input_ids"]
-
-
-def test_weights_load_offline_from_the_hf_cache(monkeypatch, tmp_path, shards_root):
-    """`model.name: org/id` extracts from the user's HF cache with HF_HUB_OFFLINE=1, at the cached commit."""
-    import huggingface_hub.constants
-
-    commit = "fedcba9876543210fedcba9876543210fedcba98"
-    snapshot = tmp_path / "models--acme--minilm" / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    for fname in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
-                  "special_tokens_map.json"):
-        (snapshot / fname).symlink_to(f"{MINILM}/{fname}")
-    (tmp_path / "models--acme--minilm" / "refs").mkdir()
-    (tmp_path / "models--acme--minilm" / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    spec = {"model": {"name": "acme/minilm"}, "layers": [0], "dataset": {"kind": "builtin_text", "n_ex": 2},
-            "context_length": 16, "device": "cpu"}
-    sd = shards.ShardDir(extract.extract(typed(spec), shards_root, progress=False).dpath)
-    assert sd.metadata.ckpt == f"acme/minilm@{commit}"
-    local = {**spec, "model": {"name": MINILM}}
-    local_sd = shards.ShardDir(extract.extract(typed(local), shards_root, progress=False).dpath)
-    assert np.array_equal(sd.example(1, 0), local_sd.example(1, 0))  # same weights, same vectors
 
 
 def test_local_vision_checkpoint_uses_its_preprocessor_config(tmp_path, shards_root):

@@ -141,11 +141,13 @@ def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(sect
                                                                 r"the train activation 'text' has no CLS token"),
         (lambda c: (c["saes"]["text-topk"].update(val="images"), c["activations"]["images"].update(layers=[0])),
          r"saes\.text-topk\[0\]\.layer: layer 1 is not extracted by the val activation 'images'"),
-        (lambda c: (c["saes"]["text-topk"].update(val="images"),
+        (lambda c: (c["saes"]["text-topk"].update(val="images", tokens="content"),
                     c["activations"]["images"]["model"]["random"]["config"].update(hidden_size=48)),
          r"saes\.text-topk\[0\]\.val: activation 'images' has d_model 48, but the train activation 'text' has 32"),
+        (lambda c: c["saes"]["text-topk"].update(val="images"),  # tokens: auto is no_special for the text
+         r"saes\.text-topk\[0\]\.tokens: 'no_special' .* the val activation 'images' records none"),
     ],
-    ids=["layer", "k", "tokens", "val-layer", "d_model"],
+    ids=["layer", "k", "tokens", "val-layer", "d_model", "no_special-val"],
 )  # fmt: skip
 def test_what_training_would_refuse_is_refused_at_plan_time_naming_the_key(edit, message):
     cfg = smallest_config()

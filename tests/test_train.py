@@ -134,6 +134,9 @@ def test_dead_relu_latents_come_back(tmp_path, planted, monkeypatch, aux_alpha, 
     assert (n_revived >= 0.5 * fired_s[::2].numel()) if revived else n_revived == 0, n_revived
 
 
+AUTO = {"x": "content", "y": "content"}  # what `tokens: auto` means for the hypothetical activations x and y
+
+
 def _cfg(**saes):
     """The typed SAE specs of a config holding `saes` (validated, so with the schema's defaults)."""
     cfg = config.validate({"activations": {}, "saes": saes})
@@ -142,7 +145,7 @@ def _cfg(**saes):
 
 def test_plan_runs_sweep_is_cartesian_and_content_addressed():
     cfg = _cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]})
-    plans = sweeps.plan_runs(cfg, {"x": "h" * 64, "y": "v" * 64})
+    plans = sweeps.plan_runs(cfg, {"x": "h" * 64, "y": "v" * 64}, AUTO)
     assert len(plans) == 12 and [p.index for p in plans] == list(range(12))
     # Key order of the spec, last key varies fastest.
     assert [(c["k"], c["seed"], c["matryoshka"]) for c in (p.train_config.to_dict() for p in plans[:3])] == [
@@ -156,15 +159,16 @@ def test_plan_runs_sweep_is_cartesian_and_content_addressed():
     again = sweeps.plan_runs(
         _cfg(a={"train": "x", "val": "y", "layer": 2, "k": [8, 16], "seed": [0, 1, 2], "matryoshka": [[0.25], [0.5]]}),
         {"x": "h" * 64, "y": "v" * 64},
+        AUTO,
     )
     assert [p.run_id for p in again] == [p.run_id for p in plans]
     # A flat matryoshka list is one value, not a sweep; another data hash is another run.
-    (one,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "h" * 64})
+    (one,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "h" * 64}, AUTO)
     assert one.train_config.to_dict()["matryoshka"] == [0.25, 0.5] and one.val_activation == "x"
-    (other,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "g" * 64})
+    (other,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "matryoshka": [0.25, 0.5]}), {"x": "g" * 64}, AUTO)
     assert other.run_id != one.run_id
     with pytest.raises(SaeflowError, match="saes.a: activation 'nope' is not defined"):
-        sweeps.plan_runs(_cfg(a={"train": "nope", "layer": 0}), {"x": "h" * 64})
+        sweeps.plan_runs(_cfg(a={"train": "nope", "layer": 0}), {"x": "h" * 64}, AUTO)
     with pytest.raises(SaeflowError, match="saes.a.arch"):
         _cfg(a={"train": "x", "layer": 0, "arch": "gated"})
 
@@ -319,7 +323,7 @@ saes:
 
 def test_dead_latent_window_means_something_for_short_and_long_runs():
     """Default (null): a tenth of the run, at most 10M vectors; an explicit dead_after_vectors is taken in steps."""
-    (plan,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "batch_size": 1000}), {"x": "h" * 64})
+    (plan,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "batch_size": 1000}), {"x": "h" * 64}, AUTO)
     cfg = plan.train_config
     assert cfg.dead_after_vectors is None and cfg.n_val_vectors == 262144  # the schema's bounded defaults
     assert train.dead_after_steps(cfg, n_steps=500) == 50  # 50k vectors: AuxK can switch on in a short run

@@ -34,9 +34,11 @@ from workflow_helpers import (
 
 
 def run_plans(cfg: dict, shard_hash: str):
-    """What the workflow plans: runs of the config with the schema's defaults filled in."""
+    """What the workflow plans: runs of the config with the schema's defaults filled in (`tokens: auto` is
+    no_special for the MiniLM text shards)."""
     saes = config.validate(json.loads(json.dumps(cfg)))["saes"]
-    return plan_runs({name: SAESpec.from_dict(name, obj) for name, obj in saes.items()}, {"docs": shard_hash})
+    specs = {name: SAESpec.from_dict(name, obj) for name, obj in saes.items()}
+    return plan_runs(specs, {"docs": shard_hash}, {"docs": "no_special"})
 
 
 @pytest.fixture(scope="module")

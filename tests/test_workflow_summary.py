@@ -60,6 +60,7 @@ def test_summary_carries_the_splice_evaluation(tmp_path):
     csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
     rows = {r["config.k"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
     assert rows["16"]["eval.ce_loss_recovered"] == "0.75" and rows["4"]["eval.ce_loss_recovered"] == ""
+    assert rows["16"]["eval.kl_score"] == ""  # a null ratio is a blank cell
     header = list(rows["16"])
     assert header.index("nmse") < header.index("eval.ce_loss_recovered") < header.index("config.k")
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"

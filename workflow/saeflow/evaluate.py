@@ -10,9 +10,15 @@ model three times, on the same inputs:
     spliced   block `layer`'s output x replaced by the SAE's decode(encode(x)) (raw space: its normalization undone)
     ablated   block `layer`'s output replaced by zeros
 
-Only the positions the SAE was trained on are replaced; the others stay clean in all three passes: text special
-tokens (the packing's prefix, suffix and document separators: [CLS], [SEP], BOS, EOS; packed examples have no
-padding), vision register tokens, and the CLS token unless the run trained on it (`tokens` of the run config).
+Exactly the positions the SAE was trained on are replaced (the run's `tokens`, selected by the loaders' own
+`LayerView` of the validation shards: `no_special` leaves the text special tokens [CLS], [SEP], BOS, EOS out,
+`content` the CLS token); the others, and vision register tokens, stay clean in all three passes. Text inputs are
+the ids of the shards' tokens.bin, exactly what extraction ran.
+
+Before scoring, the clean pass of the first batch is checked against the stored shards: its block `layer` output
+must equal the stored activations within the tolerance of the coarsest dtype involved (STORED_TOLERANCE: the store
+dtype, extraction's and evaluate's compute dtypes); otherwise the model is not the one extraction ran (weights
+rewritten in place) and evaluate refuses, naming the model and the shard directory.
 
 Causal language models (GPT-2, Llama, Qwen, Mistral) are scored on their next-token predictions: positions
 0..T-2 of every example, predicting tokens 1..T-1 (every prediction in the context, specials included as
@@ -32,9 +38,11 @@ has a CLS token: vision CLS, or the [CLS]/<s> every text encoder example starts 
     <which>_cos_recovered = (cos_spliced - cos_ablated) / (1 - cos_ablated)
     <which>_rel_err_recovered = (rel_err_ablated - rel_err_spliced) / rel_err_ablated
 
-A ratio whose denominator is 0 (the ablation changes nothing) is null. The output is what is scored, so every pass
-runs to the end of the model; but the blocks up to `layer` run once: the clean pass records their outputs and the
-spliced and ablated passes replay them (identical inputs give identical outputs), running only the later blocks.
+A ratio whose denominator is 0 within float32 noise (at most 2^-20 of the magnitudes it is the difference of: the
+ablation changes nothing measurable) is null, never a quotient of noise such as -0.0. The output is what is scored,
+so every pass runs to the end of the model; but the blocks up to `layer` run once: the clean pass records their
+outputs and the spliced and ablated passes replay them (identical inputs give identical outputs), running only the
+later blocks.
 """
 
 import contextlib
@@ -49,16 +57,26 @@ import numpy as np
 import torch
 import tqdm
 
-from saeflow import atomic, config, devices, extract, models, provenance, runs, sae, specs, tokenization
+from saeflow import atomic, config, devices, extract, loaders, models, provenance, runs, sae, specs
 from saeflow.errors import SaeflowError
 from saeflow.hashing import file_sha256
 from saeflow.inference import trained_layer
+from saeflow.layout import ShardLayout
+from saeflow.shards import ShardDir
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS = config.section_defaults("evaluate")
 CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 MODES = ("clean", "spliced", "ablated")
+# A recovered fraction's denominator at most this fraction of the magnitudes it is made of (8 float32 ulps) is noise:
+# the ablation changed nothing measurable, and the ratio is null.
+NOISE_FRAC = 2.0**-20
+# The mean relative error per position (|x - x_stored| / |x_stored|) the first batch's clean activations may have,
+# by the coarsest dtype among the store dtype and the two compute dtypes. Measured on MiniLM (6 blocks): float16
+# storage rounds by 2e-4, bfloat16 against float32 compute differs by 0.5-1.2%, 1% noise on every weight moves the
+# activations by 1.4-3.4%; float32 leaves room for GPU kernels (TF32 convolutions) against CPU ones.
+STORED_TOLERANCE = {"float32": 5e-3, "float16": 5e-3, "bfloat16": 5e-2}
 Reconstruct = typing.Callable[[torch.Tensor], torch.Tensor]  # raw activations (n, d) -> reconstruction (n, d)
 
 
@@ -68,6 +86,7 @@ class Config:
 
     run: pathlib.Path
     spec: specs.ActivationSpec
+    shards: pathlib.Path | None = None  # the run's validation shard directory; None: RUN/links/val-shards
     n_tokens: int = DEFAULTS["n_tokens"]
     batch_size: int = DEFAULTS["batch_size"]
     compute_dtype: str = DEFAULTS["compute_dtype"]
@@ -130,34 +149,48 @@ def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: st
     return Spliceable(info, model, blocks, causal)
 
 
-def example_inputs(plan: extract.Plan, n_ex: int) -> tuple[typing.Callable[[int, int], torch.Tensor], np.ndarray]:
-    """(batch(lo, hi) -> model inputs, token ids (n_ex, T) or None) of the first `n_ex` examples of the spec."""
+def example_inputs(plan: extract.Plan, sd: ShardDir) -> typing.Callable[[int, int], torch.Tensor]:
+    """batch(lo, hi) -> the model inputs of examples lo..hi-1: the ids of tokens.bin (text: exactly what extraction
+    ran), or the dataset's images through the spec's preprocessing."""
     if plan.info.modality == "vision":  # extraction checked every image when it made the shards
         ds = plan.dataset
 
         def images(lo: int, hi: int) -> torch.Tensor:
             return torch.from_numpy(np.stack([ds.example(i, plan.preprocess)[0] for i in range(lo, hi)]))
 
-        return images, None
-    ids_nt = tokenization.token_ids(plan.info, plan.spec.tokenizer, plan.dataset, plan.packing)[:n_ex]
-    ids_nt = ids_nt.astype(np.int64)
-    return (lambda lo, hi: torch.from_numpy(ids_nt[lo:hi])), ids_nt
+        return images
+    ids_nt = sd.aux(ShardLayout.TOKENS_FNAME)
+    return lambda lo, hi: torch.from_numpy(np.asarray(ids_nt[lo:hi], dtype=np.int64))
 
 
-def splice_mask(plan: extract.Plan, tokens: str, ids_nt: np.ndarray | None, lo: int, hi: int) -> torch.Tensor:
-    """bool (B, T_model): the positions of block outputs the reconstruction replaces (see the module docstring)."""
-    if ids_nt is not None:
-        p = plan.packing
-        special = np.asarray(sorted({*p.prefix, *p.suffix, *p.separator}), dtype=np.int64)
-        return torch.from_numpy(~np.isin(ids_nt[lo:hi], special))
-    info = plan.info
-    n_cls, n_reg = int(info.cls_token), info.n_registers
-    mask_t = torch.zeros(n_cls + n_reg + info.patches_per_ex, dtype=torch.bool)
-    if tokens in ("content", "all"):
-        mask_t[n_cls + n_reg :] = True
-    if tokens in ("cls", "all") and n_cls:
-        mask_t[0] = True
-    return mask_t.expand(hi - lo, -1)
+def splice_mask(view: loaders.LayerView, info: models.ModelInfo, lo: int, hi: int) -> torch.Tensor:
+    """bool (B, T_model): the positions the reconstruction replaces, exactly those the SAE trained on (the loaders'
+    selection of the stored positions, `view.keep`); register tokens, never stored, stay clean."""
+    keep_nt = view.keep(lo, hi)
+    mask_nt = np.zeros((hi - lo, keep_nt.shape[1] + info.n_registers), dtype=bool)
+    mask_nt[:, models.stored_positions(info, mask_nt.shape[1])] = keep_nt
+    return torch.from_numpy(mask_nt)
+
+
+def _hidden(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def check_stored(sd: ShardDir, info: models.ModelInfo, layer: int, compute_dtype: str, lo: int, out_btd) -> None:
+    """Refuse when the clean pass's block `layer` output for examples lo.. is not what the shards store (module
+    docstring): the model is not the one extraction ran, and a splice into it would score another model."""
+    got_btd = models.keep_stored(info, _hidden(out_btd)).float().cpu()
+    stored_btd = torch.from_numpy(np.stack([sd.example(ex, layer) for ex in range(lo, lo + len(got_btd))])).float()
+    err = float(((got_btd - stored_btd).norm(dim=-1) / stored_btd.norm(dim=-1).clamp_min(1e-12)).mean())
+    dtypes = {sd.metadata.dtype, sd.metadata.data.get("compute_dtype", "float32"), compute_dtype}
+    tol = max(STORED_TOLERANCE[dtype] for dtype in dtypes)
+    if not err <= tol:
+        raise SaeflowError(
+            f"model {info.ckpt} ({info.source or 'random init'}) does not compute the activations stored in "
+            f"{sd.dpath}: block {layer}, examples {lo}..{lo + len(got_btd) - 1}, mean relative error {err:.3g} > "
+            f"{tol:g} ({'/'.join(sorted(dtypes))}); the model is not the one extraction ran (rewritten in place?), "
+            "so evaluate will not score a splice into it: extract and train again"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,7 +235,7 @@ def spliced_forward(
     every block runs)."""
 
     def hook(module, args, output):
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        hidden = _hidden(output)
         x_nd = hidden[mask_bt].float()
         new = hidden.clone()
         new[mask_bt] = replace(x_nd).to(hidden.dtype)
@@ -260,34 +293,41 @@ def score_embeddings(scores: Scores, hidden: dict[str, torch.Tensor], has_cls: b
             scores.add(f"{which}_rel_err_{mode}", (e_bd - clean_bd).norm(dim=-1) / clean_bd.norm(dim=-1))
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den != 0 and math.isfinite(num / den) else None
+def _ratio(num: float, den: float, scale: float) -> float | None:
+    """num / den, None when den is zero within float32 noise of the quantities it is made of (`scale`: their
+    magnitude), where the quotient would be noise (e.g. 0 / -2e-16 = -0.0 when the ablation changes nothing)."""
+    if not abs(den) > NOISE_FRAC * abs(scale) or not math.isfinite(num / den):
+        return None
+    return num / den
 
 
 def summarize(scores: Scores, causal: bool) -> dict:
     """The averaged metrics plus the recovered fractions (module docstring)."""
     out = {name: scores.mean(name) for name in sorted(scores.sums)}
     if causal:
-        out["ce_loss_recovered"] = _ratio(out["ce_ablated"] - out["ce_spliced"], out["ce_ablated"] - out["ce_clean"])
-        out["kl_score"] = _ratio(out["kl_ablated"] - out["kl_spliced"], out["kl_ablated"])
+        ce_s, ce_a, ce_c = out["ce_spliced"], out["ce_ablated"], out["ce_clean"]
+        out["ce_loss_recovered"] = _ratio(ce_a - ce_s, ce_a - ce_c, max(abs(ce_a), abs(ce_c)))
+        out["kl_score"] = _ratio(out["kl_ablated"] - out["kl_spliced"], out["kl_ablated"], ce_c)  # KL noise: nats
         out["n_scored_tokens"] = scores.counts["ce_clean"]
         return out
     for which in ("pooled", "cls"):
         if f"{which}_cos_spliced" in out:
             cos_s, cos_a = out[f"{which}_cos_spliced"], out[f"{which}_cos_ablated"]
             err_s, err_a = out[f"{which}_rel_err_spliced"], out[f"{which}_rel_err_ablated"]
-            out[f"{which}_cos_recovered"] = _ratio(cos_s - cos_a, 1 - cos_a)
-            out[f"{which}_rel_err_recovered"] = _ratio(err_a - err_s, err_a)
+            out[f"{which}_cos_recovered"] = _ratio(cos_s - cos_a, 1 - cos_a, 1.0)
+            out[f"{which}_rel_err_recovered"] = _ratio(err_a - err_s, err_a, 1.0)  # already relative to |e_clean|
     out["n_scored_examples"] = scores.counts["pooled_cos_spliced"]
     return out
 
 
 def three_passes(
-    m: Spliceable, plan: extract.Plan, layer: int, tokens: str, reconstruct: Reconstruct, n_ex: int, batch_size: int,
-    device, progress: bool = True,
+    m: Spliceable, plan: extract.Plan, view: loaders.LayerView, reconstruct: Reconstruct, n_ex: int, batch_size: int,
+    device, progress: bool = True, check: typing.Callable[[int, typing.Any], None] | None = None,
 ) -> dict:  # fmt: skip
-    """Clean, spliced and ablated outputs of the first `n_ex` examples, scored (the metrics of `summarize`)."""
-    batch, ids_nt = example_inputs(plan, n_ex)
+    """Clean, spliced and ablated outputs of the first `n_ex` examples of the view's shards, the SAE spliced at the
+    view's layer on its tokens; scored (the metrics of `summarize`). `check(lo, block output)` sees the first
+    batch's clean output of that block (check_stored)."""
+    batch, layer = example_inputs(plan, view.sd), view.layer
     replace = {"clean": None, "spliced": reconstruct, "ablated": torch.zeros_like}
     has_cls = m.info.cls_token or m.info.family in models.ENCODER_FAMILIES
     scores = Scores()
@@ -295,7 +335,7 @@ def three_passes(
         for lo in range(0, n_ex, batch_size):
             hi = min(lo + batch_size, n_ex)
             inputs = batch(lo, hi).to(device)
-            mask_bt = splice_mask(plan, tokens, ids_nt, lo, hi).to(device)
+            mask_bt = splice_mask(view, m.info, lo, hi).to(device)
             prefix: dict = {}  # blocks 0..layer of the clean pass, replayed by the other two
             if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
                 logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None, prefix))
@@ -307,6 +347,8 @@ def three_passes(
             else:
                 outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn, prefix) for mode, fn in replace.items()}
                 score_embeddings(scores, outs, has_cls)
+            if check is not None and lo == 0:
+                check(lo, prefix[layer])
             bar.update(hi - lo)
     return summarize(scores, m.causal)
 
@@ -316,11 +358,18 @@ def three_passes(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int) -> str:
+def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int, shards_dpath: pathlib.Path) -> str:
     """The validation shard hash of the run, after checking that the spec is the one the run was validated on."""
     run_cfg = run.config()
     val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
     if plan.metadata.hash != val_hash:
+        stored = _stored_ckpt(shards_dpath)
+        if stored is not None and stored != plan.info.ckpt:
+            raise SaeflowError(
+                f"model {plan.info.source or plan.info.ckpt} is not the one the run's shards {shards_dpath} were "
+                f"extracted from: it is {plan.info.ckpt} now, {stored} then (rewritten in place?); extract and "
+                "train again"
+            )
         raise SaeflowError(
             f"{run.config_fpath}: the run was validated on shards {val_hash}, but the activation spec given plans "
             f"shards {plan.metadata.hash}; pass the run's validation activation spec"
@@ -335,6 +384,25 @@ def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int) ->
     return val_hash
 
 
+def _stored_ckpt(shards_dpath: pathlib.Path) -> str | None:
+    """The model identity a shard directory was extracted with, None when it cannot be read."""
+    try:
+        return ShardDir(shards_dpath).metadata.ckpt
+    except SaeflowError:
+        return None
+
+
+def open_val_shards(shards_dpath: pathlib.Path, shard_hash: str) -> ShardDir:
+    """The run's validation shard directory (evaluate reads its tokens.bin and checks the model against it)."""
+    try:
+        sd = ShardDir(shards_dpath)
+    except SaeflowError as err:
+        raise SaeflowError(f"the run's validation shards are needed (pass --shards DIR): {err}") from None
+    if sd.hash != shard_hash:
+        raise SaeflowError(f"{shards_dpath} holds shards {sd.hash}, not the run's validation shards {shard_hash}")
+    return sd
+
+
 def run_evaluation(cfg: Config) -> pathlib.Path:
     """Evaluate the run's SAE spliced into its model; write RUN/evaluation/<val_shard_hash>.json atomically."""
     run = runs.open_run(cfg.run)
@@ -342,8 +410,11 @@ def run_evaluation(cfg: Config) -> pathlib.Path:
     layer = trained_layer(run)
     model = sae.load_sae(sae_fpath)
     plan = extract.plan(cfg.spec)
-    shard_hash = check_spec(run, plan, model, layer)
+    shards_dpath = (cfg.shards or run.link(run.VAL_SHARDS)).resolve()  # messages name the directory, not a link
+    shard_hash = check_spec(run, plan, model, layer, shards_dpath)
+    sd = open_val_shards(shards_dpath, shard_hash)
     tokens = run.config().get("tokens", "content")
+    view = loaders.LayerView(sd, layer, tokens)
     T = plan.metadata.tokens_per_ex
     n_ex = min(plan.metadata.n_ex, math.ceil(cfg.n_tokens / T))
     device = devices.resolve_device(cfg.device)
@@ -354,7 +425,11 @@ def run_evaluation(cfg: Config) -> pathlib.Path:
     def reconstruct(x_nd: torch.Tensor) -> torch.Tensor:
         return model(x_nd)[0]
 
-    metrics = three_passes(m, plan, layer, tokens, reconstruct, n_ex, cfg.batch_size, device, cfg.progress)
+    def check(lo: int, out_btd) -> None:
+        check_stored(sd, plan.info, layer, cfg.compute_dtype, lo, out_btd)
+
+    metrics = three_passes(m, plan, view, reconstruct, n_ex, cfg.batch_size, device, cfg.progress, check)
+    view.close()
     result = {
         "config": {
             "run": str(run.root.resolve()),

@@ -2,6 +2,7 @@
 
     fp = fingerprints.of_files(root, starts, suffixes)   # Fingerprint(sha256, n_files, n_bytes): hashed as data
     n = fingerprints.cached_value(key, compute)          # a value derived from hashed content (text example counts)
+    hex_ = fingerprints.file_digest(fpath, "git-sha1")   # one file's digest (a Hugging Face cache blob), kept by stat
 
 Identity: `sha256` is the sha256 of the manifest `relpath<TAB>size<TAB>sha256(file bytes)<LF>` of every file
 below `starts` (symlinks followed) whose suffix is in `suffixes`, sorted by relpath (relative to `root`). It depends
@@ -34,8 +35,8 @@ import time
 import typing
 
 from saeflow.atomic import write_file_atomic
-from saeflow.errors import SaeflowError
-from saeflow.hashing import canonical_json, file_sha256
+from saeflow.errors import SaeflowError, unreadable
+from saeflow.hashing import canonical_json, file_git_sha1, file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ DIGEST_BYTES = 32
 RACY_SEC = 5.0
 _FIND_PRINTF = "%p\\t%s\\t%T@\\t%i\\0"  # path, size, mtime (s.ns), inode; NUL-terminated (names may hold newlines)
 _warned_unwritable: set[str] = set()
+DIGESTS = {"sha256": file_sha256, "git-sha1": file_git_sha1}  # file_digest's algorithms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,3 +248,24 @@ def cached_value(key: dict, compute: typing.Callable[[], typing.Any]):
     value = compute()
     _write(fpath, (canonical_json({"key": key, "value": value}) + "\n").encode("utf-8"))
     return value
+
+
+def file_digest(fpath: pathlib.Path, algorithm: str) -> str:
+    """The hex digest ("sha256" or "git-sha1", DIGESTS) of one file's bytes: read once per (path, size, mtime_ns,
+    inode), then from the cache; a file modified in the last RACY_SEC seconds is read every time."""
+    try:
+        st = os.stat(fpath)
+    except OSError as err:
+        raise unreadable(fpath, err) from None
+
+    def compute() -> str:
+        try:
+            return DIGESTS[algorithm](fpath)
+        except OSError as err:
+            raise unreadable(fpath, err) from None
+
+    if st.st_mtime >= time.time() - RACY_SEC:
+        return compute()
+    key = {"what": "file digest", "algorithm": algorithm, "path": os.path.abspath(fpath), "size": st.st_size,
+           "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}  # fmt: skip
+    return cached_value(key, compute)

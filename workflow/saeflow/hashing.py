@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import pathlib
 import typing
 
@@ -39,4 +40,14 @@ def file_sha256(fpath, chunk_bytes: int = 16 << 20, progress: typing.Callable[[i
             h.update(chunk)
             if progress is not None:
                 progress(len(chunk))
+    return h.hexdigest()
+
+
+def file_git_sha1(fpath, chunk_bytes: int = 16 << 20) -> str:
+    """git's blob id of a file: sha1 of `blob <size>\\0` and its bytes (the Hugging Face Hub names a file that is not
+    in LFS by it, as its ETag and so as its blob in the cache)."""
+    with open(fpath, "rb") as fd:
+        h = hashlib.sha1(f"blob {os.fstat(fd.fileno()).st_size}\0".encode())
+        while chunk := fd.read(chunk_bytes):
+            h.update(chunk)
     return h.hexdigest()

@@ -5,6 +5,10 @@ is a strided read. We read with `os.preadv` straight into reused buffers (one ca
 when the layer's runs are contiguous, one per example otherwise); cold memmap row gathers are ~1000x slower
 (DESIGN.md). Vector numbering ("global index") is storage order: example-major, then selected token.
 
+Which tokens (`tokens`): `content` (all but CLS), `cls`, `all`: the same positions of every example; `no_special`
+(text): every position whose id in tokens.bin is not one of the special ids the packing put in (metadata.json's
+`data.tokenization`: [CLS], [SEP], BOS, EOS), so examples hold different numbers of vectors (`LayerView.keep_nt`).
+
 Shuffled order is a pure function of (seed, epoch, sizes), computed in index space by `EpochPlan`: the epoch's
 blocks are permuted into a stream that refills a RAM pool (`buffer_bytes`, the RAM budget) from which every batch is
 drawn uniformly. Batch `b` of an epoch is known without reading batches `0..b-1` (training resumes exactly there).
@@ -21,13 +25,33 @@ import typing
 import numpy as np
 import torch
 
+from saeflow import tokenization
 from saeflow.errors import SaeflowError
+from saeflow.layout import ShardLayout
 from saeflow.shards import ShardDir
 
-TOKENS = ("content", "cls", "all")
+TOKENS = ("content", "cls", "all", "no_special")
 DEFAULT_BLOCK_BYTES = 16 << 20
 DEFAULT_BUFFER_BYTES = 1 << 30  # the shuffled loader's pool (RAM budget)
 _FD_LOCK = threading.Lock()
+
+
+def no_special_mask(shard_dir: ShardDir) -> np.ndarray:
+    """bool (n_ex, T): the positions of a text shard directory whose token is none of the special ids its packing
+    put in (metadata.json's data.tokenization), read from tokens.bin: what `tokens: no_special` trains on."""
+    packing = tokenization.recorded_packing(shard_dir.metadata)
+    if packing is None or not shard_dir.has_aux(ShardLayout.TOKENS_FNAME):
+        raise SaeflowError(
+            f"{shard_dir.dpath}: tokens='no_special' needs text shards extracted by saeflow (metadata.json's "
+            "data.tokenization names the special ids, tokens.bin the ids); use tokens: content"
+        )
+    return ~np.isin(np.asarray(shard_dir.aux(ShardLayout.TOKENS_FNAME)), packing.special_ids)
+
+
+def first_vectors(ex, n_tok: int, ex_starts: np.ndarray | None):
+    """The global index of example `ex`'s first vector (an int or an array of them): `ex * n_tok` when every
+    example holds `n_tok`, else from the cumulative counts `ex_starts` (n_ex + 1 entries, `tokens: no_special`)."""
+    return ex * n_tok if ex_starts is None else ex_starts[ex]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,29 +63,77 @@ class Block:
     n_ex: int
 
 
-class LayerView:
-    """Where one layer's selected tokens live in a shard directory, and how to read them."""
+class TokenSelection:
+    """Which stored positions of each example a loader selects (`tokens`): the same range [t_lo, t_hi) of every
+    example, or (`no_special`) a mask per example; and the numbering of the selected vectors (global index)."""
 
-    def __init__(self, shard_dir: ShardDir, layer: int, tokens: str = "content"):
+    def __init__(self, shard_dir: ShardDir, tokens: str):
         md = shard_dir.metadata
         if tokens not in TOKENS:
             raise SaeflowError(f"tokens must be one of {TOKENS}, got {tokens!r}")
         if tokens == "cls" and not md.cls_token:
             raise SaeflowError(f"{shard_dir.dpath}: tokens='cls' asked for, but metadata.json has cls_token=false")
-        self.sd, self.md, self.layer, self.tokens = shard_dir, md, layer, tokens
-        self.layer_idx = md.layer_idx(layer)
+        self.sd, self.md, self.tokens = shard_dir, md, tokens
         T, c = md.tokens_per_ex, int(md.cls_token)
-        self.t_lo, self.t_hi = {"content": (c, T), "cls": (0, 1), "all": (0, T)}[tokens]
-        self.n_tok = self.t_hi - self.t_lo  # vectors per example
+        self.t_lo, self.t_hi = {"content": (c, T), "cls": (0, 1), "all": (0, T), "no_special": (0, T)}[tokens]
+        self.n_tok = self.t_hi - self.t_lo  # vectors per example (at most, with a mask)
+        # no_special: which positions are kept, and the global index of each example's first vector (n_ex + 1).
+        self.keep_nt = no_special_mask(shard_dir) if tokens == "no_special" else None
+        self.ex_starts = None if self.keep_nt is None else np.concatenate([[0], np.cumsum(self.keep_nt.sum(1))])
+        self.n_vectors = int(self.first_vector(md.n_ex))
+
+    def coords(self, index: int) -> tuple[int, int]:
+        """Global vector index -> (example, token within T)."""
+        if self.keep_nt is None:
+            ex, tok = divmod(index, self.n_tok)
+            return ex, self.t_lo + tok
+        ex = int(np.searchsorted(self.ex_starts, index, side="right")) - 1
+        return ex, int(np.flatnonzero(self.keep_nt[ex])[index - self.ex_starts[ex]])
+
+    def keep(self, lo: int, hi: int) -> np.ndarray:
+        """bool (hi - lo, T): the selected positions of examples lo..hi-1 (what training reads of them)."""
+        if self.keep_nt is not None:
+            return np.array(self.keep_nt[lo:hi])
+        keep_nt = np.zeros((hi - lo, self.md.tokens_per_ex), dtype=bool)
+        keep_nt[:, self.t_lo : self.t_hi] = True
+        return keep_nt
+
+    def first_vector(self, ex):
+        """The global index of example `ex`'s first vector (an int or an array of them; `n_ex`: the count)."""
+        return first_vectors(ex, self.n_tok, self.ex_starts)
+
+    def global_ex(self, block: "Block") -> int:
+        return int(self.sd.shard_starts[block.shard_idx]) + block.ex_start
+
+    def n_rows(self, block: "Block") -> int:
+        """The vectors selected in a block."""
+        ex = self.global_ex(block)
+        return int(self.first_vector(ex + block.n_ex) - self.first_vector(ex))
+
+    def tokens_of(self, block: "Block", rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(example within the block, token within T) of the block's selected rows `rows` (0 = its first)."""
+        if self.keep_nt is None:
+            ex, tok = np.divmod(rows, self.n_tok)
+            return ex, self.t_lo + tok
+        ex = self.global_ex(block)
+        return np.divmod(np.flatnonzero(self.keep_nt[ex : ex + block.n_ex])[rows], self.md.tokens_per_ex)
+
+
+class LayerView(TokenSelection):
+    """Where one layer's selected tokens live in a shard directory, and how to read them."""
+
+    def __init__(self, shard_dir: ShardDir, layer: int, tokens: str = "content"):
+        super().__init__(shard_dir, tokens)
+        md, T = self.md, self.md.tokens_per_ex
+        self.layer, self.layer_idx = layer, md.layer_idx(layer)
         self.d_model = md.d_model
         self.dtype = np.dtype(md.dtype)
         self.row_bytes = self.d_model * self.dtype.itemsize
-        self.n_vectors = md.n_ex * self.n_tok
         # The rows read per example ("span"). With one stored layer, a block of examples is one contiguous run on
         # disk, so we read all T tokens in one pread (skipping CLS in RAM) unless that would read over 2x the rows.
         self.contiguous = md.n_layers == 1 and 2 * self.n_tok >= T
         self.span_lo, self.span = (0, T) if self.contiguous else (self.t_lo, self.n_tok)
-        self.compact = self.span == self.n_tok  # the rows read are exactly the rows selected
+        self.compact = self.span == self.n_tok and self.keep_nt is None  # the rows read are the rows selected
         self._fds: dict[int, int] = {}
 
     def __getstate__(self):  # file descriptors are per process
@@ -84,20 +156,18 @@ class LayerView:
             os.close(fd)
         self._fds.clear()
 
-    def coords(self, index: int) -> tuple[int, int]:
-        """Global vector index -> (example, token within T)."""
-        ex, tok = divmod(index, self.n_tok)
-        return ex, self.t_lo + tok
-
     def offset(self, shard_idx: int, ex_in_shard: int, token: int) -> int:
         """Byte offset (protocol 4.2) of token `token` (0..T-1) of an example at this layer."""
         md = self.md
         return ((ex_in_shard * md.n_layers + self.layer_idx) * md.tokens_per_ex + token) * self.row_bytes
 
-    def selected_rows(self, n_ex: int) -> torch.Tensor:
-        """Positions of the selected tokens among the span rows of `n_ex` examples read by `read_block`."""
+    def selected_rows(self, block: "Block") -> torch.Tensor:
+        """Positions of the selected tokens among the span rows of the block read by `read_block`."""
+        if self.keep_nt is not None:  # span = T from 0
+            ex = self.global_ex(block)
+            return torch.from_numpy(np.flatnonzero(self.keep_nt[ex : ex + block.n_ex]))
         first = self.t_lo - self.span_lo
-        return (torch.arange(n_ex)[:, None] * self.span + torch.arange(first, first + self.n_tok)).reshape(-1)
+        return (torch.arange(block.n_ex)[:, None] * self.span + torch.arange(first, first + self.n_tok)).reshape(-1)
 
     def blocks(self, block_bytes: int) -> list[Block]:
         """The directory cut into blocks of about `block_bytes` of selected rows, never crossing a shard."""
@@ -189,12 +259,14 @@ def _read_window(view: LayerView, window: Window, out_nd: np.ndarray) -> None:
         row += n
 
 
-def _select_rows(
-    view: LayerView, selected: torch.Tensor, window: Window, raw_nd: np.ndarray, out_nd: torch.Tensor
-) -> None:
-    """Copy the window's selected rows of `raw_nd` (CLS dropped) into `out_nd`."""
-    src = torch.from_numpy(raw_nd[: window.n_rows // view.n_tok * view.span])
-    torch.index_select(src, 0, selected[: window.n_rows], out=out_nd[: window.n_rows])
+def _select_rows(view: LayerView, window: Window, raw_nd: np.ndarray, out_nd: torch.Tensor) -> None:
+    """Copy the window's selected rows of `raw_nd` (CLS or special tokens dropped) into `out_nd`."""
+    selected, n_raw = [], 0
+    for block in window.blocks:
+        selected.append(view.selected_rows(block) + n_raw)
+        n_raw += block.n_ex * view.span
+    src = torch.from_numpy(raw_nd[:n_raw])
+    torch.index_select(src, 0, torch.cat(selected), out=out_nd[: window.n_rows])
 
 
 class _Pipeline(_Stoppable):
@@ -213,9 +285,8 @@ class _Pipeline(_Stoppable):
         windows: list[Window],
         raw_nds: list[np.ndarray],
         out_nds: list[torch.Tensor],
-        selected: torch.Tensor,
     ):
-        self.view, self.windows, self.selected = view, windows, selected
+        self.view, self.windows = view, windows
         self.raw_free: queue.Queue = queue.Queue()
         self.out_free: queue.Queue = queue.Queue()
         for buf in raw_nds:
@@ -252,7 +323,7 @@ class _Pipeline(_Stoppable):
                 window, raw, out = item
                 if raw is not None:
                     out = self._take(self.out_free)
-                    _select_rows(self.view, self.selected, window, raw, out)
+                    _select_rows(self.view, window, raw, out)
                     self.raw_free.put(raw)
                 self.out_q.put((out, window.n_rows))
             self.out_q.put(item)
@@ -327,7 +398,6 @@ class _StreamLoader:
         self.block_list = view.blocks(block_bytes)
         max_ex = max(b.n_ex for b in self.block_list)  # a window is one block
         self.max_window_ex = max_ex
-        self._selected = view.selected_rows(max_ex)  # a prefix serves any smaller window
         self._raw: list[np.ndarray] = []
         self._out: list[torch.Tensor] = []
 
@@ -353,7 +423,7 @@ class _StreamLoader:
         """Each window's rows (n_rows, D), read and permuted ahead of the consumer by background threads."""
         direct = self.view.compact  # ordered windows go straight into an output buffer
         self._allocate(not direct)
-        yield from _Pipeline(self.view, windows, self._raw, self._out, self._selected)
+        yield from _Pipeline(self.view, windows, self._raw, self._out)
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
         """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
@@ -411,15 +481,17 @@ class EpochPlan:
         batch_size: int,
         seed: int,
         epoch: int,
+        ex_starts: np.ndarray | None = None,
     ):
-        """`shard_starts`: each shard's first example; `n_tok`: vectors per example; `n_pool`: pool rows."""
+        """`shard_starts`: each shard's first example; `n_tok`: vectors per example, unless `ex_starts` gives each
+        example's first global vector index (n_ex + 1 entries: examples of different sizes); `n_pool`: pool rows."""
         rng = np.random.default_rng([seed, epoch])
         self.blocks = [block_list[i] for i in rng.permutation(len(block_list))]
-        rows_b = np.array([b.n_ex * n_tok for b in self.blocks], dtype=np.int64)
-        self.row_starts_b = np.concatenate([[0], np.cumsum(rows_b)])  # stream row where each block starts
-        self.global_starts_b = np.array(
-            [(int(shard_starts[b.shard_idx]) + b.ex_start) * n_tok for b in self.blocks], dtype=np.int64
-        )
+        ex_b = np.array([int(shard_starts[b.shard_idx]) + b.ex_start for b in self.blocks], dtype=np.int64)
+        n_ex_b = np.array([b.n_ex for b in self.blocks], dtype=np.int64)
+        self.global_starts_b = np.asarray(first_vectors(ex_b, n_tok, ex_starts), dtype=np.int64)
+        rows_b = first_vectors(ex_b + n_ex_b, n_tok, ex_starts) - self.global_starts_b
+        self.row_starts_b = np.concatenate([[0], np.cumsum(rows_b)]).astype(np.int64)  # stream row of each block
         self.n_rows = int(self.row_starts_b[-1])
         self.batch_size = batch_size
         self.n_pool = min(self.n_rows, max(n_pool, 2 * batch_size))
@@ -574,8 +646,8 @@ def _read_rows(
             view.prefetch(plan.blocks[ahead])
             advised = ahead
         block = plan.blocks[b]
-        ex, tok = np.divmod(rows[lo:hi] - plan.row_starts_b[b], view.n_tok)
-        offsets = view.offset(block.shard_idx, block.ex_start + ex, view.t_lo + tok)
+        ex, tok = view.tokens_of(block, rows[lo:hi] - plan.row_starts_b[b])
+        offsets = view.offset(block.shard_idx, block.ex_start + ex, tok)
         if view.contiguous and 4 * np.count_nonzero(np.diff(slots[lo:hi]) != 1) > hi - lo:
             _stage_read(view, block, offsets, slots[lo:hi], pool, stage)
         else:
@@ -756,9 +828,8 @@ class ShuffledLoader:
     def plan(self, epoch: int) -> EpochPlan:
         """The index-space schedule of `epoch` (EpochPlan.batches gives each batch's global vector indices)."""
         view = self.view
-        return EpochPlan(
-            self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed, epoch
-        )
+        return EpochPlan(self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed,
+                         epoch, view.ex_starts)  # fmt: skip
 
     def _pool_for(self, n_rows: int, n_workers: int) -> "_Pool":
         if self._pool is None or self._pool.n_rows != n_rows:
@@ -804,7 +875,7 @@ class OrderedLoader(_StreamLoader):
         super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes)
 
     def _windows(self, epoch: int) -> list[Window]:
-        return [Window((b,), b.n_ex * self.view.n_tok) for b in self.block_list]
+        return [Window((b,), self.view.n_rows(b)) for b in self.block_list]
 
 
 class IndexedReader:
@@ -830,10 +901,10 @@ class IndexedReader:
         starts = self.view.sd.shard_starts
         rb = self.view.row_bytes
         for i in np.argsort(idx_n, kind="stable"):
-            ex, tok = divmod(int(idx_n[i]), self.view.n_tok)
+            ex, tok = self.view.coords(int(idx_n[i]))
             shard_idx = int(np.searchsorted(starts, ex, side="right") - 1)
             block = Block(shard_idx, ex - int(starts[shard_idx]), 1)
-            offset = self.view.offset(shard_idx, block.ex_start, self.view.t_lo + tok)
+            offset = self.view.offset(shard_idx, block.ex_start, tok)
             self.view._pread(self.view.fd(shard_idx), mem[i * rb : (i + 1) * rb], offset, block)
         return torch.from_numpy(out_nd)
 

@@ -9,24 +9,37 @@ modules record it; the hook on the deepest requested block raises `_StopForward`
 For pre-norm decoders (GPT-2, Llama) Hugging Face's `hidden_states[-1]` has the final norm applied; we store the
 raw residual stream of the last block instead (the same definition for every layer).
 
-Models are found by local directory or Hugging Face id. An id is resolved through the Hugging Face cache
-(`HF_HUB_OFFLINE=1` makes that offline-only); the snapshot's commit hash becomes part of `ckpt`, and so of the
-shard hash. A local directory that is not a cache snapshot gets a content fingerprint instead (config.json bytes
-plus weight file names and sizes). A random-init model is built from a `transformers` config and a seed.
+Models are found by local directory or Hugging Face id. Their identity (`ckpt`, part of the shard hash) covers
+every file that changes the activations (`identity_fnames`: config, weights, tokenizer and image processor files):
+
+- a Hugging Face cache snapshot (an id resolved through the cache, `HF_HUB_OFFLINE=1` making that offline-only, or
+  the path of `models--org--name/snapshots/<commit>`) is `org/name@<commit>`, once each of those files is checked
+  to be a link into the repo's `blobs/` whose bytes match the blob's name (sha256 for LFS files, git's sha1 for the
+  rest; read once, then kept by stat in the fingerprint cache). A snapshot that fails the check (a file that is no
+  link, a link elsewhere, a blob rewritten through its link) is identified by content like a local directory,
+  with a warning; a link to a missing blob is an error.
+- a local directory is `<name>@local-<sha256>`: the sha256 of the manifest of those files (name, size, sha256 of
+  the bytes), kept by (path, size, mtime_ns, inode) in the fingerprint cache, so a re-plan stats them and reads none.
+
+A random-init model is built from a `transformers` config and a seed.
 """
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import typing
 
-from saeflow import config
+from saeflow import config, fingerprints
 from saeflow.errors import SaeflowError
 from saeflow.hashing import canonical_json
+
+logger = logging.getLogger(__name__)
 
 # model_type -> (family stored in metadata, modality, has a CLS token at position 0)
 ARCHS: dict[str, tuple[str, str, bool]] = {
@@ -69,7 +82,18 @@ CONFIG_DEFAULTS: dict[str, dict] = {
 }
 CONFIG_ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
 COMPUTE_DTYPES = ("float32", "bfloat16")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+# The files of a checkpoint directory that change its activations, hence its identity (docs/extraction.md): the
+# config, the image processor's and the tokenizer's files by name, and the weights transformers' PyTorch loading
+# reads (model*.safetensors, pytorch_model*.bin, adapters) with their shard indexes, by pattern. Top level only.
+CONFIG_FNAME = "config.json"
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+)  # fmt: skip
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+# A Hugging Face cache blob is named by its ETag: the sha256 of an LFS file, git's sha1 of any other (by length).
+BLOB_DIGESTS = {64: "sha256", 40: "git-sha1"}
 # Normalization used when a checkpoint ships no preprocessor_config.json (e.g. random-init models).
 DEFAULT_MEAN_STD = {
     "clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
@@ -150,13 +174,28 @@ class ModelInfo:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _fingerprint(dpath: pathlib.Path) -> str:
-    """Cheap content identity of a local model directory: config bytes plus weight file names and sizes."""
-    h = hashlib.sha256((dpath / "config.json").read_bytes())
-    for fpath in sorted(dpath.iterdir()):
-        if fpath.suffix in WEIGHT_SUFFIXES:
-            h.update(f"{fpath.name}:{fpath.stat().st_size}\n".encode())
-    return h.hexdigest()
+def identity_fnames(dpath: pathlib.Path) -> list[str]:
+    """The names of the files of a checkpoint directory that its identity covers (see CONFIG_FNAME), sorted."""
+    named = {CONFIG_FNAME, *PROCESSOR_FILES, *TOKENIZER_FILES}
+    try:
+        entries = list(os.scandir(dpath))
+    except OSError as err:
+        raise SaeflowError(f"model directory {dpath}: cannot list it ({err.strerror})") from None
+    return sorted(
+        e.name
+        for e in entries
+        if (e.name in named or any(fnmatch.fnmatchcase(e.name, pattern) for pattern in WEIGHT_PATTERNS))
+        and not e.is_dir()  # a dangling link stays in: hashing it is the error that names it
+    )
+
+
+def content_sha256(dpath: pathlib.Path) -> str:
+    """The content identity of a checkpoint directory: sha256 of the manifest (name, size, sha256 of the bytes) of
+    its identity files, from the fingerprint cache once computed (a re-plan stats the files and reads none)."""
+    root = dpath.resolve()
+    fnames = identity_fnames(root)
+    suffixes = tuple({os.path.splitext(fname)[1] for fname in fnames})
+    return fingerprints.of_files(root, [root / fname for fname in fnames], suffixes).sha256
 
 
 def _cache_snapshot(dpath: pathlib.Path) -> tuple[str, str] | None:
@@ -167,23 +206,62 @@ def _cache_snapshot(dpath: pathlib.Path) -> tuple[str, str] | None:
     return None
 
 
+def snapshot_problem(snapshot_dpath: pathlib.Path) -> str | None:
+    """Why a cache snapshot may not hold what its commit names (None: it does). Each identity file must be a link
+    into the repo's blobs/ to a blob whose bytes match its name; a link to a missing blob is an error."""
+    real = snapshot_dpath.resolve()
+    blobs_dpath = (real.parent.parent / "blobs").resolve()
+    for fname in identity_fnames(real):
+        fpath = real / fname
+        if not fpath.is_symlink():
+            return f"{fpath} is a file, not a link into {blobs_dpath}"
+        blob = fpath.resolve()
+        if blob.parent != blobs_dpath:
+            return f"{fpath} links to {blob}, outside {blobs_dpath}"
+        if not blob.is_file():
+            raise SaeflowError(
+                f"{fpath}: links to the missing blob {blob} (an interrupted download?); download the model again"
+            )
+        algorithm = BLOB_DIGESTS.get(len(blob.name))
+        if algorithm is None:
+            return f"{fpath} links to blob {blob.name}, which is no sha256 nor git sha1"
+        if fingerprints.file_digest(blob, algorithm) != blob.name:
+            return f"{fpath}: the bytes of blob {blob.name} do not match its name (written through the link?)"
+    return None
+
+
+def _snapshot_source(dpath: pathlib.Path, repo_id: str, commit: str, source: str) -> tuple[str, str | None, str]:
+    """(source, revision, ckpt) of a cache snapshot: its commit when `snapshot_problem` finds none, else its
+    content (loaded from the directory itself, with a warning saying why)."""
+    problem = snapshot_problem(dpath)
+    if problem is None:
+        return source, commit, f"{repo_id}@{commit}"
+    logger.warning("saeflow: %s; %s is identified by its content, not by commit %s", problem, repo_id, commit)
+    return str(dpath.resolve()), None, f"{repo_id}@local-{content_sha256(dpath)}"
+
+
 def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str]:
     """(directory holding config.json, source to load from, commit or None, ckpt string)."""
     local = pathlib.Path(spec.name).expanduser()
     if local.is_dir():
-        if not (local / "config.json").is_file():
+        if not (local / CONFIG_FNAME).is_file():
             raise SaeflowError(f"model directory {local} has no config.json (is it a transformers checkpoint?)")
         snapshot = _cache_snapshot(local)
         if snapshot is not None:
-            repo_id, commit = snapshot
-            return local, str(local.resolve()), commit, f"{repo_id}@{commit}"
+            return local, *_snapshot_source(local, *snapshot, str(local.resolve()))
         name = pathlib.Path(os.path.abspath(local)).name  # the name the user gave, even through a symlink
-        return local, str(local.resolve()), None, f"{name}@local-{_fingerprint(local)}"
+        return local, str(local.resolve()), None, f"{name}@local-{content_sha256(local)}"
+    config_fpath = _hub_config(spec)
+    return config_fpath.parent, *_snapshot_source(config_fpath.parent, spec.name, config_fpath.parent.name, spec.name)
+
+
+def _hub_config(spec: ModelSpec) -> pathlib.Path:
+    """The config.json of a Hugging Face id at `spec.revision`, in its cache snapshot (downloaded unless offline)."""
     import huggingface_hub
     import huggingface_hub.errors
 
     try:
-        config_fpath = pathlib.Path(huggingface_hub.hf_hub_download(spec.name, "config.json", revision=spec.revision))
+        return pathlib.Path(huggingface_hub.hf_hub_download(spec.name, CONFIG_FNAME, revision=spec.revision))
     except (huggingface_hub.errors.HFValidationError, ValueError) as err:
         raise SaeflowError(
             f"unknown model {spec.name!r}: not a local directory nor a valid Hugging Face id ({err})"
@@ -199,8 +277,6 @@ def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str
         raise SaeflowError(
             f"unknown model {spec.name!r} (revision {spec.revision!r}): {type(err).__name__}; {hint}"
         ) from None
-    commit = config_fpath.parent.name
-    return config_fpath.parent, spec.name, commit, f"{spec.name}@{commit}"
 
 
 def read_json(fpath: pathlib.Path) -> dict:
@@ -347,6 +423,24 @@ def record_blocks(blocks, layers: typing.Sequence[int], stop_after_deepest: bool
             handle.remove()
 
 
+def stored_positions(info: ModelInfo, n_model_tokens: int):
+    """The positions of a model's sequence that extraction stores, in order (int64 array): all but the register
+    tokens (DINOv2 with registers: CLS, registers, patches; CLS then the patches are stored)."""
+    import numpy as np
+
+    r = info.n_registers
+    return np.r_[0:1, 1 + r : n_model_tokens] if r else np.arange(n_model_tokens)
+
+
+def keep_stored(info: ModelInfo, acts_btd):
+    """The stored positions (`stored_positions`) of a block's output (B, T_model, D)."""
+    if info.n_registers == 0:
+        return acts_btd
+    import torch
+
+    return acts_btd[:, torch.from_numpy(stored_positions(info, acts_btd.shape[1])).to(acts_btd.device)]
+
+
 class Adapter:
     """A loaded model with one job: activations of chosen blocks for a batch, stopping after the deepest."""
 
@@ -379,15 +473,6 @@ class Adapter:
 
         return tokenization.load_tokenizer(self.info, None)
 
-    def _keep_tokens(self, acts_btd):
-        """Drop register tokens (DINOv2 with registers): keep CLS then the patches, in model order."""
-        r = self.info.n_registers
-        if r == 0:
-            return acts_btd
-        import torch
-
-        return torch.cat([acts_btd[:, :1], acts_btd[:, 1 + r :]], dim=1)
-
     def run(self, batch, layers: typing.Sequence[int]) -> dict:
         """{layer: float32 acts (B, T, D) on CPU} for images (B, 3, H, W) or token ids (B, T).
 
@@ -402,7 +487,7 @@ class Adapter:
                 self.model(pixel_values=batch.to(self.torch_dtype))
             else:
                 self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
-        return {layer: self._keep_tokens(recorded[layer]).float().cpu() for layer in layers}
+        return {layer: keep_stored(self.info, recorded[layer]).float().cpu() for layer in layers}
 
 
 def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):

@@ -15,7 +15,7 @@ import functools
 import os
 import pathlib
 
-from saeflow import extract, hashing, layout, summary, sweeps
+from saeflow import extract, hashing, layout, summary, sweeps, tokenization
 from saeflow.atomic import write_file_atomic
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
@@ -74,6 +74,10 @@ def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
                                f"{name!r} (activations.{name}.layers resolve to {list(md.layers)})")  # fmt: skip
         if cfg.tokens == "cls" and not md.cls_token:
             raise SaeflowError(f"{where}.tokens: 'cls' asked for, but the {role} activation {name!r} has no CLS token")
+        if cfg.tokens == "no_special" and auto_tokens_of(md) != "no_special":
+            raise SaeflowError(f"{where}.tokens: 'no_special' (what auto means for text) needs the special ids of a "
+                               f"text packing, but the {role} activation {name!r} records none (not text saeflow "
+                               "extracted); set tokens: content")  # fmt: skip
     if train_md.d_model != val_md.d_model:
         raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
                            f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
@@ -81,6 +85,12 @@ def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
     if cfg.arch in ("topk", "batchtopk") and cfg.k > d_sae:
         raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
                            f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
+
+def auto_tokens_of(md) -> str:
+    """What `tokens: auto` means for a shard directory: `no_special` when its metadata records the special ids of
+    a text packing (text saeflow extracted), else `content`."""
+    return "content" if tokenization.recorded_packing(md) is None else "no_special"
+
 
 def _metadata(spec: ActivationSpec | ShardsSpec, shards_root: pathlib.Path):
     """The shard metadata an activation plans; an existing directory (ShardsSpec) hands its own, no extraction."""
@@ -105,7 +115,8 @@ class WorkflowPlan:
         n_parts = {h: parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)
                    for h, name in self.hash_activation.items()}  # fmt: skip
         self.shard_parts = {h: n for h, n in n_parts.items() if n > 1}
-        self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash)}
+        auto_tokens = {name: auto_tokens_of(md) for name, md in self.metadata.items()}
+        self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash, auto_tokens)}
         for plan in self.runs.values():
             check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
 

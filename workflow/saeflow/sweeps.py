@@ -6,7 +6,7 @@ sha256 of `TrainConfig.to_dict()` (`runs.run_id`): the train/val shard hashes, t
 hyper-parameter exactly as the config spells it, so the same config and data always name the same run directory.
 
     specs = {name: SAESpec.from_dict(name, obj) for name, obj in validated_config["saes"].items()}
-    plans = plan_runs(specs, {"vit": shard_hash})
+    plans = plan_runs(specs, {"vit": shard_hash}, {"vit": "content"})
 """
 
 import dataclasses
@@ -126,8 +126,12 @@ class RunPlan:
     val_activation: str  # activation name validated on
 
 
-def plan_runs(saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str]) -> list[RunPlan]:
-    """Every run of every SAE spec; `shard_hashes` maps activation names to shard hashes."""
+def plan_runs(
+    saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
+) -> list[RunPlan]:
+    """Every run of every SAE spec; `shard_hashes` maps activation names to shard hashes, `auto_tokens` to what
+    `tokens: auto` means for their shards (`no_special` for text saeflow extracted, else `content`). The run config
+    holds the resolved choice, so `auto` and the choice it stands for name the same run."""
     plans = []
     for sae_name, spec in saes.items():
         for name in (spec.train, spec.val_activation):
@@ -142,6 +146,8 @@ def plan_runs(saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[s
                 "val_shards": shard_hashes[spec.val_activation],
                 **hyper,
             }
+            if obj.get("tokens") == "auto":
+                obj["tokens"] = auto_tokens[spec.train]
             train_config = TrainConfig.from_dict(obj, f"saes.{sae_name}[{index}]")
             run_id = runs.run_id(train_config.to_dict())
             plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation))

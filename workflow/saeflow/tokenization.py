@@ -95,12 +95,6 @@ def special_tokens(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
     raise SaeflowError(f"tokenizer {tok.name_or_path}: special tokens wrap the text in an unsupported way")
 
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-)  # fmt: skip
-
-
 def tokenizer_files_sha256(info: models.ModelInfo, tokenizer: str | None) -> str:
     """sha256 over the name and bytes of every tokenizer file of the checkpoint (planning never loads it)."""
     if tokenizer == "bytes":
@@ -112,13 +106,13 @@ def tokenizer_files_sha256(info: models.ModelInfo, tokenizer: str | None) -> str
         )
     h = hashlib.sha256()
     found = False
-    for fname in TOKENIZER_FILES:
+    for fname in models.TOKENIZER_FILES:
         fpath = models.model_file(source, revision, fname)
         if fpath is not None:
             found = True
             h.update(f"{fname}\0{file_sha256(fpath)}\0".encode())
     if not found:
-        raise SaeflowError(f"tokenizer {source!r}: no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...)")
+        raise SaeflowError(f"tokenizer {source!r}: no tokenizer files ({', '.join(models.TOKENIZER_FILES[:3])}, ...)")
     return h.hexdigest()
 
 
@@ -182,6 +176,12 @@ class Packing:
     def body_len(self) -> int:
         return self.context_length - len(self.prefix) - len(self.suffix)
 
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """The special ids an example holds ([CLS], [SEP], BOS, EOS: prefix, suffix, separators), sorted: what
+        `tokens: no_special` leaves out and `evaluate` keeps clean. Packed examples have no padding."""
+        return tuple(sorted({*self.prefix, *self.suffix, *self.separator}))
+
     def count(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> tuple[int, int]:
         """(examples, largest id) that `pack` would give, streaming: memory does not grow with the corpus."""
         if self.body_len < 1:
@@ -226,6 +226,18 @@ class Packing:
         if ids_nt.max() > np.iinfo(np.int32).max:
             raise SaeflowError("token ids do not fit tokens.bin (int32)")
         return ids_nt.astype(np.int32)
+
+
+def recorded_packing(md) -> Packing | None:
+    """The packing a text shard directory's metadata records (`data.tokenization`), None when it records none
+    (vision, or text shards another tool wrote)."""
+    obj = md.data.get("tokenization")
+    if not isinstance(obj, dict):
+        return None
+    try:
+        return Packing(**{**obj, **{key: tuple(obj[key]) for key in ("prefix", "suffix", "separator")}})
+    except (KeyError, TypeError) as err:
+        raise SaeflowError(f"metadata.json data.tokenization is no packing this saeflow reads ({err!r})") from None
 
 
 def packing_for(tokenizer, tokenizer_name: str, context_length: int, encoder: bool) -> Packing:

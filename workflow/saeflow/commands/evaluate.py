@@ -14,7 +14,8 @@ def register(subparsers):
         help="splice the run's SAE into its model: CE loss recovered / KL, or embedding similarity",
         description="Run the first ceil(n_tokens / tokens per example) examples of the run's validation "
         "activation spec through the model three times: clean, with block LAYER's output replaced by the SAE's "
-        "reconstruction (special, register and untrained CLS tokens kept clean), and zero-ablated. Causal language "
+        "reconstruction on exactly the tokens the SAE trained on (the others kept clean), and zero-ablated; the clean "
+        "pass's first batch must match the stored activations (else the model changed: refused). Causal language "
         "models: per-token cross-entropy of each pass, CE loss recovered = (CE_abl - CE_sae) / (CE_abl - CE_clean), "
         "KL(clean || spliced) and the KL score. Encoders and vision towers: cosine similarity and relative error of "
         "the mean-pooled output (and the CLS token), with the same recovered fractions. Writes "
@@ -26,6 +27,10 @@ def register(subparsers):
                    "config); its planned shard hash must be the run's val_shards")
     p.add_argument("--activation", metavar="NAME",
                    help="which `activations` entry (default: the one that plans the run's validation shards)")
+    p.add_argument("--shards", type=pathlib.Path, metavar="DIR",
+                   help="the run's validation shard directory: its tokens.bin gives the text inputs and the tokens "
+                   "the SAE trained on, and the model is checked against its activations (default: "
+                   "RUN/links/val-shards)")
     config.add_section_options(p, "evaluate")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
