@@ -19,7 +19,9 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         "shards_root": str(tmp_path / "shards"),
         "runs_root": str(tmp_path / "runs"),
         "activations": {"text": TEST_CONFIG["activations"]["text"]},
-        "saes": {"text-topk": {**TEST_CONFIG["saes"]["text-topk"], "batch_size": 16}},  # 32 steps per run
+        # 32 examples x 16 tokens, less each example's special token (tokens: auto -> no_special): 480 vectors,
+        # 30 steps per run
+        "saes": {"text-topk": {**TEST_CONFIG["saes"]["text-topk"], "batch_size": 16}},
     }
     procs = []
     for name in ("a", "b"):
@@ -42,7 +44,7 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         assert steps == sorted(set(steps)), steps  # strictly increasing: no second trainer interleaved
         assert lines[-1]["final"] and sum(bool(r.get("final")) for r in lines) == 1
         load_sae(run_dpath / "checkpoint" / "sae.pt")
-        assert json.loads((run_dpath / "checkpoint" / "metrics.json").read_text())["step"] == steps[-1] == 32
+        assert json.loads((run_dpath / "checkpoint" / "metrics.json").read_text())["step"] == steps[-1] == 30
         assert not list((run_dpath / "checkpoint").glob(".*"))  # no temporaries, no staged publish
         (dump,) = (run_dpath / "inference").glob("[0-9a-f]*")
         assert (dump / "metrics.json").exists() and (dump / "visuals" / "index.html").exists()

@@ -5,6 +5,7 @@ is one line."""
 import json
 import pathlib
 import struct
+import subprocess
 import sys
 
 import pytest
@@ -24,9 +25,17 @@ def shard_dir(tmp_path):
     return write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=64, tag="t")
 
 
-def _train(run, tracking_dpath, *extra):
-    argv = ["train", "--run", str(run.root), "--device", "cpu", "--tracking-dir", str(tracking_dpath), *extra]
-    return cli.main(argv)
+def _argv(run, tracking_dpath, *extra) -> list[str]:
+    return ["train", "--run", str(run.root), "--device", "cpu", "--tracking-dir", str(tracking_dpath), *extra]
+
+
+def _train(run, tracking_dpath, *extra) -> int:
+    """One training attempt in its own process, as each job of the workflow is: W&B's service is per process, and
+    starting one run id three times in one process races its teardown against the next start."""
+    cmd = [sys.executable, "-m", "saeflow", *_argv(run, tracking_dpath, *extra)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.returncode
 
 
 def _logged(run) -> dict[int, float]:
@@ -118,7 +127,7 @@ def test_offline_wandb_runs_hold_the_metrics_and_a_killed_run_logs_each_step_onc
 def test_a_missing_tracking_package_is_one_line(tmp_path, shard_dir, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     run = run_from_sae_spec(tmp_path / "runs", shard_dir, **SPEC)
-    assert _train(run, tmp_path / "wb", "--tracking", "wandb") == 1
+    assert cli.main(_argv(run, tmp_path / "wb", "--tracking", "wandb")) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "saeflow train: error: train.tracking: wandb is not installed; pip install 'saeflow[tracking]'"
     assert not run.sae_fpath.exists()
