@@ -97,6 +97,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     if prov:
         print(f"  made         {prov.get('finished_at')} on {prov.get('host')} "
               f"by saeflow {prov.get('saeflow_version')}")
+        platform = prov.get("platform") or {}
+        if platform:
+            device = platform.get("gpu") or f"{platform.get('cpu_model')} ({platform.get('cpu_capability')} kernels)"
+            mixed = ", parts on mixed platforms" if prov.get("mixed_platforms") else ""
+            print(f"  platform     {device}, torch {platform.get('torch_version')}, {platform.get('numerics')} "
+                  f"numerics{mixed}")
     return 0
 
 
