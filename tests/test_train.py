@@ -261,6 +261,34 @@ def test_max_steps_then_resume(tmp_path, small_run):
     assert result["l0"] == pytest.approx(2, abs=0.5)  # BatchTopK's inference threshold keeps ~k latents per vector
 
 
+def test_a_second_trainer_says_at_once_that_it_waits_and_who_holds_the_run(tmp_path, small_run, caplog):
+    """Issue 25: a second `saeflow train` of a run being trained printed nothing for minutes, then "already trained".
+    It says at once that it waits for the run's lock and who holds it (pid, host, since when: the holder's record in
+    the lock file), then trains once the holder lets go."""
+    import socket
+    import threading
+
+    from saeflow import atomic
+
+    sd, spec = small_run
+    run = run_from_sae_spec(tmp_path / "runs", sd, **spec)
+    caplog.set_level("INFO", logger="saeflow.atomic")
+    with atomic.exclusive_lock(run.lock_fpath):  # another trainer (this process: flock locks per open file)
+        trainer = threading.Thread(target=train.train_runs, args=([run.root],), kwargs={"device": "cpu"})
+        trainer.start()
+        deadline = time.monotonic() + 30
+        while not any("waiting for the lock" in r.getMessage() for r in caplog.records):
+            assert trainer.is_alive() and time.monotonic() < deadline, "the second trainer never said it waits"
+            time.sleep(0.05)
+        assert not run.sae_fpath.exists()
+    trainer.join(timeout=120)
+    (waiting,) = [r.getMessage() for r in caplog.records if "waiting for the lock" in r.getMessage()]
+    assert waiting.startswith(f"waiting for the lock {run.lock_fpath} (held by pid {os.getpid()} on "
+                              f"{socket.gethostname()} since 20")  # fmt: skip
+    assert waiting.endswith("): another process works on the same output")
+    assert run.sae_fpath.exists() and run.lock_fpath.read_bytes() == b""  # no stale holder left behind
+
+
 def test_errors_name_the_problem(tmp_path, small_run):
     sd, spec = small_run
     run = run_from_sae_spec(tmp_path, sd, **spec)
