@@ -152,13 +152,29 @@ def test_bad_specs_are_clear_errors(spec, message):
         extract.plan_activation(typed(spec))
 
 
-def test_text_field_missing_and_empty_corpus(tmp_path):
+def test_text_field_missing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "hello"}\n')
     with pytest.raises(SaeflowError, match=r"c.jsonl:1: no string field 'text'"):
         extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(tmp_path / "c.jsonl")})))
+
+
+def test_a_corpus_too_short_for_one_example_is_named_in_one_line(tmp_path):
+    """Issue 25: an empty corpus said "the corpus has 1 tokens: 0 examples of 30 tokens (empty dataset)"; the line
+    names the corpus file(s) and says they hold no (or too little) text for one example of N tokens."""
     (tmp_path / "e.txt").write_text("")
-    with pytest.raises(SaeflowError, match="empty dataset"):
+    with pytest.raises(SaeflowError) as err:
         extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(tmp_path / "e.txt")})))
+    assert str(err.value) == (f"dataset.path {tmp_path / 'e.txt'} holds no text: not one example of 15 tokens "
+                              "(context_length 16 less 1 special tokens)")  # fmt: skip
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(["hi", "", "yo", " "]):
+        (corpus / f"doc{i}.txt").write_text(text)
+    with pytest.raises(SaeflowError) as err:
+        extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(corpus)})))
+    assert str(err.value) == (f"dataset.path {corpus} (doc0.txt, doc1.txt, doc2.txt and 1 more) holds only 5 "
+                              "tokens of text: too little for one example of 15 tokens (context_length 16 less 1 "
+                              "special tokens)")  # fmt: skip
 
 
 def test_tokenizer_model_vocab_mismatch():
