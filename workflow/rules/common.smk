@@ -96,13 +96,16 @@ def get_pass(run_id):
 
 
 def pass_representative_regex():
-    """Run ids whose sae.pt the train job makes: any but a pass member other than its representative (that member's
-    checkpoint comes from the representative's job, so no second job may make, delete or redo it).
+    """Run ids whose sae.pt the train job makes: the representatives of the passes of untrained runs. Another
+    member's checkpoint comes from its representative's job, so no second job may make, delete or redo it; a trained
+    run's sae.pt is no job's output but a source file, like any input: a pass member's was published by another job,
+    so Snakemake holds no metadata for it and a no-op dry run said "jobs have missing provenance/metadata". A missing
+    sae.pt makes its run untrained again, and a new one reruns what reads it (mtime), as before.
     """
-    members = "|".join(
-        r for r, run_ids in PLAN.train_passes.items() if run_ids[-1] != r
+    representatives = "|".join(
+        r for r, run_ids in PLAN.train_passes.items() if run_ids[-1] == r
     )
-    return f"(?!{members})[0-9a-f]{{64}}" if members else "[0-9a-f]{64}"
+    return f"(?:{representatives})" if representatives else "(?!x)x"
 
 
 def get_pass_configs(run_id):
