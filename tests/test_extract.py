@@ -177,7 +177,7 @@ def test_unreadable_image_fails_before_the_model_loads(tmp_path, monkeypatch):
         (vision_spec(dataset={"kind": "text", "path": "/nonexistent/corpus.txt"}), "a vision model"),
         (text_spec(dataset={"kind": "generated_images"}), "is a text model"),
         (text_spec(tokenizer=None), "has no tokenizer of its own"),
-        (vision_spec(model={"name": "/nonexistent/model"}), "unknown model"),
+        (vision_spec(model={"name": "/nonexistent/model"}), "model /nonexistent/model: no such directory"),
         (vision_spec(layers=[7]), "out of range"),
         (vision_spec(dataset={"kind": "generated_images", "n_ex": 0}), "n_ex"),
         ({"model": {"random": {"arch": "vit"}}, "dataset": {"kind": "text"}}, "'path' is a required property"),
