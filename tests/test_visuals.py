@@ -1,6 +1,7 @@
 """Visuals: real PNGs for a text run and a tiny vision run, a latent browser that works in headless Chromium."""
 
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -135,6 +136,37 @@ def test_index_html_in_headless_chromium(text_visuals, tmp_path):
     shot = tmp_path / "shot.png"
     shot.write_bytes(png)
     assert Image.open(shot).width > 100
+
+
+def test_the_command_a_page_shows_for_an_undrawn_latent_runs_as_shown(text_visuals, tmp_path, monkeypatch):
+    """Issue 25: the page suggested `saeflow visuals --selection list --latents N`, which lacks --run (and without
+    --force reuses the page). The exact text the page shows now runs, from any directory, and draws N beside the
+    latents already drawn, with the page's own settings."""
+    exe = find_chromium()
+    if exe is None:
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    run, out = text_visuals
+    before = json.loads((out / "config.json").read_text())
+    new = min(set(range(8)) - set(before["latents_drawn"]))
+    browser = Browser(exe, tmp_path / "chromium-profile")
+    try:
+        session = browser.open_page((out / DumpLayout.INDEX_FNAME).as_uri() + f"#latent-{new}")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 200))")
+        shown = browser.evaluate(session, "document.getElementById('redraw').textContent")
+        assert browser.console_errors() == []
+    finally:
+        browser.close()
+    argv = shlex.split(shown)
+    assert argv[:2] == ["saeflow", "visuals"] and argv[-1] == str(new), shown
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert cli.main(argv[1:]) == 0
+    after = json.loads((out / "config.json").read_text())
+    assert after["latents_drawn"] == [*before["latents_drawn"], new]
+    which = ("latents_drawn", "latents", "selection", "n_latents")  # n_latents: unused by a list
+    assert {k: v for k, v in after.items() if k not in which} == {k: v for k, v in before.items() if k not in which}
+    assert after["top_k"] == 4 and after["tokenizer"]  # the page's own settings
+    assert sorted(p.name for p in (out / "latents").iterdir()) == sorted(f"{i}.png" for i in after["latents_drawn"])
 
 
 def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path):

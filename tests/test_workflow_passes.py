@@ -30,10 +30,10 @@ def _config(tmp_path, k: list[int]) -> dict:
 
 
 def _train_through_the_workflow(tmp_path, cfg: dict) -> tuple[WorkflowPlan, dict, list[dict]]:
-    """Snakemake asked for every run's checkpoint (the workflow's own targets for them); job counts, and what each
-    process that read the training shards read."""
+    """Snakemake asked for every checkpoint still to train (each pass's representative's: a trained run's sae.pt is
+    a source file, no job's output); job counts, and what each process that read the training shards read."""
     plan = WorkflowPlan.from_config(config.validate(json.loads(json.dumps(cfg))))
-    targets = sorted({str(plan.run(plan.trained_by(run_id)).sae_fpath) for run_id in plan.runs})
+    targets = sorted({str(plan.run(plan.trained_by(run_id)).sae_fpath) for run_id in plan.train_passes})
     out = tmp_path / f"reads-{len(plan.runs)}"
     proc = snakemake(
         tmp_path, write_config(tmp_path, cfg), *targets,

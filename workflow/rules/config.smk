@@ -8,14 +8,14 @@
 import sys
 
 from saeflow import config as saeflow_config
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, one_line
 
 DEFAULT_CONFIG_FPATH = "config/config.yaml"
 
 
 def stop_workflow(err):
     """A user-caused problem found while planning: one line on stderr naming the file or key, exit status 1."""
-    print(f"saeflow: {err}", file=sys.stderr)
+    print(f"saeflow: {one_line(err)}", file=sys.stderr)
     sys.exit(1)
 
 
@@ -44,3 +44,10 @@ if not workflow.overwrite_configfiles:
 ROOT_SOURCES = saeflow_config.resolve_roots(
     config, CONFIG_FILES, workflow.config_settings.config
 )
+
+# saeflow's own validation first: a typo is one line naming the file and the key (Snakemake's `validate`, next in
+# the Snakefile, would print the whole schema); Snakemake's then fills the same defaults from the same schema.
+try:
+    saeflow_config.check(config, [fpath for fpath, _ in CONFIG_FILES])
+except SaeflowError as err:
+    stop_workflow(err)

@@ -1,4 +1,7 @@
 # Extraction: one job per distinct shard hash publishes <shards_root>/<hash>/ in one rename (saeflow extract).
+# Each job passes the hash the workflow planned (--expect-hash): saeflow refuses, before the model runs, an
+# activation that plans another one in the job's environment. One command per rule, so a failed (or Ctrl-C'd) job
+# shows one line of shell; what saeflow says (what was kept, how to resume) is the last line of its log.
 # shards.json stands for the directory (a directory() output would make Snakemake write a timestamp file into
 # the published, read-only directory). It is protected: Snakemake aborts rather than rewrite it, and consumers
 # read it through ancient(), so neither a new mtime nor a saeflow code change re-extracts. New config, new hash.
@@ -24,13 +27,8 @@ rule extract:
         shards_root=PLAN.cfg.shards_root,
     shell:
         # Snakemake creates the (empty) output directory first; saeflow publishes the whole directory over it.
-        """
-        published=$(saeflow extract {params.config:q} --shards-root {params.shards_root:q} 2>{log:q})
-        if [ "$(basename "$published")" != {wildcards.shard_hash} ]; then
-            echo "saeflow extract published '$published'; the workflow planned {output}" >>{log:q}
-            exit 1
-        fi
-        """
+        "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
+        "--expect-hash {wildcards.shard_hash} >{log:q} 2>&1"
 
 
 rule extract_part:
@@ -50,7 +48,7 @@ rule extract_part:
         shards_root=PLAN.cfg.shards_root,
     shell:
         "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
-        "--part {wildcards.part_idx}/{wildcards.n_parts} >/dev/null 2>{log:q}"
+        "--expect-hash {wildcards.shard_hash} --part {wildcards.part_idx}/{wildcards.n_parts} >{log:q} 2>&1"
 
 
 rule extract_seal:
@@ -69,10 +67,5 @@ rule extract_seal:
         shards_root=PLAN.cfg.shards_root,
         n_parts=lambda wc: PLAN.shard_parts[wc.shard_hash],
     shell:
-        """
-        published=$(saeflow extract {params.config:q} --shards-root {params.shards_root:q} --seal {params.n_parts} 2>{log:q})
-        if [ "$(basename "$published")" != {wildcards.shard_hash} ]; then
-            echo "saeflow extract --seal published '$published'; the workflow planned {output}" >>{log:q}
-            exit 1
-        fi
-        """
+        "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
+        "--expect-hash {wildcards.shard_hash} --seal {params.n_parts} >{log:q} 2>&1"

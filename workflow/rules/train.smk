@@ -8,7 +8,8 @@
 # seed and length) train together, up to `train.runs_per_pass` (WorkflowPlan.train_passes). The job is the
 # pass's representative run's; it declares that run's sae.pt, which saeflow publishes after every other member's,
 # and the jobs that read a member's checkpoint ask for the representative's (get_trained_sae). Trained runs are in
-# no pass: a new sweep point trains alone (or with other new points), never the existing ones.
+# no pass: a new sweep point trains alone (or with other new points), never the existing ones; their sae.pt is no
+# job's output but a source file (pass_representative_regex), so a no-op run needs no metadata for it.
 
 
 rule create_run:

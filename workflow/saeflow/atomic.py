@@ -9,14 +9,19 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import pathlib
 import shutil
+import socket
 import stat
 import typing
 
+from saeflow import provenance
 from saeflow.errors import SaeflowError
 from saeflow.layout import staging_dpath
+
+logger = logging.getLogger(__name__)
 
 READONLY_FILE_MODE = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
 READONLY_DIR_MODE = READONLY_FILE_MODE | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
@@ -183,12 +188,41 @@ def write_json(fpath: pathlib.Path, obj: typing.Any) -> None:
 
 @contextlib.contextmanager
 def exclusive_lock(lock_fpath: pathlib.Path) -> typing.Iterator[None]:
-    """Block until this process holds an exclusive `flock` on `lock_fpath`."""
+    """Block until this process holds an exclusive `flock` on `lock_fpath`. The holder records itself in the lock
+    file (pid, host, since when) while it holds it, so a process that has to wait says so at once, naming it."""
     lock_fpath.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_fpath, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for the lock %s (%s): another process works on the same output",
+                        lock_fpath, _lock_holder(fd))  # fmt: skip
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        _record_holder(fd, {"pid": os.getpid(), "host": socket.gethostname(), "since": provenance.utc_now()})
+        try:
+            yield
+        finally:
+            _record_holder(fd, None)  # a later waiter never names a holder that has gone
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _record_holder(fd: int, holder: dict | None) -> None:
+    """Write (or, with None, clear) the holder's record in its lock file; best effort: a full disk still locks."""
+    try:
+        os.ftruncate(fd, 0)
+        if holder is not None:
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+    except OSError:
+        pass
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds a lock, as its holder recorded it in the lock file."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+        return f"held by pid {holder['pid']} on {holder['host']} since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):  # not recorded yet, or by a saeflow that did not record it
+        return "held by another process"

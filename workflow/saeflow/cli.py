@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         if args.debug:
             raise
         return error(args.command, one_line(err))
-    except KeyboardInterrupt:
-        print(f"saeflow {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # Ctrl-C; a stage that kept work says what and how to resume (extract)
+        print(f"saeflow {args.command}: interrupted" + (f": {err}" if str(err) else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`saeflow plan ... | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes

@@ -18,7 +18,7 @@ import typing
 import jsonschema
 import yaml
 
-from saeflow.errors import SaeflowError, read_problem
+from saeflow.errors import SaeflowError, one_line, read_problem
 
 SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 ROOT_KEYS = ("shards_root", "runs_root", "summary_dir")  # where the workflow writes; `default_roots` may fill them
@@ -160,6 +160,16 @@ def resolve_roots(config: dict, files: list[tuple[str, dict]], overrides: dict) 
 def describe_roots(config: dict, sources: dict[str, str]) -> list[str]:
     """One line per root: the expanded path and where it comes from (printed by `snakemake -n` and `saeflow plan`)."""
     return [f"{key}: {expand_path(config[key], key)} (from {sources[key]})" for key in ROOT_KEYS]
+
+
+def check(config: dict, fpaths: list[str]) -> None:
+    """Validate a copy of the workflow's config, the error naming its config files and the key on one line: the
+    workflow calls this before Snakemake's own `validate`, whose error prints the whole schema."""
+    try:
+        validate(copy.deepcopy(config))
+    except SaeflowError as err:
+        where = f"config file {fpaths[0]}" if len(fpaths) == 1 else f"config files {', '.join(fpaths)}"
+        raise SaeflowError(f"{where if fpaths else 'the config'}: {one_line(err)}") from None
 
 
 def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:

@@ -452,6 +452,15 @@ class TextCorpus:
             raise SaeflowError(f"dataset.path {path}: no {'/'.join(TEXT_SUFFIXES)} files in it")
         return files
 
+    @property
+    def label(self) -> str:
+        """The corpus as a message names it: its file, or its directory and the files in it."""
+        if not _root(self.path, "path").is_dir():
+            return f"dataset.path {self.path}"
+        names = [str(fpath.relative_to(_root(self.path, "path"))) for fpath in self.files]
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"dataset.path {self.path} ({listed})"
+
     def documents(self) -> typing.Iterator[str]:
         for fpath in self.files:
             yield from _read_documents(fpath, self.field)
@@ -509,6 +518,10 @@ class BuiltinCorpus:
     n_ex: int | None = _DEFAULTS["builtin_text"]["n_ex"]
 
     dataset_path = "builtin-corpus"  # not a directory: the text ships with Python
+
+    @property
+    def label(self) -> str:
+        return f"dataset builtin_text {self.name!r}"
 
     def documents(self) -> typing.Iterator[str]:
         if self.name not in BUILTIN_CORPORA:
@@ -601,6 +614,10 @@ class HFDataset:
         if self.label_column is not None:
             self._column(ds, self.label_column, "label_column")
         return ds
+
+    @property
+    def label(self) -> str:
+        return f"dataset.path {self.path} (text_column {self.text_column!r})"
 
     def documents(self) -> typing.Iterator[str]:
         ds = self._open(streaming=True)

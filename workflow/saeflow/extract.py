@@ -15,11 +15,13 @@ change what is computed (batch size, device, worker count) are not hashed and go
 kernels can differ in the last bits between CPU and GPU; the hash names the computation, not the hardware.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
 import pathlib
 import time
+import typing
 
 import numpy as np
 
@@ -201,17 +203,21 @@ def extract(
     device: str | None = None,
     progress: bool = True,
     part: tuple[int, int] | None = None,
+    expect_hash: str | None = None,
 ) -> Result:
     """Write (or reuse) `<shards_root>/<hash>/`. Every input is checked before the model is loaded.
 
     With `part=(part_idx, n_parts)` only that part's contiguous range of whole shards is written, into the parts
     area (`seal` publishes the directory once every part is finished); `Result.dpath` is then the part directory.
+    `expect_hash` (the workflow's plan) must be the hash planned here (`check_hash`). A Ctrl-C keeps every complete
+    shard and says so (`KeyboardInterrupt(writer.kept())`).
     """
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     plan_ = plan(spec, device=device)
     md = plan_.metadata
+    check_hash(md, expect_hash)
     dataset = plan_.dataset
     if shards.open_existing(pathlib.Path(shards_root) / md.hash) is not None:
         return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
@@ -228,7 +234,7 @@ def extract(
     else:
         writer = parts.PartWriter(shards_root, md, *part, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
     ex_stop = getattr(writer, "ex_stop", md.n_ex)  # a part stops at its last shard
-    with writer:
+    with _saying_what_is_kept(writer), writer:
         if writer.reused:
             return Result(
                 getattr(writer, "part_dpath", writer.dpath), True, 0, md.n_ex, total_sec=time.perf_counter() - t0
@@ -269,12 +275,33 @@ def extract(
     return result
 
 
-def seal(spec: specs.ActivationSpec, shards_root, n_parts: int) -> Result:
+@contextlib.contextmanager
+def _saying_what_is_kept(writer: shards.ShardWriter) -> typing.Iterator[None]:
+    """Around the writer's block: a Ctrl-C, once the writer has kept its complete shards, says how many, where, and
+    how to resume (the CLI prints it: `saeflow extract: interrupted: ...`)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(writer.kept()) from None
+
+
+def check_hash(md: shards.Metadata, expect_hash: str | None) -> None:
+    """The workflow passes the shard hash it planned: a job that plans another one (its software or inputs differ
+    from those of the Snakemake that planned) stops before the model runs."""
+    if expect_hash is not None and md.hash != expect_hash:
+        raise SaeflowError(
+            f"the workflow planned shard directory {expect_hash}, but this job plans {md.hash} for the same "
+            "activation: it sees other software or inputs than the planning did (compare `saeflow plan --json` in both)"
+        )
+
+
+def seal(spec: specs.ActivationSpec, shards_root, n_parts: int, expect_hash: str | None = None) -> Result:
     """Publish `<shards_root>/<hash>/` from the `n_parts` finished parts of a split extraction (no model run):
     every part is verified (shard names, counts, sizes, sha256) before one rename publishes the directory."""
     t0 = time.perf_counter()
     plan_ = plan(spec)
     md = plan_.metadata
+    check_hash(md, expect_hash)
     dpath, reused = parts.seal(
         shards_root,
         md,

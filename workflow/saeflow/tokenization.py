@@ -23,6 +23,7 @@ the corpus's example count are kept in the fingerprint cache (`saeflow.fingerpri
 files' sha256. The tokenizer and the packed corpus are memoized per process.
 """
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -156,6 +157,19 @@ def tokenize(tokenizer, documents: typing.Iterable[str], batch_docs: int = 64) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
+class CorpusTooShort(SaeflowError):
+    """A corpus that packs into too few examples (`Packing`); `named` puts the corpus's name in front."""
+
+
+@contextlib.contextmanager
+def named(dataset) -> typing.Iterator[None]:
+    """A `CorpusTooShort` raised inside names the dataset (its `label`: the file or directory and its files)."""
+    try:
+        yield
+    except CorpusTooShort as err:
+        raise SaeflowError(f"{dataset.label} {err}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """How documents become examples of exactly `context_length` tokens; hashed inside `data` as `tokenization`.
@@ -187,19 +201,14 @@ class Packing:
         if self.body_len < 1:
             raise SaeflowError(f"context_length={self.context_length} leaves no room besides special tokens")
         need = None if n_ex is None else n_ex * self.body_len
-        n_tokens, max_id = 0, max((*self.prefix, *self.suffix, *self.separator), default=0)
+        n_tokens, n_text, max_id = 0, 0, max((*self.prefix, *self.suffix, *self.separator), default=0)
         for ids in token_lists:
             n_tokens += len(ids) + len(self.separator)
+            n_text += len(ids)
             max_id = max(max_id, max(ids, default=0))
             if need is not None and n_tokens >= need:
                 break
-        n_avail = n_tokens // self.body_len
-        if n_avail == 0 or (n_ex is not None and n_avail < n_ex):
-            raise SaeflowError(
-                f"the corpus has {n_tokens} tokens: {n_avail} examples of {self.body_len} tokens"
-                + (f", fewer than n_ex={n_ex}" if n_ex is not None else " (empty dataset)")
-            )
-        return (n_avail if n_ex is None else n_ex), max_id
+        return self._n_examples(n_tokens, n_text, n_ex), max_id
 
     def pack(self, token_lists: typing.Iterable[list[int]], n_ex: int | None = None) -> np.ndarray:
         """int32 (n_ex, context_length); stops reading once `n_ex` examples are filled."""
@@ -207,18 +216,14 @@ class Packing:
             raise SaeflowError(f"context_length={self.context_length} leaves no room besides special tokens")
         need = None if n_ex is None else n_ex * self.body_len
         stream: list[int] = []
+        n_text = 0
         for ids in token_lists:
             stream.extend(ids)
             stream.extend(self.separator)
+            n_text += len(ids)
             if need is not None and len(stream) >= need:
                 break
-        n_avail = len(stream) // self.body_len
-        if n_avail == 0 or (n_ex is not None and n_avail < n_ex):
-            raise SaeflowError(
-                f"the corpus has {len(stream)} tokens: {n_avail} examples of {self.body_len} tokens"
-                + (f", fewer than n_ex={n_ex}" if n_ex is not None else " (empty dataset)")
-            )
-        n = n_avail if n_ex is None else n_ex
+        n = self._n_examples(len(stream), n_text, n_ex)
         body_nb = np.asarray(stream[: n * self.body_len], np.int64).reshape(n, self.body_len)
         parts = [np.broadcast_to(np.asarray(self.prefix, np.int64), (n, len(self.prefix))), body_nb]
         parts.append(np.broadcast_to(np.asarray(self.suffix, np.int64), (n, len(self.suffix))))
@@ -226,6 +231,23 @@ class Packing:
         if ids_nt.max() > np.iinfo(np.int32).max:
             raise SaeflowError("token ids do not fit tokens.bin (int32)")
         return ids_nt.astype(np.int32)
+
+    def _n_examples(self, n_tokens: int, n_text: int, n_ex: int | None) -> int:
+        """The examples a stream of `n_tokens` (`n_text` of them the documents' own) packs into: all of them, or
+        `n_ex`; too few is a `CorpusTooShort` saying why (the caller names the corpus)."""
+        n_avail = n_tokens // self.body_len
+        if n_avail and (n_ex is None or n_avail >= n_ex):
+            return n_avail if n_ex is None else n_ex
+        n_special = self.context_length - self.body_len
+        example = f"{self.body_len} tokens (context_length {self.context_length}" + (
+            f" less {n_special} special tokens)" if n_special else ")"
+        )
+        if n_ex is not None and n_avail:
+            raise CorpusTooShort(f"holds {n_text} tokens of text: {n_avail} examples of {example}, fewer than "
+                                 f"n_ex={n_ex}")  # fmt: skip
+        if n_text == 0:
+            raise CorpusTooShort(f"holds no text: not one example of {example}")
+        raise CorpusTooShort(f"holds only {n_text} tokens of text: too little for one example of {example}")
 
 
 def recorded_packing(md) -> Packing | None:
@@ -294,7 +316,8 @@ def example_count(info: models.ModelInfo, tokenizer: str | None, dataset, packin
     }
 
     def compute():
-        return packing.count(tokenize(packing_tokenizer(info, tokenizer), dataset.documents()), dataset.n_ex)
+        with named(dataset):
+            return packing.count(tokenize(packing_tokenizer(info, tokenizer), dataset.documents()), dataset.n_ex)
 
     n_ex, max_id = fingerprints.cached_value(key, compute)
     _check_vocab(info, packing, max_id, vocab)
@@ -313,6 +336,7 @@ def _check_vocab(info: models.ModelInfo, packing: Packing, max_id: int, vocab: i
 def token_ids(info: models.ModelInfo, tokenizer: str | None, dataset, packing: Packing) -> np.ndarray:
     """int32 (n_ex, context_length): the packed corpus (the expensive part of planning a text spec)."""
     tok = packing_tokenizer(info, tokenizer)
-    ids_nt = packing.pack(tokenize(tok, dataset.documents()), n_ex=dataset.n_ex)
+    with named(dataset):
+        ids_nt = packing.pack(tokenize(tok, dataset.documents()), n_ex=dataset.n_ex)
     _check_vocab(info, packing, int(ids_nt.max()), info.config.get("vocab_size"))
     return ids_nt

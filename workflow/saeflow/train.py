@@ -299,7 +299,7 @@ class Trainer:
         if self.cfg.arch == "relu":
             self.sae.fold_decoder_norms()  # sae.pt always has unit decoder rows
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
-        result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
+        result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}
         self.sae.cpu()
         prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                 "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip

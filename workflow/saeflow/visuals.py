@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import pathlib
+import shlex
 import shutil
 
 import numpy as np
@@ -85,6 +86,16 @@ def find_dump(run: runs.Run, shards_hash: str | None) -> pathlib.Path:
     if shards_hash not in hashes:
         raise SaeflowError(f"{run.dump(shards_hash).dpath}: no such inference dump; have {', '.join(hashes) or 'none'}")
     return run.dump(shards_hash).dpath
+
+
+def redraw_command(cfg: Config, shards_hash: str, drawn: list[int]) -> str:
+    """The command a page shows for a latent it did not draw, less that latent's id (the page appends it): this
+    run and dump, this page's settings, the latents it drew, redrawn over it (--force); runnable from anywhere."""
+    keep = {key: value for key, value in dataclasses.asdict(cfg).items()
+            if key in DEFAULTS and key not in ("selection", "n_latents", "latents")}  # fmt: skip
+    argv = ["saeflow", "visuals", "--run", str(pathlib.Path(cfg.run).resolve()), "--shards-hash", shards_hash]
+    argv += config.section_flags("visuals", keep) + (["--tokenizer", cfg.tokenizer] if cfg.tokenizer else [])
+    return shlex.join([*argv, "--force", "--selection", "list", "--latents", *map(str, drawn)])
 
 
 def choose_latents(cfg: Config, latents: dict[str, np.ndarray]) -> list[int]:
@@ -449,6 +460,7 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
             "tokens_per_ex": md.tokens_per_ex,
             "metrics": dump.metrics,
             "vocab_note": vocab_note,
+            "redraw": redraw_command(cfg, dump.dpath.name, chosen),
         },
         "freq": _round(lat["freq"]),
         "mean": _round(lat["mean_act"]),

@@ -127,7 +127,7 @@
     const d = D.drawn[i];
     const parts = [`<h2>latent ${i}</h2>`,
       `<p>firing frequency ${fmt(D.freq[i])} | mean activation when firing ${fmt(D.mean[i])} | max ${fmt(D.max[i])}</p>`];
-    if (!d) parts.push("<p>not drawn; choose it with <code>saeflow visuals --selection list --latents " + i + "</code></p>");
+    if (!d) parts.push(`<p>not drawn; draw it beside the others with <code id="redraw">${escapeHtml(D.meta.redraw + " " + i)}</code></p>`);
     else renderDrawn(i, d, parts);
     box.innerHTML = parts.join("");
     renderRows();

@@ -33,6 +33,10 @@ def register(subparsers):
         "--shards-root",
         help="where shard directories live (default: the config's shards_root); $VARS and ~ are expanded",
     )
+    p.add_argument(
+        "--expect-hash", metavar="HASH", help="stop before anything runs unless the activation plans this shard hash "
+        "(the workflow passes the hash it planned)",
+    )
     p.add_argument("--device", help="override the spec's device (cpu, cuda, cuda:1, auto); not hashed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     split = p.add_mutually_exclusive_group()
@@ -116,9 +120,10 @@ def cmd_extract(args: argparse.Namespace) -> int:
     shards_root = config.root(cfg, "shards_root", args.shards_root, "--shards-root")
     spec = specs.ActivationSpec.from_dict(spec)
     if args.seal is not None:
-        result = extract.seal(spec, shards_root, args.seal)
+        result = extract.seal(spec, shards_root, args.seal, expect_hash=args.expect_hash)
     else:
-        result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress, part=args.part)
+        result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress, part=args.part,
+                                 expect_hash=args.expect_hash)  # fmt: skip
     if result.reused:
         print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)
     elif result.resumed_from:

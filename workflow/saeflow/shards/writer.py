@@ -101,6 +101,12 @@ class ShardWriter:
         finally:
             self._staging.release()
 
+    def kept(self) -> str:
+        """What a build stopped early (Ctrl-C) leaves, once the block is left, and how to resume it."""
+        n_shards = len(self._staging.completed)
+        shards = f"{n_shards} complete shard{'s' * (n_shards != 1)}"
+        return f"{shards} kept in {self.staging}; rerun the same command to resume"
+
     def write(self, acts_nltd: np.ndarray, aux: dict[str, np.ndarray] | None = None) -> None:
         """Append n examples, shape (n, L, T, D), plus their side rows. The writer owns the arrays afterwards."""
         if self.reused:
