@@ -169,6 +169,7 @@ class RunLayout(_ContentAddressed):
     config_fpath = _path("root", CHECKPOINT_DNAME, "config.json", doc="the training config; its sha256 = run id")
     sae_fpath = _path("root", CHECKPOINT_DNAME, "sae.pt", doc="the trained SAE, renamed in last: present = trained")
     resume_fpath = _path("root", CHECKPOINT_DNAME, "resume.pt")
+    resume_shards_dpath = _path("root", CHECKPOINT_DNAME, "resume-shards", doc="a latent-sharded resume checkpoint")
     metrics_log_fpath = _path("root", CHECKPOINT_DNAME, "metrics.jsonl", doc="one line per logged step, then the final")
     final_metrics_fpath = _path("root", CHECKPOINT_DNAME, "metrics.json", doc="validation metrics at the end")
     provenance_fpath = _path("root", CHECKPOINT_DNAME, PROVENANCE_FNAME, doc="versions, platforms, times: not hashed")
