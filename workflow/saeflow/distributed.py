@@ -151,6 +151,12 @@ class Heartbeat:
         self.thread.join()
 
 
+def _short(err: BaseException) -> str:
+    """A backend's error in a few words: "Connection reset by peer", not gloo's file, line and advice."""
+    text = re.sub(r"^\[[^\]]*\] ", "", one_line(err))
+    return text.split(". ")[0][:120]
+
+
 def _gone(ranks: list[int]) -> str:
     return f"rank {ranks[0]} is gone" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are gone"
 
@@ -312,8 +318,8 @@ class Comm:
             else:
                 raise
             raise SaeflowError(
-                f"{gone_text} ({one_line(err)[:160]}); this rank stops too, nothing was published; rerun to resume "
-                "from the last checkpoint"
+                f"{gone_text} ({_short(err)}); this rank stops too, nothing was published; rerun to resume from the "
+                "last checkpoint"
             ) from None
 
     def close(self) -> None:
