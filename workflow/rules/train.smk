@@ -9,6 +9,9 @@
 # pass's representative run's; it declares that run's sae.pt, which saeflow publishes after every other member's,
 # and the jobs that read a member's checkpoint ask for the representative's (get_trained_sae). Trained runs are in
 # no pass: a new sweep point trains alone (or with other new points), never the existing ones.
+# Ranks: config train.gpus x train.nodes become the job's resources (saeflow.launch.rule_resources: GPUs per node,
+# nodes, and on several nodes the Slurm plugin's multi-task job); the settings reach `saeflow train` as --gpus and
+# --nodes, and saeflow starts the ranks (torch.distributed.run on one node, srun on several; docs/distributed.md).
 
 
 rule create_run:
@@ -53,6 +56,8 @@ rule train:
     conda:
         SAEFLOW_ENV
     threads: 2
+    resources:
+        **rule_resources(PLAN.cfg.settings["train"]),
     params:
         runs=lambda wc: [
             f"--run={PLAN.run(member).root}" for member in get_pass(wc.run_id)

@@ -20,10 +20,26 @@ import subprocess
 import sys
 import uuid
 
-from saeflow import config, distributed
+from saeflow import config
 from saeflow.errors import SaeflowError
 
 LAUNCH_KEYS = ("gpus", "nodes")  # train settings that say how many ranks to start, not how they train
+
+
+def rule_resources(train_settings: dict) -> dict:
+    """The Snakemake resources of a train job with `gpus` ranks on each of `nodes` nodes (no torch: parse time).
+
+    One node: `gpu` (sbatch --gpus=N, with --nodes=1 from N = 2 on) and saeflow starts the ranks itself. Several:
+    `gres` gpu:N (per node), `nodes`, and the Slurm executor plugin's multi-task job (`mpi`, with
+    --ntasks-per-node=N; with one GPU a node, --ntasks-per-gpu=1 and --ntasks=M, as the plugin wants at least two
+    tasks per node for --ntasks-per-node): the job's shell runs outside any srun and saeflow's srun starts the ranks.
+    CPUs and memory per GPU come from the cluster profile (cpus_per_gpu, mem_mb_per_cpu).
+    """
+    gpus, nodes = train_settings["gpus"], train_settings["nodes"]
+    if nodes == 1:
+        return {"gpu": gpus} if gpus == 1 else {"gpu": gpus, "nodes": 1}
+    tasks = {"tasks_per_node": gpus} if gpus > 1 else {"tasks_per_gpu": 1, "tasks": nodes}
+    return {"gres": f"gpu:{gpus}", "nodes": nodes, "mpi": "srun", **tasks}
 
 
 def child_argv(args: argparse.Namespace) -> list[str]:
@@ -39,6 +55,8 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 def start_ranks(args: argparse.Namespace) -> int | None:
     """Start the ranks `--gpus`/`--nodes` ask for and wait for them: the exit status. None when this process is to
     train itself (it is a rank already, or one process is asked for)."""
+    from saeflow import distributed
+
     if distributed.rendezvous_from_env() is not None or (args.gpus == 1 and args.nodes == 1):
         return None
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's warning goes to every process: the ranks handle it
@@ -68,6 +86,8 @@ def _torchrun(args: argparse.Namespace) -> int:
     """`args.gpus` ranks on this node through torch.distributed.run's launcher (a standalone rendezvous)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from saeflow import distributed
 
     if not getattr(args, "verbose", False):  # torch's agent logs its set-up and a report per failure at INFO/ERROR
         for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
