@@ -464,3 +464,59 @@ def _rank_pid(launcher_pid: int, rank: int) -> int:
                 if f"RANK={rank}".encode() in environ and any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in environ):
                     return child
     raise AssertionError(f"no rank {rank} under {launcher_pid}")
+
+
+# --- slow: 4 ranks, torchrun's own command line ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sweep", "data", "latents"])
+def test_four_ranks_match_one_process_resume_across_world_sizes_and_name_a_killed_rank(tmp_path, shards, mode):
+    """4 ranks against one process (sweep: 4 runs, each the bytes of that run alone; data, latents: within TOL); a
+    run stopped on 2 ranks resumes on 4, one stopped on 4 resumes on 1, both to the uninterrupted result; rank 2 of
+    4 killed: every other rank stops with one line naming it, and nothing is published."""
+    seeds = (0, 1, 2, 3) if mode == "sweep" else (0,)
+    spread = _runs(tmp_path / "spread", shards, seeds=seeds, arch="batchtopk", matryoshka=[0.25])
+    alone = _runs(tmp_path / "alone", shards, seeds=seeds, arch="batchtopk", matryoshka=[0.25])
+    run_ranks(4, _train, [r.root for r in spread], mode)
+    _train([r.root for r in alone], "sweep")
+    for a, b in zip(spread, alone):
+        if mode == "sweep":
+            assert a.sae_fpath.read_bytes() == b.sae_fpath.read_bytes()
+        else:
+            _assert_close(_state(b), _state(a))
+    for first, then, name in ((2, 4, "two-four"), (4, 1, "four-one")):
+        (run,) = _runs(tmp_path / name, shards, arch="batchtopk", matryoshka=[0.25])
+        run_ranks(first, _train, [run.root], mode, max_steps=20, checkpoint_every=9)
+        run_ranks(then, _train, [run.root], mode) if then > 1 else _train([run.root], mode)
+        if mode == "sweep":
+            assert run.sae_fpath.read_bytes() == alone[0].sae_fpath.read_bytes()
+        else:
+            _assert_close(_state(alone[0]), _state(run))
+    (run,) = _runs(tmp_path / "killed", shards, arch="topk", n_epochs=3)
+    job = start_ranks(4, _cli_train, [run.root], "--parallel", mode, "--checkpoint-every", "40")
+    _wait_for(lambda: sharded.resume_info(run) is not None, job)
+    job.kill(2)
+    codes = job.wait(90)
+    assert codes[2] == -signal.SIGKILL and all(codes[r] == 0 and job.result(r) == 1 for r in (0, 1, 3)), codes
+    for r in (0, 1, 3):
+        (line,) = [x for x in job.stderr(r).splitlines() if "error" in x]
+        assert f"rank {r}: rank 2 is gone" in line, line
+    assert not run.sae_fpath.exists()
+
+
+@pytest.mark.slow
+def test_torchrun_starts_saeflow_train_with_run_dir(tmp_path, shards):
+    """The torchrun line of docs/distributed.md: `torchrun --standalone --nproc-per-node 2 -m saeflow train --run-dir
+    R ...` trains a 2-run pass in sweep mode, to the bytes of each run alone."""
+    two = _runs(tmp_path / "two", shards, seeds=(0, 1), arch="topk")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "workflow"), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "saeflow",
+            "train", *(a for r in two for a in ("--run-dir", str(r.root))), "--device", "cpu", "--parallel", "sweep",
+            "--buffer-bytes", POOL]  # fmt: skip
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    alone = _runs(tmp_path / "alone", shards, seeds=(0, 1), arch="topk")
+    _train([r.root for r in alone], "sweep")
+    for a, b in zip(two, alone):
+        assert a.sae_fpath.read_bytes() == b.sae_fpath.read_bytes()

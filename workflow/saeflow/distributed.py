@@ -35,6 +35,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)  # a live peer may spend this l
 HEARTBEAT_SEC = 0.5
 EXIT_PEER_GONE = 3  # the exit status of a rank that gave up on a silent peer
 _BEAT_KEY = "saeflow/beat/{}"
+_LEFT_KEY = "saeflow/left/{}"  # set by a rank that stops on its own (an error it reports): not a dead rank
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
@@ -117,6 +118,17 @@ class Heartbeat:
     def counts(self) -> list[int]:
         return [self.store.add(_BEAT_KEY.format(r), 0) for r in range(self.world_size)]
 
+    def left(self) -> set[int]:
+        return {r for r in range(self.world_size) if self.store.add(_LEFT_KEY.format(r), 0)}
+
+    def leave(self) -> None:
+        """Say this rank stops on purpose (so the others do not take it for dead), then stop beating."""
+        try:
+            self.store.add(_LEFT_KEY.format(self.rank), 1)
+        except Exception:  # noqa: BLE001 -- the store is gone: nobody is left to tell
+            pass
+        self.stop()
+
     def _beat(self) -> None:
         last, since = None, [time.monotonic()] * self.world_size
         while not self.stop_event.wait(HEARTBEAT_SEC):
@@ -130,25 +142,35 @@ class Heartbeat:
                     since[r] = now
             last = counts
             silent = [r for r in range(self.world_size) if r != self.rank and now - since[r] > self.timeout_sec]
-            if silent and self.waiting:  # a collective that cannot fail by itself (nccl) would wait forever
-                line = f"{_gone(silent)} (no heartbeat for {self.timeout_sec:g} s); this rank stops too"
-                print(f"saeflow train: error: rank {self.rank}: {line}, nothing was published", file=sys.stderr)
-                sys.stderr.flush()
-                os._exit(EXIT_PEER_GONE)
+            if silent and self.waiting:  # in a collective that cannot fail by itself (nccl), which would wait forever
+                self._give_up(silent)
+
+    def _give_up(self, silent: list[int]) -> None:
+        try:
+            left = self.left()
+        except Exception:  # noqa: BLE001
+            left = set()
+        gone = [r for r in silent if r not in left]
+        why = _gone(gone) if gone else f"rank {silent[0]} stopped (its own line says why)"
+        line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, nothing was published"
+        print(f"saeflow train: error: rank {self.rank}: {line}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_GONE)
 
     def gone(self, wait_sec: float = 4 * HEARTBEAT_SEC) -> list[int] | None:
         """The ranks whose counters did not move for `wait_sec`; None when the store itself is unreachable."""
         try:
             before = self.counts()
             time.sleep(wait_sec)
-            after = self.counts()
+            after, left = self.counts(), self.left()
         except Exception:  # noqa: BLE001
             return None
-        return [r for r in range(self.world_size) if r != self.rank and before[r] == after[r]]
+        return [r for r in range(self.world_size) if r != self.rank and before[r] == after[r] and r not in left]
 
     def stop(self) -> None:
         self.stop_event.set()
-        self.thread.join()
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join()
 
 
 def _short(err: BaseException) -> str:
@@ -305,12 +327,14 @@ class Comm:
         """Turn a failed collective into one line naming the rank that is gone (when one is)."""
         try:
             yield
-        except SaeflowError:
-            raise
         except Exception as err:
             if not self.distributed or self.heartbeat is None:
                 raise
+            if isinstance(err, SaeflowError):
+                self.heartbeat.leave()
+                raise
             gone = self.heartbeat.gone()
+            self.heartbeat.leave()
             if gone is None:
                 gone_text = "the rendezvous store is unreachable (rank 0, which holds it under srun, is gone?)"
             elif gone:
