@@ -92,7 +92,7 @@ def start_ranks(world_size: int, target, *args, **kwargs) -> Job:
 
 
 def run_ranks(world_size: int, target, *args, timeout: float = 300, **kwargs) -> list:
-    """`target(*args, **kwargs)` on `world_size` ranks; their results in rank order (a failed rank raises, with its stderr)."""
+    """`target(*args, **kwargs)` on `world_size` ranks; their results in rank order (a failed rank raises)."""
     job = start_ranks(world_size, target, *args, **kwargs)
     codes = job.wait(timeout)
     if any(code != 0 for code in codes):

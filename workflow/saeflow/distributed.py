@@ -183,7 +183,7 @@ def _gone(ranks: list[int]) -> str:
     return f"rank {ranks[0]} is gone" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are gone"
 
 
-class Comm:
+class _TensorCollectives:
     """This rank's view of the job: rank, world size, device, and the collectives (identity when alone).
 
     `sent_bytes[kind]` counts what each collective costs a rank on a ring (the cost model of docs/distributed.md):
@@ -199,10 +199,6 @@ class Comm:
         self.local_world_size = rdv.local_world_size if rdv else 1
         self.sent_bytes: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
-
-    @classmethod
-    def alone(cls, device: torch.device) -> "Comm":
-        return cls(device)
 
     @property
     def distributed(self) -> bool:
@@ -260,6 +256,39 @@ class Comm:
         gathered = self.all_gather(padded)
         return torch.cat([gathered[r, :c] for r, c in enumerate(counts)])
 
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        import torch.distributed as dist
+
+        self._count("send", t.numel() * t.element_size())
+        with self._waiting():
+            dist.send(t.contiguous(), dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        with self._waiting():
+            dist.recv(t, src)
+        return t
+
+    def barrier(self) -> None:
+        if self.distributed:
+            self.all_reduce(torch.zeros(1, device=self.device))
+
+    def any_true(self, flag: bool) -> bool:
+        return bool(self.all_reduce(torch.tensor([int(flag)], device=self.device), "max").item())
+
+    def min_int(self, value: int) -> int:
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=self.device), "min").item())
+
+
+class Comm(_TensorCollectives):
+    """A rank of the job (or a process alone): the tensor collectives, plus small Python objects passed between
+    ranks, one line when a collective fails because a rank is gone, and leaving the process group."""
+
+    @classmethod
+    def alone(cls, device: torch.device) -> "Comm":
+        return cls(device)
+
     def broadcast_object(self, obj, src: int = 0):
         """`obj` of rank `src` on every rank (pickled; for plans and small state)."""
         if not self.distributed:
@@ -297,30 +326,6 @@ class Comm:
         with self._waiting():
             dist.all_gather_object(out, obj)
         return out
-
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        import torch.distributed as dist
-
-        self._count("send", t.numel() * t.element_size())
-        with self._waiting():
-            dist.send(t.contiguous(), dst)
-
-    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        import torch.distributed as dist
-
-        with self._waiting():
-            dist.recv(t, src)
-        return t
-
-    def barrier(self) -> None:
-        if self.distributed:
-            self.all_reduce(torch.zeros(1, device=self.device))
-
-    def any_true(self, flag: bool) -> bool:
-        return bool(self.all_reduce(torch.tensor([int(flag)], device=self.device), "max").item())
-
-    def min_int(self, value: int) -> int:
-        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=self.device), "min").item())
 
     @contextlib.contextmanager
     def guard(self) -> typing.Iterator[None]:

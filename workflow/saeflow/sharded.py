@@ -432,29 +432,10 @@ class ShardedTrainer(train.Trainer):
                 shard.threshold.copy_(min_kept if self.step == 0 else 0.99 * shard.threshold + 0.01 * min_kept)
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
-            self.last = self._record(x_bd, loss)
+            self.last = sharded_record(self, x_bd, loss)
             if self.writes:
                 self.checkpoint.log(self.last)
                 self.tracker.log(self.last)
-
-    @torch.no_grad()
-    def _record(self, x_bd: torch.Tensor, loss: Loss) -> dict:
-        """Trainer._record over every rank's latents (the L1 terms, active and dead counts summed)."""
-        codes = loss.codes
-        n_active = (codes.f_bs > 0).sum() if codes.f_bs is not None else (codes.vals_bk > 0).sum()
-        l1 = loss.terms.get("l1", torch.zeros((), device=x_bd.device))
-        sums = self.comm.all_reduce(torch.stack([l1.double(), n_active.double(), self.dead.dead_s.sum().double()]))
-        terms = {**loss.terms, **({"l1": sums[0]} if "l1" in loss.terms else {})}
-        return {
-            "step": self.step,
-            "n_vectors": self.step * self.cfg.batch_size,
-            "lr": self.opt.param_groups[0]["lr"],
-            "loss": float(sum(float(t) for t in terms.values())),
-            **{name: float(value) for name, value in terms.items()},
-            "nmse": batch_nmse(x_bd * self.sae.scale, loss.xn_hat_bd),
-            "l0": float(sums[1]) / x_bd.shape[0],
-            "n_dead": int(sums[2]),
-        }
 
     def finish(self, val_dir) -> dict | None:
         """Validation over every rank's latents, sae.pt assembled and published by rank 0 (Trainer.finish)."""
@@ -473,6 +454,26 @@ class ShardedTrainer(train.Trainer):
             self.tracker.close(final=result)
         self.comm.barrier()
         return result
+
+
+@torch.no_grad()
+def sharded_record(trainer: ShardedTrainer, x_bd: torch.Tensor, loss: Loss) -> dict:
+    """Trainer._record over every rank's latents (the L1 terms, active and dead counts summed)."""
+    codes = loss.codes
+    n_active = (codes.f_bs > 0).sum() if codes.f_bs is not None else (codes.vals_bk > 0).sum()
+    l1 = loss.terms.get("l1", torch.zeros((), device=x_bd.device))
+    sums = trainer.comm.all_reduce(torch.stack([l1.double(), n_active.double(), trainer.dead.dead_s.sum().double()]))
+    terms = {**loss.terms, **({"l1": sums[0]} if "l1" in loss.terms else {})}
+    return {
+        "step": trainer.step,
+        "n_vectors": trainer.step * trainer.cfg.batch_size,
+        "lr": trainer.opt.param_groups[0]["lr"],
+        "loss": float(sum(float(t) for t in terms.values())),
+        **{name: float(value) for name, value in terms.items()},
+        "nmse": batch_nmse(x_bd * trainer.sae.scale, loss.xn_hat_bd),
+        "l0": float(sums[1]) / x_bd.shape[0],
+        "n_dead": int(sums[2]),
+    }
 
 
 @torch.no_grad()

@@ -198,8 +198,7 @@ class Trainer:
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
-        self.step = 0
-        self.pool_rows: int | None = None  # the shuffle pool of the loader feeding it (kept in resume.pt)
+        self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}  # the latest metrics record (for the progress bar)
         self.platforms = [provenance.platform()]  # of each attempt that trained it, when they differ (resume.pt)
@@ -240,8 +239,7 @@ class Trainer:
             "opt": self.opt.state_dict(),
             "since_fired_s": self.dead.since_fired_s,
             "step": self.step,
-            "platforms": self.platforms,
-            "pool_rows": self.pool_rows,
+            "platforms": self.platforms, "pool_rows": self.pool_rows,
         }
 
     def load_state_dict(self, state: dict) -> None:
