@@ -520,3 +520,15 @@ def test_torchrun_starts_saeflow_train_with_run_dir(tmp_path, shards):
     _train([r.root for r in alone], "sweep")
     for a, b in zip(two, alone):
         assert a.sae_fpath.read_bytes() == b.sae_fpath.read_bytes()
+
+
+@pytest.mark.parametrize("d", [7, 8, 16, 20, 768])
+def test_each_rank_draws_its_rows_of_the_one_process_decoder_init(monkeypatch, d):
+    """The decoder's random rows, drawn in chunks up to a rank's last row (sharded.randn_rows), are exactly the rows
+    of one `torch.randn(d_sae, d)` draw: for any width, chunk size and latent range (tails under 16 values too)."""
+    n_rows = 37
+    whole = torch.randn(n_rows, d, generator=torch.Generator().manual_seed(5))
+    for chunk_elems in (16, 3 * d, 1 << 20):
+        monkeypatch.setattr(sharded, "RANDN_CHUNK_ELEMS", chunk_elems)
+        for lo, hi in ((0, n_rows), (0, 5), (5, 19), (19, n_rows), (36, 37)):
+            assert torch.equal(sharded.randn_rows(5, n_rows, d, lo, hi), whole[lo:hi]), (chunk_elems, lo, hi)

@@ -33,7 +33,7 @@ from saeflow.objectives import Loss
 from saeflow.sae import SAE, SAEConfig, save_atomic
 
 MANIFEST_FNAME = "manifest.json"
-RANDN_CHUNK_ELEMS = 1 << 22  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
+RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
 SEND_CHUNK_BYTES = 64 << 20  # latents sent to rank 0 at a time when sae.pt is assembled
 
 
