@@ -366,7 +366,7 @@ def test_resume_on_one_process_after_two_ranks(tmp_path, shards, mode):
     sweep, within TOL otherwise. And the other way: a one-process checkpoint resumed on 2 ranks."""
     (run,) = _runs(tmp_path / "two", shards, arch="topk")
     assert run_ranks(2, _train, [run.root], mode, max_steps=20, checkpoint_every=7) == [[], []]
-    assert (run.resume_shards_dpath / sharded.MANIFEST_FNAME).exists() == (mode == "latents")
+    assert run.resume_manifest_fpath.exists() == (mode == "latents")
     assert sharded.resume_info(run)[0] == 20
     _train([run.root], mode)
     (clean,) = _runs(tmp_path / "clean", shards, arch="topk")
@@ -431,12 +431,12 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_nothing_is_published(t
 
 
 def test_the_launcher_reports_a_killed_rank_in_one_line(tmp_path, shards):
-    """`saeflow train --gpus 2` starts its ranks through torch.distributed.run's launcher; SIGKILL one of them: the
+    """`saeflow train --nproc 2` starts its ranks through torch.distributed.run's launcher; SIGKILL one of them: the
     command ends within a bounded time, every line it prints is one line naming rank 1, nothing is published."""
     (run,) = _runs(tmp_path, shards, arch="topk", n_epochs=40)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "workflow"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "saeflow", "train", "--run", str(run.root), "--device", "cpu",
-                             "--gpus", "2", "--parallel", "latents", "--checkpoint-every", "20"],
+                             "--nproc", "2", "--parallel", "latents", "--checkpoint-every", "20"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
     while not run.resume_shards_dpath.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -172,8 +172,9 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
 
     loader, val_dirs = train._open_data(group, settings["local_copy"], make_loader)
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
+    here = loader.rank_plan(0)
     train.logger.info("pass of %d run(s) on %d ranks: %s mode, pool of %d rows (%d here)", len(group),
-                      comm.world_size, mode, loader.n_pool, loader.rank_plan(0).n_pool)  # fmt: skip
+                      comm.world_size, mode, here.plan.n_pool, here.n_pool)  # fmt: skip
     pairs = _make_trainers(mode, comm, group, val_dirs, d_model, n_steps)
     for t, _ in pairs:
         t.pool_rows = loader.n_pool

@@ -19,6 +19,7 @@ assembled on rank 0 at the end (the Adam moments are dropped first).
 import dataclasses
 import json
 import math
+import pathlib
 import shutil
 
 import torch
@@ -32,7 +33,6 @@ from saeflow.metrics import MetricsAccumulator, batch_nmse
 from saeflow.objectives import Loss
 from saeflow.sae import SAE, SAEConfig, save_atomic
 
-MANIFEST_FNAME = "manifest.json"
 RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
 SEND_CHUNK_BYTES = 64 << 20  # latents sent to rank 0 at a time when sae.pt is assembled
 
@@ -239,7 +239,7 @@ def _joined(parts: list[dict]) -> dict:
 
 
 def _manifest(run) -> dict | None:
-    fpath = run.resume_shards_dpath / MANIFEST_FNAME
+    fpath = run.resume_manifest_fpath
     try:
         return json.loads(fpath.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -278,6 +278,8 @@ def read_resume(run, device, latents: tuple[int, int] | None = None) -> dict | N
         parts = []
         for shard in manifest["shards"]:
             if shard["hi"] > lo and shard["lo"] < hi:
+                if pathlib.PurePath(shard["fname"]).name != shard["fname"]:
+                    raise SaeflowError(f"{run.resume_manifest_fpath}: names {shard['fname']!r}, not a file beside it")
                 part = _load(run.resume_shards_dpath / shard["fname"])
                 a, b = max(lo, shard["lo"]) - shard["lo"], min(hi, shard["hi"]) - shard["lo"]
                 parts.append(_latent_slices(part, a, b))
@@ -303,15 +305,15 @@ def write_resume(trainer: "ShardedTrainer") -> None:
     run, comm = trainer.run, trainer.comm
     dpath = run.resume_shards_dpath
     dpath.mkdir(parents=True, exist_ok=True)
-    fname = f"step{trainer.step:09d}-{trainer.sae.lo}-{trainer.sae.hi}.pt"
-    save_atomic(trainer.state_dict(), dpath / fname)
-    shards = comm.gather_objects({"fname": fname, "lo": trainer.sae.lo, "hi": trainer.sae.hi})
+    fpath = run.resume_shard_fpath(trainer.step, trainer.sae.lo, trainer.sae.hi)
+    save_atomic(trainer.state_dict(), fpath)
+    shards = comm.gather_objects({"fname": fpath.name, "lo": trainer.sae.lo, "hi": trainer.sae.hi})
     if comm.is_root:
         manifest = {"step": trainer.step, "d_sae": trainer.sae.cfg.d_sae, "pool_rows": trainer.pool_rows,
                     "shards": shards}  # fmt: skip
-        atomic.write_file_atomic(dpath / MANIFEST_FNAME, (json.dumps(manifest, indent=1) + "\n").encode())
+        atomic.write_file_atomic(run.resume_manifest_fpath, (json.dumps(manifest, indent=1) + "\n").encode())
         run.resume_fpath.unlink(missing_ok=True)
-        keep = {MANIFEST_FNAME, *(s["fname"] for s in shards)}
+        keep = {run.resume_manifest_fpath.name, *(s["fname"] for s in shards)}
         for fpath in dpath.iterdir():
             if fpath.name not in keep:
                 fpath.unlink()
