@@ -532,3 +532,23 @@ def test_each_rank_draws_its_rows_of_the_one_process_decoder_init(monkeypatch, d
         monkeypatch.setattr(sharded, "RANDN_CHUNK_ELEMS", chunk_elems)
         for lo, hi in ((0, n_rows), (0, 5), (5, 19), (19, n_rows), (36, 37)):
             assert torch.equal(sharded.randn_rows(5, n_rows, d, lo, hi), whole[lo:hi]), (chunk_elems, lo, hi)
+
+
+def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, monkeypatch):
+    """resume.pt records the pool, which a resumed pass takes over whatever `buffer_bytes` now says; a resume.pt of
+    the loader before pools were recorded gets that loader's fixed 1 GiB. `--nodes` needs a Slurm allocation."""
+    (run,) = _runs(tmp_path, shards, arch="topk")
+    _train([run.root], "sweep", max_steps=5)
+    group = [(run, sweeps.TrainConfig.from_dict(run.config(), "r"))]
+    alone = distributed.Comm.alone(torch.device("cpu"))
+    assert sharded.resume_info(run) == (5, 300)  # POOL: 300 rows
+    assert parallel.pool_bytes(group, "auto", "sweep", shards, alone) == 300 * 64
+    state = torch.load(run.resume_fpath, weights_only=True)
+    del state["pool_rows"]
+    torch.save(state, run.resume_fpath)
+    assert parallel.pool_bytes(group, "8M", "sweep", shards, alone) == 1 << 30
+    run.resume_fpath.unlink()
+    assert parallel.pool_bytes(group, "8M", "sweep", shards, alone) == 8 << 20
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert cli.main(["train", "--run", str(run.root), "--nodes", "2"]) == 1
+    assert "--nodes 2: ranks on several nodes are started with srun inside a Slurm allocation" in capsys.readouterr().err

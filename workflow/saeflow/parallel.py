@@ -27,7 +27,8 @@ from saeflow.dataparallel import DataParallelTrainer
 from saeflow.distloader import DistributedShuffledLoader
 from saeflow.distributed import Comm
 from saeflow.errors import SaeflowError
-from saeflow.sharded import ShardedTrainer, resume_info
+from saeflow.loaders import DEFAULT_BUFFER_BYTES
+from saeflow.sharded import LEGACY_POOL, ShardedTrainer, resume_info
 from saeflow.shards import ShardDir
 from saeflow.sweeps import TrainConfig
 
@@ -81,6 +82,8 @@ def pool_bytes(group: list[tuple[runs.Run, TrainConfig]], setting: str | int, mo
     row_bytes = md.d_model * np.dtype(md.dtype).itemsize
     recorded = comm.on_root(lambda: next((info[1] for run, _ in group if (info := resume_info(run)) and info[1]),
                                          None))  # fmt: skip
+    if recorded == LEGACY_POOL:  # resumed from a checkpoint of the fixed-pool loader: keep its plan
+        return DEFAULT_BUFFER_BYTES
     if recorded:
         return int(recorded) * row_bytes
     explicit = memory.parse_size(setting)

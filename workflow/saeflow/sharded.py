@@ -35,6 +35,7 @@ from saeflow.sae import SAE, SAEConfig, save_atomic
 
 RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
 SEND_CHUNK_BYTES = 64 << 20  # latents sent to rank 0 at a time when sae.pt is assembled
+LEGACY_POOL = "legacy"  # resume_info's pool of a resume.pt written before the pool was recorded (loaders' old 1 GiB)
 
 
 def latent_bounds(d_sae: int, world_size: int) -> list[int]:
@@ -256,13 +257,14 @@ def _load(fpath, device=None) -> dict:
 
 
 def resume_info(run) -> tuple[int, int | None] | None:
-    """(step, pool rows) of the run's newest resume checkpoint, whichever form it has; None when there is none."""
+    """(step, pool rows) of the run's newest resume checkpoint, whichever form it has; None when there is none. A
+    resume.pt from before pools were recorded was trained with the old fixed pool: the old fixed 1 GiB (LEGACY_POOL)."""
     found = []
     if (manifest := _manifest(run)) is not None:
         found.append((manifest["step"], manifest.get("pool_rows")))
     if run.resume_fpath.exists():
         state = _load(run.resume_fpath)  # memory-mapped: the tensors are not read
-        found.append((int(state["step"]), state.get("pool_rows")))
+        found.append((int(state["step"]), state.get("pool_rows", LEGACY_POOL)))
     return max(found, key=lambda item: item[0]) if found else None
 
 
