@@ -551,4 +551,4 @@ def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, 
     assert parallel.pool_bytes(group, "8M", "sweep", shards, alone) == 8 << 20
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert cli.main(["train", "--run", str(run.root), "--nodes", "2"]) == 1
-    assert "--nodes 2: ranks on several nodes are started with srun inside a Slurm allocation" in capsys.readouterr().err
+    assert "--nodes 2: ranks on several nodes are started with srun inside a Slurm" in capsys.readouterr().err
