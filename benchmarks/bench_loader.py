@@ -1,6 +1,12 @@
 """Shuffled loader: batch mixing beside speed (page cache, and cold against a sequential read of the same files).
 
     python benchmarks/bench_loader.py [--gib 2.0] [--d-model 768] [--buffer-gib 1.0] [--dir /tmp]
+    python benchmarks/bench_loader.py --plan-only [--data-gib 20 1024] [--pool-gib 1 8 32] [--job-mem-mb 96000]
+
+--plan-only reads and writes nothing: the mixing of the loader's index-space plan for data of --data-gib per layer
+(d=768, CLS + 196 tokens, content tokens, ~16 MiB blocks) and pools of --pool-gib, and of the pool `buffer_bytes:
+auto` gives one training job of --job-mem-mb MB (an OSC Cardinal job: 12 cores x 8000 MB per GPU) that trains a
+d x 16 SAE on its GPU (saeflow.memory.auto_pool_share); the median over every --every-th batch of an epoch.
 
 Writes one synthetic saev shard directory (CLS + 196 patches per example, one layer, float32; every vector carries
 its example's index in its first component), then measures, in one run and on the same files:
@@ -27,6 +33,7 @@ import time
 import numpy as np
 import torch
 
+from saeflow import memory
 from saeflow.loaders import Block, EpochPlan, ShuffledLoader
 from saeflow.shards import Metadata, ShardDir, ShardWriter
 
@@ -156,8 +163,39 @@ def mixing_table(loader: ShuffledLoader, big_gib: float, row_bytes: int) -> None
         print(f"  {name:22s} uniform {uniform:5.0f} | " + " | ".join(cells))
 
 
+def plan_only(data_gibs: list[float], pool_gibs: list[float], job_mem_mb: int, d_model: int, batch_size: int,
+              every: int) -> None:
+    """Median distinct examples per batch against uniform, for each data size and pool, from the plan alone."""
+    row_bytes, n_tok = d_model * 4, PATCHES
+    ex_per_block = max(1, CHUNK_BYTES // ((n_tok + 1) * row_bytes))
+    d_sae = 16 * d_model
+    auto = memory.auto_pool_share(job_mem_mb << 20, 1, 8 * (2 * d_model * d_sae + d_sae + d_model))
+    pools = [(f"{g:g} GiB", int(g * (1 << 30))) for g in pool_gibs]
+    pools.append((f"auto, a {job_mem_mb} MB job: {auto / (1 << 30):g} GiB", auto))
+    print(f"mixing vs pool (d={d_model}, batches of {batch_size}; median distinct examples per batch over every "
+          f"{every}th batch, / uniform; plan only)")
+    for gib in data_gibs:
+        n_ex = int(gib * (1 << 30) / ((n_tok + 1) * row_bytes))
+        blocks = [Block(0, s, min(ex_per_block, n_ex - s)) for s in range(0, n_ex, ex_per_block)]
+        uniform = uniform_distinct(n_ex, n_tok, batch_size)
+        cells = []
+        for label, pool_bytes in pools:
+            t0 = time.perf_counter()
+            plan = EpochPlan(blocks, [0], n_tok, pool_bytes // row_bytes, batch_size, seed=0, epoch=0)
+            distinct = [np.unique(g // n_tok).size for i, g in enumerate(plan.batches())
+                        if i % every == 0 and g.size == batch_size]  # fmt: skip
+            med = float(np.median(distinct))
+            cells.append(f"{label}: {med / uniform:.3f} ({time.perf_counter() - t0:.0f} s)")
+        print(f"  {gib:g} GiB per layer, uniform {uniform:.0f} | " + " | ".join(cells))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan-only", action="store_true", help="only the mixing of the plan (nothing is read)")
+    parser.add_argument("--data-gib", type=float, nargs="+", default=[20, 1024], help="--plan-only: data per layer")
+    parser.add_argument("--pool-gib", type=float, nargs="+", default=[1, 8, 32], help="--plan-only: pools")
+    parser.add_argument("--job-mem-mb", type=int, default=96000, help="--plan-only: the job whose auto pool is shown")
+    parser.add_argument("--every", type=int, default=16, help="--plan-only: count every N-th batch (default 16)")
     parser.add_argument("--gib", type=float, default=2.0, help="size of the synthetic shard directory (2.0)")
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--batch-size", type=int, default=4096)
@@ -167,6 +205,8 @@ def main():
     parser.add_argument("--warm-epochs", type=int, default=5, help="page-cache epochs timed; the median counts (5)")
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write the shards (a temp dir)")
     args = parser.parse_args()
+    if args.plan_only:
+        return plan_only(args.data_gib, args.pool_gib, args.job_mem_mb, args.d_model, args.batch_size, args.every)
 
     row_bytes = args.d_model * 4
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from saeflow import cli, runs, train
+from saeflow import cli, launch, runs, train
 from saeflow.commands.workflow import install_profile
 from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
@@ -126,7 +126,9 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
         assert " -p gpu " in line and fixture_gpus("cardinal")["gpu"] > 0, line
         assert "--gpus=1" in line or "--gres=gpu:1" in line or "--gpus 1" in line, line
     assert "-t 360" in by_rule["extract"] and "--mem 96000" in by_rule["extract"], by_rule["extract"]
-    assert "-t 720" in by_rule["train"] and "--mem 96000" in by_rule["train"], by_rule["train"]
+    # Training's cores and memory come per GPU (train.gpus GPUs: 12 cores and 96 GB each on Cardinal).
+    assert "-t 720" in by_rule["train"] and "--mem-per-cpu 8000" in by_rule["train"], by_rule["train"]
+    assert "--cpus-per-gpu=12" in by_rule["train"] and "--cpus-per-task" not in by_rule["train"], by_rule["train"]
     assert "-t 120" in by_rule["inference"] and "--mem 48000" in by_rule["inference"], by_rule["inference"]
     assert "-t 60" in by_rule["evaluate"] and "--mem 48000" in by_rule["evaluate"], by_rule["evaluate"]
 
@@ -367,9 +369,66 @@ def test_install_profile_checks_the_partitions_against_the_clusters_scontrol(tmp
     assert cli.main([*base, "--dest", str(tmp_path / "c"), "--gpu-partition", with_gpus]) == 0
     assert f"GPU jobs go to {with_gpus}" in capsys.readouterr().out
     resources = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())["set-resources"]
-    assert {r for r, res in resources.items() if res.get("gpu")} == GPU_RULES
+    # Every GPU rule names its GPUs in the profile, but train (its GPUs come from the config: rule_resources).
+    assert {r for r, res in resources.items() if res.get("gpu")} == GPU_RULES - {"train"}
     assert {resources[r]["slurm_partition"] for r in GPU_RULES} == {with_gpus}
     assert gpus[resources["extract_seal"]["slurm_partition"]] == 0 and "gpu" not in resources["extract_seal"]
     monkeypatch.setenv("FAKE_SLURM_CLUSTER", next(c for c in CLUSTER_REQUESTS if c != cluster))
     assert cli.main([*base, "--dest", str(tmp_path / "d"), "--gpu-partition", "elsewhere"]) == 0
     assert f"not {cluster}" in capsys.readouterr().out  # another cluster's login node: nothing to check against
+
+
+class _Resources(dict):
+    __getattr__ = dict.__getitem__
+
+
+@pytest.mark.parametrize("cluster", sorted(CLUSTER_REQUESTS))
+def test_train_jobs_ask_slurm_for_the_configs_gpus_per_node(cluster):
+    """The sbatch line of a train job for train.gpus x train.nodes, built by the Slurm executor plugin from the rule's
+    resources (saeflow.launch.rule_resources) and the cluster profile's: GPUs per node, one task per GPU on several
+    nodes (the plugin's multi-task job, whose shell saeflow's srun starts the ranks from), cores and memory per GPU."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    profile = yaml.safe_load((REPO_ROOT / "profiles" / "osc" / "clusters" / f"{cluster}.yaml").read_text())
+    train_res = profile["set-resources"]["train"]
+    params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_train", "account": "-A PAS1234",
+              "partition": f"-p {train_res['slurm_partition']}", "workdir": "/w"}  # fmt: skip
+    lines = {}
+    for gpus, nodes in [(1, 1), (4, 1), (4, 2), (1, 3)]:
+        resources = _Resources({**profile["default-resources"], **launch.rule_resources({"gpus": gpus, "nodes": nodes}),
+                                **train_res, "runtime": 720})  # fmt: skip
+        job = type("Job", (), {"resources": resources, "threads": profile["set-threads"]["train"]})()
+        lines[gpus, nodes] = get_submit_command(job, params) + set_gres_string(job)
+    per_gpu = f"--cpus-per-gpu={train_res['cpus_per_gpu']}"
+    assert all(per_gpu in line and f"--mem-per-cpu {train_res['mem_mb_per_cpu']}" in line for line in lines.values())
+    assert "--gpus=1" in lines[1, 1] and "--nodes" not in lines[1, 1]
+    assert "--gpus=4" in lines[4, 1] and "--nodes=1" in lines[4, 1]
+    assert "--gres=gpu:4" in lines[4, 2] and "--nodes=2" in lines[4, 2] and "--ntasks-per-node=4" in lines[4, 2]
+    assert "--gres=gpu:1" in lines[1, 3] and "--nodes=3" in lines[1, 3] and "--ntasks=3" in lines[1, 3]
+    assert "--ntasks-per-gpu=1" in lines[1, 3] and "--gpus=" not in lines[4, 2] + lines[1, 3]
+
+
+@pytest.mark.slow
+def test_a_two_node_training_job_runs_its_ranks_through_srun_in_the_workflow(tmp_path):
+    """train.nodes 2: the train job is submitted as 2 nodes x 1 GPU with a task per GPU; inside it, saeflow's srun
+    (the fake one starts the 2 tasks here) starts 2 gloo ranks that meet through Slurm's variables and train the
+    2-point sweep in sweep mode. The whole workflow completes and each checkpoint is that run trained alone."""
+    profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
+    cfg = tiny_config()
+    cfg["train"] = {"nodes": 2, "parallel": "sweep"}
+    config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
+    lines_by_rule = _run_through_fake_slurm(tmp_path, profile, config_fpath)
+    (line,) = lines_by_rule["train"]
+    for flag in ("--nodes=2", "--gres=gpu:1", "--ntasks=2", "--ntasks-per-gpu=1", "--cpus-per-gpu=12", " -p gpu "):
+        assert flag in line, (flag, line)
+    (train_log,) = (tmp_path / "logs" / "train").iterdir()
+    assert "pass of 2 run(s) on 2 ranks: sweep mode" in train_log.read_text()
+    summary_csv = tmp_path / "summary" / "summary.csv"
+    assert len(summary_csv.read_text().splitlines()) == 3
+    for run_dpath in (p.parents[1] for p in (tmp_path / "ess").glob("*/checkpoint/sae.pt")):
+        alone = runs.create_run(tmp_path / "alone", json.loads((run_dpath / "checkpoint" / "config.json").read_text()),
+                                train_shards=(run_dpath / "links" / "train-shards").resolve(),
+                                val_shards=(run_dpath / "links" / "val-shards").resolve())  # fmt: skip
+        train.train_runs([alone.root], device="cpu")
+        assert (run_dpath / "checkpoint" / "sae.pt").read_bytes() == alone.sae_fpath.read_bytes()

@@ -13,6 +13,7 @@ from snakemake.settings.types import DeploymentMethod
 
 from saeflow import config as saeflow_config
 from saeflow.errors import SaeflowError
+from saeflow.launch import rule_resources
 from saeflow.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
 from saeflow.planning import WorkflowPlan
 

@@ -251,7 +251,7 @@ def add_section_options(parser: argparse.ArgumentParser, section: str) -> None:
         elif sub.get("type") == "array":
             kwargs.update(nargs="+", type=_ARG_TYPES[sub["items"]["type"]], metavar=key.upper().rstrip("S"))
         else:
-            kwargs["type"] = _ARG_TYPES[sub["type"]]
+            kwargs["type"] = _ARG_TYPES[sub["type"]] if isinstance(sub["type"], str) else str  # [string, integer]
         kwargs["help"] += " (default: %(default)s)"
         parser.add_argument(option_flag(key), **kwargs)
 

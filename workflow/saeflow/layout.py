@@ -169,6 +169,9 @@ class RunLayout(_ContentAddressed):
     config_fpath = _path("root", CHECKPOINT_DNAME, "config.json", doc="the training config; its sha256 = run id")
     sae_fpath = _path("root", CHECKPOINT_DNAME, "sae.pt", doc="the trained SAE, renamed in last: present = trained")
     resume_fpath = _path("root", CHECKPOINT_DNAME, "resume.pt")
+    resume_shards_dpath = _path("root", CHECKPOINT_DNAME, "resume-shards", doc="a latent-sharded resume checkpoint")
+    resume_manifest_fpath = _path("root", CHECKPOINT_DNAME, "resume-shards", "manifest.json",
+                                  doc="its commit point: the step and each rank file's latent range")  # fmt: skip
     metrics_log_fpath = _path("root", CHECKPOINT_DNAME, "metrics.jsonl", doc="one line per logged step, then the final")
     final_metrics_fpath = _path("root", CHECKPOINT_DNAME, "metrics.json", doc="validation metrics at the end")
     provenance_fpath = _path("root", CHECKPOINT_DNAME, PROVENANCE_FNAME, doc="versions, platforms, times: not hashed")
@@ -180,6 +183,10 @@ class RunLayout(_ContentAddressed):
     def lock_fpath(self) -> pathlib.Path:
         """`<runs_root>/.<run_id>.lock`: flock held while creating, training or publishing into the run."""
         return self.root.parent / f".{self.root.name}.lock"
+
+    def resume_shard_fpath(self, step: int, lo: int, hi: int) -> pathlib.Path:
+        """`resume-shards/step<step>-<lo>-<hi>.pt`: latents [lo, hi) of a sharded resume checkpoint at `step`."""
+        return self.resume_shards_dpath / f"step{step:09d}-{lo}-{hi}.pt"
 
     def link(self, name: str) -> pathlib.Path:
         """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset."""

@@ -460,6 +460,11 @@ class Step:
     refill_slots: np.ndarray  # (k,) slots refilled after the gather (k = 0 in the final drain)
     refill_row: int  # the first of the k consecutive stream rows read into `refill_slots`
 
+    @property
+    def refill_rows(self) -> np.ndarray:
+        """(k,) the stream rows read into `refill_slots` (a rank's part of a step lists its own: saeflow.distloader)."""
+        return np.arange(self.refill_row, self.refill_row + self.refill_slots.size)
+
 
 class EpochPlan:
     """Which vectors each batch of one shuffled epoch holds, in index space: nothing is read to compute it.
@@ -741,7 +746,7 @@ class _ReservoirPipeline(_Stoppable):
                 self._signal(w, t, buf, n)
                 k = step.refill_slots.size  # the first k of the batch's slots; each worker refills those it emptied
                 part = slice(min(part.start, k), min(part.stop, k))
-                rows = np.arange(step.refill_row + part.start, step.refill_row + part.stop)
+                rows = step.refill_rows[part]
                 advised = _read_rows(self.view, self.plan, self.pool, stage, step.refill_slots[part], rows, advised)
                 self._signal(w)
         except _Stopped:

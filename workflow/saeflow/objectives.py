@@ -115,7 +115,7 @@ def pick_dead(pre_bs: torch.Tensor, dead_s: torch.Tensor, aux_k: int) -> tuple[t
 
 def aux_k_loss(
     sae: SAE, aux_pre_bk: torch.Tensor, dead_z: torch.Tensor, pick_bk: torch.Tensor, resid_bd: torch.Tensor,
-    ghost: bool = False,
+    ghost: bool = False, energy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """AuxK: the picked dead latents (`pick_dead`; their pre-activations `aux_pre_bk`) reconstruct the residual, so
     dead latents get gradient again.
@@ -125,13 +125,15 @@ def aux_k_loss(
     pre-activation is negative on every input, where ReLU passes no gradient at all; softplus passes a small one
     of the right sign, which Adam (a step of about lr whatever the gradient's size) turns into a real move
     (Anthropic's ghost grads use exp the same way). The codes decode over the dead latents' rows with one dense
-    product, cheaper than a sparse decode of aux_k per vector.
+    product, cheaper than a sparse decode of aux_k per vector. `energy`: the residual's mean squared norm over the
+    whole batch when this is part of it (data-parallel training: saeflow.dataparallel); None: this batch's own.
     """
     vals_bk = torch.nn.functional.softplus(aux_pre_bk) if ghost else torch.relu(aux_pre_bk)
     codes_bz = vals_bk.new_zeros(vals_bk.shape[0], dead_z.numel()).scatter(1, pick_bk, vals_bk)
     resid_bd = resid_bd.detach()
     err = (codes_bz @ sae.W_dec.index_select(0, dead_z) - resid_bd).square().sum(-1).mean()
-    return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
+    energy = resid_bd.square().sum(-1).mean() if energy is None else energy
+    return err / energy.clamp_min(1e-12)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,13 +15,14 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 import typing
 
 import torch
 import tqdm
 
-from saeflow import atomic, config, devices, localcopy, numerics, preempt, provenance, runs, tracking
+from saeflow import atomic, config, localcopy, numerics, preempt, provenance, runs, tracking
 from saeflow.errors import SaeflowError
 from saeflow.loaders import OrderedLoader, ShuffledLoader
 from saeflow.metrics import MetricsAccumulator, batch_nmse
@@ -91,21 +92,21 @@ class Checkpoint:
             stale.unlink()
         atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
         self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
-        fpath = self.run.resume_fpath
-        if not fpath.exists():
+        from saeflow.sharded import read_resume  # resume.pt, or the ranks' files of a latent-sharded checkpoint
+
+        state = read_resume(self.run, trainer.device, getattr(trainer, "latents", None))
+        if state is None:
             return False
-        try:
-            trainer.load_state_dict(torch.load(fpath, map_location=trainer.device, weights_only=True))
-        except Exception as err:
-            raise SaeflowError(
-                f"{fpath}: unreadable resume checkpoint ({err}); delete it to restart this run"
-            ) from None
+        trainer.load_state_dict(state)
         self._truncate_log(trainer.step)
         logger.info("%s: resuming at step %d of %d", self.run.root, trainer.step, trainer.n_steps)
         return True
 
     def save(self, state: dict) -> None:
+        from saeflow.sharded import remove_resume_shards
+
         save_atomic(state, self.run.resume_fpath)
+        remove_resume_shards(self.run)  # a latent-sharded checkpoint of an earlier attempt is older now
 
     def restart_log(self) -> None:
         """A fresh run starts a fresh metrics.jsonl (one left by a run that never reached a resume point)."""
@@ -183,6 +184,7 @@ class Checkpoint:
             return False
         atomic.remove_staging(staging)
         run.resume_fpath.unlink(missing_ok=True)
+        shutil.rmtree(run.resume_shards_dpath, ignore_errors=True)
         return True
 
 
@@ -196,7 +198,7 @@ class Trainer:
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
-        self.step = 0
+        self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}  # the latest metrics record (for the progress bar)
         self.platforms = [provenance.platform()]  # of each attempt that trained it, when they differ (resume.pt)
@@ -237,7 +239,7 @@ class Trainer:
             "opt": self.opt.state_dict(),
             "since_fired_s": self.dead.since_fired_s,
             "step": self.step,
-            "platforms": self.platforms,
+            "platforms": self.platforms, "pool_rows": self.pool_rows,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -332,6 +334,8 @@ def train_runs(
     local_copy: str = "",
     runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"],
     tracking_settings: tracking.Settings | None = None,
+    parallel: str = TRAIN_DEFAULTS["parallel"],
+    buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"],
 ) -> list[dict]:
     """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
 
@@ -339,11 +343,21 @@ def train_runs(
     time, in the order given: each publishes its own sae.pt, in that order. `max_steps` stops after that many steps
     (with a resume checkpoint), for tests and time-limited jobs. `local_copy` (e.g. "$TMPDIR") reads the training
     shards from a node-local copy (saeflow.localcopy). `tracking_settings` mirrors the metrics to W&B/TensorBoard
-    (saeflow.tracking). Returns the final validation metrics of runs that finished.
+    (saeflow.tracking). `buffer_bytes`: the shuffle pool (saeflow.memory; `auto` sizes it from the job's memory).
+    Returns the final validation metrics of runs that finished.
     Each run's lock (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then
-    finds it done.
+    finds it done. A process that a launcher made one rank of several trains with the others (saeflow.parallel,
+    in the `parallel` mode); the results are then rank 0's.
     """
-    dev = devices.resolve_device(device)
+    from saeflow import parallel as parallel_mod
+
+    comm = parallel_mod.join(device)
+    if comm.distributed:
+        settings = dict(checkpoint_every=checkpoint_every, max_steps=max_steps, local_copy=local_copy,
+                        runs_per_pass=runs_per_pass, tracking_settings=tracking_settings, parallel=parallel,
+                        buffer_bytes=buffer_bytes)  # fmt: skip
+        return parallel_mod.train_runs(comm, run_paths, settings)
+    dev = comm.device
     opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
     with contextlib.ExitStack() as locks:
         for key in sorted(opened):  # one order for every process: no deadlock between overlapping run lists
@@ -359,7 +373,8 @@ def train_runs(
         for group in todo.values():
             for first in range(0, len(group), runs_per_pass):
                 chunk = group[first : first + runs_per_pass]
-                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy, tracking_settings))
+                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy, tracking_settings,
+                                            buffer_bytes))  # fmt: skip
     return results
 
 
@@ -367,8 +382,9 @@ def _open_shards(run: runs.Run, link: str) -> ShardDir:
     return ShardDir(run.link(link).resolve())
 
 
-def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str = "") -> tuple[ShuffledLoader, list]:
-    """The group's shared training loader and each run's validation shards, checked against the configs."""
+def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str, make_loader) -> tuple[ShuffledLoader, list]:
+    """The group's shared training loader (`make_loader(shard_dir, config)`) and each run's validation shards,
+    checked against the configs."""
     run0, cfg0 = group[0]
     train_dir = _open_shards(run0, run0.TRAIN_SHARDS)
     for run, _ in group:
@@ -377,7 +393,7 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str = "") 
     val_dirs = [_open_shards(run, run.VAL_SHARDS) for run, _ in group]
     if local_copy:  # read the training shards from node-local disk (checked copy, made once per node)
         train_dir = ShardDir(localcopy.local_copy(train_dir.dpath, local_copy))
-    loader = ShuffledLoader(train_dir, cfg0.layer, cfg0.batch_size, cfg0.data_seed, tokens=cfg0.tokens)
+    loader = make_loader(train_dir, cfg0)
     d_model = train_dir.metadata.d_model
     for (run, _), val_dir in zip(group, val_dirs):
         if val_dir.metadata.d_model != d_model:
@@ -387,12 +403,23 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str = "") 
     return loader, val_dirs
 
 
-def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local_copy="", tracking_settings=None):
+def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local_copy="", tracking_settings=None,
+                 buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"]):  # fmt: skip
+    from saeflow.distributed import Comm
+    from saeflow.parallel import pool_bytes
+
     cfg0 = group[0][1]
-    loader, val_dirs = _open_data(group, local_copy)
+    pool = pool_bytes(group, buffer_bytes, "sweep", _open_shards(group[0][0], runs.Run.TRAIN_SHARDS), Comm.alone(dev))
+
+    def make_loader(shard_dir: ShardDir, cfg: TrainConfig) -> ShuffledLoader:
+        return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool)
+
+    loader, val_dirs = _open_data(group, local_copy, make_loader)
     d_model = loader.view.d_model
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]
+    for t in trainers:
+        t.pool_rows = loader.n_pool
     fresh = [t for t in trainers if not t.checkpoint.restore(t)]
     if fresh:
         init_nd = _first_vectors(loader, N_INIT_VECTORS)

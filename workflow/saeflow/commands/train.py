@@ -37,10 +37,16 @@ def register(subparsers):
         "Runs that read the same shards, layer, tokens, batch size and data seed train in one pass over the data "
         "(at most --runs-per-pass of them), each publishing its own sae.pt in the order given. "
         "A resume checkpoint is saved every --checkpoint-every steps; rerunning after a kill continues from it and "
-        "reaches the same final weights. Finished runs are skipped.",
+        "reaches the same final weights. Finished runs are skipped. --gpus N (--nproc N) starts N ranks here, "
+        "--nodes M inside a Slurm allocation M x N with srun; a process started by torchrun or srun is one rank "
+        "(under torchrun write --run-dir: its parser takes --run for its own --run-path). docs/distributed.md.",
     )
-    p.add_argument("--run", action="append", required=True, type=pathlib.Path, help="run directory (repeatable)")
+    p.add_argument(
+        "--run", "--run-dir", dest="run", action="append", required=True, type=pathlib.Path,
+        help="run directory (repeatable)",
+    )
     config_mod.add_section_options(p, "train")
+    p.add_argument("--nproc", dest="gpus", type=int, default=argparse.SUPPRESS, help="the same as --gpus")
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop after this many steps (resumable), e.g. to fit a job limit"
     )
@@ -87,18 +93,22 @@ def _dataset_of(shards: layout.ShardLayout) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from saeflow import train
+    from saeflow import distributed, launch, memory, tracking, train
 
     if args.checkpoint_every < 1:
         raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
-    from saeflow import tracking
-
+    memory.parse_size(args.buffer_bytes, "--buffer-bytes")
+    if (code := launch.start_ranks(args)) is not None:
+        return code
     settings = tracking.Settings.from_section(
         {"tracking": args.tracking, "tracking_dir": args.tracking_dir, "wandb_project": args.wandb_project}
     )
-    results = train.train_runs(
-        args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy, args.runs_per_pass, settings
-    )
+    rdv = distributed.rendezvous_from_env()
+    try:
+        results = train.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy,
+                                   args.runs_per_pass, settings, args.parallel, args.buffer_bytes)  # fmt: skip
+    except SaeflowError as err:
+        raise err if rdv is None else SaeflowError(f"rank {rdv.rank}: {err}") from None
     for result in results:
         print(json.dumps(result, sort_keys=True))
     return 0
