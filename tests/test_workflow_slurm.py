@@ -345,7 +345,11 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
                 continue
             assert "--gpus=1" in line and gpus[partition] > 0, line
             assert f"--cpus-per-gpu={want['gpu_cpus']}" in line or f"--cpus-per-task={want['gpu_cpus']}" in line, line
-            assert f"--mem {want['gpu_mem'][rule.removesuffix('_part')]}" in line, line
+            mem_mb = want["gpu_mem"][rule.removesuffix("_part")]
+            if rule == "train":  # memory per CPU, so a job on N GPUs gets N times the memory of one
+                assert f"--mem-per-cpu {mem_mb // want['gpu_cpus']}" in line, line
+            else:
+                assert f"--mem {mem_mb}" in line, line
             # Slurm's warning signal 3 minutes before the limit where saeflow saves its resume point on it.
             assert (" --signal=USR1@180 " in line) == (rule != "inference"), line  # one bare argument
 
