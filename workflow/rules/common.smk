@@ -14,7 +14,7 @@ from snakemake.settings.types import DeploymentMethod
 from saeflow import config as saeflow_config
 from saeflow.errors import SaeflowError
 from saeflow.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
-from saeflow.planning import WorkflowPlan
+from saeflow.planning import WorkflowPlan, read_planned
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on
@@ -63,8 +63,13 @@ def link_default_model(config):
 
 def plan_workflow(config):
     link_default_model(config)
+    # A job's own parse (Slurm) takes the shard metadata the Snakemake that submitted it planned and wrote under
+    # CLI_CONFIG_DPATH: no dataset listed, no model file read again in every job (saeflow.planning.read_planned).
+    planned = {}
+    if workflow.exec_mode != ExecMode.DEFAULT:
+        planned = read_planned(config["activations"], CLI_CONFIG_DPATH)
     try:
-        plan = WorkflowPlan.from_config(config)
+        plan = WorkflowPlan.from_config(config, planned)
     except SaeflowError as err:
         stop_workflow(f"could not plan the workflow: {err}")
     # Before any job runs, once (not again in every job's own parse): no job may start on a damaged published
