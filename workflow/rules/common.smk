@@ -1,5 +1,6 @@
 # The workflow's Python helpers: one saeflow.planning.WorkflowPlan built from the config at parse time (also inside
-# every Slurm job, so it only plans: no model weights, no data pass), and the get_* helpers the rules call.
+# every Slurm job, where it takes the submitting Snakemake's shard metadata: no model weights, no data pass), and
+# the get_* helpers the rules call.
 # Every path comes from saeflow.layout (the rules use its Snakemake patterns); nothing here spells one.
 # Included after config.smk (which resolves the roots before validation fills the schema's defaults: ROOT_SOURCES,
 # stop_workflow).

@@ -13,7 +13,8 @@ Cost: the first fingerprint of a dataset reads every byte once (a progress bar s
 keeps, per dataset, the listing of (relpath, size, mtime_ns, inode) of every file and each file's content hash.
 A re-plan lists and stats the files (`find -L ... -printf`, in parallel processes, no file is opened): when the
 listing is the cached one, the cached fingerprint is the answer; otherwise only the files whose (relpath, size,
-mtime, inode) changed are read again. A Slurm job's parse of the Snakefile therefore stats files and reads none.
+mtime, inode) changed are read again. A `saeflow` command in a Slurm job therefore stats files and reads none (the
+job's parse of the Snakefile takes what its Snakemake planned: saeflow.planning.read_planned).
 Files modified in the last RACY_SEC seconds are never trusted by stat (git's "racy clean" rule): a same-size edit
 within the file system's timestamp granularity is still seen.
 
