@@ -11,6 +11,8 @@ from saeflow.shards.validate import validate
 from workflow_helpers import REPO_ROOT, env, snakemake_cmd, write_config
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
+# 32 examples of 16 tokens, less the one special id each (`tokens: auto` trains text on no_special): 480 vectors
+N_STEPS = 480 // 16
 
 
 def test_two_nolock_workflows_on_the_same_roots(tmp_path):
@@ -19,7 +21,7 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         "shards_root": str(tmp_path / "shards"),
         "runs_root": str(tmp_path / "runs"),
         "activations": {"text": TEST_CONFIG["activations"]["text"]},
-        "saes": {"text-topk": {**TEST_CONFIG["saes"]["text-topk"], "batch_size": 16}},  # 32 steps per run
+        "saes": {"text-topk": {**TEST_CONFIG["saes"]["text-topk"], "batch_size": 16}},  # 30 steps per run (N_STEPS)
     }
     procs = []
     for name in ("a", "b"):
@@ -42,7 +44,7 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         assert steps == sorted(set(steps)), steps  # strictly increasing: no second trainer interleaved
         assert lines[-1]["final"] and sum(bool(r.get("final")) for r in lines) == 1
         load_sae(run_dpath / "checkpoint" / "sae.pt")
-        assert json.loads((run_dpath / "checkpoint" / "metrics.json").read_text())["step"] == steps[-1] == 32
+        assert json.loads((run_dpath / "checkpoint" / "metrics.json").read_text())["step"] == steps[-1] == N_STEPS
         assert not list((run_dpath / "checkpoint").glob(".*"))  # no temporaries, no staged publish
         (dump,) = (run_dpath / "inference").glob("[0-9a-f]*")
         assert (dump / "metrics.json").exists() and (dump / "visuals" / "index.html").exists()
