@@ -5,6 +5,12 @@ import os
 
 import pytest
 
+from module_touch import (  # noqa: F401  (pytest --every-module)
+    pytest_addoption,
+    pytest_collection_finish,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from saeflow import numerics  # noqa: E402
 from workflow_helpers import TEST_THREADS_ENV
 

@@ -4,11 +4,14 @@ and every file they share is intact (the shard lock and the run lock make the se
 import json
 import subprocess
 
+import pytest
 import yaml
 
 from saeflow.sae import load_sae
 from saeflow.shards.validate import validate
 from workflow_helpers import REPO_ROOT, env, snakemake_cmd, write_config
+
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
 # 32 examples of 16 tokens, less the one special id each (`tokens: auto` trains text on no_special): 480 vectors

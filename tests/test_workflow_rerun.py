@@ -26,6 +26,8 @@ from saeflow.planning import WorkflowPlan
 from test_faults_cli import _drop_dac_capabilities
 from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
 
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
+
 BASE = {
     "shards_root": "shards",
     "runs_root": "runs",
