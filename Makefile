@@ -1,10 +1,11 @@
 # Two commands on a fresh machine:   make run   (set up + run the default workflow)   make test   (set up + tests)
+# make test-fast: the tests not marked slow (~2 min on 2 cores), failing if any saeflow module never ran in them.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= all
 
-.PHONY: run test venv browser clean-results
+.PHONY: run test test-fast venv browser clean-results
 
 # torch first: the pinned CPU build (a bare `torch` requirement would pull a multi-GB CUDA build).
 $(BIN)/saeflow: pyproject.toml
@@ -34,6 +35,9 @@ run: venv $(MINILM)
 
 test: venv browser $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+
+test-fast: venv $(MINILM)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" --every-module
 
 clean-results:
 	chmod -R u+w results 2>/dev/null; rm -rf results .snakemake

@@ -5,10 +5,23 @@ import os
 
 import pytest
 
+from module_touch import (  # noqa: F401  (pytest --every-module)
+    pytest_addoption,
+    pytest_collection_finish,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from saeflow import numerics  # noqa: E402
+from workflow_helpers import TEST_THREADS_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One torch thread here and in every CLI subprocess (Snakemake's jobs: workflow_helpers.SNAKEMAKE_TEST_ARGS): the
+# tests' models are tiny, so a second thread only adds OpenMP synchronization, which on a loaded 2-core machine
+# costs milliseconds per op (a d=32 GPT-2 export: 28 s CPU with 2 threads, 8 s with one). Results do not depend on
+# it (saeflow.numerics; tests/test_numerics.py runs its own thread counts).
+for _name, _value in TEST_THREADS_ENV.items():
+    os.environ.setdefault(_name, _value)
 numerics.apply()  # before any torch kernel runs in the test process: the CPU kernels the CLI's commands use
 
 

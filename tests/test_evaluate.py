@@ -42,6 +42,7 @@ def _random_sae(d: int, d_sae: int = 64, seed: int = 0) -> sae.SAE:
 
 
 @pytest.mark.parametrize("tokens", ["no_special", "content"])
+@pytest.mark.slow
 def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp_path, capsys, tokens):
     """The splice replaces exactly the positions the SAE trained on: every token but the specials ([CLS], [SEP]
     of the BERT tokenizer) for `no_special` (the text default), every token for `content`."""
@@ -201,6 +202,7 @@ def _rewrite_in_place(fpath, new_fpath, keep_mtime: bool) -> None:
 
 
 @pytest.mark.parametrize("keep_mtime", [False, True], ids=["rewritten", "rewritten-stat-kept"])
+@pytest.mark.slow
 def test_evaluate_refuses_a_model_rewritten_in_place(tiny_lm_dpath, tmp_path, capsys, keep_mtime):
     """Extract, train, then save other weights over the model: evaluate refuses in one line naming the model and the
     shard directory. The new identity sees the rewrite (a new shard hash); when the stat cache cannot (size, mtime

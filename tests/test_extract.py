@@ -270,6 +270,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
     """A SIGKILLed extraction resumes in another process; the result equals one uninterrupted run, byte for byte."""
     import signal

@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import pathlib
+import runpy
 import shutil
 import subprocess
 import sys
@@ -181,6 +182,7 @@ SHARD_MATRIX = [(f, "validate") for f in SHARD_FAULTS] + [
 
 
 @pytest.mark.parametrize(("fault", "command"), SHARD_MATRIX, ids=[f"{f}-{c}" for f, c in SHARD_MATRIX])
+@pytest.mark.slow
 def test_shard_directory_fault(world, fault, command):
     fname, fn, what = SHARD_FAULTS[fault]
     fpath = world["sd"].dpath / fname
@@ -201,6 +203,7 @@ PERMISSION_MATRIX = [
 
 
 @pytest.mark.parametrize(("fname", "command"), PERMISSION_MATRIX, ids=[f"{f}-{c}" for f, c in PERMISSION_MATRIX])
+@pytest.mark.slow
 def test_unreadable_shard_file(world, fname, command):
     fpath = world["sd"].dpath / fname
     damage(fpath, unreadable)
@@ -243,6 +246,7 @@ RUN_FAULTS = {
 
 
 @pytest.mark.parametrize("case", sorted(RUN_FAULTS))
+@pytest.mark.slow
 def test_run_fault(world, case):
     target, fn, argv_of, what = RUN_FAULTS[case]
     fpath = target(world)
@@ -262,6 +266,7 @@ def _dump(world) -> pathlib.Path:
     ("latents.npz", garble, "not a readable .npz archive"),
     ("metrics.json", garble, "not valid JSON"),
 ], ids=["latents_missing", "latents_garbled", "metrics_garbled"])  # fmt: skip
+@pytest.mark.slow
 def test_visuals_on_a_damaged_dump(world, fname, fn, what):
     dump_dpath = _dump(world)
     damage(dump_dpath / fname, fn)
@@ -311,6 +316,7 @@ def test_unreadable_config(world):
 # The last-resort handler and --debug
 
 
+@pytest.mark.slow
 def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(world):
     """A fault nobody anticipated (here: a dump whose config.json lacks a key visuals needs) still ends in one
     line with the exception's type; --debug shows the traceback."""
@@ -334,6 +340,7 @@ def test_unexpected_os_error_names_its_file():
     assert cli.unexpected(ValueError("a\n  - b")) == "ValueError: a b"
 
 
+@pytest.mark.slow
 def test_debug_and_verbose_flags_are_accepted_before_and_after_the_command(world):
     dpath = world["sd"].dpath
     for argv in (("--debug", "validate", dpath), ("validate", dpath, "--debug"), ("-v", "validate", dpath)):
@@ -341,3 +348,14 @@ def test_debug_and_verbose_flags_are_accepted_before_and_after_the_command(world
         assert proc.returncode == 0 and proc.stdout.startswith("ok:"), proc.stdout + proc.stderr
     damage(dpath / "acts000000.bin", to_dir)
     assert "Traceback" not in saeflow("-v", "info", dpath).stderr  # -v logs, but never shows tracebacks
+
+
+def test_python_dash_m_saeflow_is_the_cli(tmp_path, monkeypatch, capsys):
+    """`python -m saeflow` (what every rule runs) is the CLI with its exit status, here in this process."""
+    missing = tmp_path / "missing"
+    monkeypatch.setattr(sys, "argv", ["saeflow", "validate", str(missing)])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_module("saeflow", run_name="__main__")
+    assert stopped.value.code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("saeflow validate: error: ") and str(missing) in line, line

@@ -4,13 +4,18 @@ and every file they share is intact (the shard lock and the run lock make the se
 import json
 import subprocess
 
+import pytest
 import yaml
 
 from saeflow.sae import load_sae
 from saeflow.shards.validate import validate
 from workflow_helpers import REPO_ROOT, env, snakemake_cmd, write_config
 
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
+
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
+# 32 examples of 16 tokens, less the one special id each (`tokens: auto` trains text on no_special): 480 vectors
+N_STEPS = 480 // 16
 
 
 def test_two_nolock_workflows_on_the_same_roots(tmp_path):
@@ -19,9 +24,7 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         "shards_root": str(tmp_path / "shards"),
         "runs_root": str(tmp_path / "runs"),
         "activations": {"text": TEST_CONFIG["activations"]["text"]},
-        # 32 examples x 16 tokens, less each example's special token (tokens: auto -> no_special): 480 vectors,
-        # 30 steps per run
-        "saes": {"text-topk": {**TEST_CONFIG["saes"]["text-topk"], "batch_size": 16}},
+        "saes": {"text-topk": {**TEST_CONFIG["saes"]["text-topk"], "batch_size": 16}},  # N_STEPS per run
     }
     procs = []
     for name in ("a", "b"):
@@ -44,7 +47,7 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         assert steps == sorted(set(steps)), steps  # strictly increasing: no second trainer interleaved
         assert lines[-1]["final"] and sum(bool(r.get("final")) for r in lines) == 1
         load_sae(run_dpath / "checkpoint" / "sae.pt")
-        assert json.loads((run_dpath / "checkpoint" / "metrics.json").read_text())["step"] == steps[-1] == 30
+        assert json.loads((run_dpath / "checkpoint" / "metrics.json").read_text())["step"] == steps[-1] == N_STEPS
         assert not list((run_dpath / "checkpoint").glob(".*"))  # no temporaries, no staged publish
         (dump,) = (run_dpath / "inference").glob("[0-9a-f]*")
         assert (dump / "metrics.json").exists() and (dump / "visuals" / "index.html").exists()

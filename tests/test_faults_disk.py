@@ -21,6 +21,8 @@ from builders import PROMPTS
 from saeflow.interop import lmprobe
 from workflow_helpers import REPO_ROOT, env
 
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
+
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
 PAGE_BYTES = 4096
 

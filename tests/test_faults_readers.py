@@ -306,6 +306,7 @@ def run_measured(argv: list[str], cwd: pathlib.Path) -> tuple[int, str, str, int
 
 
 @pytest.mark.parametrize(("make", "name"), CASES, ids=[n for _, n in CASES])
+@pytest.mark.slow
 def test_hostile_source_is_refused_within_budget(make, name, tmp_path):
     src, offender = make(tmp_path, name)
     out = tmp_path / "out"
@@ -322,6 +323,7 @@ def test_hostile_source_is_refused_within_budget(make, name, tmp_path):
     print(f"{name}: peak RSS {peak_bytes / 2**20:.0f} MiB; {lines[0]}")
 
 
+@pytest.mark.slow
 def test_budget_option_is_documented_and_validated(tmp_path):
     rc, stdout, _, _ = run_measured([sys.executable, "-m", "saeflow", "convert", "--help"], tmp_path)
     assert rc == 0 and "--memory-budget" in stdout and "1 GiB" in stdout
@@ -330,6 +332,7 @@ def test_budget_option_is_documented_and_validated(tmp_path):
     assert rc == 2 and "not a positive number of bytes" in stderr
 
 
+@pytest.mark.slow
 def test_legit_sources_still_load_within_a_small_budget(tmp_path):
     """The budget refuses hostile files, not ordinary ones: each format converts under 64 MiB, bit-identical."""
     recs = records()

@@ -5,6 +5,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # both run benchmarks/gpu/check.py in a subprocess
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECK_FPATH = REPO_ROOT / "benchmarks" / "gpu" / "check.py"
 STAGES = (

@@ -23,6 +23,7 @@ def test_which_variables_count_as_a_gpu_request():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check passes here")
+@pytest.mark.slow
 def test_a_gpu_job_without_cuda_exits_nonzero_naming_the_problem(tmp_path):
     command = "extract"  # train and inference go through the same check in saeflow.cli
     config_fpath = tmp_path / "config.yaml"

@@ -1,6 +1,7 @@
 """The house rules of docs/style.md, checked: lint-clean, each layout path spelled once, no unit too long to read."""
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -43,10 +44,11 @@ def package_modules() -> list[pathlib.Path]:
     return sorted(PACKAGE_DPATH.rglob("*.py"))
 
 
-def string_constants(fpath: pathlib.Path) -> set[str]:
+@functools.cache  # parsed once for the 21 layout names (the package is not edited while the tests run)
+def string_constants(fpath: pathlib.Path) -> frozenset[str]:
     """Every string literal in a module, including the literal parts of f-strings."""
-    return {node.value for node in ast.walk(ast.parse(fpath.read_text())) if isinstance(node, ast.Constant)
-            and isinstance(node.value, str)}  # fmt: skip
+    return frozenset(node.value for node in ast.walk(ast.parse(fpath.read_text())) if isinstance(node, ast.Constant)
+                     and isinstance(node.value, str))  # fmt: skip
 
 
 def test_ruff_finds_nothing():
@@ -94,3 +96,15 @@ def test_sweep_planning_imports_no_torch():
     """Snakemake plans at parse time, inside every Slurm job: planning must not pay torch's import."""
     code = "import sys, saeflow.planning; assert 'torch' not in sys.modules, [m for m in sys.modules if 'torch' in m]"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
+
+
+def test_every_module_counts_a_module_by_its_functions():
+    """tests/module_touch.py (`pytest --every-module`, the fast tier's check): a module with a function, a method
+    or a lambda counts only once one of them runs; a module or class body alone is no function."""
+    from module_touch import _has_function
+
+    def has(source: str) -> bool:
+        return _has_function(compile(source, "m.py", "exec"))
+
+    assert has("def f():\n    pass\n") and has("class A:\n    def f(self):\n        pass\n") and has("f = lambda: 1\n")
+    assert not has("X = 1\n") and not has("class A:\n    X = 1\n") and not has('"""docs"""\n__version__ = "1"\n')

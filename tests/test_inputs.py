@@ -11,6 +11,7 @@ from PIL import Image
 
 from builders import ARCH_CONFIGS, MINILM, TINY_TEXT, text_spec, typed, vision_spec
 from saeflow import cli, extract, fingerprints, models, shards, tokenization
+from saeflow.errors import SaeflowError
 from saeflow.extract import plan_activation
 from saeflow.layout import ShardLayout
 from workflow_helpers import snakemake, write_config
@@ -33,6 +34,7 @@ def _image_folder(root, n_classes: int, per_class: int = 1, size: int = 8):
     return root
 
 
+@pytest.mark.slow
 def test_a_1000_class_folder_plans_and_extracts_through_the_workflow(tmp_path):
     root = _image_folder(tmp_path / "imagenet", N_CLASSES)
     vit = dict(ARCH_CONFIGS["vit"], image_size=16, patch_size=8)
@@ -294,3 +296,42 @@ def test_hf_datasets_saved_to_disk_extract_through_a_config_and_are_hashed_by_co
         shutil.rmtree(dpath)
         (tmp_path / "rewritten").rename(dpath)
         assert plan_activation(typed(spec)).hash != before  # one changed row: another shard directory
+
+
+def _settle(root) -> None:
+    """Every file and directory below `root` (and itself) last modified an hour ago: old enough to be trusted."""
+    for path in [root, *root.rglob("*")]:
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 3600 * 10**9))
+
+
+def test_the_directories_recheck_sees_files_added_removed_or_renamed_but_not_rewritten_in_place(tmp_path, monkeypatch):
+    """SAEFLOW_FINGERPRINT_RECHECK=directories (datasets whose files are never rewritten in place): a re-plan stats
+    the directories, not the files, so it lists nothing while they are unchanged; an added, removed or renamed file
+    changes its directory and the folder is listed again. An in-place rewrite is the price: seen only by the
+    default recheck."""
+    monkeypatch.setenv(fingerprints.RECHECK_ENV, "directories")
+    root = _image_folder(tmp_path / "imgs", n_classes=3, per_class=2)
+    dataset = {"kind": "image_folder", "root": str(root)}
+    _settle(root)
+    first = _plan_hash(dataset)
+    with monkeypatch.context() as patched:
+        patched.setattr(fingerprints, "listing", lambda *a, **k: pytest.fail("the folder was listed again"))
+        assert _plan_hash(dataset) == first
+    extra = root / "n00000001" / "9.png"
+    shutil.copyfile(root / "n00000000" / "0.png", extra)
+    assert _plan_hash(dataset) != first
+    extra.unlink()
+    assert _plan_hash(dataset) == first
+    (root / "n00000001" / "1.png").rename(root / "n00000001" / "2.png")
+    assert _plan_hash(dataset) != first
+    (root / "n00000001" / "2.png").rename(root / "n00000001" / "1.png")
+    _settle(root)
+    assert _plan_hash(dataset) == first
+    _same_size_edit(root / "n00000001" / "1.png", -20)
+    assert _plan_hash(dataset) == first  # not seen: the directories are unchanged
+    monkeypatch.setenv(fingerprints.RECHECK_ENV, "files")
+    assert _plan_hash(dataset) != first
+    monkeypatch.setenv(fingerprints.RECHECK_ENV, "stat")
+    with pytest.raises(SaeflowError, match="SAEFLOW_FINGERPRINT_RECHECK='stat': not a recheck mode; choose one of"):
+        _plan_hash(dataset)

@@ -43,6 +43,7 @@ def lmprobe_site():
                                                    "threadpoolctl"], "lmprobe/sharing.py")
 
 
+@pytest.mark.slow
 def test_lmprobe_reads_our_exports_exactly(exports, records, lmprobe_site, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(lmprobe_site), "HF_HUB_OFFLINE": "1", "LMPROBE_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run(

@@ -4,7 +4,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

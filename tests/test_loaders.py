@@ -169,15 +169,19 @@ def test_uneven_blocks_regression(shards_root):
 def test_newer_pass_stops_older(shard_dir, acts_nltd):
     """Passes of one loader share its pool: a new pass stops the old one, which then says so. The caller keeps
     its torch threads (the loader's threads set theirs to one)."""
-    n_threads = torch.get_num_threads()
-    loader = _loader(shard_dir)
-    old = loader.iter_batches(0)
-    next(old)
-    rows = _rows(loader.iter_batches(1))
-    np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))
-    with pytest.raises(SaeflowError, match="stopped by a newer pass"):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # not the test session's one thread (conftest), which the loader's would leave as is
+    try:
+        loader = _loader(shard_dir)
+        old = loader.iter_batches(0)
         next(old)
-    assert torch.get_num_threads() == n_threads
+        rows = _rows(loader.iter_batches(1))
+        np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))
+        with pytest.raises(SaeflowError, match="stopped by a newer pass"):
+            next(old)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def _uniform_distinct(n_ex: int, n_tok: int, batch_size: int) -> float:

@@ -75,6 +75,7 @@ def test_a_snapshot_is_its_commit_by_id_or_by_path(hub):
     assert _ckpt(REPO_ID) == f"{REPO_ID}@{COMMIT}"
 
 
+@pytest.mark.slow
 def test_the_cli_resolves_the_id_through_HF_HUB_CACHE_offline(hub, tmp_path):
     config = {"activations": {"tiny": {"model": {"name": REPO_ID}, "layers": [1], "context_length": 16,
                                        "dataset": {"kind": "builtin_text", "n_ex": 2}}}}  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 from builders import file_bytes, identity_sae, run_around_sae, vision_spec, write_shards
 from saeflow import cli, numerics, provenance
 from saeflow.shards import parts
-from workflow_helpers import env, write_config
+from workflow_helpers import TEST_THREADS_ENV, env, write_config
 
 PORTABLE_VARIANTS = {
     "as is": {},
@@ -28,7 +28,8 @@ NATIVE_AVX2 = {numerics.ENV_VAR: "native", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_C
 def _extract(tmp_path, name: str, extra_env: dict):
     """`saeflow extract` of a tiny random ViT (patch convolution, GELU, layer norm) in its own process."""
     config_fpath = write_config(tmp_path, {"activations": {"vit": vision_spec()}, "saes": {}})
-    clean = {k: v for k, v in env().items() if k not in numerics.PORTABLE_ENV}  # no pins inherited from conftest
+    inherited = {*numerics.PORTABLE_ENV, *TEST_THREADS_ENV}  # the conftest's pins and thread count: "as is" is as is
+    clean = {k: v for k, v in env().items() if k not in inherited}
     cmd = [sys.executable, "-m", "saeflow", "extract", str(config_fpath), "--shards-root", str(tmp_path / name),
            "--no-progress"]  # fmt: skip
     proc = subprocess.run(cmd, env={**clean, **extra_env}, capture_output=True, text=True, timeout=300)
@@ -38,6 +39,7 @@ def _extract(tmp_path, name: str, extra_env: dict):
 
 
 @pytest.mark.skipif(numerics.effective_mode({}) != "portable", reason="portable kernels need an x86-64 AVX2 CPU")
+@pytest.mark.slow
 def test_portable_bytes_ignore_the_instruction_set_and_thread_count_and_native_ones_compare_within_tolerance(
     tmp_path, capsys
 ):

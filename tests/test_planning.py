@@ -13,7 +13,7 @@ import yaml
 
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan, expand_path
+from saeflow.planning import WorkflowPlan, expand_path, read_planned
 from workflow_helpers import REPO_ROOT
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
@@ -235,3 +235,28 @@ def test_a_damaged_published_shard_directory_is_refused_only_while_a_job_still_r
             fpath.touch()
     assert plan.shard_hashes_to_read() == []
     plan.check_published_shards()
+
+
+def test_a_jobs_parse_takes_what_the_submitting_parse_planned_and_plans_a_changed_spec_again(tmp_path, monkeypatch):
+    """A Slurm job's parse (common.smk) reads the shard metadata its Snakemake wrote beside the job configs: same
+    hashes and runs, without planning an activation again; an entry is named by its spec's content, so an edited
+    spec finds none and is planned anew."""
+    from saeflow import extract
+
+    cache_dpath = tmp_path / "cache"
+    plan = WorkflowPlan.from_config(smallest_config(tmp_path))
+    plan.write_cli_configs(cache_dpath)
+    planned = read_planned(smallest_config(tmp_path)["activations"], cache_dpath)
+    assert sorted(md["n_ex"] for md in planned.values()) == [32, 32]  # text and images
+    with monkeypatch.context() as patched:
+        patched.setattr(extract, "plan_activation", lambda spec: pytest.fail("an activation was planned again"))
+        again = WorkflowPlan.from_config(smallest_config(tmp_path), planned)
+    assert again.shard_hash == plan.shard_hash and again.runs.keys() == plan.runs.keys()
+    edited = smallest_config(tmp_path)
+    edited["activations"]["text"]["context_length"] = 8
+    planned = read_planned(edited["activations"], cache_dpath)
+    assert len(planned) == 1  # images only
+    fresh = WorkflowPlan.from_config(edited, planned)
+    assert fresh.shard_hash["images"] == plan.shard_hash["images"]
+    assert fresh.shard_hash["text"] != plan.shard_hash["text"]
+    assert fresh.metadata["text"].patches_per_ex == 8

@@ -209,6 +209,7 @@ def loaded_by_the_libraries(peers_site, shards_dpath, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(EXPORTS))
+@pytest.mark.slow
 def test_exports_load_in_the_libraries_with_the_same_outputs(loaded_by_the_libraries, name):
     fmt, arch = EXPORTS[name]
     model = saeflow_sae(arch, seed=list(EXPORTS).index(name))

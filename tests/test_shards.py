@@ -120,6 +120,7 @@ print(shards.Metadata.from_dict({**{k: obj[k] for k in order}, "data": data}).ha
 """
 
 
+@pytest.mark.slow
 def test_hash_same_across_processes_seeds_and_key_orders():
     obj = make_md().to_dict()
     hashes = set()

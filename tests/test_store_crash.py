@@ -55,6 +55,7 @@ def assert_nothing_partial(root, md):
         assert shards.validate(root / md.hash, deep=True).ok
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_is_byte_identical(tmp_path):
     md = make_md(n_ex=20, ex_per_shard=3, d_model=32)  # 7 shards, each fsynced and recorded
     start = time.perf_counter()
@@ -135,6 +136,7 @@ def test_file_size_limit_in_child_then_resume(tmp_path):
     assert file_bytes(write_all(root, md).dpath) == reference
 
 
+@pytest.mark.slow
 def test_two_processes_publish_the_same_hash(tmp_path):
     root = tmp_path / "shards"
     n_ex = 60

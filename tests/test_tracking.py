@@ -93,6 +93,7 @@ def _wandb_records(fpath: pathlib.Path):
             yield buf
 
 
+@pytest.mark.slow
 def test_offline_wandb_runs_hold_the_metrics_and_a_killed_run_logs_each_step_once(tmp_path, shard_dir, monkeypatch):
     from wandb.proto import wandb_internal_pb2
 

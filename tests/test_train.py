@@ -200,6 +200,7 @@ def _train_quietly(run_root):
     train.train_runs([run_root], device="cpu", checkpoint_every=20)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     sd, spec = small_run
     killed = run_from_sae_spec(tmp_path / "killed", sd, **spec)

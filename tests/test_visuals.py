@@ -106,6 +106,7 @@ def test_selection_and_errors(text_visuals, capsys):
         visuals.make_visuals(visuals.Config(run.root, shards_hash="0" * 64))
 
 
+@pytest.mark.slow
 def test_index_html_in_headless_chromium(text_visuals, tmp_path):
     exe = find_chromium()
     if exe is None:
@@ -259,6 +260,7 @@ NEURONPEDIA_FEATURE_KEYS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_lm_pages_read_well_in_headless_chromium(lm_visuals, tmp_path):
     exe = find_chromium()
     if exe is None:

@@ -52,6 +52,7 @@ def prepared(tmp_path_factory):
     return {"workdir": workdir, "cfg": cfg, "config": config_fpath, "hash": shard_hash, "run_ids": run_ids}
 
 
+@pytest.mark.slow
 def test_default_run_publishes_every_stage(prepared):
     workdir, published = prepared["workdir"], ShardLayout.at(prepared["workdir"] / "shards", prepared["hash"])
     shard_dpath = published.dpath
@@ -76,11 +77,13 @@ def test_default_run_publishes_every_stage(prepared):
     assert not list((workdir / "shards").glob(".*.partial")) and not list(workdir.rglob(".snakemake_timestamp"))
 
 
+@pytest.mark.slow
 def test_unchanged_config_has_nothing_to_do(prepared):
     proc = snakemake(prepared["workdir"], prepared["config"], "-n")
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_report_embeds_the_summary_and_visuals(prepared):
     report = prepared["workdir"] / "report.html"
     snakemake(prepared["workdir"], prepared["config"], "--report", str(report))
@@ -89,6 +92,7 @@ def test_report_embeds_the_summary_and_visuals(prepared):
         assert name in html, name
 
 
+@pytest.mark.slow
 def test_code_edit_and_fresh_mtimes_rerun_nothing(prepared, tmp_path):
     """An edited saeflow package (first on PYTHONPATH) and freshly touched shard files change no decision."""
     pkg_copy = tmp_path / "pkg" / "saeflow"
@@ -103,6 +107,7 @@ def test_code_edit_and_fresh_mtimes_rerun_nothing(prepared, tmp_path):
     assert "Nothing to be done" in proc.stdout + proc.stderr, proc.stdout
 
 
+@pytest.mark.slow
 def test_changing_one_hyperparameter_reruns_only_that_run(prepared, tmp_path):
     cfg = tiny_config(k=(4, 12))  # the second point of the sweep changes
     proc = snakemake(prepared["workdir"], write_config(tmp_path, cfg), "-n")
@@ -114,6 +119,7 @@ def test_changing_one_hyperparameter_reruns_only_that_run(prepared, tmp_path):
     assert f"runs/{kept_run}/checkpoint/sae.pt" not in proc.stdout.split("rule all:")[0].replace("input: ", "")
 
 
+@pytest.mark.slow
 def test_layer_change_makes_a_new_shard_dir_and_keeps_the_old(prepared, tmp_path):
     workdir, old_dpath = prepared["workdir"], prepared["workdir"] / "shards" / prepared["hash"]
     before = tree_state(old_dpath)
@@ -126,6 +132,7 @@ def test_layer_change_makes_a_new_shard_dir_and_keeps_the_old(prepared, tmp_path
     assert all(not mode & 0o222 for mode, _, _ in before.values()), "the old shard directory must stay read-only"
 
 
+@pytest.mark.slow
 def test_identical_activation_specs_share_one_shard_dir(prepared, tmp_path):
     cfg = tiny_config()
     cfg["activations"]["docs-copy"] = json.loads(json.dumps(cfg["activations"]["docs"]))
@@ -138,6 +145,7 @@ def test_identical_activation_specs_share_one_shard_dir(prepared, tmp_path):
     assert counts["train"] == 1 and counts["create_run"] == 1, proc.stdout
 
 
+@pytest.mark.slow
 def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
     workdir, published = prepared["workdir"], ShardLayout.at(prepared["workdir"] / "shards", prepared["hash"])
     shard_dpath = published.dpath
@@ -156,6 +164,7 @@ def test_purged_shard_dir_is_reported_and_not_rebuilt(prepared):
         aside.rename(shard_dpath)
 
 
+@pytest.mark.slow
 def test_a_damaged_published_shard_dir_a_job_needs_stops_snakemake_before_any_job_runs(tmp_path):
     """An acts file of a published shard directory deleted (a scratch purge removes files one by one) while runs
     still have to read it: `snakemake` stops at once with one line naming the directory, the file and what to do,
@@ -190,6 +199,7 @@ def completed_shards(staging: pathlib.Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path):
     cfg = tiny_config(n_ex=320, patches_per_shard=16 * 32)  # 10 small shards: a slow enough, resumable job
     cfg["saes"] = {}
@@ -217,6 +227,7 @@ def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path
     assert json.loads(ShardLayout(final_dpath).provenance_fpath.read_text())["resumed_from_ex"] > 0
 
 
+@pytest.mark.slow
 def test_malformed_config_fails_validation_naming_the_key(prepared, tmp_path):
     cfg = tiny_config()
     cfg["saes"]["topk"]["expansion"] = "wide"
@@ -242,6 +253,7 @@ def test_a_mistyped_config_key_stops_snakemake_with_one_line_naming_the_file_and
     assert "Failed validating" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_unknown_activation_name_is_a_clear_error(prepared, tmp_path):
     cfg = tiny_config()
     cfg["saes"]["topk"]["train"] = "nope"
@@ -250,6 +262,7 @@ def test_unknown_activation_name_is_a_clear_error(prepared, tmp_path):
     assert "saes.topk: activation 'nope' is not defined" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_lint_and_format_are_clean():
     lint = subprocess.run(
         [os.path.join(os.path.dirname(os.sys.executable), "snakemake"), "--lint", "-s", str(REPO_ROOT / "Snakefile")],
@@ -273,6 +286,7 @@ def test_default_and_example_configs_validate():
     ), "the default config must hold a sweep"
 
 
+@pytest.mark.slow
 def test_moving_the_shards_root_reextracts_and_retrains_nothing(prepared, tmp_path):
     """A new shards_root (e.g. a new scratch): complete runs need no shard bytes, so nothing is extracted there
     and no run is touched (issue 12); a new run would extract its shard directory under the same hash name."""

@@ -5,10 +5,14 @@ point trains without touching the existing ones (docs/workflow.md, "One pass per
 import json
 import os
 
+import pytest
+
 from _readcount import ReadCounter
 from saeflow import config, runs, train
 from saeflow.planning import WorkflowPlan
 from workflow_helpers import REPO_ROOT, job_counts, snakemake, tree_state, write_config
+
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
 
 GPT2 = {"random": {"arch": "gpt2", "config": {"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 300,
                                               "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}}}  # fmt: skip

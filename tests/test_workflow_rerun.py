@@ -24,7 +24,9 @@ from saeflow import config
 from saeflow.layout import RunLayout, ShardLayout
 from saeflow.planning import WorkflowPlan
 from test_faults_cli import _drop_dac_capabilities
-from workflow_helpers import REPO_ROOT, env, tree_state, write_config
+from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
+
+pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
 
 BASE = {
     "shards_root": "shards",
@@ -60,7 +62,7 @@ def plan_of(cfg: dict) -> WorkflowPlan:
 
 def snakemake(workdir, config_fpath, *args, snakefile=REPO_ROOT / "Snakefile", preexec=None, pythonpath=None):
     cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir),
-           "--configfile", str(config_fpath), "--cores", "2", *args]  # fmt: skip
+           "--configfile", str(config_fpath), *SNAKEMAKE_TEST_ARGS, *args]  # fmt: skip
     extra = {"PYTHONPATH": str(pythonpath)} if pythonpath else {}
     # cwd: the Snakefile's checkout, as a user runs it (Snakemake finds profiles/default there)
     proc = subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, cwd=snakefile.parent,
@@ -140,7 +142,7 @@ def tree(tmp_path_factory):
     (paper / "Snakefile").write_text(PAPER_SNAKEFILE.format(snakefile=str(REPO_ROOT / "Snakefile")))
     shutil.copytree(REPO_ROOT / "profiles" / "default", paper / "profiles" / "default")  # saeflow's rerun triggers
     config_fpath = write_config(paper / "config", BASE, "paper.yaml")
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2"]
+    cmd = [sys.executable, "-m", "snakemake", *SNAKEMAKE_TEST_ARGS]
     proc = subprocess.run(cmd, cwd=paper, env=env(PYTHONPATH=str(REPO_ROOT / "workflow")), capture_output=True,
                           text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

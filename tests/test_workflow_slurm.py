@@ -86,6 +86,7 @@ def _user_roots(tmp_path, cfg: dict) -> dict:
             "summary_dir": str(tmp_path / "summary")}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_warning_signal(tmp_path):
     """The whole workflow through the profile; the training job gets Slurm's warning signal (USR1, asked for with
     --signal) from the fake scheduler once its first resume checkpoint exists, saves and fails, and Snakemake's
@@ -139,6 +140,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     assert f"saeflow: runs_root: {tmp_path / 'ess'} (from config file {config_fpath})" in _snakemake_output(tmp_path)
 
 
+@pytest.mark.slow
 def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path, capsys):
     dest = install_profile("PAS4321", tmp_path / "osc", allow_cpu_torch=True)
     text = (dest / "config.yaml").read_text()
@@ -174,6 +176,7 @@ def _dry_run_with_osc_profile(tmp_path, config_fpath, *args) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_literal_profile_osc_works_after_install_and_supplies_the_roots_a_config_lacks(tmp_path):
     """`saeflow install-profile` then the literal `snakemake --profile osc` (found in ~/.config/snakemake): a config
     without roots gets the profile's scratch and project roots, and the plan says so."""
@@ -186,6 +189,7 @@ def test_literal_profile_osc_works_after_install_and_supplies_the_roots_a_config
     assert f"saeflow: summary_dir: summary (from config file {tmp_path / 'config.yaml'})" in out
 
 
+@pytest.mark.slow
 def test_the_users_config_file_and_config_roots_beat_the_profiles(tmp_path):
     """--profile osc --configfile my.yaml: my.yaml's roots win over the profile's defaults; --config beats both;
     the plan names where each root came from."""
@@ -209,6 +213,7 @@ def test_the_default_profile_overrides_no_key_of_the_osc_profile():
     assert not set(default) & set(osc)
 
 
+@pytest.mark.slow
 def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resumes(tmp_path, monkeypatch):
     """4 part jobs + 1 seal job through the profile; the directory equals one job's, byte for byte; a part that
     crashed before the workflow ran resumes from its last complete shard (the other parts start from nothing)."""
@@ -298,6 +303,7 @@ def half_built(tmp_path_factory):
 
 
 @pytest.mark.parametrize("cluster", sorted(CLUSTER_REQUESTS))
+@pytest.mark.slow
 def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_default_has_none(
     tmp_path, half_built, cluster
 ):

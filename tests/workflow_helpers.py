@@ -11,6 +11,10 @@ import yaml
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO_ROOT / "Snakefile"
 VENV_BIN = pathlib.Path(sys.executable).parent
+TEST_THREADS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # the test session's torch threads (conftest)
+# Snakemake sets OMP_NUM_THREADS to a job's `threads` (2 for the model jobs): capped at one, as in the test process,
+# and with --cores 2 two such jobs can run at once.
+SNAKEMAKE_TEST_ARGS = ("--cores", "2", "--max-threads", "1")
 
 
 def minilm_path() -> str:
@@ -70,7 +74,7 @@ def env(**extra) -> dict:
 def snakemake_cmd(workdir: pathlib.Path, config_fpath: pathlib.Path, *args: str) -> list[str]:
     return [
         sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(workdir),
-        "--configfile", str(config_fpath), "--cores", "2", *args,
+        "--configfile", str(config_fpath), *SNAKEMAKE_TEST_ARGS, *args,
     ]  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 # The workflow's Python helpers: one saeflow.planning.WorkflowPlan built from the config at parse time (also inside
-# every Slurm job, so it only plans: no model weights, no data pass), and the get_* helpers the rules call.
+# every Slurm job, where it takes the submitting Snakemake's shard metadata: no model weights, no data pass), and
+# the get_* helpers the rules call.
 # Every path comes from saeflow.layout (the rules use its Snakemake patterns); nothing here spells one.
 # Included after config.smk (which resolves the roots before validation fills the schema's defaults: ROOT_SOURCES,
 # stop_workflow).
@@ -15,7 +16,7 @@ from saeflow import config as saeflow_config
 from saeflow.errors import SaeflowError
 from saeflow.launch import rule_resources
 from saeflow.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
-from saeflow.planning import WorkflowPlan
+from saeflow.planning import WorkflowPlan, read_planned
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on
@@ -43,8 +44,13 @@ CLI_CONFIG_DPATH = pathlib.Path(".snakemake", "saeflow")
 
 def plan_workflow(config):
     # Planning also makes the link to the packaged MiniLM a config names (saeflow.models.link_packaged_model).
+    # A job's own parse (Slurm) takes the shard metadata the Snakemake that submitted it planned and wrote under
+    # CLI_CONFIG_DPATH: no dataset listed, no model file read again in every job (saeflow.planning.read_planned).
+    planned = {}
+    if workflow.exec_mode != ExecMode.DEFAULT:
+        planned = read_planned(config["activations"], CLI_CONFIG_DPATH)
     try:
-        plan = WorkflowPlan.from_config(config)
+        plan = WorkflowPlan.from_config(config, planned)
     except SaeflowError as err:
         stop_workflow(f"could not plan the workflow: {err}")
     # Before any job runs, once (not again in every job's own parse): no job may start on a damaged published

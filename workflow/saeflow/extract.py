@@ -7,7 +7,8 @@
 `plan_activation(spec)` is what Snakemake calls at parse time: it reads the model's config.json (never its
 weights) and stats the dataset's files, so it is fast. The dataset's content fingerprint and, for text, the number
 of examples (a streaming tokenization of the corpus) are computed once and then come from the fingerprint cache
-(`saeflow.fingerprints`): a re-plan, and the parse inside every Slurm job, stats files and reads none.
+(`saeflow.fingerprints`): a re-plan stats files and reads none (a Slurm job's parse of the Snakefile does not
+plan at all: saeflow.planning.read_planned).
 
 Everything that changes the stored bytes is in the hashed metadata: model and revision (`ckpt`), absolute layers,
 dataset (`data` and `dataset`), preprocessing or tokenization, compute dtype, storage dtype. Things that do not

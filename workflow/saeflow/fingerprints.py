@@ -13,9 +13,16 @@ Cost: the first fingerprint of a dataset reads every byte once (a progress bar s
 keeps, per dataset, the listing of (relpath, size, mtime_ns, inode) of every file and each file's content hash.
 A re-plan lists and stats the files (`find -L ... -printf`, in parallel processes, no file is opened): when the
 listing is the cached one, the cached fingerprint is the answer; otherwise only the files whose (relpath, size,
-mtime, inode) changed are read again. A Slurm job's parse of the Snakefile therefore stats files and reads none.
+mtime, inode) changed are read again. A `saeflow` command in a Slurm job therefore stats files and reads none (the
+job's parse of the Snakefile takes what its Snakemake planned: saeflow.planning.read_planned).
 Files modified in the last RACY_SEC seconds are never trusted by stat (git's "racy clean" rule): a same-size edit
 within the file system's timestamp granularity is still seen.
+
+A stat per file is the floor of that re-plan: 1.28M files cost ~2 s of kernel time alone. Where a dataset's files
+are added, removed or replaced but never rewritten in place (a read-only ImageNet copy on a cluster),
+`SAEFLOW_FINGERPRINT_RECHECK=directories` makes a re-plan stat only its directories (and start files): adding,
+removing or renaming an entry changes its directory's mtime, and then the files are listed as above. A file
+rewritten in place under the same name is not seen in that mode (the default, `files`, sees it).
 
 Where: `$SAEFLOW_FINGERPRINT_CACHE`, else `$XDG_CACHE_HOME/saeflow/fingerprints`, else
 `~/.cache/saeflow/fingerprints` (on a cluster the home directory is seen by the login node and every compute node,
@@ -49,6 +56,11 @@ DIGEST_BYTES = 32
 RACY_SEC = 5.0
 _FIND_PRINTF = "%p\\t%s\\t%T@\\t%i\\0"  # path, size, mtime (s.ns), inode; NUL-terminated (names may hold newlines)
 _warned_unwritable: set[str] = set()
+# How a re-plan looks for changes: `files` stats every file (the default: any edit is seen); `directories`, for
+# datasets on storage where files are added, removed or replaced but never rewritten in place, stats only the
+# directories (and start files), so a re-plan no longer grows with the number of files (see the module docstring).
+RECHECK_ENV = "SAEFLOW_FINGERPRINT_RECHECK"
+RECHECKS = ("files", "directories")
 DIGESTS = {"sha256": file_sha256, "git-sha1": file_git_sha1}  # file_digest's algorithms
 
 
@@ -204,6 +216,48 @@ def _hash_files(root: pathlib.Path, todo: list[_Entry], progress: bool) -> dict[
     return digests
 
 
+def recheck_mode() -> str:
+    """How a re-plan looks for changes (RECHECK_ENV): `files` (default) or `directories`; one line for another."""
+    mode = os.environ.get(RECHECK_ENV, "files").strip().lower() or "files"
+    if mode not in RECHECKS:
+        raise SaeflowError(f"{RECHECK_ENV}={mode!r}: not a recheck mode; choose one of {', '.join(RECHECKS)}")
+    return mode
+
+
+def _tracked(starts: list[pathlib.Path]) -> list[str]:
+    """What `directories` mode stats: every directory below the starts (symlinks followed) and every start that
+    is a file. Adding, removing or renaming an entry changes its directory's mtime; a start file is stat'ed itself."""
+    out = []
+    for start in map(str, starts):
+        if not os.path.isdir(start):
+            out.append(start)
+            continue
+        out.extend(dpath for dpath, _, _ in os.walk(start, followlinks=True))
+    return out
+
+
+def _tracked_sha256(paths: list[str], settled: float | None = None) -> str | None:
+    """sha256 of (path, size, mtime, inode) of each tracked path; None when one is gone or (given `settled`) was
+    modified after it (racy: not to be trusted later)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        if settled is not None and st.st_mtime >= settled:
+            return None
+        digest.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ino}\0".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def _unchanged_directories(header: dict | None) -> bool:
+    """`directories` mode: the tracked directories are as they were when the cache was written."""
+    if header is None or header.get("listing_sha256") is None or not header.get("tracked_sha256"):
+        return False
+    return _tracked_sha256(header["tracked"]) == header["tracked_sha256"]
+
+
 def of_files(
     root: pathlib.Path, starts: list[pathlib.Path], suffixes: tuple[str, ...], progress: bool = True
 ) -> Fingerprint:
@@ -212,10 +266,18 @@ def of_files(
     suffixes = tuple(s.lower() for s in suffixes)
     key = {"root": str(root), "starts": [str(p) for p in starts], "suffixes": sorted(suffixes)}
     header_fpath, entries_fpath = _cache_fpaths(key)
+    header = _read_header(header_fpath, key)
+    tracked = {}  # `directories` mode: the directories' stats, taken before the listing (a later change is seen)
+    if recheck_mode() == "directories":
+        if _unchanged_directories(header):
+            return Fingerprint(header["sha256"], header["n_files"], header["n_bytes"])
+        paths = _tracked(starts)
+        tracked = {"tracked": paths, "tracked_sha256": _tracked_sha256(paths, time.time() - RACY_SEC)}
     raw = listing(starts)
     listing_sha256 = hashlib.sha256(raw).hexdigest()
-    header = _read_header(header_fpath, key)
     if header is not None and header["listing_sha256"] == listing_sha256:
+        if tracked:
+            _write(header_fpath, (json.dumps({**header, **tracked}, indent=1) + "\n").encode("utf-8"))
         return Fingerprint(header["sha256"], header["n_files"], header["n_bytes"])
     entries = _entries(root, raw, suffixes)
     known = _read_digests(entries_fpath, header["n_entries"]) if header is not None else {}
@@ -231,7 +293,7 @@ def of_files(
     if len(kept) < len(entries):  # a racy file: the next plan must look at it again
         listing_sha256 = None
     header = {"version": CACHE_VERSION, "key": key, "listing_sha256": listing_sha256, "n_entries": len(kept)}
-    _write(header_fpath, (json.dumps({**header, **dataclasses.asdict(fp)}, indent=1) + "\n").encode("utf-8"))
+    _write(header_fpath, (json.dumps({**header, **tracked, **dataclasses.asdict(fp)}, indent=1) + "\n").encode("utf-8"))
     return fp
 
 

@@ -12,10 +12,12 @@ datasets, never weights or activations. Paths come from `saeflow.layout`; nothin
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import pathlib
 
-from saeflow import extract, hashing, layout, summary, sweeps, tokenization
+from saeflow import extract, hashing, layout, shards, summary, sweeps, tokenization
 from saeflow.atomic import write_file_atomic
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
@@ -99,13 +101,47 @@ def _metadata(spec: ActivationSpec | ShardsSpec, shards_root: pathlib.Path):
     return extract.plan_activation(spec)
 
 
+def activation_key(raw_spec: dict) -> str:
+    """Names an activation spec by its content (the validated `activations.<name>` entry): the key of its planned
+    metadata (`cli_config("planned", key)`)."""
+    return hashlib.sha256(hashing.canonical_json(raw_spec).encode("utf-8")).hexdigest()
+
+
+def read_planned(raw_activations: dict, cache_dpath: pathlib.Path) -> dict[str, dict]:
+    """Activation key -> the shard metadata an earlier parse planned and wrote under `cache_dpath` (those found).
+
+    A Slurm job's own parse of the Snakefile takes these instead of planning again: it must rebuild the DAG the
+    Snakemake that submitted it planned, and it then lists no dataset and reads no model file (on a 1.28M-file image
+    folder, seconds of stat calls in every job). The job's `saeflow` command still plans its own inputs."""
+    planned = {}
+    for raw_spec in raw_activations.values():
+        key = activation_key(raw_spec)
+        try:
+            planned[key] = json.loads((cache_dpath / WorkflowPlan.cli_config("planned", key)).read_text("utf-8"))
+        except (OSError, ValueError):
+            continue  # not planned by this working directory's Snakemake (or torn): planned again
+    return planned
+
+
+def plan_metadata(cfg: WorkflowConfig, planned: dict[str, dict]) -> dict[str, shards.Metadata]:
+    """Activation name -> its shard metadata: from `planned` (read_planned) where it holds the spec, else planned."""
+    out = {}
+    for name, spec in cfg.activations.items():
+        known = planned.get(activation_key(cfg.raw["activations"][name]))
+        if known is not None and isinstance(spec, ActivationSpec):
+            out[name] = _typed(shards.Metadata.from_dict, known, f"activations.{name} (planned)")
+        else:
+            out[name] = _typed(lambda s: _metadata(s, cfg.shards_root), spec, f"activations.{name}")
+    return out
+
+
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
-    def __init__(self, cfg: WorkflowConfig):
+    def __init__(self, cfg: WorkflowConfig, planned: dict[str, dict] | None = None):
+        """`planned`: shard metadata an earlier parse planned (read_planned), taken as it is."""
         self.cfg = cfg
-        self.metadata = {name: _typed(lambda s: _metadata(s, cfg.shards_root), spec, f"activations.{name}")
-                         for name, spec in cfg.activations.items()}  # fmt: skip
+        self.metadata = plan_metadata(cfg, planned or {})
         self.shard_hash = {name: md.hash for name, md in self.metadata.items()}
         # Two activation specs with identical content share one shard directory; the first name speaks for it.
         self.hash_activation: dict[str, str] = {}
@@ -121,8 +157,8 @@ class WorkflowPlan:
             check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
 
     @classmethod
-    def from_config(cls, config: dict) -> "WorkflowPlan":
-        return cls(WorkflowConfig.from_dict(config))
+    def from_config(cls, config: dict, planned: dict[str, dict] | None = None) -> "WorkflowPlan":
+        return cls(WorkflowConfig.from_dict(config), planned)
 
     # -- layouts ----------------------------------------------------------------------------------------------
 
@@ -179,7 +215,7 @@ class WorkflowPlan:
     @staticmethod
     def cli_config(kind: str, key: str) -> pathlib.Path:
         """Where the config of one job lives under the cache directory: kind is shards, runs or exports, key the
-        shard hash, run id or export name."""
+        shard hash, run id or export name; or what a parse planned (kind planned, key activation_key)."""
         return pathlib.Path(kind, f"{key}.json")
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
@@ -308,6 +344,10 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
             "activations": {name: raw["activations"][name] for name in names},
             "saes": {run_plan.sae_name: raw["saes"][run_plan.sae_name]},
         }
+    for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)
+        if isinstance(spec, ActivationSpec):
+            key = activation_key(raw["activations"][name])
+            configs[plan.cli_config("planned", key)] = plan.metadata[name].to_dict()
     for name in plan.cfg.exports:
         configs[plan.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
     # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):
