@@ -13,7 +13,9 @@ import yaml
 
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan, expand_path
+from saeflow.layout import ShardLayout
+from saeflow.planning import WorkflowPlan, expand_path, has_labels
+from saeflow.specs import ShardsSpec
 from workflow_helpers import REPO_ROOT
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
@@ -116,12 +118,13 @@ def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
     assert expand_path("/x/$USER", "runs_root").name == os.environ["USER"]
 
 
-@pytest.mark.parametrize("section", ["train", "inference", "visuals", "evaluate"])
+@pytest.mark.parametrize("section", ["train", "inference", "visuals", "evaluate", "probe"])
 def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(section):
     values = config.section_defaults(section)
     changed = {"train": {"checkpoint_every": 7}, "inference": {"top_k": 3, "device": "cpu"},
                "visuals": {"selection": "list", "latents": [3, 1]},
-               "evaluate": {"n_tokens": 512, "compute_dtype": "bfloat16"}}[section]  # fmt: skip
+               "evaluate": {"n_tokens": 512, "compute_dtype": "bfloat16"},
+               "probe": {"seed": 3, "test_frac": 0.5, "ks": [1, 3]}}[section]  # fmt: skip
     values.update(changed)
     flags = config.section_flags(section, values)
     assert len(flags) == sum(1 + len(v) if isinstance(v, list) else 2 for v in changed.values())
@@ -235,3 +238,16 @@ def test_a_damaged_published_shard_directory_is_refused_only_while_a_job_still_r
             fpath.touch()
     assert plan.shard_hashes_to_read() == []
     plan.check_published_shards()
+
+
+def test_only_dumps_of_labelled_shards_are_probed(tmp_path):
+    """Generated images carry labels.bin (a shape per patch): their runs are probed; text runs are not. An existing
+    shard directory is probed when it holds labels.bin or classes.bin."""
+    plan = WorkflowPlan.from_config(smallest_config())
+    images = plan.shard_hash["images"]
+    assert plan.probes() and {h for _, h in plan.probes()} == {images}
+    assert {r for r, _ in plan.probes()} == {r for r, p in plan.runs.items() if p.val_activation == "images"}
+    shards = ShardLayout(tmp_path)
+    assert not has_labels(ShardsSpec(str(tmp_path)), shards)
+    shards.file(ShardLayout.CLASSES_FNAME).write_bytes(b"")
+    assert has_labels(ShardsSpec(str(tmp_path)), shards)

@@ -117,6 +117,18 @@ def test_the_probes_match_scikit_learn_on_the_same_arrays(probed):
             [roc_auc_score(y_t, codes_ns[test, c]) for c in cand], abs=1e-4)
 
 
+def test_the_f1_threshold_is_the_best_firing_threshold_on_the_training_sample():
+    from sklearn.metrics import f1_score
+
+    rng = np.random.default_rng(0)
+    y = rng.random(200) < 0.5
+    x = np.where(rng.random(200) < 0.7, 0.0, rng.random(200)) + y * rng.random(200)
+    t = probe.f1_threshold(x, y)
+    grid = np.r_[0.0, np.unique(x[x > 0])]
+    assert f1_score(y, x > t) == max(f1_score(y, x > g) for g in grid)
+    assert probe.f1_threshold(np.zeros(10), np.arange(10) < 5) == 0.0  # a latent that never fires: F1 0, not 2/3
+
+
 def test_the_split_and_samples_are_a_function_of_the_seed(probed, tmp_path):
     sd = probed["sd"]
     source = next(s for s in probe.label_sources(sd) if s.fname == "labels.bin")

@@ -1,4 +1,4 @@
-# Summary: every run's inference and splice-evaluation metrics and hyper-parameters in one CSV, and the L0 vs
+# Summary: every run's inference, splice-evaluation and probe metrics and hyper-parameters in one CSV, and the L0 vs
 # normalized-MSE (and splice score) Pareto plot across the sweep. Cheap, so it follows every metrics file (no ancient())
 # and .snakemake/saeflow/stages/summary.json, the runs and names it shows (rewritten only when they change:
 # removing, reordering or renaming).
@@ -8,6 +8,7 @@ rule summary:
     input:
         metrics=get_dump_metrics(),
         evaluations=get_evaluations(),
+        probes=get_probes(),
         runs=get_cli_config("stages", "summary"),
     output:
         csv=report(

@@ -66,6 +66,7 @@ def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
             **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
             **train,
             **_evaluation(run, dump_dpath.name),
+            **_probe(run, dump_dpath.name),
             **hparams,
         }
         for dump_dpath in sorted(run.inference_dpath.glob("*"))
@@ -83,6 +84,17 @@ def _evaluation(run, shard_hash: str) -> dict:
     return flatten(metrics, "eval.")
 
 
+def _probe(run, shard_hash: str) -> dict:
+    """`probe.*`: the means over labels of `saeflow probe` on the same shards (RUN/probe/<hash>.json), if any."""
+    fpath = run.probe_fpath(shard_hash)
+    if not fpath.exists():
+        return {}
+    metrics = read_metrics(fpath).get("metrics")
+    if not isinstance(metrics, dict):
+        raise SaeflowError(f"{fpath}: no `metrics` object; rerun `saeflow probe`")
+    return flatten(metrics, "probe.")
+
+
 def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None) -> list[dict]:
     """Rows of every run; `names` maps run ids to labels for the `name` column and the plot."""
     names = names or {}
@@ -93,17 +105,15 @@ def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None)
 
 
 def to_csv(rows: list[dict]) -> str:
-    """Columns: name, run_id, shard_hash, inference metrics, eval.*, train.*, config.* (union over rows, sorted)."""
+    """Columns: name, run_id, shard_hash, inference metrics, eval.*, probe.*, train.*, config.* (union over rows,
+    sorted)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
-    head = ["name", "run_id", "shard_hash"]
-    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(("config.", "train.", "eval.")))
-    eval_cols = sorted(c for c in columns if c.startswith("eval."))
-    train_cols = sorted(c for c in columns if c.startswith("train."))
-    config_cols = sorted(c for c in columns if c.startswith("config."))
+    head, groups = ["name", "run_id", "shard_hash"], ("eval.", "probe.", "train.", "config.")
+    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(groups))
     buf = io.StringIO()
-    fieldnames = head + metric_cols + eval_cols + train_cols + config_cols
+    fieldnames = head + metric_cols + [c for group in groups for c in sorted(c for c in columns if c.startswith(group))]
     writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
