@@ -11,7 +11,7 @@ from saeflow.errors import SaeflowError, one_line
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
 COMMAND_MODULES = (
-    "store", "extract", "train", "inference", "evaluate", "probe", "interop", "sae_interop", "workflow",
+    "store", "extract", "train", "inference", "evaluate", "probe", "stability", "interop", "sae_interop", "workflow",
 )
 # The commands that compute with torch: inside a job given a GPU, they check that torch sees it first.
 GPU_COMMANDS = ("extract", "train", "inference", "evaluate")
