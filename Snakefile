@@ -20,6 +20,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/inference.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/probe.smk"
+include: "workflow/rules/stability.smk"
 include: "workflow/rules/summary.smk"
 include: "workflow/rules/interop.smk"
 

@@ -6,13 +6,6 @@
 # The `probe` settings are in .snakemake/saeflow/stages/probe.json, an input rewritten only when they change.
 
 
-def get_probes():
-    """Every labelled dump's probe result (saeflow probe)."""
-    return [
-        PLAN.run(run_id).probe_fpath(shard_hash) for run_id, shard_hash in PLAN.probes()
-    ]
-
-
 rule probe:
     input:
         dump=DUMPS.metrics_fpath,

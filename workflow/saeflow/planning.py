@@ -15,7 +15,7 @@ import functools
 import os
 import pathlib
 
-from saeflow import extract, hashing, layout, summary, sweeps, tokenization
+from saeflow import extract, hashing, layout, stability, summary, sweeps, tokenization
 from saeflow.atomic import write_file_atomic
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
@@ -192,8 +192,8 @@ class WorkflowPlan:
 
     @staticmethod
     def cli_config(kind: str, key: str) -> pathlib.Path:
-        """Where the config of one job lives under the cache directory: kind is shards, runs or exports, key the
-        shard hash, run id or export name."""
+        """Where the config of one job lives under the cache directory: kind is shards, runs, exports or stability,
+        key the shard hash, run id, export name or seed group."""
         return pathlib.Path(kind, f"{key}.json")
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
@@ -335,6 +335,8 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     }
     configs[plan.cli_config("stages", "evaluate")] = {"evaluate": plan.cfg.settings["evaluate"]}
     configs[plan.cli_config("stages", "probe")] = {"probe": plan.cfg.settings["probe"]}
+    for group, run_ids in stability.seed_groups({r: p.train_config.to_dict() for r, p in plan.runs.items()}).items():
+        configs[plan.cli_config("stability", group)] = {"runs": run_ids}  # the group's members: its rerun trigger
     configs[plan.cli_config("stages", "summary")] = {
         "runs": sorted(str(plan.run(run_id).root) for run_id in plan.runs),
         "labels": {run_id: f"{p.sae_name}[{p.index}]" for run_id, p in sorted(plan.runs.items())},
