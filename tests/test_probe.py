@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from _cdp import Browser, find_chromium
 from builders import run_around_sae, write_shards
 from saeflow import cli, inference, probe, sae, visuals
 from saeflow.layout import ShardLayout
@@ -145,17 +146,30 @@ def test_the_split_and_samples_are_a_function_of_the_seed(probed, tmp_path):
     assert abs(probe.is_test(ids, 0, 0.2).mean() - 0.2) < 0.02
 
 
-def test_each_latent_page_lists_the_labels_it_predicts(probed):
+def test_each_latent_page_lists_the_labels_it_predicts(probed, tmp_path):
     run, sd, latent_of = probed["run"], probed["sd"], probed["latent_of"]
     js = run.dump(sd.hash).labels_js_fpath.read_text()
     assert js.startswith("window.SAEFLOW_LABELS = ")
     page = json.loads(js.removeprefix("window.SAEFLOW_LABELS = ").rstrip(";\n"))
-    assert page["note"] == ""
+    assert page["note"] == "" and page["labelled"] is True
     first = page["latents"][str(latent_of[0])][0]  # class c0's latent: c0 first, as its best single latent
     assert first[0] == "c0" and first[3] is True and first[1] > 0.9
     # Visuals drawn again read the probe result (same checkpoint), so the page keeps its labels.
     visuals.make_visuals(visuals.Config(run=run.root, n_latents=4, force=True))
     assert run.dump(sd.hash).labels_js_fpath.read_text() == js
+    exe = find_chromium()
+    if exe is None:
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    browser = Browser(exe, tmp_path / "chromium-profile")
+    try:  # what a reader sees on the page of class c0's latent (not drawn: every latent has the section)
+        session = browser.open_page(run.dump(sd.hash).index_fpath.as_uri())
+        browser.evaluate(session, f"location.hash = 'latent-{latent_of[0]}'")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 150))")
+        section = browser.evaluate(session, "document.querySelector('#labels').innerText")
+        assert section.startswith("Labels this latent predicts") and "c0" in section and "yes" in section
+        assert browser.console_errors() == []
+    finally:
+        browser.close()
 
 
 def test_shards_without_labels_are_a_one_line_error(tmp_path, capsys):

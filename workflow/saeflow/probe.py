@@ -38,7 +38,7 @@ from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from saeflow import atomic, config, datasets, layout, loaders, provenance, runs
+from saeflow import atomic, config, datasets, latent_labels, layout, provenance, runs
 from saeflow.csr_stream import CsrFile
 from saeflow.errors import SaeflowError
 from saeflow.hashing import read_json_object
@@ -267,10 +267,15 @@ def max_pool(rows_ms: scipy.sparse.csr_matrix, keep_nt: np.ndarray) -> scipy.spa
 
 
 def unit_features(sample: Sample, source: LabelSource, sd: ShardDir, dump_csr: CsrFile, layer: int,
-                  selection: loaders.TokenSelection) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:  # fmt: skip
+                  tokens: str) -> tuple[scipy.sparse.csr_matrix, np.ndarray]:  # fmt: skip
     """Codes (n_units, S) and raw activations (n_units, D) of the sample's units, in `units_n` order: a patch's own,
-    or an example's codes max-pooled and raw activations mean-pooled over the tokens the SAE trained on."""
+    or an example's codes max-pooled and raw activations mean-pooled over the tokens the SAE trained on (`tokens`,
+    selected by saeflow.loaders, imported only then: it brings torch)."""
     md, T = sd.metadata, sd.metadata.tokens_per_ex
+    if source.scope == "example":
+        from saeflow import loaders
+
+        selection = loaders.TokenSelection(sd, tokens)
     ex_n = sample.units_n // source.units_per_ex
     raw_nd = np.empty((len(ex_n), md.d_model), np.float32)
     codes, reader = [], RawReader(sd, layer)
@@ -395,10 +400,13 @@ def summarize(labels: list[dict], ks: tuple[int, ...]) -> dict:
 
 def open_dump(cfg: Config) -> tuple[runs.Run, layout.DumpLayout, dict, ShardDir]:
     """The run, its dump (config.json read) and the dump's shard directory, cross-checked."""
-    from saeflow.visuals import find_dump
-
     run = runs.open_run(cfg.run)
-    dump = layout.DumpLayout(find_dump(run, cfg.shards_hash))
+    if cfg.shards_hash is None:  # the run's only dump (visuals' rule; it imports torch, so only when asked)
+        from saeflow.visuals import find_dump
+
+        dump = layout.DumpLayout(find_dump(run, None))
+    else:
+        dump = run.dump(cfg.shards_hash)
     for fpath in (dump.config_fpath, dump.acts_fpath):
         if not fpath.exists():
             raise SaeflowError(f"{fpath}: missing; run `saeflow inference` first")
@@ -419,7 +427,6 @@ def run_probe(cfg: Config) -> pathlib.Path:
                            "probe (labels come from segmentation folders, generated images, image folders and "
                            "hf_dataset label columns)")  # fmt: skip
     tokens, layer = run.config().get("tokens", "content"), int(dump_config["layer"])
-    selection = loaders.TokenSelection(sd, tokens)
     started_at, labels = provenance.utc_now(), []
     # Every fit is small: BLAS threads would only wait on each other (10x slower on a busy 2-core machine).
     with CsrFile(dump.acts_fpath) as dump_csr, threadpoolctl.threadpool_limits(1):
@@ -428,7 +435,7 @@ def run_probe(cfg: Config) -> pathlib.Path:
                                f"{sd.n_ex} x {sd.metadata.tokens_per_ex} tokens")  # fmt: skip
         for source in sources:
             sample = sample_units(sd, source, cfg)
-            codes_us, raw_ud = unit_features(sample, source, sd, dump_csr, layer, selection)
+            codes_us, raw_ud = unit_features(sample, source, sd, dump_csr, layer, tokens)
             for vi, value in enumerate(sample.values):
                 entry = {"name": source.name(int(value)), "value": int(value), "file": source.fname,
                          "scored": source.scope, "n_units": [int(c) for c in sample.counts_sv[:, vi]]}  # fmt: skip
@@ -444,9 +451,7 @@ def run_probe(cfg: Config) -> pathlib.Path:
     out_fpath = run.probe_fpath(sd.hash)
     out_fpath.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out_fpath, result)
-    from saeflow import visuals
-
-    visuals.write_labels_page(dump, result)
+    latent_labels.write_labels_page(dump, result)
     return out_fpath
 
 

@@ -25,7 +25,7 @@ import torch
 import tqdm
 from PIL import Image, ImageDraw, ImageFont
 
-from saeflow import atomic, config, datasets, inference, layout, runs, tokenization
+from saeflow import atomic, config, datasets, inference, latent_labels, layout, runs, tokenization
 from saeflow.errors import SaeflowError
 
 logger = logging.getLogger(__name__)
@@ -387,12 +387,12 @@ def make_visuals(cfg: Config) -> pathlib.Path:
     vis_config = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("run", "force")},
                   "latents_drawn": chosen}
     vis_config["shards_hash"] = dump_dpath.name
-    with atomic.exclusive_lock(_visuals_lock(dump_dpath)):
+    with atomic.exclusive_lock(latent_labels.visuals_lock_fpath(dump_dpath)):
         if final_dpath.exists() and not cfg.force:
             logger.info("reusing %s (pass --force to redraw)", final_dpath)
             return final_dpath
         staging = atomic.staging_dpath(final_dpath)
-        with _writable(dump_dpath):
+        with latent_labels.writable_dir(dump_dpath):
             atomic.remove_staging(staging)
             (staging / "latents").mkdir(parents=True)
             try:
@@ -412,23 +412,6 @@ def make_visuals(cfg: Config) -> pathlib.Path:
                 atomic.remove_staging(staging)
     return final_dpath
 
-
-def _visuals_lock(dump_dpath: pathlib.Path) -> pathlib.Path:
-    """The flock held while a dump's visuals/ is drawn or its labels.js replaced."""
-    return dump_dpath.parent / f".{dump_dpath.name}.visuals.lock"
-
-
-class _writable:
-    """Let the (read-only, published) dump directory take a new entry, then make it read-only again."""
-
-    def __init__(self, dpath: pathlib.Path):
-        self.dpath = dpath
-
-    def __enter__(self):
-        self.dpath.chmod(0o755)
-
-    def __exit__(self, *exc):
-        self.dpath.chmod(atomic.READONLY_DIR_MODE)
 
 
 def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.Path) -> None:
@@ -465,55 +448,14 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     (out_dpath / "data.js").write_text(
         "window.SAEFLOW_DATA = " + json.dumps(data, separators=(",", ":")) + ";\n", encoding="utf-8"
     )
-    (out_dpath / layout.DumpLayout.LABELS_JS_FNAME).write_bytes(labels_js(_probe_of(cfg.run, dump)))
+    probe_result = latent_labels.probe_result_of(pathlib.Path(cfg.run), dump.dpath.name, dump.config.get("sae_sha256"))
+    labelled = any(sd.has_aux(fname) for fname in (layout.ShardLayout.LABELS_FNAME, layout.ShardLayout.CLASSES_FNAME))
+    (out_dpath / layout.DumpLayout.LABELS_JS_FNAME).write_bytes(latent_labels.labels_js(probe_result, labelled))
     if examples.kind == "text":
         atomic.write_json(out_dpath / NEURONPEDIA_FNAME, neuronpedia_batch(data, md))
     for fname in ASSET_FNAMES:
         shutil.copyfile(ASSETS_DPATH / fname, out_dpath / fname)
     atomic.write_json(out_dpath / "config.json", vis_config)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Per latent: the labels it predicts (saeflow probe), on every latent's page
-# ---------------------------------------------------------------------------------------------------------------
-
-N_LABELS_SHOWN = 10  # labels listed per latent, highest held-out AUROC first
-
-
-def _probe_of(run_dpath: pathlib.Path, dump) -> dict | None:
-    """The run's probe result on this dump's shards when it was made from the dump's checkpoint, else None."""
-    fpath = layout.RunLayout(pathlib.Path(run_dpath)).probe_fpath(dump.dpath.name)
-    if not fpath.exists():
-        return None
-    result = json.loads(fpath.read_text(encoding="utf-8"))
-    return result if result.get("config", {}).get("sae_sha256") == dump.config.get("sae_sha256") else None
-
-
-def labels_js(probe_result: dict | None) -> bytes:
-    """visuals/labels.js: per latent, the labels among whose 20 latents of largest mean difference it is, as
-    [label, held-out AUROC, rank by mean difference, best single latent?]; a note when there is no probe."""
-    by_latent: dict[str, list] = {}
-    for entry in (probe_result or {}).get("labels", []):
-        best = entry.get("best_latent", {}).get("latent")
-        for rank, (latent, _, auroc) in enumerate(entry.get("candidates", []), start=1):
-            by_latent.setdefault(str(latent), []).append([entry["name"], auroc, rank, latent == best])
-    for rows in by_latent.values():
-        rows.sort(key=lambda row: (-row[3], -row[1], row[2]))
-        del rows[N_LABELS_SHOWN:]
-    note = "" if probe_result else "not probed: `saeflow probe` scores the labels of shards with labels.bin or " \
-        "classes.bin"
-    obj = {"note": note, "latents": by_latent}
-    return ("window.SAEFLOW_LABELS = " + json.dumps(obj, separators=(",", ":")) + ";\n").encode("utf-8")
-
-
-def write_labels_page(dump: layout.DumpLayout, probe_result: dict) -> None:
-    """Put a new probe result on the dump's drawn latent pages: visuals/labels.js replaced atomically (under the
-    visuals' lock, the read-only directory writable for the one rename). Undrawn visuals read it when drawn."""
-    with atomic.exclusive_lock(_visuals_lock(dump.dpath)):
-        if not dump.index_fpath.exists():
-            return
-        with _writable(dump.visuals_dpath):
-            atomic.write_file_atomic(dump.labels_js_fpath, labels_js(probe_result), readonly=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -96,7 +96,8 @@
 
   function labelsSection(i) {
     // saeflow probe: the labels among whose 20 latents of largest mean difference this latent is (labels.js).
-    const L = window.SAEFLOW_LABELS || { note: "labels.js missing: redraw with saeflow visuals", latents: {} };
+    const L = window.SAEFLOW_LABELS || { labelled: false, latents: {} };
+    if (!L.labelled) return "";  // shards without labels: nothing to predict
     const rows = L.latents[i] || [];
     let body;
     if (L.note) body = `<p class="note">${escapeHtml(L.note)}</p>`;
@@ -140,7 +141,8 @@
     const d = D.drawn[i];
     const parts = [`<h2>latent ${i}</h2>`,
       `<p>firing frequency ${fmt(D.freq[i])} | mean activation when firing ${fmt(D.mean[i])} | max ${fmt(D.max[i])}</p>`];
-    parts.push(labelsSection(i));
+    const labels = labelsSection(i);
+    if (labels) parts.push(labels);
     if (!d) parts.push("<p>not drawn; choose it with <code>saeflow visuals --selection list --latents " + i + "</code></p>");
     else renderDrawn(i, d, parts);
     box.innerHTML = parts.join("");
