@@ -172,6 +172,30 @@ def test_each_latent_page_lists_the_labels_it_predicts(probed, tmp_path):
         browser.close()
 
 
+def test_a_class_seen_in_one_split_only_is_counted_and_skipped(tmp_path):
+    """The largest class id in the training split only (and a class in the held-out split only): counted per split,
+    probed where both splits hold it, skipped with a reason elsewhere; unlabelled examples (-1) are left out."""
+    rng = np.random.default_rng(0)
+    ex = np.arange(400)
+    test_n = probe.is_test(ex, 0, 0.2)
+    classes = rng.integers(0, 2, 400).astype(np.int32)
+    classes[np.flatnonzero(~test_n)[:20]] = 7  # class 7: training split only
+    classes[np.flatnonzero(test_n)[:5]] = 3  # class 3: held-out split only
+    classes[np.flatnonzero(~test_n)[20:25]] = -1
+    acts = rng.standard_normal((400, 1, 2, 8)).astype(np.float32)
+    sd = write_shards(tmp_path / "shards", acts, layers=(0,), cls_token=True, aux={ShardLayout.CLASSES_FNAME: classes})
+    run = run_around_sae(tmp_path / "runs", sd, sae.SAE.from_weights(torch.eye(8), torch.zeros(8), torch.eye(8),
+                                                                     torch.zeros(8)), 0, tokens="content")  # fmt: skip
+    inference.run_inference(inference.Config(run=run.root, shards=sd.dpath, device="cpu"))
+    result = json.loads(probe.run_probe(probe.Config(run=run.root, ks=(1,))).read_text())
+    by_value = {e["value"]: e for e in result["labels"]}
+    assert sorted(by_value) == [0, 1, 3, 7] and by_value[7]["n_units"] == [20, 0] and by_value[3]["n_units"][0] == 0
+    assert "skipped" in by_value[7] and "skipped" in by_value[3]
+    assert "best_latent" in by_value[0] and "best_latent" in by_value[1]
+    assert sum(sum(e["n_units"]) for e in by_value.values()) == 395
+    assert result["metrics"]["n_labels"] == 4 and result["metrics"]["n_probed"] == 2
+
+
 def test_shards_without_labels_are_a_one_line_error(tmp_path, capsys):
     rng = np.random.default_rng(0)
     sd = write_shards(tmp_path / "shards", rng.standard_normal((8, 1, 2, 4)).astype(np.float32), layers=(0,))

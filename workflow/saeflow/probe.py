@@ -200,7 +200,8 @@ def sample_units(sd: ShardDir, source: LabelSource, cfg: Config) -> Sample:
     key (the positives) and, per split, a uniform pool of as many (the negatives)."""
     counts_sv = np.zeros((2, 1), np.int64)
     for _, labels_n, split_n in _chunks(sd, source, cfg):
-        got_sv = np.stack([np.bincount(labels_n[split_n == s], minlength=counts_sv.shape[1]) for s in (0, 1)])
+        width = max(counts_sv.shape[1], int(labels_n.max(initial=-1)) + 1)  # both splits counted to the same width
+        got_sv = np.stack([np.bincount(labels_n[split_n == s], minlength=width) for s in (0, 1)])
         if got_sv.shape[1] > counts_sv.shape[1]:
             counts_sv = np.pad(counts_sv, ((0, 0), (0, got_sv.shape[1] - counts_sv.shape[1])))
         counts_sv[:, : got_sv.shape[1]] += got_sv
