@@ -23,7 +23,6 @@ not grow with the data). Prints one table; generating takes a few minutes and ~9
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -99,10 +98,16 @@ def generate(root: pathlib.Path, args, n_ex: int) -> dict:
     return {"run": run.root, "other": other.root, "shard_hash": md.hash, "dump": dump.acts_fpath}
 
 
+# A process's own peak RSS: VmHWM of its memory map, printed at exit. (The kernel's rusage of a child counts the
+# peak of the parent's memory the child was forked from until it exec'd: 1.3 GiB here, the generator's.)
+PEAK_AT_EXIT = """
+import atexit, re, sys
+atexit.register(lambda: print("VmHWM", re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1),
+                              file=sys.stderr))
+"""
 # The limit: every row of the dump, in chunks of 2^16 rows, touched once (what any reader must do), in a process that
 # imports only what reading needs.
-READ_ONCE = """
-import sys
+READ_ONCE = PEAK_AT_EXIT + """
 from saeflow.csr_stream import CsrFile
 total = 0.0
 with CsrFile(sys.argv[1]) as csr:
@@ -110,29 +115,32 @@ with CsrFile(sys.argv[1]) as csr:
         total += float(rows.data.sum())
 print(total)
 """
+SAEFLOW = PEAK_AT_EXIT + """
+from saeflow import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
 
 
-def measure(argv: list[str]) -> tuple[float, float]:
-    """(seconds, peak RSS MiB) of a command in a fresh process."""
+def measure(code: str, *args: str) -> tuple[float, float]:
+    """(seconds, peak RSS MiB) of `python -c code args` in a fresh process."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)  # fmt: skip
     seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(argv)} failed:\n{proc.stderr.read().decode()[-3000:]}")
-    return seconds, usage.ru_maxrss / 1024
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return seconds, int(proc.stderr.split("VmHWM ")[-1].split()[0]) / 1024
 
 
 def bench(root: pathlib.Path, args, n_ex: int) -> dict[str, tuple[float, float]]:
     t0 = time.perf_counter()
     made = generate(root, args, n_ex)
     print(f"generated {n_ex} examples in {time.perf_counter() - t0:.0f} s under {root}", flush=True)
-    saeflow = [sys.executable, "-m", "saeflow"]
-    out = {"read the dump once": measure([sys.executable, "-c", READ_ONCE, str(made["dump"])])}
-    out["saeflow probe"] = measure([*saeflow, "probe", "--run", str(made["run"]), "--shards-hash", made["shard_hash"]])
+    out = {"read the dump once": measure(READ_ONCE, str(made["dump"]))}
+    out["saeflow probe"] = measure(SAEFLOW, "probe", "--run", str(made["run"]), "--shards-hash", made["shard_hash"])
     if not args.skip_stability:
-        out["saeflow stability"] = measure([*saeflow, "stability", "--run", str(made["run"]), "--run",
-                                            str(made["other"]), "--out", str(root / "stability.json")])  # fmt: skip
+        out["saeflow stability"] = measure(SAEFLOW, "stability", "--run", str(made["run"]), "--run", str(made["other"]),
+                                           "--out", str(root / "stability.json"))  # fmt: skip
     probe_result = json.loads(runs.open_run(made["run"]).probe_fpath(made["shard_hash"]).read_text())
     print(f"probe metrics: {probe_result['metrics']}")
     found = np.mean([e["best_latent"]["latent"] == e["value"] for e in probe_result["labels"] if "best_latent" in e])

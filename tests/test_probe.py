@@ -75,21 +75,24 @@ def test_the_best_latent_of_each_class_is_the_one_aligned_with_its_direction(pro
                             "dense_accuracy"}  # fmt: skip
 
 
-def _sklearn_probe(x_train, y_train, x_test, y_test) -> float:
+def _sklearn_probe(x_train, y_train, x_test, y_test) -> dict:
+    """Held-out accuracy and AUROC of scikit-learn's own pipeline, with its own metrics."""
     from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import accuracy_score
+    from sklearn.metrics import accuracy_score, roc_auc_score
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     clf = make_pipeline(StandardScaler(), LogisticRegression(C=1.0, max_iter=1000)).fit(x_train, y_train)
-    return accuracy_score(y_test, clf.predict(x_test))
+    return {"accuracy": accuracy_score(y_test, clf.predict(x_test)),
+            "auroc": roc_auc_score(y_test, clf.decision_function(x_test))}  # fmt: skip
 
 
 def test_the_probes_match_scikit_learn_on_the_same_arrays(probed):
-    """The dense probe's and the k-sparse probes' held-out accuracy equal scikit-learn's on features built here from
-    the shard files (raw activations, mean over the patches) and the SAE (codes, max over the patches), for the
-    units of the probe's own split and samples; the best latent's AUROC equals roc_auc_score on its codes."""
-    from sklearn.metrics import roc_auc_score
+    """The dense probe's and the k-sparse probes' held-out accuracy (and AUROC) equal scikit-learn's on features built
+    here from the shard files (raw activations, mean over the patches) and the SAE (codes, max over the patches), for
+    the units of the probe's own split and samples; the best latent's AUROC and F1 equal sklearn.metrics' on its
+    codes."""
+    from sklearn.metrics import f1_score, roc_auc_score
 
     sd, model, result = probed["sd"], probed["model"], probed["result"]
     acts_ntd = np.stack([sd.example(ex, 0) for ex in range(sd.n_ex)])
@@ -108,11 +111,14 @@ def test_the_probes_match_scikit_learn_on_the_same_arrays(probed):
         assert (np.asarray(sd.aux("classes.bin"))[pos] == value).all() and len(pos) == len(neg) > 10
         train, test = np.r_[pos, neg], np.r_[pos_t, neg_t]
         y, y_t = np.r_[np.ones(len(pos)), np.zeros(len(neg))], np.r_[np.ones(len(pos_t)), np.zeros(len(neg_t))]
-        assert entry["dense"]["accuracy"] == _sklearn_probe(raw_nd[train], y, raw_nd[test], y_t)
+        dense = _sklearn_probe(raw_nd[train], y, raw_nd[test], y_t)
+        assert entry["dense"]["accuracy"] == dense["accuracy"]
+        assert entry["dense"]["auroc"] == pytest.approx(dense["auroc"], abs=1e-12)
         codes_k = codes_ns[:, entry["sparse"]["5"]["latents"]]
-        assert entry["sparse"]["5"]["accuracy"] == _sklearn_probe(codes_k[train], y, codes_k[test], y_t)
-        best = entry["best_latent"]["latent"]
+        assert entry["sparse"]["5"]["accuracy"] == _sklearn_probe(codes_k[train], y, codes_k[test], y_t)["accuracy"]
+        best, threshold = entry["best_latent"]["latent"], entry["best_latent"]["threshold"]
         assert entry["best_latent"]["auroc"] == pytest.approx(roc_auc_score(y_t, codes_ns[test, best]), abs=1e-12)
+        assert entry["best_latent"]["f1"] == pytest.approx(f1_score(y_t, codes_ns[test, best] > threshold), abs=1e-12)
         cand = [c[0] for c in entry["candidates"]]
         assert [c[2] for c in entry["candidates"]] == pytest.approx(
             [roc_auc_score(y_t, codes_ns[test, c]) for c in cand], abs=1e-4)

@@ -76,9 +76,19 @@ class CsrFile:
         if rows_n.size and (rows_n.min() < 0 or rows_n.max() >= self.shape[0]):
             raise SaeflowError(f"{self.fpath}: row index outside 0..{self.shape[0] - 1}")
         uniq = np.unique(rows_n)
-        breaks = np.flatnonzero(np.diff(uniq) != 1) + 1
-        parts = [self.rows(int(run[0]), int(run[-1]) + 1) for run in np.split(uniq, breaks) if run.size]
-        stacked = scipy.sparse.vstack(parts, format="csr") if parts else scipy.sparse.csr_matrix((0, self.shape[1]))
+        starts = np.r_[0, np.flatnonzero(np.diff(uniq) != 1) + 1]
+        stops = np.r_[starts[1:], len(uniq)]
+        data, indices, counts = [], [], []
+        for lo, hi in zip(uniq[starts].tolist(), (uniq[stops - 1] + 1).tolist()):
+            indptr = self._read("indptr", lo, hi + 1).astype(np.int64)
+            data.append(self._read("data", int(indptr[0]), int(indptr[-1])))
+            indices.append(self._read("indices", int(indptr[0]), int(indptr[-1])))
+            counts.append(np.diff(indptr))
+        if not counts:
+            return scipy.sparse.csr_matrix((len(rows_n), self.shape[1]), dtype=np.float32)
+        indptr = np.r_[0, np.cumsum(np.concatenate(counts))]
+        stacked = scipy.sparse.csr_matrix((np.concatenate(data), np.concatenate(indices), indptr),
+                                          shape=(len(uniq), self.shape[1]))  # fmt: skip
         return stacked[np.searchsorted(uniq, rows_n)]
 
     def iter_rows(self, rows_per_chunk: int):
