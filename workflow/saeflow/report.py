@@ -111,7 +111,8 @@ def probe_page(rows: list[dict], out_fpath: pathlib.Path) -> None:
         summary.save_figure(fig, out_fpath)
         return
     for i, (group, shard_hash) in enumerate(sorted({(r["group"], r["shard_hash"]) for r in probed})):
-        members = [r for r in probed if (r["group"], r["shard_hash"]) == (group, shard_hash)]
+        members = sorted((r for r in probed if (r["group"], r["shard_hash"]) == (group, shard_hash)),
+                         key=lambda r: r["name"] or r["run_id"])  # fmt: skip
         ks = sorted(int(c.removeprefix("probe.sparse_k").removesuffix("_accuracy")) for c in members[0]
                     if c.startswith("probe.sparse_k") and c.endswith("_accuracy"))  # fmt: skip
         stats = [summary.mean_std([r[f"probe.sparse_k{k}_accuracy"] for r in members]) for k in ks]
