@@ -11,12 +11,12 @@ import os
 import pytest
 import yaml
 
-from saeflow import cli, config
+from saeflow import cli, config, stability
 from saeflow.errors import SaeflowError
 from saeflow.layout import ShardLayout
 from saeflow.planning import WorkflowPlan, expand_path, has_labels
 from saeflow.specs import ShardsSpec
-from workflow_helpers import REPO_ROOT
+from workflow_helpers import REPO_ROOT, minilm_path
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
 
@@ -251,3 +251,16 @@ def test_only_dumps_of_labelled_shards_are_probed(tmp_path):
     assert not has_labels(ShardsSpec(str(tmp_path)), shards)
     shards.file(ShardLayout.CLASSES_FNAME).write_bytes(b"")
     assert has_labels(ShardsSpec(str(tmp_path)), shards)
+
+
+def test_the_default_workflow_probes_its_generated_shapes(tmp_path, monkeypatch):
+    """The default config's ViT runs on generated images, whose labels.bin holds the shape under each patch: its one
+    dump is probed (the 16th job), the MiniLM runs are not; it sweeps no seeds, so there is no stability job."""
+    link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(minilm_path())
+    monkeypatch.chdir(tmp_path)
+    plan = WorkflowPlan.from_config(config.load(REPO_ROOT / "config" / "config.yaml"))
+    (vit_run,) = [run_id for run_id, run_plan in plan.runs.items() if run_plan.sae_name == "vit-relu"]
+    assert plan.probes() == [(vit_run, plan.shard_hash["vit-shapes"])]
+    assert stability.seed_groups({r: p.train_config.to_dict() for r, p in plan.runs.items()}) == {}
