@@ -52,7 +52,6 @@ DEFAULTS = config.section_defaults("probe")
 N_CANDIDATES = 20  # latents of largest mean difference considered for the best single latent (and shown per latent)
 CHUNK_EX = 4096  # examples per read of codes and raw activations
 CHUNK_UNITS = 1 << 20  # labelled units (patches or examples) per chunk of the label passes
-SCOPES = {ShardLayout.LABELS_FNAME: "patch", ShardLayout.CLASSES_FNAME: "example"}
 
 
 @dataclasses.dataclass(frozen=True)
