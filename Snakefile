@@ -1,4 +1,4 @@
-# saeflow: config -> content-addressed shards -> SAE sweep -> inference -> visuals (+ splice evaluation) -> summary (+ interop exports).
+# saeflow: config -> content-addressed shards -> SAE sweep -> inference -> visuals (+ splice evaluation, probing) -> summary (+ interop exports).
 # Every path is planned at parse time by saeflow.planning.WorkflowPlan (workflow/rules/common.smk).
 from snakemake.utils import min_version, validate
 
@@ -19,6 +19,8 @@ include: "workflow/rules/extract.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/inference.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/probe.smk"
+include: "workflow/rules/stability.smk"
 include: "workflow/rules/summary.smk"
 include: "workflow/rules/interop.smk"
 

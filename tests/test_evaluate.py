@@ -82,24 +82,34 @@ def test_lm_agrees_with_an_independent_three_pass_computation(tiny_lm_dpath, tmp
             handle.remove()
         return logits
 
+    # Mean ablation: the mean of the vectors the SAE trained on over every validation example (all 6, not only the
+    # 5 scored), from the shard files themselves.
+    sd = shards.ShardDir(run.link(run.VAL_SHARDS))
+    acts_ntd = np.stack([sd.example(ex, 0) for ex in range(sd.n_ex)]).astype(np.float64)
+    all_ids = np.asarray(sd.aux("tokens.bin"))
+    trained_nt = ~np.isin(all_ids, sorted(special)) if tokens == "no_special" else np.ones(all_ids.shape, bool)
+    mean_d = torch.from_numpy(acts_ntd[trained_nt].mean(0)).float()
     logits = {"clean": logits_with(None), "spliced": logits_with(lambda x: model(x)[0]),
-              "ablated": logits_with(torch.zeros_like)}  # fmt: skip
+              "ablated": logits_with(torch.zeros_like), "mean_ablated": logits_with(lambda x: mean_d.expand_as(x))}
     targets = ids[:, 1:].reshape(-1)
     ce = {m: torch.nn.functional.cross_entropy(lg, targets).item() for m, lg in logits.items()}
     lp_clean = torch.log_softmax(logits["clean"], -1)
     kl = {
         m: torch.nn.functional.kl_div(torch.log_softmax(logits[m], -1), lp_clean, log_target=True,
                                       reduction="batchmean").item()
-        for m in ("spliced", "ablated")
+        for m in ("spliced", "ablated", "mean_ablated")
     }  # fmt: skip
-    for m in ("clean", "spliced", "ablated"):
+    for m in ("clean", "spliced", "ablated", "mean_ablated"):
         assert got[f"ce_{m}"] == pytest.approx(ce[m], abs=1e-5)
-    for m in ("spliced", "ablated"):
+    for m in ("spliced", "ablated", "mean_ablated"):
         assert got[f"kl_{m}"] == pytest.approx(kl[m], abs=1e-5)
-    recovered = (ce["ablated"] - ce["spliced"]) / (ce["ablated"] - ce["clean"])
-    assert got["ce_loss_recovered"] == pytest.approx(recovered, abs=1e-5)
-    assert got["kl_score"] == pytest.approx((kl["ablated"] - kl["spliced"]) / kl["ablated"], abs=1e-5)
-    assert got["n_scored_tokens"] == 5 * 15
+    for base, suffix in (("ablated", ""), ("mean_ablated", "_vs_mean")):
+        recovered = (ce[base] - ce["spliced"]) / (ce[base] - ce["clean"])  # a random model: small denominators
+        assert got[f"ce_loss_recovered{suffix}"] == pytest.approx(recovered, rel=1e-4, abs=1e-5)
+        assert got[f"kl_score{suffix}"] == pytest.approx((kl[base] - kl["spliced"]) / kl[base], rel=1e-4, abs=1e-5)
+    assert ce["mean_ablated"] != pytest.approx(ce["ablated"], abs=1e-3)  # two different baselines
+    assert got["n_scored_tokens"] == 5 * 15 and got["n_scored_spliced"] > 0
+    assert f"{trained_nt.sum()} vectors" in out["config"]["mean_ablation"]
     assert ce["spliced"] != pytest.approx(ce["clean"], abs=1e-3)  # the splice changed something
 
 
@@ -163,6 +173,26 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     config_fpath = _spec_config(tmp_path, other, also=text_spec("gpt2", layers=[1], context_length=12))
     assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--no-progress"]) == 1
     assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err
+
+
+def test_an_evaluation_that_scores_no_spliced_position_warns_and_reports_nulls(tmp_path, caplog):
+    """Context 2 with a BOS under no_special: the one spliced position is the last of each example, which no scored
+    next-token prediction sees; the evaluation says so and reports nulls, not a perfect or a 0/0 score."""
+    spec = text_spec("gpt2", layers=[1], context_length=2)
+    run = _run(tmp_path, spec, 1, _random_sae(32))
+    view = loaders.LayerView(shards.ShardDir(run.link(run.VAL_SHARDS)), 1, "no_special")
+    keep_nt = view.keep(0, view.sd.n_ex)
+    assert keep_nt[:, 1].any() and not keep_nt[:, 0].any()  # [BOS] x: x is spliced, BOS is not
+    assert cli.main(["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--no-progress",
+                     "--device", "cpu"]) == 0  # fmt: skip
+    got = json.loads(run.evaluation_fpath(run.config()["val_shards"]).read_text())["metrics"]
+    assert got["n_scored_spliced"] == 0 and got["n_scored_tokens"] == 6
+    assert "nothing scored is downstream of a spliced position" in caplog.text
+    assert {k for k, v in got.items() if v is not None} == {"ce_clean", "n_scored_tokens", "n_scored_spliced"}
+    assert {"ce_loss_recovered", "ce_loss_recovered_vs_mean", "kl_score", "ce_mean_ablated"} <= got.keys()
+    # Four examples scored with context 16 see their splice: the count is of scored tokens after a spliced one.
+    mask_bt = torch.tensor([[False, True, True, False], [False, False, False, True]])
+    assert evaluate.n_spliced_scored(mask_bt, causal=True) == 2 and evaluate.n_spliced_scored(mask_bt, False) == 2
 
 
 def _scores(**means: float) -> evaluate.Scores:

@@ -46,6 +46,10 @@ def test_dump_layout_sits_under_the_run_by_shard_hash():
         base / "config.json", base / "patch_acts.npz", base / "latents.npz", base / "metrics.json",
     )  # fmt: skip
     assert dump.index_fpath == base / "visuals" / "index.html"
+    assert dump.labels_js_fpath == base / "visuals" / "labels.js"
+    run = RunLayout.at(ROOT, "r" * 64)
+    assert run.probe_fpath(HASH) == ROOT / ("r" * 64) / "probe" / f"{HASH}.json"
+    assert run.evaluation_fpath(HASH) == ROOT / ("r" * 64) / "evaluation" / f"{HASH}.json"
     assert [dump.plot_fpath(p) for p in DumpLayout.PLOTS] == [base / "visuals" / f"{p}.png" for p in DumpLayout.PLOTS]
 
 

@@ -11,10 +11,12 @@ import os
 import pytest
 import yaml
 
-from saeflow import cli, config
+from saeflow import cli, config, stability
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan, expand_path, read_planned
-from workflow_helpers import REPO_ROOT
+from saeflow.layout import ShardLayout
+from saeflow.planning import WorkflowPlan, expand_path, has_labels, read_planned
+from saeflow.specs import ShardsSpec
+from workflow_helpers import REPO_ROOT, minilm_path
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
 
@@ -116,12 +118,13 @@ def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
     assert expand_path("/x/$USER", "runs_root").name == os.environ["USER"]
 
 
-@pytest.mark.parametrize("section", ["train", "inference", "visuals", "evaluate"])
+@pytest.mark.parametrize("section", ["train", "inference", "visuals", "evaluate", "probe"])
 def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(section):
     values = config.section_defaults(section)
     changed = {"train": {"checkpoint_every": 7}, "inference": {"top_k": 3, "device": "cpu"},
                "visuals": {"selection": "list", "latents": [3, 1]},
-               "evaluate": {"n_tokens": 512, "compute_dtype": "bfloat16"}}[section]  # fmt: skip
+               "evaluate": {"n_tokens": 512, "compute_dtype": "bfloat16"},
+               "probe": {"seed": 3, "test_frac": 0.5, "ks": [1, 3]}}[section]  # fmt: skip
     values.update(changed)
     flags = config.section_flags(section, values)
     assert len(flags) == sum(1 + len(v) if isinstance(v, list) else 2 for v in changed.values())
@@ -260,3 +263,29 @@ def test_a_jobs_parse_takes_what_the_submitting_parse_planned_and_plans_a_change
     assert fresh.shard_hash["images"] == plan.shard_hash["images"]
     assert fresh.shard_hash["text"] != plan.shard_hash["text"]
     assert fresh.metadata["text"].patches_per_ex == 8
+
+
+def test_only_dumps_of_labelled_shards_are_probed(tmp_path):
+    """Generated images carry labels.bin (a shape per patch): their runs are probed; text runs are not. An existing
+    shard directory is probed when it holds labels.bin or classes.bin."""
+    plan = WorkflowPlan.from_config(smallest_config())
+    images = plan.shard_hash["images"]
+    assert plan.probes() and {h for _, h in plan.probes()} == {images}
+    assert {r for r, _ in plan.probes()} == {r for r, p in plan.runs.items() if p.val_activation == "images"}
+    shards = ShardLayout(tmp_path)
+    assert not has_labels(ShardsSpec(str(tmp_path)), shards)
+    shards.file(ShardLayout.CLASSES_FNAME).write_bytes(b"")
+    assert has_labels(ShardsSpec(str(tmp_path)), shards)
+
+
+def test_the_default_workflow_probes_its_generated_shapes(tmp_path, monkeypatch):
+    """The default config's ViT runs on generated images, whose labels.bin holds the shape under each patch: its one
+    dump is probed (the 16th job), the MiniLM runs are not; it sweeps no seeds, so there is no stability job."""
+    link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(minilm_path())
+    monkeypatch.chdir(tmp_path)
+    plan = WorkflowPlan.from_config(config.load(REPO_ROOT / "config" / "config.yaml"))
+    (vit_run,) = [run_id for run_id, run_plan in plan.runs.items() if run_plan.sae_name == "vit-relu"]
+    assert plan.probes() == [(vit_run, plan.shard_hash["vit-shapes"])]
+    assert stability.seed_groups({r: p.train_config.to_dict() for r, p in plan.runs.items()}) == {}

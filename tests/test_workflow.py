@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from builders import typed
-from saeflow import config, shards
+from saeflow import config, report, shards
 from saeflow.extract import plan_activation
 from saeflow.layout import RunLayout, ShardLayout
 from saeflow.sweeps import SAESpec, plan_runs
@@ -85,11 +85,14 @@ def test_unchanged_config_has_nothing_to_do(prepared):
 
 @pytest.mark.slow
 def test_report_embeds_the_summary_and_visuals(prepared):
-    report = prepared["workdir"] / "report.html"
-    snakemake(prepared["workdir"], prepared["config"], "--report", str(report))
-    html = report.read_text(encoding="utf-8", errors="replace")
-    for name in ("summary.csv", "pareto.png", "l0_hist.png", "freq_vs_mean.png"):
+    report_fpath = prepared["workdir"] / "report.html"
+    snakemake(prepared["workdir"], prepared["config"], "--report", str(report_fpath))
+    html = report_fpath.read_text(encoding="utf-8", errors="replace")
+    pages = [report.page_fname(page) for page in report.PAGES]  # a page per metric, each with its caption
+    for name in ("summary.csv", "pareto.png", "l0_hist.png", "freq_vs_mean.png", report.GROUPED_FNAME, *pages):
         assert name in html, name
+    for caption in ("Normalized MSE", "splice score", "k-sparse probes", "decoder directions"):
+        assert caption in html, caption
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
-"""saeflow summary: the Pareto front, the CSV columns, and clear errors for runs without metrics."""
+"""saeflow summary: the Pareto fronts (one per shard directory, layer and architecture; a point per seed group with
+error bars), the CSV columns, the grouped (seed) table, the report pages, and clear errors for runs without
+metrics."""
 
 import csv
 import io
@@ -6,7 +8,7 @@ import json
 
 import pytest
 
-from saeflow import cli, runs, summary
+from saeflow import cli, report, runs, summary
 from saeflow.errors import SaeflowError
 
 
@@ -15,8 +17,8 @@ def test_pareto_front_keeps_only_undominated_points():
     assert summary.pareto_front(points) == [0, 1, 4]
 
 
-def make_run(tmp_path, k: int, metrics: dict | None):
-    run = runs.create_run(tmp_path / "runs", {"arch": "topk", "k": k, "train_shards": "a" * 64}, tmp_path)
+def make_run(tmp_path, k: int, metrics: dict | None, **config):
+    run = runs.create_run(tmp_path / "runs", {"arch": "topk", "k": k, "train_shards": "a" * 64, **config}, tmp_path)
     if metrics is not None:
         dump = run.dump("b" * 64)
         dump.dpath.mkdir(parents=True)
@@ -29,7 +31,7 @@ def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
     assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
-    assert list(rows[0])[:5] == ["name", "run_id", "shard_hash", "l0", "nmse"] and "config.k" in rows[0]
+    assert list(rows[0])[:6] == ["name", "run_id", "shard_hash", "group", "l0", "nmse"] and "config.k" in rows[0]
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -91,3 +93,64 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     assert rows[default.root.name]["config.lr"] == "" and rows[explicit.root.name]["config.lr"] == "0.003"
     assert float(rows[default.root.name]["train.peak_lr"]) == train.auto_lr(32)
     assert float(rows[explicit.root.name]["train.peak_lr"]) == 3e-3
+
+
+def _panel_lines(rows):
+    """What summary.pareto_panel draws: {legend label: (x, y) of its front}, and the error bars' half-widths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    summary.nmse_panel(ax, rows)
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+             if not line.get_label().startswith("_")}  # fmt: skip
+    bars = [seg for coll in ax.collections if hasattr(coll, "get_segments") for seg in coll.get_segments()]
+    plt.close(fig)
+    return lines, bars
+
+
+def test_one_pareto_front_per_shard_directory_layer_and_architecture(tmp_path):
+    """SAEs on layers 3 and 5 of the same shard directory, and a ReLU beside the TopKs, are three fronts."""
+    specs = [(4, 3, "topk"), (16, 3, "topk"), (8, 5, "topk"), (32, 5, "topk"), (8, 3, "relu")]
+    run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}, layer=layer, arch=arch)
+                  for k, layer, arch in specs]  # fmt: skip
+    rows = summary.collect(run_dpaths)
+    lines, _ = _panel_lines(rows)
+    assert sorted(lines) == [f"shards {'b' * 8} layer 3 relu (1 runs)", f"shards {'b' * 8} layer 3 topk (2 runs)",
+                             f"shards {'b' * 8} layer 5 topk (2 runs)"]  # fmt: skip
+    assert lines[f"shards {'b' * 8} layer 5 topk (2 runs)"][0] == [8.0, 32.0]
+
+
+def test_seed_groups_are_one_point_with_error_bars_and_one_grouped_row(tmp_path):
+    """Three seeds of one config and one other config: the grouped table holds each metric's mean and standard
+    deviation over the seeds, the seed stability of the group (saeflow stability's result) and the shared config;
+    the Pareto plot draws the group as one point with error bars; every report page is written."""
+    seeds = [make_run(tmp_path, 8, {"l0": 8.0, "nmse": nmse}, seed=seed, data_seed=seed)
+             for seed, nmse in enumerate((0.2, 0.3, 0.4))]  # fmt: skip
+    other = make_run(tmp_path, 16, {"l0": 16.0, "nmse": 0.1})
+    rows = summary.collect([*seeds, other], {d.name: f"topk[{i}]" for i, d in enumerate([*seeds, other])})
+    group = rows[0]["group"] if rows[0]["run_id"] in {d.name for d in seeds} else rows[-1]["group"]
+    assert {r["group"] for r in rows if r["run_id"] in {d.name for d in seeds}} == {group}
+    lines, bars = _panel_lines(rows)
+    (front,) = lines.values()
+    assert front == ([8.0, 16.0], [pytest.approx(0.3), 0.1])  # the group's mean, then the other run
+    assert any(abs(seg[1][1] - seg[0][1]) == pytest.approx(0.2) for seg in bars)  # y error bar: 2 x std 0.1
+    result = {"group": group, "metrics": {"frac_matched_0.7": 0.95, "frac_matched_0.7_std": 0.01,
+                                          "frac_matched_0.9": 0.9, "frac_matched_0.9_std": 0.02, "mmcs": 0.97,
+                                          "mmcs_std": 0.0, "n_runs": 3, "n_pairs": 3}}  # fmt: skip
+    stability_fpath = tmp_path / "stability.json"
+    stability_fpath.write_text(json.dumps(result))
+    summary.write_summary([*seeds, other], tmp_path / "out", stability_fpaths=(stability_fpath,))
+    grouped_text = (tmp_path / "out" / report.GROUPED_FNAME).read_text()
+    grouped = {r["group"]: r for r in csv.DictReader(io.StringIO(grouped_text))}
+    seeded = grouped[group]
+    assert seeded["n_runs"] == "3" and float(seeded["nmse.mean"]) == pytest.approx(0.3)
+    assert float(seeded["nmse.std"]) == pytest.approx(0.1) and seeded["config.k"] == "8"
+    assert "config.seed" not in seeded and seeded["stability.frac_matched_0.9.mean"] == "0.9"
+    assert seeded["stability.frac_matched_0.7.std"] == "0.01" and seeded["stability.n_pairs"] == "3"
+    (single,) = [r for g, r in grouped.items() if g != group]
+    assert single["n_runs"] == "1" and single["nmse.std"] == "" and single["stability.n_pairs"] == ""
+    for page in report.PAGES:
+        assert (tmp_path / "out" / report.page_fname(page)).read_bytes()[:4] == b"\x89PNG", page

@@ -13,6 +13,8 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 from snakemake.settings.types import DeploymentMethod
 
 from saeflow import config as saeflow_config
+from saeflow import report as saeflow_report
+from saeflow import stability as saeflow_stability
 from saeflow.errors import SaeflowError
 from saeflow.launch import rule_resources
 from saeflow.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
@@ -172,3 +174,31 @@ def get_evaluations():
         PLAN.run(run_id).evaluation_fpath(shard_hash)
         for run_id, shard_hash in PLAN.dumps()
     ]
+
+
+def get_probes():
+    """Every labelled dump's probe result (saeflow probe; WorkflowPlan.probes)."""
+    return [
+        PLAN.run(run_id).probe_fpath(shard_hash) for run_id, shard_hash in PLAN.probes()
+    ]
+
+
+# Seed groups: runs whose training configs differ only in seed/data_seed (group id -> run ids; saeflow.stability).
+STABILITY_GROUPS = saeflow_stability.seed_groups(
+    {run_id: plan.train_config.to_dict() for run_id, plan in PLAN.runs.items()}
+)
+STABILITY_GROUP_WILDCARD = "{group}"
+
+
+def get_stability_results():
+    """Every seed group's stability result."""
+    return [
+        saeflow_stability.result_fpath(PLAN.cfg.summary_dir, group)
+        for group in STABILITY_GROUPS
+    ]
+
+
+def get_group_saes(wildcards):
+    """The sae.pt of each member of a seed group (its pass representative's while untrained)."""
+    members = STABILITY_GROUPS[wildcards.group]
+    return list(dict.fromkeys(PLAN.run(PLAN.trained_by(r)).sae_fpath for r in members))

@@ -1,13 +1,22 @@
-# Summary: every run's inference and splice-evaluation metrics and hyper-parameters in one CSV, and the L0 vs
-# normalized-MSE (and splice score) Pareto plot across the sweep. Cheap, so it follows every metrics file (no ancient())
-# and .snakemake/saeflow/stages/summary.json, the runs and names it shows (rewritten only when they change:
-# removing, reordering or renaming).
+# Summary: every run's inference, splice-evaluation and probe metrics and hyper-parameters in one CSV, the seed groups'
+# means and standard deviations (with their stability) in another, the L0 vs normalized-MSE (and splice score) Pareto
+# plot across the sweep, and one report page per metric (saeflow.report; a caption each, workflow/report/<page>.rst).
+# Cheap, so it follows every metrics file (no ancient()) and .snakemake/saeflow/stages/summary.json, the runs and
+# names it shows (rewritten only when they change: removing, reordering or renaming).
+REPORT_CATEGORIES = {
+    "pareto_nmse": "Reconstruction",
+    "pareto_splice": "Splice evaluation",
+    "probe": "Probing",
+    "stability": "Seed stability",
+}
 
 
 rule summary:
     input:
         metrics=get_dump_metrics(),
         evaluations=get_evaluations(),
+        probes=get_probes(),
+        stability=get_stability_results(),
         runs=get_cli_config("stages", "summary"),
     output:
         csv=report(
@@ -20,6 +29,19 @@ rule summary:
             caption="../report/pareto.rst",
             category="Summary",
         ),
+        grouped=report(
+            PLAN.cfg.summary_dir / saeflow_report.GROUPED_FNAME,
+            caption="../report/summary_grouped.rst",
+            category="Summary",
+        ),
+        pages=[
+            report(
+                PLAN.cfg.summary_dir / saeflow_report.page_fname(page),
+                caption=f"../report/{page}.rst",
+                category=REPORT_CATEGORIES[page],
+            )
+            for page in saeflow_report.PAGES
+        ],
     log:
         "logs/summary.log",
     conda:
@@ -30,6 +52,7 @@ rule summary:
             f"--label={run_id}={plan.sae_name}[{plan.index}]"
             for run_id, plan in sorted(PLAN.runs.items())
         ],
+        stability=[f"--stability={fpath}" for fpath in get_stability_results()],
         out=PLAN.cfg.summary_dir,
     shell:
-        "saeflow summary {params.runs:q} {params.labels:q} --out {params.out:q} >{log:q} 2>&1"
+        "saeflow summary {params.runs:q} {params.labels:q} {params.stability:q} --out {params.out:q} >{log:q} 2>&1"

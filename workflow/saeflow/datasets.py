@@ -362,6 +362,7 @@ class GeneratedImages:
 
     dataset_path = "generated-images"  # not a directory: the images exist only as this recipe
     aux_fname = ShardLayout.LABELS_FNAME  # one uint8 shape label per patch
+    LABEL_NAMES = ("background", "rectangle", "ellipse")  # what each value of labels.bin means
 
     def __len__(self) -> int:
         if self.n_ex < 1:

@@ -4,11 +4,13 @@
     fpath = evaluate.run_evaluation(cfg)        # RUN/evaluation/<val_shard_hash>.json
 
 The first ceil(n_tokens / tokens_per_example) examples of the run's validation activation spec go through the
-model three times, on the same inputs:
+model four times, on the same inputs:
 
-    clean     the model as it is
-    spliced   block `layer`'s output x replaced by the SAE's decode(encode(x)) (raw space: its normalization undone)
-    ablated   block `layer`'s output replaced by zeros
+    clean         the model as it is
+    spliced       block `layer`'s output x replaced by the SAE's decode(encode(x)) (raw space: normalization undone)
+    ablated       block `layer`'s output replaced by zeros (zero ablation)
+    mean_ablated  block `layer`'s output replaced by its mean over the validation shards (mean ablation: the mean
+                  of every vector the SAE's tokens select in the run's validation shard directory, one streamed pass)
 
 Exactly the positions the SAE was trained on are replaced (the run's `tokens`, selected by the loaders' own
 `LayerView` of the validation shards: `no_special` leaves the text special tokens [CLS], [SEP], BOS, EOS out,
@@ -28,6 +30,8 @@ targets; as SAELens). Per token, averaged over those positions:
     ce_loss_recovered = (ce_ablated - ce_spliced) / (ce_ablated - ce_clean)      1 = lossless, 0 = as bad as zeros
     kl_spliced = KL(p_clean || p_spliced),  kl_ablated = KL(p_clean || p_ablated) (nats)
     kl_score = (kl_ablated - kl_spliced) / kl_ablated                          1 = lossless, 0 = as bad as zeros
+    ce_mean_ablated, kl_mean_ablated, and the same ratios against mean ablation: ce_loss_recovered_vs_mean,
+    kl_score_vs_mean (1 = lossless, 0 = as bad as the mean)
 
 Encoders (BERT, RoBERTa) and vision towers have no language-model loss; their output embedding is scored instead:
 the mean of the final hidden states over all positions (`pooled`), and the first position (`cls`, when the model
@@ -37,6 +41,12 @@ has a CLS token: vision CLS, or the [CLS]/<s> every text encoder example starts 
     <which>_rel_err_spliced / _rel_err_ablated   ||e - e_clean|| / ||e_clean||
     <which>_cos_recovered = (cos_spliced - cos_ablated) / (1 - cos_ablated)
     <which>_rel_err_recovered = (rel_err_ablated - rel_err_spliced) / rel_err_ablated
+    <which>_cos_mean_ablated, <which>_rel_err_mean_ablated, and the recovered fractions against mean ablation
+    (<which>_cos_recovered_vs_mean, <which>_rel_err_recovered_vs_mean)
+
+An evaluation that scores nothing downstream of a spliced position (a causal LM whose only spliced position is the
+last one of each example, e.g. context 2 with a BOS under `no_special`; an encoder example without a spliced
+position) cannot measure the splice: it warns, and every metric but the clean ones is null (`n_scored_spliced`: 0).
 
 A ratio whose denominator is 0 within float32 noise (at most 2^-20 of the magnitudes it is the difference of: the
 ablation changes nothing measurable) is null, never a quotient of noise such as -0.0. The output is what is scored,
@@ -68,7 +78,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULTS = config.section_defaults("evaluate")
 CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
-MODES = ("clean", "spliced", "ablated")
+MODES = ("clean", "spliced", "ablated", "mean_ablated")
 # A recovered fraction's denominator at most this fraction of the magnitudes it is made of (8 float32 ulps) is noise:
 # the ablation changed nothing measurable, and the ratio is null.
 NOISE_FRAC = 2.0**-20
@@ -253,11 +263,13 @@ def spliced_forward(
 
 
 class Scores:
-    """Sums over scored tokens (causal LMs) or examples (embeddings) of each metric; `result()` averages them."""
+    """Sums over scored tokens (causal LMs) or examples (embeddings) of each metric; `result()` averages them.
+    `n_spliced` counts the scored tokens or examples downstream of a spliced position (None: not counted)."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.n_spliced: int | None = None
 
     def add(self, name: str, values: torch.Tensor) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + float(values.double().sum())
@@ -287,7 +299,7 @@ def score_embeddings(scores: Scores, hidden: dict[str, torch.Tensor], has_cls: b
         views["cls"] = lambda h: h[:, 0]
     for which, view in views.items():
         clean_bd = view(hidden["clean"]).double()
-        for mode in ("spliced", "ablated"):
+        for mode in (m for m in hidden if m != "clean"):
             e_bd = view(hidden[mode]).double()
             scores.add(f"{which}_cos_{mode}", torch.nn.functional.cosine_similarity(e_bd, clean_bd, dim=-1, eps=0))
             scores.add(f"{which}_rel_err_{mode}", (e_bd - clean_bd).norm(dim=-1) / clean_bd.norm(dim=-1))
@@ -301,41 +313,89 @@ def _ratio(num: float, den: float, scale: float) -> float | None:
     return num / den
 
 
+# The baselines a recovered fraction is measured against: (pass, suffix of the ratio's name).
+BASELINES = (("ablated", ""), ("mean_ablated", "_vs_mean"))
+
+
 def summarize(scores: Scores, causal: bool) -> dict:
-    """The averaged metrics plus the recovered fractions (module docstring)."""
+    """The averaged metrics plus the recovered fractions against each baseline present (module docstring); every
+    metric but the clean ones null, with a warning, when nothing scored is downstream of a spliced position."""
     out = {name: scores.mean(name) for name in sorted(scores.sums)}
+    baselines = [(mode, suffix) for mode, suffix in BASELINES if f"ce_{mode}" in out or f"pooled_cos_{mode}" in out]
     if causal:
-        ce_s, ce_a, ce_c = out["ce_spliced"], out["ce_ablated"], out["ce_clean"]
-        out["ce_loss_recovered"] = _ratio(ce_a - ce_s, ce_a - ce_c, max(abs(ce_a), abs(ce_c)))
-        out["kl_score"] = _ratio(out["kl_ablated"] - out["kl_spliced"], out["kl_ablated"], ce_c)  # KL noise: nats
+        ce_s, ce_c = out["ce_spliced"], out["ce_clean"]
+        for mode, suffix in baselines:
+            ce_a, kl_a = out[f"ce_{mode}"], out[f"kl_{mode}"]
+            out[f"ce_loss_recovered{suffix}"] = _ratio(ce_a - ce_s, ce_a - ce_c, max(abs(ce_a), abs(ce_c)))
+            out[f"kl_score{suffix}"] = _ratio(kl_a - out["kl_spliced"], kl_a, ce_c)  # KL noise: nats
         out["n_scored_tokens"] = scores.counts["ce_clean"]
-        return out
-    for which in ("pooled", "cls"):
-        if f"{which}_cos_spliced" in out:
-            cos_s, cos_a = out[f"{which}_cos_spliced"], out[f"{which}_cos_ablated"]
-            err_s, err_a = out[f"{which}_rel_err_spliced"], out[f"{which}_rel_err_ablated"]
-            out[f"{which}_cos_recovered"] = _ratio(cos_s - cos_a, 1 - cos_a, 1.0)
-            out[f"{which}_rel_err_recovered"] = _ratio(err_a - err_s, err_a, 1.0)  # already relative to |e_clean|
-    out["n_scored_examples"] = scores.counts["pooled_cos_spliced"]
+    else:
+        for which in ("pooled", "cls"):
+            for mode, suffix in baselines if f"{which}_cos_spliced" in out else ():
+                cos_s, cos_a = out[f"{which}_cos_spliced"], out[f"{which}_cos_{mode}"]
+                err_s, err_a = out[f"{which}_rel_err_spliced"], out[f"{which}_rel_err_{mode}"]
+                out[f"{which}_cos_recovered{suffix}"] = _ratio(cos_s - cos_a, 1 - cos_a, 1.0)
+                out[f"{which}_rel_err_recovered{suffix}"] = _ratio(err_a - err_s, err_a, 1.0)  # relative already
+        out["n_scored_examples"] = scores.counts["pooled_cos_spliced"]
+    if scores.n_spliced is not None:
+        out["n_scored_spliced"] = scores.n_spliced
+    if scores.n_spliced == 0:
+        logger.warning("nothing scored is downstream of a spliced position (every spliced position is the last of "
+                       "its example, or there is none): the splice cannot change what is scored; its metrics are "
+                       "null")  # fmt: skip
+        kept = ("ce_clean", "n_scored_tokens", "n_scored_examples", "n_scored_spliced")
+        out = {name: (value if name in kept else None) for name, value in out.items()}
     return out
+
+
+def n_spliced_scored(mask_bt: torch.Tensor, causal: bool) -> int:
+    """Scored tokens (causal: the prediction at position i sees positions 0..i, and positions 0..T-2 are scored) or
+    examples (an encoder's embedding sees every position) that a spliced position can change."""
+    if causal:
+        return int(mask_bt.cummax(dim=1).values[:, :-1].sum())
+    return int(mask_bt.any(dim=1).sum())
+
+
+@torch.no_grad()
+def mean_activation(view: loaders.LayerView, batch_size: int = 4096) -> tuple[torch.Tensor, int]:
+    """The mean (float64, D) of every vector the view selects (the SAE's tokens of the validation shards, in one
+    streamed pass: memory one batch) and how many vectors it averages: what mean ablation writes."""
+    loader = loaders.OrderedLoader(view.sd, view.layer, batch_size, tokens=view.tokens)
+    sum_d, n = torch.zeros(view.d_model, dtype=torch.float64), 0
+    try:
+        for x_bd in loader.iter_batches():
+            sum_d += x_bd.double().sum(0)
+            n += x_bd.shape[0]
+    finally:
+        loader.close()
+    if n == 0:
+        raise SaeflowError(f"{view.sd.dpath}: no vector for tokens={view.tokens!r}: nothing to take the mean of")
+    return sum_d / n, n
 
 
 def three_passes(
     m: Spliceable, plan: extract.Plan, view: loaders.LayerView, reconstruct: Reconstruct, n_ex: int, batch_size: int,
     device, progress: bool = True, check: typing.Callable[[int, typing.Any], None] | None = None,
+    mean_d: torch.Tensor | None = None,
 ) -> dict:  # fmt: skip
-    """Clean, spliced and ablated outputs of the first `n_ex` examples of the view's shards, the SAE spliced at the
-    view's layer on its tokens; scored (the metrics of `summarize`). `check(lo, block output)` sees the first
-    batch's clean output of that block (check_stored)."""
+    """Clean, spliced and zero-ablated outputs (and mean-ablated: `mean_d` written at every spliced position) of the
+    first `n_ex` examples of the view's shards, the SAE spliced at the view's layer on its tokens; scored (the
+    metrics of `summarize`). `check(lo, block output)` sees the first batch's clean output of that block
+    (check_stored)."""
     batch, layer = example_inputs(plan, view.sd), view.layer
     replace = {"clean": None, "spliced": reconstruct, "ablated": torch.zeros_like}
+    if mean_d is not None:
+        mean_d = mean_d.to(device, torch.float32)
+        replace["mean_ablated"] = lambda x_nd: mean_d.expand_as(x_nd)
     has_cls = m.info.cls_token or m.info.family in models.ENCODER_FAMILIES
     scores = Scores()
+    scores.n_spliced = 0
     with tqdm.tqdm(total=n_ex, unit="ex", desc="evaluate (3 passes)", disable=not progress) as bar:
         for lo in range(0, n_ex, batch_size):
             hi = min(lo + batch_size, n_ex)
             inputs = batch(lo, hi).to(device)
             mask_bt = splice_mask(view, m.info, lo, hi).to(device)
+            scores.n_spliced += n_spliced_scored(mask_bt, m.causal)
             prefix: dict = {}  # blocks 0..layer of the clean pass, replayed by the other two
             if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
                 logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None, prefix))
@@ -428,7 +488,8 @@ def run_evaluation(cfg: Config) -> pathlib.Path:
     def check(lo: int, out_btd) -> None:
         check_stored(sd, plan.info, layer, cfg.compute_dtype, lo, out_btd)
 
-    metrics = three_passes(m, plan, view, reconstruct, n_ex, cfg.batch_size, device, cfg.progress, check)
+    mean_d, n_mean = mean_activation(view)
+    metrics = three_passes(m, plan, view, reconstruct, n_ex, cfg.batch_size, device, cfg.progress, check, mean_d)
     view.close()
     result = {
         "config": {
@@ -442,6 +503,7 @@ def run_evaluation(cfg: Config) -> pathlib.Path:
             "tokens_per_ex": T,
             "compute_dtype": cfg.compute_dtype,
             "scored": "next-token predictions at positions 0..T-2" if m.causal else "one embedding per example",
+            "mean_ablation": f"the mean of the {n_mean} vectors of the validation shards at tokens={tokens!r}",
         },
         "metrics": metrics,
         "provenance": {**provenance.collect(), "device": str(device), "started_at": started_at,

@@ -19,9 +19,10 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
       links/train-shards  train-dataset  val-shards  val-dataset
       inference/<shard_hash>/                    DumpLayout
         config.json  patch_acts.npz  latents.npz  metrics.json  provenance.json
-        visuals/index.html  l0_hist.png  freq_vs_mean.png  ...
+        visuals/index.html  l0_hist.png  freq_vs_mean.png  labels.js  ...
       inference/.<shard_hash>.lock               flock: one builder per dump
       evaluation/<shard_hash>.json               `saeflow evaluate`: the SAE spliced into the model on those data
+      probe/<shard_hash>.json                    `saeflow probe`: which latents predict the labels of those data
     <runs_root>/.<run_id>.lock                   flock: one writer per run (create-run, train, dump publishing)
 """
 
@@ -129,6 +130,7 @@ class DumpLayout:
     VISUALS_DNAME = "visuals"
     INDEX_FNAME = "index.html"
     PLOTS = ("l0_hist", "freq_vs_mean")  # visuals/<plot>.png, drawn for every dump
+    LABELS_JS_FNAME = "labels.js"  # visuals/labels.js: the labels each latent predicts (saeflow probe), a script
 
     config_fpath = _path("dpath", CONFIG_FNAME)
     acts_fpath = _path("dpath", ACTS_FNAME)
@@ -137,6 +139,7 @@ class DumpLayout:
     provenance_fpath = _path("dpath", PROVENANCE_FNAME)
     visuals_dpath = _path("dpath", VISUALS_DNAME)
     index_fpath = _path("dpath", VISUALS_DNAME, INDEX_FNAME, doc="visuals/index.html: the latent browser")
+    labels_js_fpath = _path("dpath", VISUALS_DNAME, LABELS_JS_FNAME, doc="visuals/labels.js: probe results per latent")
 
     @staticmethod
     def plot_fname(plot: str) -> str:
@@ -157,6 +160,7 @@ class RunLayout(_ContentAddressed):
     LINKS_DNAME = "links"
     INFERENCE_DNAME = "inference"
     EVALUATION_DNAME = "evaluation"
+    PROBE_DNAME = "probe"
     TRAIN_SHARDS, TRAIN_DATASET = "train-shards", "train-dataset"  # links/: symlinks to the shard dirs and datasets
     VAL_SHARDS, VAL_DATASET = "val-shards", "val-dataset"
     LINK_NAMES = (TRAIN_SHARDS, TRAIN_DATASET, VAL_SHARDS, VAL_DATASET)
@@ -201,6 +205,10 @@ class RunLayout(_ContentAddressed):
     def evaluation_fpath(self, shard_hash: str) -> pathlib.Path:
         """`evaluation/<shard_hash>.json`: splice metrics of this run's SAE on the data of shards `shard_hash`."""
         return self.root / self.EVALUATION_DNAME / f"{shard_hash}.json"
+
+    def probe_fpath(self, shard_hash: str) -> pathlib.Path:
+        """`probe/<shard_hash>.json`: which of this run's latents predict the labels of shards `shard_hash`."""
+        return self.root / self.PROBE_DNAME / f"{shard_hash}.json"
 
     def dump_lock_fpath(self, shard_hash: str) -> pathlib.Path:
         """`inference/.<shard_hash>.lock`: flock held while one process builds that dump."""

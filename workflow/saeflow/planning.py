@@ -17,7 +17,7 @@ import json
 import os
 import pathlib
 
-from saeflow import extract, hashing, layout, shards, summary, sweeps, tokenization
+from saeflow import extract, hashing, layout, shards, stability, summary, sweeps, tokenization
 from saeflow.atomic import write_file_atomic
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
@@ -25,7 +25,7 @@ from saeflow.shards import parts
 from saeflow.shards.validate import stat_problem
 from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
 
-SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate")  # passed to the CLI as flags (config.section_flags)
+SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate", "probe")  # CLI flags (config.section_flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,15 @@ def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
     if cfg.arch in ("topk", "batchtopk") and cfg.k > d_sae:
         raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
                            f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
+
+def has_labels(spec: ActivationSpec | ShardsSpec, shards: layout.ShardLayout) -> bool:
+    """Whether a shard directory carries labels to probe: its dataset writes labels.bin or classes.bin (planned
+    from the spec), or, for an existing directory, it holds one of them (a stat)."""
+    label_fnames = (layout.ShardLayout.LABELS_FNAME, layout.ShardLayout.CLASSES_FNAME)
+    if isinstance(spec, ShardsSpec):
+        return any(shards.file(fname).exists() for fname in label_fnames)
+    return getattr(spec.dataset, "aux_fname", None) in label_fnames  # text datasets have none
+
 
 def auto_tokens_of(md) -> str:
     """What `tokens: auto` means for a shard directory: `no_special` when its metadata records the special ids of
@@ -175,6 +184,11 @@ class WorkflowPlan:
         """(run_id, shard_hash) of every inference dump: each run on its validation activations."""
         return [(run_id, self.shard_hash[plan.val_activation]) for run_id, plan in self.runs.items()]
 
+    def probes(self) -> list[tuple[str, str]]:
+        """(run_id, shard_hash) of every dump whose shards carry labels (labels.bin, classes.bin): saeflow probe."""
+        return [(run_id, shard_hash) for run_id, shard_hash in self.dumps()
+                if has_labels(self.cfg.activations[self.hash_activation[shard_hash]], self.shard(shard_hash))]
+
     @functools.cached_property
     def train_passes(self) -> dict[str, tuple[str, ...]]:
         """Run id -> the runs trained with it in one job, for every run untrained when first asked (one snapshot,
@@ -214,8 +228,9 @@ class WorkflowPlan:
 
     @staticmethod
     def cli_config(kind: str, key: str) -> pathlib.Path:
-        """Where the config of one job lives under the cache directory: kind is shards, runs or exports, key the
-        shard hash, run id or export name; or what a parse planned (kind planned, key activation_key)."""
+        """Where the config of one job lives under the cache directory: kind is shards, runs, exports or stability,
+        key the shard hash, run id, export name or seed group; or what a parse planned (kind planned, key
+        activation_key)."""
         return pathlib.Path(kind, f"{key}.json")
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
@@ -292,15 +307,19 @@ def check_published_shards(plan: WorkflowPlan) -> None:
 
 def shard_hashes_to_read(plan: WorkflowPlan) -> list[str]:
     """The shard directories that jobs still have to read, in plan order: a run's train and validation directories
-    while its run config or checkpoint is missing (create_run, train), its validation directory while its dump is
-    missing (inference). The same conditions as common.smk's get_shards_if_missing, which asks for them."""
+    while its run config or checkpoint is missing (create_run, train), its validation directory while its dump or
+    its probe (labelled shards) is missing (inference, probe). The same conditions as common.smk's
+    get_shards_if_missing, which asks for them."""
     hashes: dict[str, None] = {}
+    probed = set(plan.probes())
     for run_id, run_plan in plan.runs.items():
         run = plan.run(run_id)
         train_hash, val_hash = (plan.shard_hash[run_plan.train_activation], plan.shard_hash[run_plan.val_activation])
         if not run.config_fpath.exists() or not run.sae_fpath.exists():
             hashes.update(dict.fromkeys((train_hash, val_hash)))
         elif not run.dump(val_hash).metrics_fpath.exists():
+            hashes[val_hash] = None
+        elif (run_id, val_hash) in probed and not run.probe_fpath(val_hash).exists():
             hashes[val_hash] = None
     return list(hashes)
 
@@ -356,6 +375,9 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         section: plan.cfg.settings[section] for section in ("inference", "visuals")
     }
     configs[plan.cli_config("stages", "evaluate")] = {"evaluate": plan.cfg.settings["evaluate"]}
+    configs[plan.cli_config("stages", "probe")] = {"probe": plan.cfg.settings["probe"]}
+    for group, run_ids in stability.seed_groups({r: p.train_config.to_dict() for r, p in plan.runs.items()}).items():
+        configs[plan.cli_config("stability", group)] = {"runs": run_ids}  # the group's members: its rerun trigger
     configs[plan.cli_config("stages", "summary")] = {
         "runs": sorted(str(plan.run(run_id).root) for run_id in plan.runs),
         "labels": {run_id: f"{p.sae_name}[{p.index}]" for run_id, p in sorted(plan.runs.items())},

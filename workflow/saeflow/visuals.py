@@ -6,6 +6,7 @@
     latents/<id>.png                 per drawn latent: top-k images with a patch heatmap (and patch labels when the
                                      shards have labels.bin), or top-k text contexts with tokens shaded by strength
     freq_vs_mean.png, l0_hist.png    summary plots
+    labels.js                        the labels each latent predicts (saeflow probe; rewritten when it runs)
     config.json                      what was drawn
 
 Per-token activations of the top examples are recomputed from the shards with the run's SAE (a few examples per
@@ -25,7 +26,7 @@ import torch
 import tqdm
 from PIL import Image, ImageDraw, ImageFont
 
-from saeflow import atomic, config, datasets, inference, layout, runs, tokenization
+from saeflow import atomic, config, datasets, inference, latent_labels, layout, runs, tokenization
 from saeflow.errors import SaeflowError
 
 logger = logging.getLogger(__name__)
@@ -397,12 +398,12 @@ def make_visuals(cfg: Config) -> pathlib.Path:
     vis_config = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("run", "force")},
                   "latents_drawn": chosen}
     vis_config["shards_hash"] = dump_dpath.name
-    with atomic.exclusive_lock(dump_dpath.parent / f".{dump_dpath.name}.visuals.lock"):
+    with atomic.exclusive_lock(latent_labels.visuals_lock_fpath(dump_dpath)):
         if final_dpath.exists() and not cfg.force:
             logger.info("reusing %s (pass --force to redraw)", final_dpath)
             return final_dpath
         staging = atomic.staging_dpath(final_dpath)
-        with _writable(dump_dpath):
+        with latent_labels.writable_dir(dump_dpath):
             atomic.remove_staging(staging)
             (staging / "latents").mkdir(parents=True)
             try:
@@ -422,18 +423,6 @@ def make_visuals(cfg: Config) -> pathlib.Path:
                 atomic.remove_staging(staging)
     return final_dpath
 
-
-class _writable:
-    """Let the (read-only, published) dump directory take a new entry, then make it read-only again."""
-
-    def __init__(self, dpath: pathlib.Path):
-        self.dpath = dpath
-
-    def __enter__(self):
-        self.dpath.chmod(0o755)
-
-    def __exit__(self, *exc):
-        self.dpath.chmod(atomic.READONLY_DIR_MODE)
 
 
 def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.Path) -> None:
@@ -471,6 +460,9 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     (out_dpath / "data.js").write_text(
         "window.SAEFLOW_DATA = " + json.dumps(data, separators=(",", ":")) + ";\n", encoding="utf-8"
     )
+    probe_result = latent_labels.probe_result_of(pathlib.Path(cfg.run), dump.dpath.name, dump.config.get("sae_sha256"))
+    labelled = any(sd.has_aux(fname) for fname in (layout.ShardLayout.LABELS_FNAME, layout.ShardLayout.CLASSES_FNAME))
+    (out_dpath / layout.DumpLayout.LABELS_JS_FNAME).write_bytes(latent_labels.labels_js(probe_result, labelled))
     if examples.kind == "text":
         atomic.write_json(out_dpath / NEURONPEDIA_FNAME, neuronpedia_batch(data, md))
     for fname in ASSET_FNAMES:

@@ -94,6 +94,20 @@
       `<div class="vocab">${table("promoted", d.promote)}${table("suppressed", d.suppress)}</div></section>`;
   }
 
+  function labelsSection(i) {
+    // saeflow probe: the labels among whose 20 latents of largest mean difference this latent is (labels.js).
+    const L = window.SAEFLOW_LABELS || { labelled: false, latents: {} };
+    if (!L.labelled) return "";  // shards without labels: nothing to predict
+    const rows = L.latents[i] || [];
+    let body;
+    if (L.note) body = `<p class="note">${escapeHtml(L.note)}</p>`;
+    else if (!rows.length) body = '<p class="note">none: it is not among the 20 latents of largest mean difference of any probed label</p>';
+    else body = "<table><tr><th>label</th><th>held-out AUROC</th><th>rank by mean difference</th><th>best single latent</th></tr>" +
+      rows.map((r) => `<tr><td>${escapeHtml(r[0])}</td><td>${fmt(r[1])}</td><td>${r[2]}</td><td>${r[3] ? "yes" : ""}</td></tr>`).join("") +
+      "</table>";
+    return `<section id="labels"><h3>Labels this latent predicts</h3>${body}</section>`;
+  }
+
   function renderDrawn(i, d, parts) {
     if (d.promote) parts.push(vocabTables(d));
     else if (D.meta.vocab_note) parts.push(`<p class="note">${escapeHtml(D.meta.vocab_note)}</p>`);
@@ -127,6 +141,8 @@
     const d = D.drawn[i];
     const parts = [`<h2>latent ${i}</h2>`,
       `<p>firing frequency ${fmt(D.freq[i])} | mean activation when firing ${fmt(D.mean[i])} | max ${fmt(D.max[i])}</p>`];
+    const labels = labelsSection(i);
+    if (labels) parts.push(labels);
     if (!d) parts.push(`<p>not drawn; draw it beside the others with <code id="redraw">${escapeHtml(D.meta.redraw + " " + i)}</code></p>`);
     else renderDrawn(i, d, parts);
     box.innerHTML = parts.join("");

@@ -37,9 +37,12 @@ def register(subparsers):
     p = subparsers.add_parser(
         "summary",
         help="every run's metrics in one CSV plus an L0 vs normalized-MSE Pareto plot",
-        description="Collect <run>/checkpoint/config.json and <run>/inference/*/metrics.json of every run into "
-        "summary.csv (one row per run and inference shard; hyper-parameters as config.* columns) and draw "
-        "pareto.png (L0 against normalized MSE, the non-dominated runs joined).",
+        description="Collect <run>/checkpoint/config.json and <run>/inference/*/metrics.json of every run (with its "
+        "evaluation and probe results) into summary.csv (one row per run and inference shard; hyper-parameters as "
+        "config.* columns), summary_grouped.csv (per seed group: each metric's mean and std over runs that differ "
+        "only in seed/data_seed, with their stability) and draw pareto.png (L0 against normalized MSE and the splice "
+        "score, a front per shard directory, layer and architecture, seed groups with error bars) and one page per "
+        "metric (pareto_nmse.png, pareto_splice.png, probe.png, stability.png).",
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--runs-root", type=pathlib.Path, help="summarize every run directory under this root")
@@ -49,6 +52,8 @@ def register(subparsers):
         "--label", action="append", default=[], metavar="RUN_ID=NAME",
         help="a readable name for a run (the `name` column and the plot labels); the workflow passes <sae>[<index>]",
     )  # fmt: skip
+    p.add_argument("--stability", type=pathlib.Path, action="append", default=[], metavar="FILE",
+                   help="a seed group's `saeflow stability` result, for summary_grouped.csv and stability.png")
     p.set_defaults(func=cmd_summary)
 
     p = subparsers.add_parser(
@@ -111,7 +116,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
         if not sep or not run_id or not name:
             raise SaeflowError(f"--label {label!r}: expected RUN_ID=NAME")
         names[run_id] = name
-    csv_fpath, png_fpath = summary.write_summary(run_dpaths, args.out, names)
+    csv_fpath, png_fpath = summary.write_summary(run_dpaths, args.out, names, tuple(args.stability))
     print(csv_fpath)
     print(png_fpath)
     return 0

@@ -1,0 +1,26 @@
+"""`saeflow stability`: how many latents runs that differ only in their seeds share (decoder directions matched)."""
+
+import argparse
+import pathlib
+
+
+def register(subparsers):
+    p = subparsers.add_parser(
+        "stability",
+        help="match the latents of runs that differ only in seed/data_seed by decoder direction",
+        description="For every pair of the given runs (their training configs must be equal but for seed and "
+        "data_seed): the cosine of every pair of decoder rows (in blocks), the optimal one-to-one assignment "
+        "(scipy.optimize.linear_sum_assignment; a cosine below 0.7 is no match), the fraction of latents matched "
+        "above cosine 0.7 and 0.9 and the mean max cosine similarity; their mean and standard deviation over the "
+        "pairs. Writes OUT (JSON; the summary's grouped table reads it) and prints its path.",
+    )
+    p.add_argument("--run", type=pathlib.Path, action="append", required=True, help="a run directory (2 or more)")
+    p.add_argument("--out", type=pathlib.Path, required=True, metavar="FILE", help="the JSON to write")
+    p.set_defaults(func=cmd_stability)
+
+
+def cmd_stability(args: argparse.Namespace) -> int:
+    from saeflow import stability
+
+    print(stability.write_stability(args.run, args.out))
+    return 0
