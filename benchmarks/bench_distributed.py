@@ -7,7 +7,7 @@ Writes a synthetic shard directory (random float32 vectors), then runs saeflow's
 distributed loader, in forked ranks (one torch thread each, gloo, tests/_ranks.py), at world sizes 1 and 2:
   throughput  vectors/s over --steps TopK steps (after 2 warm-up steps), loader included: 2 ranks / 1 rank, per mode
               (sweep trains 2 runs, on one rank or one each; data and latents train 1 run)
-  bytes/step  what each rank sends per step at the collectives (saeflow.distributed.Comm.sent_bytes: an all-reduce
+  bytes/step  what each rank sends per step at the collectives (distributed.Comm.sent_bytes: an all-reduce
               of S bytes sends 2 (N-1)/N S on a ring, an all-gather of s bytes per rank (N-1) s), per kind, against
               the cost model of docs/distributed.md (AuxK idle: no latent dies in a benchmark this short)
   memory      latent sharding of a wider SAE (--mem-expansion, 3 steps): what a rank holds in parameters and Adam
@@ -28,9 +28,11 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 from _ranks import run_ranks  # noqa: E402
-from saeflow import config, parallel, runs, sweeps, train  # noqa: E402
-from saeflow.distloader import DistributedShuffledLoader  # noqa: E402
-from saeflow.shards import Metadata, ShardDir, ShardWriter  # noqa: E402
+from saeflow import config  # noqa: E402
+from saeflow.store import runs
+from saeflow.store.shards import Metadata, ShardDir, ShardWriter  # noqa: E402
+from saeflow.training import parallel, sweeps, train  # noqa: E402
+from saeflow.training.distloader import DistributedShuffledLoader  # noqa: E402
 
 
 def make_shards(root: pathlib.Path, n_vectors: int, d_model: int) -> ShardDir:

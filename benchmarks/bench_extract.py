@@ -19,7 +19,7 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from saeflow import extract, specs  # noqa: E402
+from saeflow.extraction import extract, specs  # noqa: E402
 
 TARGET_WRITE_FRACTION = 0.05
 TARGET_EARLY_EXIT = 0.6

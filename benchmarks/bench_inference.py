@@ -18,7 +18,8 @@ import time
 import numpy as np
 import torch
 
-from saeflow import runs, sae, shards
+from saeflow.store import runs, shards
+from saeflow.training import sae
 
 
 def build(root: pathlib.Path, n_ex: int, T: int, d: int, model: sae.SAE) -> tuple[pathlib.Path, pathlib.Path]:

@@ -6,7 +6,7 @@
 --plan-only reads and writes nothing: the mixing of the loader's index-space plan for data of --data-gib per layer
 (d=768, CLS + 196 tokens, content tokens, ~16 MiB blocks) and pools of --pool-gib, and of the pool `buffer_bytes:
 auto` gives one training job of --job-mem-mb MB (an OSC Cardinal job: 12 cores x 8000 MB per GPU) that trains a
-d x 16 SAE on its GPU (saeflow.memory.auto_pool_share); the median over every --every-th batch of an epoch.
+d x 16 SAE on its GPU (saeflow.training.memory.auto_pool_share); the median over every --every-th batch of an epoch.
 
 Writes one synthetic saev shard directory (CLS + 196 patches per example, one layer, float32; every vector carries
 its example's index in its first component), then measures, in one run and on the same files:
@@ -33,9 +33,9 @@ import time
 import numpy as np
 import torch
 
-from saeflow import memory
-from saeflow.loaders import Block, EpochPlan, ShuffledLoader
-from saeflow.shards import Metadata, ShardDir, ShardWriter
+from saeflow.store.shards import Metadata, ShardDir, ShardWriter
+from saeflow.training import memory
+from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
 
 PATCHES, CHUNK_BYTES = 196, 16 << 20
 

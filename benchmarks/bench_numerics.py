@@ -52,7 +52,7 @@ def _sha256_of(fpaths) -> str:
 
 
 def _extract_case(spec_dict: dict, root: pathlib.Path) -> tuple[float, str]:
-    from saeflow import extract, specs
+    from saeflow.extraction import extract, specs
 
     result = extract.extract(specs.ActivationSpec.from_dict(spec_dict), root, progress=False)
     return result.forward_sec, _sha256_of(result.dpath.glob("acts*.bin"))
@@ -63,7 +63,8 @@ def _train_case(n_steps: int) -> tuple[float, str]:
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import bench_train
-    from saeflow import devices, runs
+    from saeflow import devices
+    from saeflow.store import runs
 
     args = argparse.Namespace(d_model=768, expansion=16, k=32, batch_size=1024)
     dev = devices.resolve_device("cpu")

@@ -37,7 +37,7 @@ GPT2 = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 300, "n_positions
 PLAN_ONE = """
 import sys, time, yaml
 t0 = time.perf_counter()
-from saeflow import extract, specs
+from saeflow.extraction import extract, specs
 entry = yaml.safe_load(open(sys.argv[1]))["activations"][sys.argv[2]]
 md = extract.plan_activation(specs.ActivationSpec.from_dict(entry))
 print(f"{time.perf_counter() - t0:.3f} {md.n_ex} {md.hash}")

@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import planted  # noqa: E402
-from saeflow import runs, sweeps, train  # noqa: E402
+from saeflow.store import runs  # noqa: E402
+from saeflow.training import sweeps, train  # noqa: E402
 
 PEERS_DNAME = "sae-lens-6.54.12+eai-sparsify-1.3.3"
 SAEFLOW_ARCHS = {

@@ -5,15 +5,15 @@ Generates, under --dir (default: a temporary directory under /tmp, removed at th
 - a shard directory of --n-ex examples (default 1,000,000) of --tokens tokens (CLS + patches, float16, d_model
   --d-model) with classes.bin holding one of --n-classes classes (default 1000) per example;
 - a run whose SAE has --d-sae latents (default 2^15) and its inference dump `patch_acts.npz`, written with the
-  writer `saeflow inference` uses (saeflow.csr.CsrWriter): every token has --k active latents, and one patch of each
-  example also has its class's latent (latent c for class c). The stored activations are the SAE's decoding of
+  writer `saeflow inference` uses (saeflow.analysis.csr.CsrWriter): every token has --k active latents, and one patch of
+  each example also has its class's latent (latent c for class c). The stored activations are the SAE's decoding of
   those codes (so codes and activations agree; encoding 4M vectors with a 2^15-latent SAE would take hours on a CPU);
 - a second run of the same config but its seed, whose decoder is the first's, permuted, with 90% of its rows
   perturbed (cosine ~0.96) and the rest random: the seed group `saeflow stability` matches.
 
 Then, each in a fresh process (wall time, peak RSS from the kernel's rusage): reading the dump once (every row,
-in chunks, through saeflow.csr_stream: the limit both commands are compared against), `saeflow probe` on the dump
-(1000 per-example labels: codes max-pooled over the patches), and `saeflow stability` on the two runs. With
+in chunks, through saeflow.analysis.csr_stream: the limit both commands are compared against), `saeflow probe` on the
+dump (1000 per-example labels: codes max-pooled over the patches), and `saeflow stability` on the two runs. With
 --small-too the probe also runs on a 10x smaller set of the same shape: its peak RSS should be the same (memory does
 not grow with the data). Prints one table; generating takes a few minutes and ~9 GB of disk at the default size.
 
@@ -33,10 +33,11 @@ import time
 import numpy as np
 import torch
 
-from saeflow import runs, sae, shards
-from saeflow.csr import CsrWriter
-from saeflow.hashing import file_sha256
-from saeflow.layout import ShardLayout
+from saeflow.analysis.csr import CsrWriter
+from saeflow.store import runs, shards
+from saeflow.store.hashing import file_sha256
+from saeflow.store.layout import ShardLayout
+from saeflow.training import sae
 
 CHUNK_EX = 4096
 
@@ -108,7 +109,7 @@ atexit.register(lambda: print("VmHWM", re.search(r"VmHWM:\\s+(\\d+)", open("/pro
 # The limit: every row of the dump, in chunks of 2^16 rows, touched once (what any reader must do), in a process that
 # imports only what reading needs.
 READ_ONCE = PEAK_AT_EXIT + """
-from saeflow.csr_stream import CsrFile
+from saeflow.analysis.csr_stream import CsrFile
 total = 0.0
 with CsrFile(sys.argv[1]) as csr:
     for _, rows in csr.iter_rows(1 << 16):

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_train.py [--d-model 768] [--expansion 16] [--k 32] [--batch-size 1024] [--steps 8]
 
-Times saeflow's real step (`saeflow.train.Trainer.train_step`: learning-rate schedule, TopK, sparse decode,
+Times saeflow's real step (`saeflow.training.train.Trainer.train_step`: learning-rate schedule, TopK, sparse decode,
 Matryoshka-free MSE, AuxK, decoder gradient projection, Adam, renormalization, dead-latent counters, the metrics
 record every LOG_EVERY steps) three times: with no dead latents (AuxK idle), with a quarter of the latents dead
 (AuxK active; a run that has lost a quarter of its latents is in real trouble) and with every latent dead (AuxK's
@@ -32,8 +32,10 @@ import time
 import numpy as np
 import torch
 
-from saeflow import devices, runs, sweeps, train
-from saeflow.shards import Metadata, ShardWriter
+from saeflow import devices
+from saeflow.store import runs
+from saeflow.store.shards import Metadata, ShardWriter
+from saeflow.training import sweeps, train
 
 LIMIT_IDLE, LIMIT_ACTIVE, LIMIT_CLI = 1.1, 1.3, 0.8
 TOKENS_PER_EX = 129  # CLS + 128

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from saeflow import atomic, shards
+from saeflow.store import atomic, shards
 
 TARGET_RATIO = 0.8
 

@@ -30,9 +30,11 @@ import numpy as np
 import pytest
 import torch
 
-from saeflow import config, runs, sae, shards, sweeps
+from saeflow import config
+from saeflow.extraction.specs import ActivationSpec
 from saeflow.planning import auto_tokens_of
-from saeflow.specs import ActivationSpec
+from saeflow.store import runs, shards
+from saeflow.training import sae, sweeps
 
 # Shard metadata and data
 

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from saeflow import atomic
+from saeflow.store import atomic
 
 
 def make_tree(dpath):

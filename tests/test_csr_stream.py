@@ -1,12 +1,12 @@
-"""saeflow.csr_stream reads an inference dump's CSR .npz row by row: what scipy itself wrote or saeflow's CsrWriter
-wrote, any rows in any order, and a compressed archive refused in one line."""
+"""saeflow.analysis.csr_stream reads an inference dump's CSR .npz row by row: what scipy itself wrote or saeflow's
+CsrWriter wrote, any rows in any order, and a compressed archive refused in one line."""
 
 import numpy as np
 import pytest
 import scipy.sparse
 
-from saeflow.csr import CsrWriter
-from saeflow.csr_stream import CsrFile
+from saeflow.analysis.csr import CsrWriter
+from saeflow.analysis.csr_stream import CsrFile
 from saeflow.errors import SaeflowError
 
 

@@ -26,8 +26,11 @@ from builders import (  # noqa: E402
     vision_spec,
     write_shards,
 )
-from saeflow import extract, inference, sae, shards, train  # noqa: E402
-from saeflow.layout import DumpLayout  # noqa: E402
+from saeflow.analysis import inference  # noqa: E402
+from saeflow.extraction import extract  # noqa: E402
+from saeflow.store import shards  # noqa: E402
+from saeflow.store.layout import DumpLayout  # noqa: E402
+from saeflow.training import sae, train  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from saeflow import datasets, tokenization
 from saeflow.errors import SaeflowError
+from saeflow.extraction import datasets, tokenization
 
 
 def test_patch_labels_majority_and_prefer_foreground():

@@ -30,12 +30,13 @@ import torch
 
 from _ranks import run_ranks, start_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import cli, config, distributed, memory, objectives, parallel, sharded, sweeps, train
-from saeflow.dataparallel import global_batch_topk, rank_slice
-from saeflow.distloader import DistributedShuffledLoader, RankPlan
-from saeflow.loaders import Block, EpochPlan, ShuffledLoader
-from saeflow.sae import SAE, SAEConfig, load_sae
-from saeflow.shards import ShardDir
+from saeflow import cli, config
+from saeflow.store.shards import ShardDir
+from saeflow.training import distributed, memory, objectives, parallel, sharded, sweeps, train
+from saeflow.training.dataparallel import global_batch_topk, rank_slice
+from saeflow.training.distloader import DistributedShuffledLoader, RankPlan
+from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
+from saeflow.training.sae import SAE, SAEConfig, load_sae
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-4  # data and latents against one process: max |w - w_1| / max |w_1| over each tensor (measured <= 6e-6)

@@ -12,9 +12,11 @@ import yaml
 from PIL import Image
 
 from builders import text_spec, typed, vision_spec
-from saeflow import cli, extract, models, shards
+from saeflow import cli
 from saeflow.errors import SaeflowError
-from saeflow.layout import ShardLayout
+from saeflow.extraction import extract, models
+from saeflow.store import shards
+from saeflow.store.layout import ShardLayout
 
 
 def _file_bytes(dpath: pathlib.Path) -> dict[str, bytes]:
@@ -260,7 +262,8 @@ def test_segmentation_labels_reach_labels_bin_and_image_folder_classes_reach_cla
 
 SLOW_CHILD = """
 import sys, time
-from saeflow import cli, models
+from saeflow import cli
+from saeflow.extraction import models
 real_run = models.Adapter.run
 def slow_run(self, batch, layers):
     time.sleep(0.3)  # slow enough that the parent can SIGKILL us mid-extraction

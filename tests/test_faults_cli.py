@@ -15,7 +15,8 @@ import tempfile
 import pytest
 
 from builders import identity_sae, make_acts, make_md, run_around_sae, run_from_sae_spec, write_shards
-from saeflow import atomic, inference
+from saeflow.analysis import inference
+from saeflow.store import atomic
 
 WORKFLOW_DPATH = pathlib.Path(__file__).resolve().parents[1] / "workflow"
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2

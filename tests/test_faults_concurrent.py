@@ -7,8 +7,8 @@ import subprocess
 import pytest
 import yaml
 
-from saeflow.sae import load_sae
-from saeflow.shards.validate import validate
+from saeflow.store.shards.validate import validate
+from saeflow.training.sae import load_sae
 from workflow_helpers import REPO_ROOT, env, snakemake_cmd, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import atomic, train
+from saeflow.store import atomic
+from saeflow.training import train
 
 SPEC = dict(arch="topk", k=2, expansion=4, batch_size=32, n_epochs=1)
 PUBLISHED = ("config.json", "metrics.json", "metrics.jsonl", "provenance.json", "sae.pt")

@@ -11,10 +11,10 @@ import pytest
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_DPATH = REPO_ROOT / "workflow" / "saeflow"
 RULES_DPATH = REPO_ROOT / "workflow" / "rules"
-LAYOUT_FPATH = PACKAGE_DPATH / "layout.py"
+LAYOUT_FPATH = PACKAGE_DPATH / "store" / "layout.py"
 MAX_UNIT_LINES = 120
-# Names of the shard and run layouts (saeflow/layout.py). "metadata.json" is also the gzip-pickle format's own file
-# (activation-shard-pickle-format-1.0), which its module names.
+# Names of the shard and run layouts (saeflow/store/layout.py). "metadata.json" is also the gzip-pickle format's own
+# file (activation-shard-pickle-format-1.0), which its module names.
 LAYOUT_NAMES = {
     "shards.json": (),
     "checksums.json": (),
@@ -72,7 +72,7 @@ def test_layout_names_are_spelled_only_in_the_layout_module(name):
         if f'"{name}"' in text or f"/{name}" in text or f"{name}/" in text:
             spelled.append(fpath.name)
     assert name in string_constants(LAYOUT_FPATH)
-    assert not spelled, f"{name!r} is spelled outside saeflow/layout.py in {spelled}"
+    assert not spelled, f"{name!r} is spelled outside saeflow/store/layout.py in {spelled}"
 
 
 def test_rules_take_every_layout_path_from_the_layout_patterns():

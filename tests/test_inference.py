@@ -7,10 +7,11 @@ import pytest
 import scipy.sparse
 
 from builders import identity_sae, run_around_sae, write_shards
-from saeflow import cli, inference
-from saeflow.csr import CsrWriter
+from saeflow import cli
+from saeflow.analysis import inference
+from saeflow.analysis.csr import CsrWriter
 from saeflow.errors import SaeflowError
-from saeflow.layout import DumpLayout
+from saeflow.store.layout import DumpLayout
 
 
 @pytest.fixture

@@ -10,10 +10,12 @@ import yaml
 from PIL import Image
 
 from builders import ARCH_CONFIGS, MINILM, TINY_TEXT, text_spec, typed, vision_spec
-from saeflow import cli, extract, fingerprints, models, shards, tokenization
+from saeflow import cli
 from saeflow.errors import SaeflowError
-from saeflow.extract import plan_activation
-from saeflow.layout import ShardLayout
+from saeflow.extraction import extract, fingerprints, models, tokenization
+from saeflow.extraction.extract import plan_activation
+from saeflow.store import shards
+from saeflow.store.layout import ShardLayout
 from workflow_helpers import snakemake, write_config
 
 N_CLASSES = 1000

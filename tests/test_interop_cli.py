@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import yaml
 
-from saeflow import cli, shards
+from saeflow import cli
 from saeflow.interop import engine, pickle_shards, zarr_store
 from saeflow.interop.records import read_prompts
+from saeflow.store import shards
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "interop"
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from builders import PROMPTS
-from saeflow import models
 from saeflow.errors import SaeflowError
+from saeflow.extraction import models
 from saeflow.interop import engine
 
 

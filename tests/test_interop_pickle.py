@@ -12,10 +12,10 @@ import shutil
 import numpy as np
 import pytest
 
-from saeflow import shards
 from saeflow.errors import SaeflowError
 from saeflow.interop import pickle_shards, saev_sink
 from saeflow.interop.records import Record
+from saeflow.store import shards
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "interop"
 _spec = importlib.util.spec_from_file_location("make_numpy1_pickles", FIXTURES / "make_numpy1_pickles.py")

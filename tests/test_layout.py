@@ -1,4 +1,4 @@
-"""saeflow.layout against the specs: the one place the tests spell the shard and run layouts out.
+"""saeflow.store.layout against the specs: the one place the tests spell the shard and run layouts out.
 
 storage-and-run-manifest v1 names a run's files; saev protocol 2.0 names a shard directory's. Everything else in
 saeflow (and in the tests) asks the layout classes, so these assertions pin the whole on-disk contract.
@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from saeflow.layout import DumpLayout, RunLayout, ShardLayout, staging_dpath
+from saeflow.store.layout import DumpLayout, RunLayout, ShardLayout, staging_dpath
 
 ROOT = pathlib.Path("/fs/scratch/PAS1234/me/saev")
 HASH = "ab" * 32

@@ -12,9 +12,9 @@ import torch
 
 from builders import write_shards
 from saeflow.errors import SaeflowError, ShardDirError
-from saeflow.layout import ShardLayout
-from saeflow.loaders import TOKENS, Block, EpochPlan, IndexedReader, OrderedLoader, ShuffledLoader
-from saeflow.shards import ShardDir
+from saeflow.store.layout import ShardLayout
+from saeflow.store.shards import ShardDir
+from saeflow.training.loaders import TOKENS, Block, EpochPlan, IndexedReader, OrderedLoader, ShuffledLoader
 
 N_EX, L, T, D = 37, 2, 5, 8  # 3 shards of 12 examples + one of 1; CLS at token 0
 # A text packing's record in metadata.json (data.tokenization): BOS 1 before each example, EOS 2 between documents.

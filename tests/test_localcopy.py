@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import atomic, localcopy, train
 from saeflow.errors import SaeflowError
-from saeflow.sae import load_sae
+from saeflow.store import atomic
+from saeflow.training import localcopy, train
+from saeflow.training.sae import load_sae
 
 SPEC = dict(arch="topk", k=2, expansion=4, batch_size=32, n_epochs=1)
 

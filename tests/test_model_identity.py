@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from builders import MINILM, typed
-from saeflow import extract, fingerprints, models, shards
 from saeflow.errors import SaeflowError
+from saeflow.extraction import extract, fingerprints, models
+from saeflow.store import shards
 
 HUB_FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "hf_cache" / "hub"  # made by make_hf_cache.py
 REPO_ID = "saeflow-tests/tiny-bert"
@@ -108,7 +109,7 @@ def test_a_snapshot_that_is_not_what_its_commit_names_is_identified_by_content(h
     target = hub / os.readlink(hub / "vocab.txt")
     (hub / "vocab.txt").unlink()
     shutil.copy(target, hub / "vocab.txt")
-    with caplog.at_level(logging.WARNING, logger="saeflow.models"):
+    with caplog.at_level(logging.WARNING, logger="saeflow.extraction.models"):
         assert _ckpt(REPO_ID) == by_content
     assert "vocab.txt is a file, not a link" in caplog.text and f"not by commit {COMMIT}" in caplog.text
     (hub / "vocab.txt").unlink()

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from builders import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
-from saeflow import extract, models, shards, tokenization
 from saeflow.errors import SaeflowError
+from saeflow.extraction import extract, models, tokenization
+from saeflow.store import shards
 
 
 def _reference_hidden_states(plan_, sd: shards.ShardDir):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from builders import file_bytes, identity_sae, run_around_sae, vision_spec, write_shards
-from saeflow import cli, numerics, provenance
-from saeflow.shards import parts
+from saeflow import cli, numerics
+from saeflow.store import provenance
+from saeflow.store.shards import parts
 from workflow_helpers import TEST_THREADS_ENV, env, write_config
 
 PORTABLE_VARIANTS = {
@@ -124,8 +125,8 @@ def test_compare_runs_tensor_by_tensor(tmp_path, capsys):
 
 
 def test_a_seal_of_parts_from_two_platforms_warns_and_records_it(tmp_path, monkeypatch, caplog):
-    from saeflow import extract
-    from saeflow.specs import ActivationSpec
+    from saeflow.extraction import extract
+    from saeflow.extraction.specs import ActivationSpec
 
     spec = ActivationSpec.from_dict(vision_spec(batch_size=2))
     extract.extract(spec, tmp_path, progress=False, part=(0, 2))

@@ -11,11 +11,12 @@ import os
 import pytest
 import yaml
 
-from saeflow import cli, config, stability
+from saeflow import cli, config
+from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
-from saeflow.layout import ShardLayout
+from saeflow.extraction.specs import ShardsSpec
 from saeflow.planning import WorkflowPlan, expand_path, has_labels, read_planned
-from saeflow.specs import ShardsSpec
+from saeflow.store.layout import ShardLayout
 from workflow_helpers import REPO_ROOT, minilm_path
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
@@ -210,7 +211,8 @@ def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
 def test_a_damaged_published_shard_directory_is_refused_only_while_a_job_still_reads_it(tmp_path):
     """A stat per file finds a deleted or truncated shard of a published directory that a run still has to read;
     once every run on it is complete (config, checkpoint, dump), nothing reads it and planning goes on."""
-    from saeflow import extract, layout
+    from saeflow.extraction import extract
+    from saeflow.store import layout
 
     cfg = smallest_config(tmp_path)
     cfg["activations"] = {"text": cfg["activations"]["text"]}
@@ -244,7 +246,7 @@ def test_a_jobs_parse_takes_what_the_submitting_parse_planned_and_plans_a_change
     """A Slurm job's parse (common.smk) reads the shard metadata its Snakemake wrote beside the job configs: same
     hashes and runs, without planning an activation again; an entry is named by its spec's content, so an edited
     spec finds none and is planned anew."""
-    from saeflow import extract
+    from saeflow.extraction import extract
 
     cache_dpath = tmp_path / "cache"
     plan = WorkflowPlan.from_config(smallest_config(tmp_path))

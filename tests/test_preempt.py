@@ -8,9 +8,11 @@ import torch
 import yaml
 
 from builders import file_bytes, planted_data, run_from_sae_spec, vision_spec, write_shards
-from saeflow import cli, extract, models, train
-from saeflow.sae import load_sae
-from saeflow.specs import ActivationSpec
+from saeflow import cli
+from saeflow.extraction import extract, models
+from saeflow.extraction.specs import ActivationSpec
+from saeflow.training import train
+from saeflow.training.sae import load_sae
 
 
 def _signal_self_at(monkeypatch, cls, name, call_no, signum):

@@ -10,8 +10,10 @@ import torch
 
 from _cdp import Browser, find_chromium
 from builders import run_around_sae, write_shards
-from saeflow import cli, inference, probe, sae, visuals
-from saeflow.layout import ShardLayout
+from saeflow import cli
+from saeflow.analysis import inference, probe, visuals
+from saeflow.store.layout import ShardLayout
+from saeflow.training import sae
 
 N_CLASSES, N_SHAPES, D, T = 30, 4, 64, 4  # T: CLS + 3 patches
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from saeflow.errors import SaeflowError
-from saeflow.sae import SAE, SAEConfig, load_sae, save_sae
+from saeflow.training.sae import SAE, SAEConfig, load_sae, save_sae
 
 
 def _identity_sae(arch: str, k: int = 2, scale: float = 1.0, threshold: float = 0.0) -> SAE:

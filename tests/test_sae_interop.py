@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from builders import pip_site, run_around_sae, typed
-from saeflow import cli, extract, sae, sae_interop
+from saeflow import cli
 from saeflow.errors import SaeflowError
-from saeflow.interop import lmprobe
-from saeflow.layout import DumpLayout
-from saeflow.shards import ShardDir
+from saeflow.extraction import extract
+from saeflow.interop import lmprobe, sae_checkpoints
+from saeflow.store.layout import DumpLayout
+from saeflow.store.shards import ShardDir
+from saeflow.training import sae
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 SAELENS_VERSION, SPARSIFY_VERSION = "6.54.12", "1.3.3"  # what wrote the fixtures and what the export test installs
@@ -163,7 +165,7 @@ def test_exports_have_the_files_the_libraries_write(name, tmp_path):
     (but the saeflow provenance the libraries ignore) as the checkpoint the library saved for that arch."""
     fmt, arch = EXPORTS[name]
     twin_dpath = FIXTURES / EXPORT_TWINS[name]
-    out = sae_interop.export_sae(saeflow_sae(arch), fmt, tmp_path / name)
+    out = sae_checkpoints.export_sae(saeflow_sae(arch), fmt, tmp_path / name)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in twin_dpath.iterdir() if p.suffix != ".npz")
     (ours_cfg, ours_tensors), (twin_cfg, twin_tensors) = _files(out), _files(twin_dpath)
     assert ours_tensors == twin_tensors
@@ -224,7 +226,7 @@ def test_exports_load_in_the_libraries_with_the_same_outputs(loaded_by_the_libra
 def test_export_import_round_trip_without_the_libraries(name, tmp_path):
     fmt, arch = EXPORTS[name]
     model = saeflow_sae(arch)
-    back = sae_interop.read_checkpoint(sae_interop.export_sae(model, fmt, tmp_path / name)).sae()
+    back = sae_checkpoints.read_checkpoint(sae_checkpoints.export_sae(model, fmt, tmp_path / name)).sae()
     assert back.cfg.arch == arch and (arch == "relu" or back.cfg.k == K)
     with torch.no_grad():
         for got, want in zip(back(inputs()), model(inputs()), strict=True):
@@ -233,10 +235,10 @@ def test_export_import_round_trip_without_the_libraries(name, tmp_path):
 
 def test_refusals(tmp_path):
     with pytest.raises(SaeflowError, match="sparsify has TopK SAEs only"):
-        sae_interop.export_sae(saeflow_sae("relu"), "sparsify", tmp_path / "relu")
+        sae_checkpoints.export_sae(saeflow_sae("relu"), "sparsify", tmp_path / "relu")
     assert not (tmp_path / "relu").exists()
-    out = sae_interop.export_sae(saeflow_sae("topk"), "saelens", tmp_path / "topk")
+    out = sae_checkpoints.export_sae(saeflow_sae("topk"), "saelens", tmp_path / "topk")
     with pytest.raises(SaeflowError, match="already exists"):
-        sae_interop.export_sae(saeflow_sae("topk"), "saelens", out)
+        sae_checkpoints.export_sae(saeflow_sae("topk"), "saelens", out)
     with pytest.raises(SaeflowError, match="not a SAELens"):
-        sae_interop.read_checkpoint(tmp_path)
+        sae_checkpoints.read_checkpoint(tmp_path)

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from saeflow import shards
 from saeflow.cli import main
 from saeflow.interop import saev_data, saev_import
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
-from saeflow.loaders import IndexedReader, OrderedLoader
-from saeflow.shards.validate import validate
+from saeflow.store import shards
+from saeflow.store.shards.validate import validate
+from saeflow.training.loaders import IndexedReader, OrderedLoader
 
 FIXTURES_DPATH = pathlib.Path(__file__).resolve().parent / "fixtures" / "saev"
 SAEV_DPATHS = sorted(p for p in FIXTURES_DPATH.glob("hash*/*") if p.is_dir())

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import make_acts, make_aux, make_md, snapshot, write_all
-from saeflow import atomic, shards
 from saeflow.errors import SaeflowError
+from saeflow.store import atomic, shards
 
 # ---------------------------------------------------------------------------------------------------------------
 # Sizing and indexing maths (sections 3 and 4) against brute force
@@ -111,7 +111,7 @@ def test_hash_is_sha256_of_canonical_json():
 
 HASH_SCRIPT = """
 import json, random, sys
-from saeflow import atomic, shards
+from saeflow.store import atomic, shards
 obj = json.loads(sys.argv[1])
 order = list(obj)
 random.Random(int(sys.argv[2])).shuffle(order)

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from builders import file_bytes, vision_spec
-from saeflow import extract, models
 from saeflow.errors import SaeflowError
-from saeflow.shards import parts
-from saeflow.specs import ActivationSpec
+from saeflow.extraction import extract, models
+from saeflow.extraction.specs import ActivationSpec
+from saeflow.store.shards import parts
 
 SPEC = vision_spec(batch_size=2)  # 10 examples, 3 per shard: 4 shards, the last one short
 

@@ -9,9 +9,11 @@ import scipy.optimize
 import torch
 
 from builders import run_from_sae_spec, write_shards
-from saeflow import cli, stability, train
+from saeflow import cli
+from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
-from saeflow.sae import load_sae
+from saeflow.training import train
+from saeflow.training.sae import load_sae
 
 
 @pytest.fixture(autouse=True)

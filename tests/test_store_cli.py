@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 from builders import make_md, write_all
-from saeflow import cli, shards
+from saeflow import cli
+from saeflow.store import shards
 
 
 def test_validate_and_info(shards_root, capsys):

@@ -7,8 +7,9 @@ import re
 import pytest
 
 from builders import make_md, snapshot, write_all
-from saeflow import atomic, cli, shards
+from saeflow import cli
 from saeflow.errors import ShardDirError
+from saeflow.store import atomic, shards
 
 
 @pytest.fixture

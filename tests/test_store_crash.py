@@ -14,8 +14,8 @@ import time
 import pytest
 
 from builders import file_bytes, make_md, write_all
-from saeflow import atomic, shards
 from saeflow.errors import SaeflowError
+from saeflow.store import atomic, shards
 
 BUILDERS = os.path.join(os.path.dirname(__file__), "builders.py")
 

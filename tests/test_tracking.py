@@ -1,4 +1,4 @@
-"""Optional tracking (saeflow.tracking): TensorBoard event files and an offline W&B run hold the metrics.jsonl
+"""Optional tracking (saeflow.training.tracking): TensorBoard event files and an offline W&B run hold the metrics.jsonl
 records; a run killed after a logged step and resumed from an earlier one logs no step twice; a missing package
 is one line."""
 

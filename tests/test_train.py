@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import cli, config, objectives, shards, sweeps, train
+from saeflow import cli, config
 from saeflow.errors import SaeflowError
-from saeflow.layout import RunLayout, ShardLayout
-from saeflow.sae import SAE, SAEConfig, load_sae
+from saeflow.store import shards
+from saeflow.store.layout import RunLayout, ShardLayout
+from saeflow.training import objectives, sweeps, train
+from saeflow.training.sae import SAE, SAEConfig, load_sae
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +179,7 @@ def test_sweep_planning_does_not_import_torch():
     """Snakemake plans the runs at parse time, in every job: importing torch there would cost seconds each."""
     package_root = str(pathlib.Path(sweeps.__file__).parents[1])  # the child imports the saeflow this test does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    code = "import saeflow.sweeps, sys; assert 'torch' not in sys.modules, 'saeflow.sweeps imports torch'"
+    code = "import saeflow.training.sweeps, sys; assert 'torch' not in sys.modules, 'sweeps imports torch'"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
@@ -269,11 +271,11 @@ def test_a_second_trainer_says_at_once_that_it_waits_and_who_holds_the_run(tmp_p
     import socket
     import threading
 
-    from saeflow import atomic
+    from saeflow.store import atomic
 
     sd, spec = small_run
     run = run_from_sae_spec(tmp_path / "runs", sd, **spec)
-    caplog.set_level("INFO", logger="saeflow.atomic")
+    caplog.set_level("INFO", logger="saeflow.store.atomic")
     with atomic.exclusive_lock(run.lock_fpath):  # another trainer (this process: flock locks per open file)
         trainer = threading.Thread(target=train.train_runs, args=([run.root],), kwargs={"device": "cpu"})
         trainer.start()

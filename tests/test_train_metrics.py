@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from saeflow.metrics import MetricsAccumulator, batch_nmse
+from saeflow.training.metrics import MetricsAccumulator, batch_nmse
 
 
 def test_known_answers_across_batches():

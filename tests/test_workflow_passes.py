@@ -8,8 +8,10 @@ import os
 import pytest
 
 from _readcount import ReadCounter
-from saeflow import config, runs, train
+from saeflow import config
 from saeflow.planning import WorkflowPlan
+from saeflow.store import runs
+from saeflow.training import train
 from workflow_helpers import REPO_ROOT, job_counts, snakemake, tree_state, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end

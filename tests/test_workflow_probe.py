@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from saeflow import config, report, stability
+from saeflow import config
+from saeflow.analysis import report, stability
 from saeflow.planning import WorkflowPlan
 from test_workflow_rerun import planned_jobs
 from workflow_helpers import snakemake, write_config

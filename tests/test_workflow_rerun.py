@@ -21,8 +21,8 @@ import sys
 import pytest
 
 from saeflow import config
-from saeflow.layout import RunLayout, ShardLayout
 from saeflow.planning import WorkflowPlan
+from saeflow.store.layout import RunLayout, ShardLayout
 from test_faults_cli import _drop_dac_capabilities
 from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
 
@@ -320,7 +320,7 @@ def test_rule_text_and_code_edits_rerun_nothing_and_delete_nothing(tree, tmp_pat
     workdir = copy_tree(tree, tmp_path / "w")
     wf = copy_workflow(tmp_path / "wf")
     assert edit_every_rule(wf) >= 5
-    (wf / "workflow" / "saeflow" / "sae.py").open("a").write("\n# an edit of saeflow's code\n")
+    (wf / "workflow" / "saeflow" / "training" / "sae.py").open("a").write("\n# an edit of saeflow's code\n")
     before = tree_state(workdir / "shards") | tree_state(workdir / "runs")
     proc = snakemake(workdir, tree["config"], snakefile=wf / "Snakefile", preexec=preexec, pythonpath=wf / "workflow")
     assert "Nothing to be done" in proc.stdout + proc.stderr

@@ -13,8 +13,10 @@ import sys
 import pytest
 import yaml
 
-from saeflow import cli, launch, runs, train
+from saeflow import cli
 from saeflow.commands.workflow import install_profile
+from saeflow.store import runs
+from saeflow.training import launch, train
 from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
@@ -218,8 +220,8 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     """4 part jobs + 1 seal job through the profile; the directory equals one job's, byte for byte; a part that
     crashed before the workflow ran resumes from its last complete shard (the other parts start from nothing)."""
     from builders import file_bytes
-    from saeflow import extract, models
-    from saeflow.specs import ActivationSpec
+    from saeflow.extraction import extract, models
+    from saeflow.extraction.specs import ActivationSpec
 
     cfg = tiny_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
     act = cfg["activations"]["docs"]
@@ -395,8 +397,9 @@ class _Resources(dict):
 @pytest.mark.parametrize("cluster", sorted(CLUSTER_REQUESTS))
 def test_train_jobs_ask_slurm_for_the_configs_gpus_per_node(cluster):
     """The sbatch line of a train job for train.gpus x train.nodes, built by the Slurm executor plugin from the rule's
-    resources (saeflow.launch.rule_resources) and the cluster profile's: GPUs per node, one task per GPU on several
-    nodes (the plugin's multi-task job, whose shell saeflow's srun starts the ranks from), cores and memory per GPU."""
+    resources (saeflow.training.launch.rule_resources) and the cluster profile's: GPUs per node, one task per GPU on
+    several nodes (the plugin's multi-task job, whose shell saeflow's srun starts the ranks from), cores and memory per
+    GPU."""
     from snakemake_executor_plugin_slurm.submit_string import get_submit_command
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 

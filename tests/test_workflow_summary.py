@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from saeflow import cli, report, runs, summary
+from saeflow import cli
+from saeflow.analysis import report, summary
 from saeflow.errors import SaeflowError
+from saeflow.store import runs
 
 
 def test_pareto_front_keeps_only_undominated_points():
@@ -76,7 +78,8 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     trained with was shown nowhere. Training records it in checkpoint/metrics.json (and its final line), and the
     summary shows it as `train.peak_lr`; the run id (the hashed config) is unchanged."""
     from builders import planted_data, run_from_sae_spec, write_shards
-    from saeflow import inference, train
+    from saeflow.analysis import inference
+    from saeflow.training import train
 
     x_nd, _ = planted_data(512, d_model=16, n_atoms=16, k=2)
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), tag="lr")

@@ -10,14 +10,14 @@ sbatch script). Stages:
 1. tests     `pytest -m cuda` in a subprocess (tests/test_cuda.py: GPU vs CPU extraction, GPU resume, inference).
 2. extract   a random ViT-L/14-sized vision model (d 1024, 24 blocks, 16 heads, patch 14, image 224) and a random
              ~1B Llama-sized decoder (d 2048, 16 blocks, 32 heads, MLP 8192) in bfloat16, last block stored as
-             float16: tokens/s of `saeflow.extract.extract` (its batch loop: input loading, forward, writing,
+             float16: tokens/s of `saeflow.extraction.extract.extract` (its batch loop: input loading, forward, writing,
              publish; `Result.loop_sec`) against a bare forward pass of the same model over the same inputs,
              already in host memory (limit). Also the writer's share, `Result.write_sec / total_sec`.
 3. train     TopK and BatchTopK SAEs (d 1024, 32x, k 32, batch 4096) from float16 shards on local disk, through
              the real loop (`train._run_steps`: shuffled loader -> GPU -> `Trainer.train_step`): examples/s against
              a bare-torch step on a batch already on the GPU (encoder matmul, row top-k, embedding_bag decoder,
              backward, Adam), and peak GPU memory (`torch.cuda.max_memory_allocated`) against that step's.
-4. inference `saeflow.inference.run_inference` on the GPU: vectors/s against a bare SAE forward over the same
+4. inference `saeflow.analysis.inference.run_inference` on the GPU: vectors/s against a bare SAE forward over the same
              batches (host -> GPU, encode/decode, codes back to the host).
 
 While extraction and training run, GPU utilization is sampled every 100 ms (`nvidia-smi -lms 100`, else
@@ -50,7 +50,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from saeflow import extract, inference, loaders, models, runs, sae, shards, specs, sweeps, train  # noqa: E402
+from saeflow.analysis import inference  # noqa: E402
+from saeflow.extraction import extract, models, specs  # noqa: E402
+from saeflow.store import runs, shards  # noqa: E402
+from saeflow.training import loaders, sae, sweeps, train  # noqa: E402
 
 SAMPLE_SEC = 0.1
 IDLE_GAP_LIMIT_SEC = 0.5

@@ -1,7 +1,7 @@
 # The workflow's Python helpers: one saeflow.planning.WorkflowPlan built from the config at parse time (also inside
 # every Slurm job, where it takes the submitting Snakemake's shard metadata: no model weights, no data pass), and
 # the get_* helpers the rules call.
-# Every path comes from saeflow.layout (the rules use its Snakemake patterns); nothing here spells one.
+# Every path comes from saeflow.store.layout (the rules use its Snakemake patterns); nothing here spells one.
 # Included after config.smk (which resolves the roots before validation fills the schema's defaults: ROOT_SOURCES,
 # stop_workflow).
 import os
@@ -13,11 +13,11 @@ from snakemake_interface_executor_plugins.settings import ExecMode
 from snakemake.settings.types import DeploymentMethod
 
 from saeflow import config as saeflow_config
-from saeflow import report as saeflow_report
-from saeflow import stability as saeflow_stability
+from saeflow.analysis import report as saeflow_report
+from saeflow.analysis import stability as saeflow_stability
 from saeflow.errors import SaeflowError
-from saeflow.launch import rule_resources
-from saeflow.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
+from saeflow.training.launch import rule_resources
+from saeflow.store.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
 from saeflow.planning import WorkflowPlan, read_planned
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
@@ -45,7 +45,7 @@ CLI_CONFIG_DPATH = pathlib.Path(".snakemake", "saeflow")
 
 
 def plan_workflow(config):
-    # Planning also makes the link to the packaged MiniLM a config names (saeflow.models.link_packaged_model).
+    # Planning also makes the link to the packaged MiniLM a config names (saeflow.extraction.models.link_packaged_model).
     # A job's own parse (Slurm) takes the shard metadata the Snakemake that submitted it planned and wrote under
     # CLI_CONFIG_DPATH: no dataset listed, no model file read again in every job (saeflow.planning.read_planned).
     planned = {}
@@ -183,7 +183,7 @@ def get_probes():
     ]
 
 
-# Seed groups: runs whose training configs differ only in seed/data_seed (group id -> run ids; saeflow.stability).
+# Seed groups: runs whose training configs differ only in seed/data_seed (group id -> run ids; saeflow.analysis.stability).
 STABILITY_GROUPS = saeflow_stability.seed_groups(
     {run_id: plan.train_config.to_dict() for run_id, plan in PLAN.runs.items()}
 )

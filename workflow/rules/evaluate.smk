@@ -1,5 +1,5 @@
 # Evaluation: every run's SAE spliced into its model on the run's validation activation spec (CE loss recovered
-# and KL for causal LMs, embedding similarity for encoders and vision towers). Path: saeflow.layout.RunLayout.
+# and KL for causal LMs, embedding similarity for encoders and vision towers). Path: saeflow.store.layout.RunLayout.
 # The job gets the per-shard config of the validation activations; saeflow checks it plans the run's val_shards,
 # and reads the validation shard directory (tokens.bin, and the stored activations its model check compares), asked
 # for (ancient) only while the evaluation is missing, as inference does.

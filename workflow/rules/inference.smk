@@ -1,6 +1,6 @@
 # Inference and visuals: every run's SAE over its validation shards -> the run's dump for that shard hash (published
 # in one rename, read-only; its metrics file stands for it), then the dump's visuals (the latent browser page stands
-# for them). Paths: saeflow.layout.DumpLayout.
+# for them). Paths: saeflow.store.layout.DumpLayout.
 # One job does both: Snakemake creates every output's parent directory before a job starts, which it could not
 # do inside a published, read-only dump directory. The config's `inference` and `visuals` settings reach the CLI
 # as flags; they are also in .snakemake/saeflow/stages/inference.json, an input rewritten only when they change, so

@@ -1,5 +1,5 @@
 # Probing: every run's dump on shards that carry labels (labels.bin per patch, classes.bin per example) -> which
-# latents predict each label (saeflow probe). Path: saeflow.layout.RunLayout.probe_fpath; the dumps probed:
+# latents predict each label (saeflow probe). Path: saeflow.store.layout.RunLayout.probe_fpath; the dumps probed:
 # WorkflowPlan.probes(). The job reads the dump (its metrics.json stands for it, so a new dump reruns the probe) and
 # the shards (labels, raw activations), asked for (ancient) only while the probe is missing, as inference does. It
 # also puts the labels each latent predicts on the dump's latent pages (visuals/labels.js, replaced atomically).

@@ -1,8 +1,8 @@
-# Seed stability: runs whose training configs differ only in seed and/or data_seed form a group (saeflow.stability;
+# Seed stability: runs whose training configs differ only in seed and/or data_seed form a group (saeflow.analysis.stability;
 # named by the content hash of the config without its seeds); each group's runs are matched pairwise by decoder
 # direction (saeflow stability) into <summary_dir>/stability/<group>.json, which the summary's grouped table and
 # stability page read. The job waits for every member's sae.pt (its pass representative's while untrained) and for
-# .snakemake/saeflow/stability/<group>.json, the member list, rewritten only when the group changes. Groups:
+# .snakemake/saeflow/analysis/stability/<group>.json, the member list, rewritten only when the group changes. Groups:
 # common.smk's STABILITY_GROUPS.
 
 

@@ -1,6 +1,6 @@
 # Summary: every run's inference, splice-evaluation and probe metrics and hyper-parameters in one CSV, the seed groups'
 # means and standard deviations (with their stability) in another, the L0 vs normalized-MSE (and splice score) Pareto
-# plot across the sweep, and one report page per metric (saeflow.report; a caption each, workflow/report/<page>.rst).
+# plot across the sweep, and one report page per metric (saeflow.analysis.report; a caption each, workflow/report/<page>.rst).
 # Cheap, so it follows every metrics file (no ancient()) and .snakemake/saeflow/stages/summary.json, the runs and
 # names it shows (rewritten only when they change: removing, reordering or renaming).
 REPORT_CATEGORIES = {

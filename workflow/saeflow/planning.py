@@ -2,7 +2,7 @@
 
 Snakemake builds one `WorkflowPlan` at parse time (workflow/rules/common.smk, also inside every Slurm job) and asks
 it for paths through a few `get_*` helpers; tests build it directly. Planning reads model configs and lists
-datasets, never weights or activations. Paths come from `saeflow.layout`; nothing here spells one.
+datasets, never weights or activations. Paths come from `saeflow.store.layout`; nothing here spells one.
 
     plan = WorkflowPlan.from_config(config_dict)       # validated (Snakemake's validate or config.validate)
     plan.shard_hash["minilm-docs"]                     # the content address of an activation spec
@@ -17,13 +17,16 @@ import json
 import os
 import pathlib
 
-from saeflow import extract, hashing, layout, shards, stability, summary, sweeps, tokenization
-from saeflow.atomic import write_file_atomic
+from saeflow.analysis import stability, summary
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
-from saeflow.shards import parts
-from saeflow.shards.validate import stat_problem
-from saeflow.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
+from saeflow.extraction import extract, tokenization
+from saeflow.extraction.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
+from saeflow.store import hashing, layout, shards
+from saeflow.store.atomic import write_file_atomic
+from saeflow.store.shards import parts
+from saeflow.store.shards.validate import stat_problem
+from saeflow.training import sweeps
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate", "probe")  # CLI flags (config.section_flags)
 

@@ -37,8 +37,10 @@ def register(subparsers):
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from saeflow import evaluate, runs, specs
+    from saeflow.analysis import evaluate
     from saeflow.errors import SaeflowError
+    from saeflow.extraction import specs
+    from saeflow.store import runs
 
     run = runs.open_run(args.run)
     cfg_dict = config.load(args.config)
@@ -57,8 +59,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _validation_activation(run, activations: dict, config_fpath: pathlib.Path) -> str:
     """The name of the activation spec that plans the run's validation shards (planning reads no weights)."""
-    from saeflow import extract, specs
     from saeflow.errors import SaeflowError
+    from saeflow.extraction import extract, specs
 
     run_cfg = run.config()
     val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")

@@ -78,7 +78,7 @@ def _spec(args) -> tuple[dict, str, dict]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from saeflow import extract, specs
+    from saeflow.extraction import extract, specs
 
     if args.activation is None and not args.json:
         return _print_workflow_plan(*config.load_with_root_sources(args.config))
@@ -114,7 +114,7 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     import sys
 
-    from saeflow import extract, specs
+    from saeflow.extraction import extract, specs
 
     cfg, name, spec = _spec(args)
     shards_root = config.root(cfg, "shards_root", args.shards_root, "--shards-root")

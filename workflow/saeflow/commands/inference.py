@@ -3,7 +3,8 @@
 import argparse
 import pathlib
 
-from saeflow import config, layout
+from saeflow import config
+from saeflow.store import layout
 
 # inference/visuals import torch: load them only when their command runs, so `saeflow --help` stays fast.
 
@@ -51,14 +52,14 @@ def register(subparsers):
 
 
 def cmd_inference(args: argparse.Namespace) -> int:
-    from saeflow import inference
+    from saeflow.analysis import inference
 
     print(inference.run_inference(config.from_args(inference.Config, args)))
     return 0
 
 
 def cmd_visuals(args: argparse.Namespace) -> int:
-    from saeflow import visuals
+    from saeflow.analysis import visuals
 
     cfg = config.from_args(visuals.Config, args, selection="list" if args.latents else args.selection)
     print(visuals.make_visuals(cfg) / layout.DumpLayout.INDEX_FNAME)

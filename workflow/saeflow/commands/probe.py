@@ -29,7 +29,7 @@ def register(subparsers):
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from saeflow import probe
+    from saeflow.analysis import probe
 
     print(probe.run_probe(config.from_args(probe.Config, args)))
     return 0

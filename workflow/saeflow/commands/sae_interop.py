@@ -3,7 +3,7 @@
 import argparse
 import pathlib
 
-FORMATS = ("saelens", "sparsify")  # saeflow.sae_interop.FORMATS (not imported here: the CLI starts without torch)
+FORMATS = ("saelens", "sparsify")  # interop.sae_checkpoints.FORMATS (not imported here: the CLI starts without torch)
 
 EXPORT_DESCRIPTION = """\
 Write the SAE of RUN (checkpoint/sae.pt) as a directory the other library loads with its own code:
@@ -47,15 +47,15 @@ def register(subparsers):
 
 
 def cmd_export_sae(args: argparse.Namespace) -> int:
-    from saeflow import sae_interop
+    from saeflow.interop import sae_checkpoints
 
-    print(sae_interop.export_run(args.run, args.format, args.out))
+    print(sae_checkpoints.export_run(args.run, args.format, args.out))
     return 0
 
 
 def cmd_import_sae(args: argparse.Namespace) -> int:
-    from saeflow import sae_interop
+    from saeflow.interop import sae_checkpoints
 
-    run = sae_interop.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format)
+    run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format)
     print(run.root)
     return 0

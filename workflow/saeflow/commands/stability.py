@@ -20,7 +20,7 @@ def register(subparsers):
 
 
 def cmd_stability(args: argparse.Namespace) -> int:
-    from saeflow import stability
+    from saeflow.analysis import stability
 
     print(stability.write_stability(args.run, args.out))
     return 0

@@ -5,8 +5,9 @@ import dataclasses
 import json
 import pathlib
 
-from saeflow import compare, shards
+from saeflow.analysis import compare
 from saeflow.errors import SaeflowError
+from saeflow.store import shards
 
 
 def register(subparsers):

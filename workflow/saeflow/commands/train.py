@@ -5,8 +5,8 @@ import json
 import pathlib
 
 from saeflow import config as config_mod
-from saeflow import layout, runs
 from saeflow.errors import SaeflowError
+from saeflow.store import layout, runs
 
 
 def register(subparsers):
@@ -93,7 +93,7 @@ def _dataset_of(shards: layout.ShardLayout) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from saeflow import distributed, launch, memory, tracking, train
+    from saeflow.training import distributed, launch, memory, tracking, train
 
     if args.checkpoint_every < 1:
         raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")

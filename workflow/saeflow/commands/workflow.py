@@ -11,7 +11,7 @@ import sys
 
 import yaml
 
-from saeflow import summary
+from saeflow.analysis import summary
 from saeflow.errors import SaeflowError, one_line
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]

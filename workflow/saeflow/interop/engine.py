@@ -1,6 +1,6 @@
 """Run a Hugging Face text model over prompts and yield `Record`s: the engine behind every interop export.
 
-Models are resolved by `saeflow.models` (the extraction engine's adapters) and tokenized by `saeflow.tokenization`,
+Models are resolved by `extraction.models` (the extraction adapters) and tokenized by `extraction.tokenization`,
 and layer k means the same thing there and here: the raw output of transformer block k, recorded by a forward
 hook. That equals Hugging Face's `hidden_states[k + 1]` for every block but the last of pre-norm decoders (GPT-2,
 Llama), where `hidden_states[-1]` has the final norm applied and we keep the raw residual stream. Causal LMs also
@@ -14,8 +14,8 @@ import typing
 
 import numpy as np
 
-from saeflow import models, specs, tokenization
 from saeflow.errors import SaeflowError
+from saeflow.extraction import models, specs, tokenization
 from saeflow.interop.records import Record
 
 

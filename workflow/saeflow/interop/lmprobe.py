@@ -18,10 +18,11 @@ import typing
 
 import numpy as np
 
-from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
+from saeflow.extraction import specs
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET, check_alloc, fmt_bytes
 from saeflow.interop.records import Record
+from saeflow.store import atomic, provenance
 
 FORMAT_VERSION = "2.0"
 PARQUET_PATH = "index/train-00000-of-00001.parquet"

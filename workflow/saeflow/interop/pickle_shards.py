@@ -18,11 +18,12 @@ import typing
 
 import numpy as np
 
-from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
+from saeflow.extraction import specs
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET, Budget, read_json
 from saeflow.interop.records import Record, check_uniform
 from saeflow.interop.safe_unpickle import BoundedStream, BudgetUnpickler
+from saeflow.store import atomic, provenance
 
 VERSION = "1.0"
 METADATA_FNAME = "metadata.json"

@@ -18,15 +18,15 @@ import json
 import os
 import pathlib
 
-from saeflow import atomic, provenance
 from saeflow.errors import SaeflowError, ShardDirError
-from saeflow.hashing import file_sha256
 from saeflow.interop import saev_data
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET, read_json
-from saeflow.layout import ShardLayout
-from saeflow.shards.metadata import Metadata, expected_shards_json
-from saeflow.shards.reader import open_existing
-from saeflow.shards.validate import file_problem, validate
+from saeflow.store import atomic, provenance
+from saeflow.store.hashing import file_sha256
+from saeflow.store.layout import ShardLayout
+from saeflow.store.shards.metadata import Metadata, expected_shards_json
+from saeflow.store.shards.reader import open_existing
+from saeflow.store.shards.validate import file_problem, validate
 
 PROTOCOL = "2.1"
 # saev's Metadata fields in definition order: the order its directory hash serializes them in.

@@ -11,9 +11,9 @@ import typing
 import numpy as np
 import tqdm
 
-from saeflow import shards
 from saeflow.errors import SaeflowError
 from saeflow.interop.records import Record, check_uniform
+from saeflow.store import shards
 
 BLOCK_EX = 64
 

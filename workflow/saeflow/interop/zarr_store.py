@@ -32,8 +32,8 @@ import zlib
 
 import numpy as np
 
-from saeflow import atomic, provenance, specs
 from saeflow.errors import SaeflowError
+from saeflow.extraction import specs
 from saeflow.interop import zarr_compat
 from saeflow.interop.budget import (
     DEFAULT_MEMORY_BUDGET,
@@ -44,6 +44,7 @@ from saeflow.interop.budget import (
     read_json,
 )
 from saeflow.interop.records import Record, check_uniform
+from saeflow.store import atomic, provenance
 
 SCHEMA_VERSION = "saeflow-zarr-activations-1"
 MANIFEST_FNAME = "manifest.json"

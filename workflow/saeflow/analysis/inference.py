@@ -1,0 +1,282 @@
+"""Inference dumps: run a trained SAE over one shard directory, streaming, into RUN/inference/<shard_hash>/.
+
+    config.json        what was run on what (run, checkpoint sha256, shard dir and hash, layer, top_k)
+    patch_acts.npz     scipy CSR (n_ex * tokens_per_ex, d_sae) float32: `scipy.sparse.load_npz` reads it.
+                       Row r is example r // tokens_per_ex, token r % tokens_per_ex (example-major, token-minor,
+                       the protocol's token axis: CLS first when the shards have one).
+    latents.npz        per latent: n_fires, freq (fraction of rows where it fires), mean_act (mean value when
+                       firing, 0 when it never fires), max_act; top-k rows per latent, best first:
+                       topk_values (d_sae, k) float32, topk_example (d_sae, k) int64, topk_token (d_sae, k) int64
+                       (-1 / 0.0 pad latents that fired on fewer than k rows); l0_hist[n] = rows with n active latents
+    metrics.json       NMSE, L0, explained variance, dead/dense counts on this data (training.metrics definitions)
+    provenance.json    versions, host, times (not part of the result)
+
+The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.store.atomic), under
+the run's lock (`RunLayout.lock_fpath`); a full disk removes the staging directory and says so in one line. An
+existing complete directory with the same result-defining settings is reused. Memory is bounded by the batch size
+and top_k (the CSR is streamed to disk), not by the number of rows.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+
+import numpy as np
+import torch
+import tqdm
+
+from saeflow import config
+from saeflow.analysis.csr import CsrWriter
+from saeflow.devices import resolve_device
+from saeflow.errors import SaeflowError, unreadable
+from saeflow.store import atomic, layout, provenance, runs
+from saeflow.store.hashing import file_sha256, read_json_object
+from saeflow.store.shards import ShardDir
+from saeflow.training import loaders, metrics, sae
+
+logger = logging.getLogger(__name__)
+
+# config.json keys that change the result; an existing dump must agree on them to be reused.
+RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k")
+DEFAULTS = config.section_defaults("inference")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One inference dump: which run, on which shards, how."""
+
+    run: pathlib.Path
+    shards: pathlib.Path
+    top_k: int = DEFAULTS["top_k"]
+    batch_size: int = DEFAULTS["batch_size"]
+    dense_freq: float = DEFAULTS["dense_freq"]  # a latent firing on more than this fraction of rows is dense
+    device: str = DEFAULTS["device"]  # "auto": cuda when visible; does not change the result beyond float rounding
+    replace_stale: bool = False  # replace a dump of another sae.pt or other RESULT_KEYS instead of refusing it
+
+    def __post_init__(self):
+        if self.top_k < 1:
+            raise SaeflowError(f"top_k must be at least 1, got {self.top_k}")
+        if self.batch_size < 1:
+            raise SaeflowError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 0 < self.dense_freq <= 1:
+            raise SaeflowError(f"dense_freq must be in (0, 1], got {self.dense_freq}")
+
+
+class TopK:
+    """The k largest values per latent and their row ids (ties: earlier row first), merged batch by batch.
+
+    Only entries above a latent's current k-th value are candidates, so after the first batches a merge sorts a
+    few thousand entries, not the batch. Memory is O(d_sae * k).
+    """
+
+    def __init__(self, d_sae: int, k: int):
+        self.k = k
+        self.values_sk = np.zeros((d_sae, k), dtype=np.float32)
+        self.rows_sk = np.full((d_sae, k), -1, dtype=np.int64)
+        self._latent_sk = np.repeat(np.arange(d_sae), k).reshape(d_sae, k)
+
+    def update(self, rows_n: np.ndarray, cols_n: np.ndarray, vals_n: np.ndarray, first_row: int) -> None:
+        """Merge a batch given by its non-zero entries (batch row, latent, value)."""
+        cand_n = vals_n > self.values_sk[cols_n, -1]
+        if not cand_n.any():
+            return
+        cols_m = np.concatenate([self._latent_sk.ravel(), cols_n[cand_n]])
+        vals_m = np.concatenate([self.values_sk.ravel(), vals_n[cand_n]])
+        rows_m = np.concatenate([self.rows_sk.ravel(), rows_n[cand_n] + first_row])
+        order = np.lexsort((rows_m, -vals_m, cols_m))  # by latent, then value descending, then row
+        cols_m, vals_m, rows_m = cols_m[order], vals_m[order], rows_m[order]
+        rank_m = np.arange(cols_m.size) - np.searchsorted(cols_m, cols_m, side="left")
+        keep = rank_m < self.k  # every latent has its k old entries, so each keeps exactly k
+        self.values_sk[cols_m[keep], rank_m[keep]] = vals_m[keep]
+        self.rows_sk[cols_m[keep], rank_m[keep]] = rows_m[keep]
+
+
+def trained_layer(run: runs.Run) -> int:
+    """The layer (value, not index) the run's SAE was trained on, from checkpoint/config.json."""
+    train_config = run.config()
+    layer = train_config.get("layer")
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise SaeflowError(f"{run.config_fpath}: no integer 'layer' key saying which layer the SAE was trained on")
+    return layer
+
+
+def open_inputs(run_dpath: pathlib.Path, shards_dpath: pathlib.Path) -> tuple[runs.Run, sae.SAE, ShardDir, int]:
+    """Resolve and cross-check the run, its checkpoint and the shards; errors say which file disagrees."""
+    run = runs.open_run(run_dpath)
+    sae_fpath = run.require_checkpoint()
+    layer = trained_layer(run)
+    model = sae.load_sae(sae_fpath)
+    sd = ShardDir(shards_dpath)
+    md = sd.metadata
+    if layer not in md.layers:
+        raise SaeflowError(
+            f"{run.config_fpath}: the SAE was trained on layer {layer}, but {sd.dpath}/metadata.json "
+            f"stores layers {list(md.layers)}"
+        )
+    if md.d_model != model.d_model:
+        raise SaeflowError(
+            f"{sae_fpath}: the SAE takes d_model={model.d_model}, but {sd.dpath}/metadata.json has "
+            f"d_model={md.d_model}"
+        )
+    return run, model, sd, layer
+
+
+def run_inference(cfg: Config) -> pathlib.Path:
+    """Write (or reuse) RUN/inference/<shard_hash>/ and return its path."""
+    run, model, sd, layer = open_inputs(cfg.run, cfg.shards)
+    dump_config = {
+        "run": str(run.root.resolve()),
+        "sae_sha256": file_sha256(run.sae_fpath),
+        "shards": str(sd.dpath.resolve()),
+        "shard_hash": sd.hash,
+        "layer": layer,
+        "top_k": cfg.top_k,
+        "batch_size": cfg.batch_size,
+        "dense_freq": cfg.dense_freq,
+        "d_model": model.d_model,
+        "d_sae": model.d_sae,
+        "n_ex": sd.n_ex,
+        "tokens_per_ex": sd.metadata.tokens_per_ex,
+        "row_order": "row = example * tokens_per_ex + token",
+    }
+    final = run.dump(sd.hash)
+    with atomic.no_space_as_error(final.dpath), atomic.exclusive_lock(run.dump_lock_fpath(sd.hash)):
+        stale = None
+        if final.dpath.exists():
+            try:
+                check_reusable(final, dump_config)
+            except SaeflowError:
+                if not cfg.replace_stale:
+                    raise
+                stale = _set_aside(final.dpath)
+            else:
+                logger.info("reusing %s", final.dpath)
+                return final.dpath
+        try:
+            # Built under the dump's lock, published under the run's (as training publishes sae.pt).
+            with atomic.building_dir(final.dpath, publish_lock=run.lock_fpath) as staging_dpath:
+                staging = layout.DumpLayout(staging_dpath)
+                started_at = provenance.utc_now()
+                atomic.write_json(staging.config_fpath, dump_config)
+                _dump(model, sd, layer, cfg, staging)
+                atomic.write_json(
+                    staging.provenance_fpath,
+                    {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
+                )
+        except BaseException:
+            if stale is not None and not final.dpath.exists():
+                stale.rename(final.dpath)  # the old dump back: never left with none
+            raise
+        if stale is not None:
+            atomic.remove_staging(stale)
+    return final.dpath
+
+
+def _set_aside(dump_dpath: pathlib.Path) -> pathlib.Path:
+    """Move a stale published dump to a hidden sibling (one rename), to be removed once its successor is out."""
+    old = atomic.staging_dpath(dump_dpath, "old")
+    atomic.remove_staging(old)
+    dump_dpath.rename(old)
+    logger.info("replacing %s: made from another checkpoint or with other settings", dump_dpath)
+    return old
+
+
+def check_reusable(dump: layout.DumpLayout, dump_config: dict) -> None:
+    dpath = dump.dpath
+    try:
+        existing = json.loads(dump.config_fpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"{dump.config_fpath}: unreadable ({err}); remove {dpath} to redo it") from None
+    differ = [k for k in RESULT_KEYS if existing.get(k) != dump_config[k]]
+    if differ:
+        raise SaeflowError(
+            f"{dpath} already exists but was made with different {', '.join(differ)} "
+            f"({', '.join(f'{k}={existing.get(k)!r}' for k in differ)}); published dumps are never rewritten: "
+            f"remove it (chmod -R u+w; rm -r) to redo it with the new settings"
+        )
+
+
+@torch.no_grad()
+def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out: layout.DumpLayout) -> None:
+    """One streaming pass: CSR rows, per-latent statistics, top-k and metrics."""
+    T, d_sae = sd.metadata.tokens_per_ex, model.d_sae
+    n_rows = sd.n_ex * T
+    csr = CsrWriter(out.acts_fpath, d_sae)
+    topk = TopK(d_sae, cfg.top_k)
+    sum_act_s = np.zeros(d_sae)
+    max_act_s = np.zeros(d_sae, dtype=np.float32)
+    l0_hist = np.zeros(d_sae + 1, dtype=np.int64)
+    acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
+    device = resolve_device(cfg.device)
+    model = model.to(device)
+    # pread into reused buffers (training.loaders): a memmap would keep every page read resident, so RSS would grow
+    # with the dataset.
+    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all")
+    first_row = 0
+    try:
+        with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
+            for x_bd in loader.iter_batches():
+                x_bd = x_bd.to(device, torch.float32)
+                x_hat_bd, f_bs = model(x_bd)
+                f_np = f_bs.cpu().numpy()
+                rows_n, cols_n = np.nonzero(f_np)  # row-major: the CSR order
+                vals_n = f_np[rows_n, cols_n]
+                csr.append_nonzero(rows_n, cols_n, vals_n, n_rows=f_np.shape[0])
+                topk.update(rows_n, cols_n, vals_n, first_row)
+                sum_act_s += np.bincount(cols_n, weights=vals_n, minlength=d_sae)
+                np.maximum.at(max_act_s, cols_n, vals_n)
+                l0_hist += np.bincount(np.bincount(rows_n, minlength=f_np.shape[0]), minlength=d_sae + 1)
+                acc.update(x_bd, x_hat_bd, f_bs)
+                first_row += x_bd.shape[0]
+                bar.update(x_bd.shape[0])
+        csr.finish()
+    except BaseException:
+        csr.abort()
+        raise
+    rows_sk = topk.rows_sk
+    n_fires = acc.fires_s.numpy()
+    np.savez(
+        out.latents_fpath,
+        n_fires=n_fires,
+        freq=n_fires / n_rows,
+        mean_act=np.divide(sum_act_s, n_fires, out=np.zeros(d_sae), where=n_fires > 0),
+        max_act=max_act_s,
+        topk_values=topk.values_sk,
+        topk_example=np.where(rows_sk >= 0, rows_sk // T, -1),
+        topk_token=np.where(rows_sk >= 0, rows_sk % T, 0),
+        l0_hist=l0_hist,
+    )
+    atomic.write_json(out.metrics_fpath, acc.result())
+
+
+@dataclasses.dataclass(frozen=True)
+class Dump:
+    """A published inference directory, read back."""
+
+    dpath: pathlib.Path
+    config: dict
+    latents: dict[str, np.ndarray]
+    metrics: dict
+
+    @property
+    def d_sae(self) -> int:
+        return int(self.config["d_sae"])
+
+
+def load_dump(dpath: str | os.PathLike) -> Dump:
+    """A published dump read back; a missing, unreadable or garbled file is a SaeflowError naming it."""
+    dump = layout.DumpLayout(pathlib.Path(dpath))
+    for fpath in (dump.config_fpath, dump.latents_fpath, dump.metrics_fpath):
+        if not fpath.exists():
+            raise SaeflowError(f"{fpath}: missing; run `saeflow inference` first")
+    try:
+        with np.load(dump.latents_fpath, allow_pickle=False) as npz:
+            latents = {name: npz[name] for name in npz.files}
+    except OSError as err:
+        raise unreadable(dump.latents_fpath, err) from None
+    except Exception as err:  # zipfile.BadZipFile, ValueError, EOFError: a damaged archive
+        raise SaeflowError(f"{dump.latents_fpath}: not a readable .npz archive (damaged? {err})") from None
+    return Dump(dump.dpath, read_json_object(dump.config_fpath), latents, read_json_object(dump.metrics_fpath))
+

@@ -1,0 +1,260 @@
+"""One table of every run's metrics and the sparsity/reconstruction Pareto plot across a sweep.
+
+Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json`; the row also
+carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read as a
+table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
+seed/data_seed). The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per (evaluation
+shard directory, layer, architecture): lower-left is better, and the points no other on the same series beats on both
+are joined as the front. A point is a seed group: the mean of its runs, with error bars of one standard deviation. When
+runs have a splice evaluation (`saeflow evaluate`), a second panel puts L0 against its score: CE loss recovered for
+causal LMs, the pooled-embedding cosine recovered otherwise (upper-left is better). saeflow.analysis.report adds the
+grouped table and one page per metric.
+"""
+
+import csv
+import io
+import json
+import math
+import pathlib
+
+import numpy as np
+
+from saeflow.analysis import stability
+from saeflow.errors import SaeflowError
+from saeflow.store import atomic
+from saeflow.store.hashing import read_json_object
+from saeflow.store.runs import open_run
+
+# The metric names inference writes; the first present one is used for each axis of the Pareto plot.
+L0_KEYS = ("l0", "L0")
+NMSE_KEYS = ("nmse", "normalized_mse")
+# Splice evaluation (saeflow.analysis.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
+SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
+SUMMARY_FNAME = "summary.csv"
+PARETO_FNAME = "pareto.png"
+
+
+def flatten(obj: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists become JSON text so one cell holds one value."""
+    flat = {}
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        elif isinstance(value, list):
+            flat[name] = json.dumps(value)
+        else:
+            flat[name] = value
+    return flat
+
+
+def read_metrics(fpath: pathlib.Path) -> dict:
+    return read_json_object(fpath, "JSON object of metrics")
+
+
+def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
+    """One row per inference directory of the run (a run without inference yet gives no row).
+
+    Columns: `name` (a label such as the SAE spec and sweep index; run ids are content hashes), the inference
+    metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
+    `config.*` (the run's training config), and `eval.*` (the splice evaluation of the SAE on the same
+    activations, `<run>/evaluation/<shard_hash>.json`, when present).
+    """
+    run = open_run(run_dpath)
+    group = stability.group_key(run.config())
+    hparams = flatten(run.config(), "config.")
+    train_fpath = run.final_metrics_fpath
+    train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
+    return [
+        {
+            "name": name,
+            "run_id": run.root.name,
+            "shard_hash": dump_dpath.name,
+            "group": group,
+            **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
+            **train,
+            **_evaluation(run, dump_dpath.name),
+            **_probe(run, dump_dpath.name),
+            **hparams,
+        }
+        for dump_dpath in sorted(run.inference_dpath.glob("*"))
+        if run.dump(dump_dpath.name).metrics_fpath.exists()
+    ]
+
+
+def _evaluation(run, shard_hash: str) -> dict:
+    fpath = run.evaluation_fpath(shard_hash)
+    if not fpath.exists():
+        return {}
+    metrics = read_metrics(fpath).get("metrics")
+    if not isinstance(metrics, dict):
+        raise SaeflowError(f"{fpath}: no `metrics` object; rerun `saeflow evaluate`")
+    return flatten(metrics, "eval.")
+
+
+def _probe(run, shard_hash: str) -> dict:
+    """`probe.*`: the means over labels of `saeflow probe` on the same shards (RUN/probe/<hash>.json), if any."""
+    fpath = run.probe_fpath(shard_hash)
+    if not fpath.exists():
+        return {}
+    metrics = read_metrics(fpath).get("metrics")
+    if not isinstance(metrics, dict):
+        raise SaeflowError(f"{fpath}: no `metrics` object; rerun `saeflow probe`")
+    return flatten(metrics, "probe.")
+
+
+def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None) -> list[dict]:
+    """Rows of every run; `names` maps run ids to labels for the `name` column and the plot."""
+    names = names or {}
+    rows = [row for dpath in sorted(run_dpaths) for row in run_rows(dpath, names.get(pathlib.Path(dpath).name, ""))]
+    if not rows:
+        raise SaeflowError(f"none of the {len(run_dpaths)} runs has inference metrics (inference/*/metrics.json)")
+    return rows
+
+
+def to_csv(rows: list[dict]) -> str:
+    """Columns: name, run_id, shard_hash, group, inference metrics, eval.*, probe.*, train.*, config.* (union over
+    rows, sorted)."""
+    columns = []
+    for row in rows:
+        columns.extend(key for key in row if key not in columns)
+    head, groups = ["name", "run_id", "shard_hash", "group"], ("eval.", "probe.", "train.", "config.")
+    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(groups))
+    buf = io.StringIO()
+    fieldnames = head + metric_cols + [c for group in groups for c in sorted(c for c in columns if c.startswith(group))]
+    writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def metric(row: dict, keys: tuple[str, ...], what: str) -> float:
+    for key in keys:
+        if key in row:
+            return float(row[key])
+    raise SaeflowError(f"run {row['run_id']}: inference metrics lack {what} (looked for {', '.join(keys)})")
+
+
+def pareto_front(points_n2: list[tuple[float, float]]) -> list[int]:
+    """Indices of points not dominated in (x, y) minimization, ordered by x."""
+    order = sorted(range(len(points_n2)), key=lambda i: points_n2[i])
+    front, best_y = [], math.inf
+    for i in order:
+        if points_n2[i][1] < best_y:
+            front.append(i)
+            best_y = points_n2[i][1]
+    return front
+
+
+def splice_score(row: dict) -> tuple[str, float] | None:
+    """(metric name, value) of the row's splice score, None when it has none (not evaluated, or a null ratio)."""
+    for key in SPLICE_KEYS:
+        if row.get(key) is not None:
+            return key, float(row[key])
+    return None
+
+
+def series_key(row: dict) -> tuple[str, str, str]:
+    """What one Pareto front compares: runs on one shard directory, at one layer, of one architecture."""
+    return row["shard_hash"], str(row.get("config.layer", "")), str(row.get("config.arch", ""))
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for a single value)."""
+    arr = np.asarray(values, dtype=np.float64)
+    return float(arr.mean()), (float(arr.std(ddof=1)) if arr.size > 1 else None)
+
+
+def group_points(rows: list[dict], y_of) -> list[dict]:
+    """One point per seed group of `rows` (rows of one series): the mean L0 and y of its runs and their standard
+    deviations (error bars), with a label (the first run's name and the number of seeds)."""
+    points = []
+    for group in sorted({r["group"] for r in rows}):
+        members = sorted((r for r in rows if r["group"] == group), key=lambda r: r["name"] or r["run_id"])
+        x, xerr = mean_std([metric(r, L0_KEYS, "L0") for r in members])
+        y, yerr = mean_std([y_of(r) for r in members])
+        label = members[0]["name"] or members[0]["run_id"][:8]
+        points.append({"x": x, "y": y, "xerr": xerr or 0.0, "yerr": yerr or 0.0, "n": len(members),
+                       "label": label + (f" ({len(members)} seeds)" if len(members) > 1 else "")})  # fmt: skip
+    return points
+
+
+def pareto_panel(ax, rows: list[dict], y_of, ylabel: str, higher_better: bool) -> None:
+    """One series per (shard directory, layer, architecture): its runs faint, a point per seed group (mean, error
+    bars of one standard deviation), the Pareto front of those points joined (lower L0 and better y)."""
+    for i, key in enumerate(sorted({series_key(r) for r in rows})):
+        members = [r for r in rows if series_key(r) == key]
+        points = group_points(members, y_of)
+        front = pareto_front([(p["x"], -p["y"] if higher_better else p["y"]) for p in points])
+        color = f"C{i % 10}"
+        ax.scatter([metric(r, L0_KEYS, "L0") for r in members], [y_of(r) for r in members], color=color, alpha=0.3,
+                   s=12)  # fmt: skip
+        ax.errorbar([p["x"] for p in points], [p["y"] for p in points], xerr=[p["xerr"] for p in points],
+                    yerr=[p["yerr"] for p in points], fmt="none", ecolor=color, capsize=3)  # fmt: skip
+        shard_hash, layer, arch = key
+        ax.plot(
+            [points[j]["x"] for j in front], [points[j]["y"] for j in front], color=color, marker="o",
+            label=f"shards {shard_hash[:8]} layer {layer} {arch} ({len(members)} runs)",
+        )  # fmt: skip
+        for p in points:
+            ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("L0 (active latents per token)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def nmse_panel(ax, rows: list[dict]) -> None:
+    pareto_panel(ax, rows, lambda r: metric(r, NMSE_KEYS, "normalized MSE"), "normalized MSE", False)
+    ax.set_title(f"sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
+
+
+def splice_panel(ax, rows: list[dict]) -> None:
+    """L0 against the splice score of the runs that have one (`rows` must hold at least one)."""
+    spliced = [r for r in rows if splice_score(r) is not None]
+    names = sorted({splice_score(r)[0].removeprefix("eval.") for r in spliced})
+    pareto_panel(ax, spliced, lambda r: splice_score(r)[1], f"splice score: {' / '.join(names)}", True)
+    ax.set_title("SAE spliced into the model: fraction of the ablation's damage avoided", fontsize=9)
+
+
+def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
+    """L0 vs normalized MSE; beside it L0 vs the splice score (saeflow.analysis.evaluate) of the runs that have one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spliced = any(splice_score(r) is not None for r in rows)
+    fig, axes = plt.subplots(1, 2 if spliced else 1, figsize=(11 if spliced else 6, 4.5), dpi=120, squeeze=False)
+    nmse_panel(axes[0, 0], rows)
+    if spliced:
+        splice_panel(axes[0, 1], rows)
+    save_figure(fig, out_fpath)
+
+
+def save_figure(fig, out_fpath: pathlib.Path) -> None:
+    """A matplotlib figure as a PNG, replaced atomically; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic.write_file_atomic(out_fpath, buf.getvalue())
+
+
+def write_summary(
+    run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path, names: dict[str, str] | None = None,
+    stability_fpaths: tuple[pathlib.Path, ...] = (),
+) -> tuple[pathlib.Path, pathlib.Path]:  # fmt: skip
+    """Write `summary.csv` and `pareto.png` into `out_dpath` (each replaced atomically), and saeflow.analysis.report's
+    grouped table and per-metric pages (with the seed groups' `saeflow stability` results)."""
+    from saeflow.analysis import report
+
+    rows = collect(run_dpaths, names)
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    csv_fpath, png_fpath = out_dpath / SUMMARY_FNAME, out_dpath / PARETO_FNAME
+    atomic.write_file_atomic(csv_fpath, to_csv(rows).encode("utf-8"))
+    plot_pareto(rows, png_fpath)
+    report.write_pages(rows, [read_json_object(f, "stability JSON object") for f in stability_fpaths], out_dpath)
+    return csv_fpath, png_fpath

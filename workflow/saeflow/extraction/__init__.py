@@ -1,0 +1,1 @@
+"""Extraction: an activation spec (model + dataset + layers) -> shard metadata (planning) -> a shard directory."""

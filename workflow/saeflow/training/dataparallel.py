@@ -1,0 +1,173 @@
+"""Data-parallel training: every rank holds the whole SAE and trains on its slice of each global batch.
+
+Each rank computes its slice's share of the global batch's loss (a mean over the slice, weighted by slice / batch),
+so the sum over ranks is the one-process loss and the all-reduced gradient sums are its gradient. What depends on
+the whole batch is computed over it: BatchTopK keeps the top k x batch activations of the global batch (each rank's
+top candidates are all-gathered), AuxK divides by the global residual energy, a latent fired if it fired on any
+rank (dead-latent counters), the BatchTopK inference threshold takes the global minimum kept activation, and the
+decoder bias starts at the mean of the global sample (every rank holds the whole batch). The replicas therefore stay
+identical, bit for bit, and rank 0 writes the run's files. Against one process the sums are taken in another order:
+the result agrees within the fp32 tolerance of docs/distributed.md, not bitwise.
+"""
+
+import torch
+
+from saeflow.training import objectives, train
+from saeflow.training.distributed import Comm
+from saeflow.training.objectives import Codes, Loss
+from saeflow.training.sae import SAE
+
+
+def rank_slice(batch_size: int, comm: Comm) -> slice:
+    """Rank r's rows of a global batch: [B r/N, B (r+1)/N)."""
+    return slice(batch_size * comm.rank // comm.world_size, batch_size * (comm.rank + 1) // comm.world_size)
+
+
+@torch.no_grad()
+def global_kth_largest(vals_n: torch.Tensor, n_keep: int, comm: Comm) -> torch.Tensor:
+    """The `n_keep`-th largest value of every rank's `vals_n` together: each rank's top candidates, all-gathered."""
+    local = vals_n.topk(min(n_keep, vals_n.numel()), sorted=False).values
+    padded = torch.full((n_keep,), -torch.inf, dtype=vals_n.dtype, device=vals_n.device)
+    padded[: local.numel()] = local
+    return comm.all_gather(padded).flatten().topk(n_keep, sorted=False).values.min()
+
+
+def global_batch_topk(pre_bs: torch.Tensor, k: int, batch_size: int, comm: Comm) -> torch.Tensor:
+    """BatchTopK over the global batch: activations at or above the (k x batch)-th largest of all ranks' (with a
+    tie exactly at that value, all of them: one process keeps an arbitrary subset of the tied)."""
+    relu_bs = torch.relu(pre_bs)
+    n_keep = min(k * batch_size, batch_size * relu_bs.shape[1])
+    threshold = global_kth_largest(relu_bs.detach().flatten(), n_keep, comm)
+    return torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs))
+
+
+def data_parallel_loss(
+    objective: objectives.Objective, sae: SAE, x_bd: torch.Tensor, batch_size: int, step: int,
+    dead: objectives.DeadLatents, comm: Comm,
+) -> Loss:  # fmt: skip
+    """This rank's share of the global batch's loss (`objectives.Objective` on the slice, each term weighted by
+    slice / batch). Every rank makes the same collective calls, an empty slice included."""
+    cfg, n = objective.cfg, x_bd.shape[0]
+    xn_bd = x_bd * sae.scale
+    pre_bs = sae.pre_acts_normed(xn_bd)
+    dead_z, pick_bk = objectives.pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
+    aux_ids_bk = None if pick_bk is None else dead_z[pick_bk]
+    if cfg.arch == "batchtopk":
+        codes = Codes(pre_bs, global_batch_topk(pre_bs, cfg.k, batch_size, comm), None, None)
+        aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
+    else:
+        codes, aux_pre_bk = objectives.encode(sae, pre_bs, cfg.arch, cfg.k, aux_ids_bk)
+    if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
+        if pick_bk is not None:
+            comm.all_reduce(torch.zeros(1, device=x_bd.device))
+        zero = sum(p.sum() for p in sae.parameters()) * 0.0
+        names = ("mse", "l1", "aux") if cfg.arch == "relu" else ("mse", "aux")
+        return Loss(zero, dict.fromkeys(names, zero), codes.decode(sae), codes)
+    weight = n / batch_size
+    mse, xn_hat_bd = objectives.reconstruction_loss(sae, codes, xn_bd)
+    terms = {"mse": mse * weight}
+    if cfg.arch == "relu":
+        ramp = objectives.l1_ramp(step, objective.n_steps, cfg.sparsity_warmup_frac)
+        terms["l1"] = cfg.l1_coeff * ramp * objectives.l1_penalty(sae, codes.f_bs) * weight
+    terms["aux"] = torch.zeros((), device=x_bd.device)
+    if pick_bk is not None:
+        resid_bd = xn_bd - xn_hat_bd
+        energy = comm.all_reduce(resid_bd.detach().square().sum().reshape(1))[0] / batch_size
+        aux = objectives.aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, resid_bd, cfg.arch == "relu", energy)
+        terms["aux"] = cfg.aux_alpha * aux * weight
+    return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
+
+
+@torch.no_grad()
+def global_record(trainer, x_bd: torch.Tensor, xn_hat_part: torch.Tensor, part: slice, loss: Loss, n_active) -> dict:
+    """A metrics.jsonl record over the global batch: loss terms and counts summed over the ranks (each holds its
+    share), NMSE from the summed squared error against the global batch's variance (every rank holds the batch)."""
+    comm, sae = trainer.comm, trainer.sae
+    xn_bd = (x_bd * sae.scale).double()
+    err = (xn_bd[part] - xn_hat_part.double()).square().sum()
+    sums = torch.stack([loss.total.double(), *(t.double() for t in loss.terms.values()),
+                        torch.as_tensor(n_active, dtype=torch.float64, device=x_bd.device), err])  # fmt: skip
+    sums = comm.all_reduce(sums)
+    var = (xn_bd - xn_bd.mean(0)).square().sum()
+    return {
+        "step": trainer.step,
+        "n_vectors": trainer.step * trainer.cfg.batch_size,
+        "lr": trainer.opt.param_groups[0]["lr"],
+        "loss": float(sums[0]),
+        **{name: float(value) for name, value in zip(loss.terms, sums[1:-2])},
+        "nmse": float(sums[-1] / var) if var > 0 else float("nan"),
+        "l0": float(sums[-2]) / x_bd.shape[0],
+        "n_dead": trainer.n_dead(),
+    }
+
+
+class DataParallelTrainer(train.Trainer):
+    """A run trained data-parallel: the same SAE and Adam state on every rank; rank 0 writes its files."""
+
+    def __init__(self, comm: Comm, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.comm = comm
+        self.writes = comm.is_root
+
+    def n_dead(self) -> int:
+        return int(self.dead.dead_s.sum())
+
+    def restore(self) -> bool:
+        """Rank 0 cleans the run's checkpoint directory and reads resume.pt; then every rank loads the same state."""
+        if self.comm.is_root:
+            found = self.checkpoint.restore(self)
+        found = self.comm.broadcast_object(found if self.comm.is_root else None)
+        if found and not self.comm.is_root:
+            from saeflow.training import sharded
+
+            self.load_state_dict(sharded.read_resume(self.run, self.device))
+        return found
+
+    def save_resume(self) -> None:
+        if self.writes:
+            self.checkpoint.save(self.state_dict())
+
+    def train_step(self, x_bd: torch.Tensor) -> None:
+        """One step on the global batch `x_bd` (every rank holds it; this rank computes its slice)."""
+        comm, sae = self.comm, self.sae
+        for group in self.opt.param_groups:
+            group["lr"] = train.lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+        part = rank_slice(x_bd.shape[0], comm)
+        loss = data_parallel_loss(self.objective, sae, x_bd[part], x_bd.shape[0], self.step, self.dead, comm)
+        self.opt.zero_grad(set_to_none=True)
+        loss.total.backward()
+        for param in sae.parameters():
+            comm.all_reduce(param.grad)
+        unit_rows = self.cfg.arch != "relu"  # see Trainer.init_from_data
+        if unit_rows:
+            sae.remove_parallel_grad()
+        self.opt.step()
+        if unit_rows:
+            sae.normalize_decoder()
+        with torch.no_grad():
+            fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
+            self.dead.update(fired_s)
+            if self.cfg.arch == "batchtopk":
+                self._update_threshold(loss.codes.f_bs, bool(fired_s.any()))
+        self.step += 1
+        if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
+            n_active = (loss.codes.f_bs > 0).sum() if loss.codes.idx_bk is None else (loss.codes.vals_bk > 0).sum()
+            self.last = global_record(self, x_bd, loss.xn_hat_bd, part, loss, n_active)
+            if self.writes:
+                self.checkpoint.log(self.last)
+                self.tracker.log(self.last)
+
+    def _update_threshold(self, f_bs: torch.Tensor, any_fired: bool) -> None:
+        """The running mean of the smallest kept activation, the minimum taken over the global batch."""
+        kept = f_bs[f_bs > 0]
+        min_kept = kept.min() if kept.numel() else torch.tensor(torch.inf, device=f_bs.device)
+        min_kept = self.comm.all_reduce(min_kept.reshape(1).clone(), "min")[0]
+        sae = self.sae
+        min_kept = min_kept if any_fired else sae.threshold  # as one process does (train.Trainer.train_step)
+        sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
+
+    def finish(self, val_dir) -> dict | None:
+        """Rank 0 validates and publishes (the others hold the same SAE and wait)."""
+        result = super().finish(val_dir) if self.writes else None
+        self.comm.barrier()
+        return result

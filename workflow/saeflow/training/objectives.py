@@ -1,0 +1,172 @@
+"""The SAE training loss: reconstruction (with Matryoshka prefixes) plus L1 (relu) or AuxK (topk, batchtopk).
+
+`Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's loss; the loop (`training.train`) owns the optimizer,
+the step and the dead-latent counters. Everything here is in the SAE's normalized space (x * scale). Runs with the
+same id train to the same weights, so the operations keep the order they had when `sweeps.TRAINER` was last bumped:
+reordering them moves roundings, which is a change of the training maths (and calls for a new TRAINER).
+
+Shapes: b batch, d d_model, s d_sae latents, k active latents per vector, z dead latents (AuxK).
+"""
+
+import dataclasses
+
+import torch
+
+from saeflow.training.sae import SAE
+from saeflow.training.sweeps import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Codes:
+    """A batch encoded for training, and what decoding it needs."""
+
+    pre_bs: torch.Tensor  # pre-activations (AuxK picks dead latents among them)
+    f_bs: torch.Tensor | None  # activations; None for TopK, whose (vals_bk, idx_bk) carry the same information
+    vals_bk: torch.Tensor | None  # TopK only: the k kept activations, with gradient
+    idx_bk: torch.Tensor | None  # TopK only: their latent ids
+
+    def decode(self, sae: SAE, n_latents: int | None = None) -> torch.Tensor:
+        """Reconstruction (b, d) from the first `n_latents` latents (None: all)."""
+        if self.idx_bk is not None:  # from the k active latents only (the dense decode would dominate the step)
+            return sae.decode_sparse_normed(self.vals_bk, self.idx_bk, n_latents)
+        return sae.decode_normed(self.f_bs, n_latents)
+
+    @torch.no_grad()
+    def fired_s(self) -> torch.Tensor:
+        """(s,) bool: the latents active on some vector of the batch."""
+        if self.idx_bk is None:
+            return (self.f_bs > 0).any(0)
+        fired_s = torch.zeros(self.pre_bs.shape[-1], dtype=torch.bool, device=self.pre_bs.device)
+        fired_s[self.idx_bk[self.vals_bk > 0]] = True
+        return fired_s
+
+    @torch.no_grad()
+    def l0(self) -> float:
+        """Mean active latents per vector."""
+        active_bk = self.f_bs > 0 if self.idx_bk is None else self.vals_bk > 0
+        return float(active_bk.sum(-1).float().mean())
+
+
+def encode(sae: SAE, pre_bs: torch.Tensor, arch: str, k: int, aux_ids_bk: torch.Tensor | None):
+    """The batch's codes, and the pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
+
+    TopK chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching the
+    (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
+    """
+    if arch != "topk":
+        aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
+        return Codes(pre_bs, sae.activate(pre_bs), None, None), aux_pre_bk
+    with torch.no_grad():
+        idx_bk = pre_bs.topk(k, dim=-1, sorted=False).indices
+    if aux_ids_bk is None:
+        return Codes(pre_bs, None, torch.relu(pre_bs.gather(1, idx_bk)), idx_bk), None
+    vals_bk, aux_pre_bk = pre_bs.gather(1, torch.cat([idx_bk, aux_ids_bk], 1)).split([k, aux_ids_bk.shape[1]], 1)
+    return Codes(pre_bs, None, torch.relu(vals_bk), idx_bk), aux_pre_bk  # no dense (b, s) codes: never needed
+
+
+def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error per vector, averaged over the Matryoshka prefixes and the full dictionary; and x_hat (b, d).
+
+    Each prefix must reconstruct on its own, so the first latents learn the coarse directions.
+    """
+    xn_hat_bd = codes.decode(sae)
+    recon = [(codes.decode(sae, m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
+    mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
+    return mse, xn_hat_bd
+
+
+def l1_ramp(step: int, n_steps: int, warmup_frac: float) -> float:
+    """The L1 weight's linear warm-up factor: a full penalty from step 0 would kill latents before they learn."""
+    n_warm = int(warmup_frac * n_steps)
+    return min(1.0, (step + 1) / n_warm) if n_warm else 1.0
+
+
+def l1_penalty(sae: SAE, f_bs: torch.Tensor) -> torch.Tensor:
+    """Activations weighted by their decoder norms, summed per vector (rescaling the decoder cannot game it)."""
+    return (f_bs * sae.W_dec.norm(dim=-1)).sum(-1).mean()
+
+
+class DeadLatents:
+    """Steps since each latent last fired; latents silent for `dead_steps` steps are dead and feed AuxK."""
+
+    def __init__(self, d_sae: int, dead_steps: int, device: torch.device):
+        self.dead_steps = dead_steps
+        self.since_fired_s = torch.zeros(d_sae, dtype=torch.int64, device=device)
+
+    @property
+    def dead_s(self) -> torch.Tensor:
+        return self.since_fired_s >= self.dead_steps
+
+    def update(self, fired_s: torch.Tensor) -> None:
+        self.since_fired_s += 1
+        self.since_fired_s[fired_s] = 0
+
+
+@torch.no_grad()
+def pick_dead(pre_bs: torch.Tensor, dead_s: torch.Tensor, aux_k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AuxK's choice: the dead latents (z,) and, per vector, the `aux_k` of them with the highest pre-activations
+    (b, k: positions among the dead); None when no latent is dead. The search runs on the dead latents' columns
+    only, so it costs in proportion to how many are dead."""
+    dead_z = dead_s.nonzero().squeeze(1)
+    if dead_z.numel() == 0:
+        return dead_z, None
+    return dead_z, pre_bs.index_select(1, dead_z).topk(min(aux_k, dead_z.numel()), dim=-1, sorted=False).indices
+
+
+def aux_k_loss(
+    sae: SAE, aux_pre_bk: torch.Tensor, dead_z: torch.Tensor, pick_bk: torch.Tensor, resid_bd: torch.Tensor,
+    ghost: bool = False, energy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """AuxK: the picked dead latents (`pick_dead`; their pre-activations `aux_pre_bk`) reconstruct the residual, so
+    dead latents get gradient again.
+
+    Normalized by the residual's energy, so the weight `aux_alpha` does not depend on how well the SAE does.
+    `ghost` (ReLU SAEs): the dead latents act through softplus instead of ReLU. A ReLU latent is dead because its
+    pre-activation is negative on every input, where ReLU passes no gradient at all; softplus passes a small one
+    of the right sign, which Adam (a step of about lr whatever the gradient's size) turns into a real move
+    (Anthropic's ghost grads use exp the same way). The codes decode over the dead latents' rows with one dense
+    product, cheaper than a sparse decode of aux_k per vector. `energy`: the residual's mean squared norm over the
+    whole batch when this is part of it (data-parallel training: saeflow.training.dataparallel); None: this batch's own.
+    """
+    vals_bk = torch.nn.functional.softplus(aux_pre_bk) if ghost else torch.relu(aux_pre_bk)
+    codes_bz = vals_bk.new_zeros(vals_bk.shape[0], dead_z.numel()).scatter(1, pick_bk, vals_bk)
+    resid_bd = resid_bd.detach()
+    err = (codes_bz @ sae.W_dec.index_select(0, dead_z) - resid_bd).square().sum(-1).mean()
+    energy = resid_bd.square().sum(-1).mean() if energy is None else energy
+    return err / energy.clamp_min(1e-12)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """One step's loss and what the step logs and updates from it."""
+
+    total: torch.Tensor  # what the optimizer minimizes: the sum of `terms`
+    terms: dict[str, torch.Tensor]  # mse, and l1 (relu) or aux (topk, batchtopk), weights applied
+    xn_hat_bd: torch.Tensor  # the full reconstruction
+    codes: Codes  # the activations (firing counts, the BatchTopK threshold, metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The loss of one run: its architecture's sparsity term on top of the Matryoshka reconstruction."""
+
+    cfg: TrainConfig  # arch, k, l1_coeff, sparsity_warmup_frac, aux_k, aux_alpha
+    n_steps: int  # of the whole run (the L1 warm-up is a fraction of it)
+
+    def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
+        cfg = self.cfg
+        xn_bd = x_bd * sae.scale
+        pre_bs = sae.pre_acts_normed(xn_bd)
+        dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
+        codes, aux_pre_bk = encode(sae, pre_bs, cfg.arch, cfg.k, None if pick_bk is None else dead_z[pick_bk])
+        mse, xn_hat_bd = reconstruction_loss(sae, codes, xn_bd)
+        terms = {"mse": mse}
+        if cfg.arch == "relu":
+            ramp = l1_ramp(step, self.n_steps, cfg.sparsity_warmup_frac)
+            terms["l1"] = cfg.l1_coeff * ramp * l1_penalty(sae, codes.f_bs)
+        terms["aux"] = torch.zeros((), device=x_bd.device)
+        if pick_bk is not None:
+            ghost = cfg.arch == "relu"
+            aux = aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, xn_bd - xn_hat_bd, ghost)
+            terms["aux"] = cfg.aux_alpha * aux
+        return Loss(sum(terms.values()), terms, xn_hat_bd, codes)

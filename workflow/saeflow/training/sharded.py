@@ -1,0 +1,534 @@
+"""Latent-sharded training: rank r holds latents [lo_r, hi_r) of each SAE, so its weights and Adam moments are 1/N.
+
+Shapes: b batch, d d_model, s this rank's latents (hi - lo), k picks per vector, p Matryoshka prefixes + the full.
+
+A rank holds W_enc[:, lo:hi], b_enc[lo:hi], W_dec[lo:hi] and their Adam moments; b_dec, the scale and the BatchTopK
+threshold are whole on every rank. Every rank holds the whole batch (the loader all-gathers it). One step:
+  - pre-activations of this rank's latents, (b, s): no communication;
+  - TopK: each rank's top k per vector (values and global ids) are all-gathered and the top k of those are the
+    picks (the global top k, exactly the unsharded SAE's choice); BatchTopK: each rank's top k x b activations are
+    all-gathered and the (k x b)-th largest is the threshold; AuxK picks among the dead latents the same way;
+  - each rank decodes its own picks and the partial outputs are summed, an all-reduce of (p, b, d) (`sum_over_ranks`,
+    whose backward is the identity: every rank computes the same loss from the same sum);
+  - the b_dec gradient is all-reduced (its decoder term is counted on rank 0 only).
+Per step that moves about b x (p d + 2 k N) values (docs/distributed.md). The resume checkpoint is one file per rank
+with a manifest (`write_resume`), readable at any world size and by one process (`read_resume`); sae.pt is
+assembled on rank 0 at the end (the Adam moments are dropped first).
+"""
+
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+
+import torch
+
+from saeflow.errors import SaeflowError
+from saeflow.store import atomic, provenance
+from saeflow.training import objectives, train
+from saeflow.training.dataparallel import global_kth_largest
+from saeflow.training.distributed import Comm
+from saeflow.training.loaders import OrderedLoader
+from saeflow.training.metrics import MetricsAccumulator, batch_nmse
+from saeflow.training.objectives import Loss
+from saeflow.training.sae import SAE, SAEConfig, save_atomic
+
+RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
+SEND_CHUNK_BYTES = 64 << 20  # latents sent to rank 0 at a time when sae.pt is assembled
+LEGACY_POOL = "legacy"  # resume_info's pool of a resume.pt written before the pool was recorded (loaders' old 1 GiB)
+
+
+def latent_bounds(d_sae: int, world_size: int) -> list[int]:
+    """Rank r holds latents [bounds[r], bounds[r + 1])."""
+    return [r * d_sae // world_size for r in range(world_size + 1)]
+
+
+class LatentShard(SAE):
+    """Latents [lo, hi) of an SAE whose architecture is `cfg`: the SAE's parameters, cut along the latents.
+
+    It keeps SAE's parameterization and row-wise geometry (pre_acts_normed, normalize_decoder, remove_parallel_grad,
+    fold_decoder_norms act on its own rows); encoding and decoding need the other ranks (this module's functions).
+    """
+
+    def __init__(self, cfg: SAEConfig, lo: int, hi: int):
+        torch.nn.Module.__init__(self)
+        self.cfg, self.lo, self.hi = cfg, lo, hi
+        self.d_model, self.d_sae = cfg.d_model, hi - lo
+        self.W_enc = torch.nn.Parameter(torch.zeros(cfg.d_model, hi - lo))  # same order as SAE: the Adam state maps
+        self.b_enc = torch.nn.Parameter(torch.zeros(hi - lo))
+        self.W_dec = torch.nn.Parameter(torch.zeros(hi - lo, cfg.d_model))
+        self.b_dec = torch.nn.Parameter(torch.zeros(cfg.d_model))
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("threshold", torch.zeros(()))
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward, since every rank computes the same loss from the sum."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, comm: Comm) -> torch.Tensor:
+        return comm.all_reduce(partial.clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_ranks(partial: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return _SumOverRanks.apply(partial, comm) if comm.distributed else partial
+
+
+@torch.no_grad()
+def global_top(vals_bk: torch.Tensor, gids_bk: torch.Tensor, k: int, comm: Comm) -> torch.Tensor:
+    """(b, k) global latent ids of the k largest values per vector among every rank's candidates (b, <= k each)."""
+    pad = k - vals_bk.shape[1]
+    vals_bk = torch.nn.functional.pad(vals_bk, (0, pad), value=-torch.inf)
+    gids_bk = torch.nn.functional.pad(gids_bk.to(torch.int32), (0, pad), value=-1)
+    packed = comm.all_gather(torch.cat([vals_bk, gids_bk.view(torch.float32)], 1))  # ids travel as their bits
+    vals_bn = packed[:, :, :k].permute(1, 0, 2).reshape(vals_bk.shape[0], -1)
+    gids_bn = packed[:, :, k:].contiguous().view(torch.int32).permute(1, 0, 2).reshape(vals_bk.shape[0], -1)
+    return gids_bn.gather(1, vals_bn.topk(k, dim=-1, sorted=False).indices).long()
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardCodes:
+    """A batch encoded: this rank's dense codes (relu, batchtopk), or the global TopK picks and this rank's part."""
+
+    f_bs: torch.Tensor | None
+    gids_bk: torch.Tensor | None = None  # TopK: the picks' global latent ids
+    local_bk: torch.Tensor | None = None  # their ids on this rank (clamped where another rank's)
+    vals_bk: torch.Tensor | None = None  # their values, with gradient, 0 where another rank's
+
+    def partial(self, shard: LatentShard, n_latents: int | None = None) -> torch.Tensor:
+        """This rank's part (b, d) of the decode from the first `n_latents` latents (None: all)."""
+        if self.f_bs is None:
+            vals_bk = self.vals_bk if n_latents is None else self.vals_bk * (self.gids_bk < n_latents)
+            return torch.nn.functional.embedding_bag(self.local_bk, shard.W_dec, per_sample_weights=vals_bk,
+                                                     mode="sum")  # fmt: skip
+        m = shard.d_sae if n_latents is None else min(max(n_latents - shard.lo, 0), shard.d_sae)
+        return self.f_bs[:, :m] @ shard.W_dec[:m]
+
+    @torch.no_grad()
+    def fired_s(self, shard: LatentShard) -> torch.Tensor:
+        if self.f_bs is not None:
+            return (self.f_bs > 0).any(0)
+        fired_s = torch.zeros(shard.d_sae, dtype=torch.bool, device=shard.W_dec.device)
+        fired_s[self.local_bk[self.vals_bk > 0]] = True
+        return fired_s
+
+    def dense(self, shard: LatentShard) -> torch.Tensor:
+        """(b, s) this rank's codes, dense (validation metrics)."""
+        if self.f_bs is not None:
+            return self.f_bs
+        return torch.zeros(self.vals_bk.shape[0], shard.d_sae, device=self.vals_bk.device).scatter_add_(
+            1, self.local_bk, self.vals_bk.detach())
+
+
+def _mine(shard: LatentShard, gids_bk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's picks (bool), their local ids clamped into range)."""
+    return (gids_bk >= shard.lo) & (gids_bk < shard.hi), (gids_bk - shard.lo).clamp(0, shard.d_sae - 1)
+
+
+def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int, training: bool) -> ShardCodes:
+    """The codes of a batch: TopK picks globally, BatchTopK keeps the global top k x batch in training (the
+    threshold in eval), ReLU needs nobody."""
+    cfg = shard.cfg
+    if cfg.arch == "relu":
+        return ShardCodes(torch.relu(pre_bs))
+    if cfg.arch == "batchtopk":
+        if not training:
+            return ShardCodes(torch.where(pre_bs > shard.threshold, pre_bs, torch.zeros_like(pre_bs)).clamp_min(0))
+        relu_bs = torch.relu(pre_bs)
+        n_keep = min(cfg.k * batch_size, batch_size * cfg.d_sae)
+        threshold = global_kth_largest(relu_bs.detach().flatten(), n_keep, comm)
+        return ShardCodes(torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs)))
+    with torch.no_grad():
+        top = pre_bs.topk(min(cfg.k, shard.d_sae), dim=-1, sorted=False)
+        gids_bk = global_top(top.values, top.indices + shard.lo, cfg.k, comm)
+    mine_bk, local_bk = _mine(shard, gids_bk)
+    return ShardCodes(None, gids_bk, local_bk, torch.relu(pre_bs.gather(1, local_bk)) * mine_bk)
+
+
+def decode(shard: LatentShard, codes: ShardCodes, comm: Comm, prefixes: tuple[int, ...] = ()) -> torch.Tensor:
+    """(p, b, d) the reconstructions from each Matryoshka prefix, then from every latent (normalized space)."""
+    partial_pbd = torch.stack([codes.partial(shard, m) for m in (*prefixes, None)])
+    if comm.is_root:
+        partial_pbd = partial_pbd + shard.b_dec
+    return sum_over_ranks(partial_pbd, comm)
+
+
+@torch.no_grad()
+def dead_picks(shard: LatentShard, pre_bs: torch.Tensor, dead_s: torch.Tensor, aux_k: int, comm: Comm):
+    """AuxK's picks (b, k) as global ids: the dead latents with the highest pre-activations over every rank (the
+    unsharded `objectives.pick_dead`); None when no latent is dead anywhere."""
+    dead_z = dead_s.nonzero().squeeze(1)
+    n_dead = int(comm.all_reduce(torch.tensor([dead_z.numel()], device=pre_bs.device)).item())
+    if n_dead == 0:
+        return None
+    k = min(aux_k, n_dead)
+    top = pre_bs.index_select(1, dead_z).topk(min(k, dead_z.numel()), dim=-1, sorted=False)
+    return global_top(top.values, dead_z[top.indices] + shard.lo, k, comm)
+
+
+def aux_loss(shard: LatentShard, pre_bs, gids_bk, resid_bd, ghost: bool, comm: Comm) -> torch.Tensor:
+    """`objectives.aux_k_loss` with the picked dead latents spread over the ranks (their decodes summed)."""
+    mine_bk, local_bk = _mine(shard, gids_bk)
+    aux_pre_bk = pre_bs.gather(1, local_bk)
+    vals_bk = (torch.nn.functional.softplus(aux_pre_bk) if ghost else torch.relu(aux_pre_bk)) * mine_bk
+    partial_bd = torch.nn.functional.embedding_bag(local_bk, shard.W_dec, per_sample_weights=vals_bk, mode="sum")
+    resid_bd = resid_bd.detach()
+    err = (sum_over_ranks(partial_bd, comm) - resid_bd).square().sum(-1).mean()
+    return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
+
+
+def sharded_loss(trainer: "ShardedTrainer", x_bd: torch.Tensor) -> Loss:
+    """This rank's loss: the (replicated) reconstruction and AuxK terms plus its own latents' L1 term, so its
+    gradient is the unsharded SAE's gradient on its parameters (b_dec's after the all-reduce)."""
+    shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
+    xn_bd = x_bd * shard.scale
+    pre_bs = shard.pre_acts_normed(xn_bd)
+    picks_bk = dead_picks(shard, pre_bs, trainer.dead.dead_s, cfg.aux_k, comm)
+    codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=True)
+    recon_pbd = decode(shard, codes, comm, shard.cfg.matryoshka)
+    xn_hat_bd = recon_pbd[-1]
+    terms = {"mse": torch.stack([(r_bd - xn_bd).square().sum(-1).mean() for r_bd in recon_pbd]).mean()}
+    if cfg.arch == "relu":
+        ramp = objectives.l1_ramp(trainer.step, trainer.n_steps, cfg.sparsity_warmup_frac)
+        terms["l1"] = cfg.l1_coeff * ramp * (codes.f_bs * shard.W_dec.norm(dim=-1)).sum(-1).mean()  # this rank's
+    terms["aux"] = torch.zeros((), device=x_bd.device)
+    if picks_bk is not None:
+        ghost = cfg.arch == "relu"
+        terms["aux"] = cfg.aux_alpha * aux_loss(shard, pre_bs, picks_bk, xn_bd - xn_hat_bd, ghost, comm)
+    return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume checkpoints at any world size: resume.pt (whole tensors) or one file per rank and a manifest
+# ---------------------------------------------------------------------------------------------------------------
+
+_LATENT_DIMS = {"W_enc": 1, "b_enc": 0, "W_dec": 0}  # the parameters cut along the latents, and along which dim
+_PARAM_NAMES = ("W_enc", "b_enc", "W_dec", "b_dec")  # SAE.parameters() order: the Adam state's indices
+
+
+def _latent_slices(state: dict, lo: int, hi: int) -> dict:
+    """The part of a training state (Trainer.state_dict) that latents [lo, hi) of it need."""
+    sae = {name: t.narrow(_LATENT_DIMS[name], lo, hi - lo) if name in _LATENT_DIMS else t
+           for name, t in state["sae"].items()}  # fmt: skip
+    opt_state = {}
+    for idx, moments in state["opt"]["state"].items():
+        dim = _LATENT_DIMS.get(_PARAM_NAMES[int(idx)])
+        opt_state[idx] = {key: t.narrow(dim, lo, hi - lo) if dim is not None and t.dim() else t
+                          for key, t in moments.items()}  # fmt: skip
+    return {**state, "sae": sae, "opt": {**state["opt"], "state": opt_state},
+            "since_fired_s": state["since_fired_s"][lo:hi]}  # fmt: skip
+
+
+def _joined(parts: list[dict]) -> dict:
+    """Consecutive latent ranges' states as one (the inverse of `_latent_slices`)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    sae = {name: torch.cat([p["sae"][name] for p in parts], _LATENT_DIMS[name]) if name in _LATENT_DIMS else t
+           for name, t in first["sae"].items()}  # fmt: skip
+    opt_state = {}
+    for idx, moments in first["opt"]["state"].items():
+        dim = _LATENT_DIMS.get(_PARAM_NAMES[int(idx)])
+        opt_state[idx] = {key: torch.cat([p["opt"]["state"][idx][key] for p in parts], dim)
+                          if dim is not None and t.dim() else t for key, t in moments.items()}  # fmt: skip
+    return {**first, "sae": sae, "opt": {**first["opt"], "state": opt_state},
+            "since_fired_s": torch.cat([p["since_fired_s"] for p in parts])}  # fmt: skip
+
+
+def _manifest(run) -> dict | None:
+    fpath = run.resume_manifest_fpath
+    try:
+        return json.loads(fpath.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise SaeflowError(f"{fpath}: unreadable resume manifest ({err}); delete {fpath.parent} to restart") from None
+
+
+def _load(fpath, device=None) -> dict:
+    try:
+        return torch.load(fpath, map_location=device, weights_only=True, mmap=device is None)
+    except Exception as err:  # noqa: BLE001 -- torch raises many types for a damaged file
+        raise SaeflowError(f"{fpath}: unreadable resume checkpoint ({err}); delete it to restart this run") from None
+
+
+def resume_info(run) -> tuple[int, int | None] | None:
+    """(step, pool rows) of the run's newest resume checkpoint, whichever form it has; None when there is none. A
+    resume.pt from before pools were recorded was trained with the old fixed pool: the old fixed 1 GiB (LEGACY_POOL)."""
+    found = []
+    if (manifest := _manifest(run)) is not None:
+        found.append((manifest["step"], manifest.get("pool_rows")))
+    if run.resume_fpath.exists():
+        state = _load(run.resume_fpath)  # memory-mapped: the tensors are not read
+        found.append((int(state["step"]), state.get("pool_rows", LEGACY_POOL)))
+    return max(found, key=lambda item: item[0]) if found else None
+
+
+def read_resume(run, device, latents: tuple[int, int] | None = None) -> dict | None:
+    """The newest resume state of `run` (resume.pt, or the ranks' files of a sharded checkpoint), cut to
+    `latents` (lo, hi) when given; None when there is none. Any world size reads any checkpoint."""
+    manifest = _manifest(run)
+    whole = _load(run.resume_fpath) if run.resume_fpath.exists() else None
+    if whole is not None and (manifest is None or int(whole["step"]) >= manifest["step"]):
+        state = whole if latents is None else _latent_slices(whole, *latents)
+    elif manifest is not None:
+        lo, hi = latents or (0, manifest["d_sae"])
+        parts = []
+        for shard in manifest["shards"]:
+            if shard["hi"] > lo and shard["lo"] < hi:
+                if pathlib.PurePath(shard["fname"]).name != shard["fname"]:
+                    raise SaeflowError(f"{run.resume_manifest_fpath}: names {shard['fname']!r}, not a file beside it")
+                part = _load(run.resume_shards_dpath / shard["fname"])
+                a, b = max(lo, shard["lo"]) - shard["lo"], min(hi, shard["hi"]) - shard["lo"]
+                parts.append(_latent_slices(part, a, b))
+        state = _joined(parts)
+    else:
+        return None
+    return _to_device(state, device)
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, copy=True)  # off the memory map
+    if isinstance(obj, dict):
+        return {key: _to_device(value, device) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_to_device(value, device) for value in obj]
+    return obj
+
+
+def write_resume(trainer: "ShardedTrainer") -> None:
+    """Every rank writes its latents' state, then rank 0 the manifest (the commit point: a checkpoint is whole or
+    absent) and removes what it replaced (older rank files, a resume.pt)."""
+    run, comm = trainer.run, trainer.comm
+    dpath = run.resume_shards_dpath
+    dpath.mkdir(parents=True, exist_ok=True)
+    fpath = run.resume_shard_fpath(trainer.step, trainer.sae.lo, trainer.sae.hi)
+    save_atomic(trainer.state_dict(), fpath)
+    shards = comm.gather_objects({"fname": fpath.name, "lo": trainer.sae.lo, "hi": trainer.sae.hi})
+    if comm.is_root:
+        manifest = {"step": trainer.step, "d_sae": trainer.sae.cfg.d_sae, "pool_rows": trainer.pool_rows,
+                    "shards": shards}  # fmt: skip
+        atomic.write_file_atomic(run.resume_manifest_fpath, (json.dumps(manifest, indent=1) + "\n").encode())
+        run.resume_fpath.unlink(missing_ok=True)
+        keep = {run.resume_manifest_fpath.name, *(s["fname"] for s in shards)}
+        for fpath in dpath.iterdir():
+            if fpath.name not in keep:
+                fpath.unlink()
+    comm.barrier()  # no rank writes its next file before the stale ones are gone
+
+
+def remove_resume_shards(run) -> None:
+    """Drop a sharded checkpoint (a newer resume.pt replaced it, or the run is published)."""
+    shutil.rmtree(run.resume_shards_dpath, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer of one latent-sharded run
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def randn_rows(seed: int, n_rows: int, d: int, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of `torch.randn(n_rows, d, generator=torch.Generator().manual_seed(seed))`, drawn in chunks.
+
+    torch's CPU normal sampler turns each 16 uniforms into 16 normals (and redraws the last 16 of a tensor whose
+    size is no multiple of 16), so chunks of whole 16-value groups, the tail kept with the last one, give the same
+    values as one call; only rows before `hi` are drawn and only [lo, hi) kept.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    group = 16 // math.gcd(d, 16)  # rows per whole number of 16-value groups
+    step = max(group, RANDN_CHUNK_ELEMS // d // group * group)
+    starts = list(range(0, n_rows, step))
+    if len(starts) > 1 and (n_rows - starts[-1]) * d < 16:
+        starts.pop()  # a tail of fewer than 16 values is drawn with the chunk before it, as one call draws it
+    out, ends = [], [*starts[1:], n_rows]
+    for start, end in zip(starts, ends):
+        if start >= hi:
+            break
+        chunk = torch.randn(end - start, d, generator=gen)
+        if end > lo:
+            out.append(chunk[max(lo - start, 0) : min(hi, end) - start])
+    return torch.cat(out) if out else torch.zeros(0, d)
+
+
+class ShardedTrainer(train.Trainer):
+    """One run trained latent-sharded. It keeps Trainer's state layout (state_dict, load_state_dict work on the
+    shard's tensors) but never builds the whole SAE: its own __init__ makes the shard, its optimizer and counters."""
+
+    def __init__(self, comm: Comm, run, cfg, d_model: int, n_steps: int, device: torch.device):
+        self.comm, self.run, self.cfg, self.n_steps, self.device = comm, run, cfg, n_steps, device
+        self.writes = comm.is_root
+        self.checkpoint = train.Checkpoint(run)
+        sae_cfg = train.sae_config(cfg, d_model)
+        bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
+        self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
+        self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
+        self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.objective = objectives.Objective(cfg, n_steps)
+        self.step, self.pool_rows = 0, None
+        self.dead = objectives.DeadLatents(self.sae.d_sae, train.dead_after_steps(cfg, n_steps), device)
+        self.last: dict = {}
+        self.platforms = [provenance.platform()]
+        self.started_at = provenance.utc_now()
+        self.tracker = train.tracking.Tracker([])
+
+    @property
+    def latents(self) -> tuple[int, int]:
+        return self.sae.lo, self.sae.hi
+
+    @torch.no_grad()
+    def init_from_data(self, x_nd: torch.Tensor) -> None:
+        """Trainer.init_from_data on this rank's latents: the same scale and b_dec, its rows of the same draw."""
+        shard, cfg = self.sae, self.sae.cfg
+        x_nd = x_nd.to(self.device, torch.float32)
+        mean_sq = x_nd.square().sum(-1).mean()
+        if not torch.isfinite(mean_sq) or mean_sq <= 0:
+            raise SaeflowError(f"{self.run.root}: training vectors are all zero or not finite; cannot normalize")
+        shard.scale.fill_(math.sqrt(shard.d_model / float(mean_sq)))
+        shard.b_dec.copy_((x_nd * shard.scale).mean(0))
+        shard.W_dec.copy_(randn_rows(self.cfg.seed, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
+        shard.normalize_decoder()
+        if self.cfg.arch == "relu":
+            shard.W_dec.mul_(train.RELU_DECODER_INIT_NORM)
+        shard.W_enc.copy_(shard.W_dec.T)
+        shard.b_enc.zero_()
+
+    def restore(self) -> bool:
+        """Rank 0 cleans the checkpoint directory (Checkpoint.restore); every rank reads its latents."""
+        if self.comm.is_root:
+            found = self.checkpoint.restore(self)
+        found = self.comm.broadcast_object(found if self.comm.is_root else None)
+        if found and not self.comm.is_root:
+            self.load_state_dict(read_resume(self.run, self.device, self.latents))
+        return found
+
+    def save_resume(self) -> None:
+        write_resume(self)
+
+    def train_step(self, x_bd: torch.Tensor) -> None:
+        comm, shard = self.comm, self.sae
+        for group in self.opt.param_groups:
+            group["lr"] = train.lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+        loss = sharded_loss(self, x_bd)
+        self.opt.zero_grad(set_to_none=True)
+        loss.total.backward()
+        comm.all_reduce(shard.b_dec.grad)
+        unit_rows = self.cfg.arch != "relu"
+        if unit_rows:
+            shard.remove_parallel_grad()
+        self.opt.step()
+        if unit_rows:
+            shard.normalize_decoder()
+        with torch.no_grad():
+            fired_s = loss.codes.fired_s(shard)
+            self.dead.update(fired_s)
+            if self.cfg.arch == "batchtopk":
+                any_fired = comm.any_true(bool(fired_s.any()))
+                f_bs = loss.codes.f_bs
+                kept = f_bs[f_bs > 0]
+                min_kept = comm.all_reduce((kept.min() if kept.numel() else f_bs.new_tensor(torch.inf)).reshape(1),
+                                           "min")[0]  # fmt: skip
+                min_kept = min_kept if any_fired else shard.threshold  # as Trainer.train_step
+                shard.threshold.copy_(min_kept if self.step == 0 else 0.99 * shard.threshold + 0.01 * min_kept)
+        self.step += 1
+        if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
+            self.last = sharded_record(self, x_bd, loss)
+            if self.writes:
+                self.checkpoint.log(self.last)
+                self.tracker.log(self.last)
+
+    def finish(self, val_dir) -> dict | None:
+        """Validation over every rank's latents, sae.pt assembled and published by rank 0 (Trainer.finish)."""
+        self.sae.eval()
+        if self.cfg.arch == "relu":
+            self.sae.fold_decoder_norms()
+        metrics = sharded_validation(self, val_dir)
+        self.opt = None  # the Adam moments go before the weights are gathered
+        sae = gather_sae(self.sae, self.comm)
+        result = None
+        if self.writes:
+            result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
+            prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
+                    "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
+            self.checkpoint.publish(result, sae, prov)
+            self.tracker.close(final=result)
+        self.comm.barrier()
+        return result
+
+
+@torch.no_grad()
+def sharded_record(trainer: ShardedTrainer, x_bd: torch.Tensor, loss: Loss) -> dict:
+    """Trainer._record over every rank's latents (the L1 terms, active and dead counts summed)."""
+    codes = loss.codes
+    n_active = (codes.f_bs > 0).sum() if codes.f_bs is not None else (codes.vals_bk > 0).sum()
+    l1 = loss.terms.get("l1", torch.zeros((), device=x_bd.device))
+    sums = trainer.comm.all_reduce(torch.stack([l1.double(), n_active.double(), trainer.dead.dead_s.sum().double()]))
+    terms = {**loss.terms, **({"l1": sums[0]} if "l1" in loss.terms else {})}
+    return {
+        "step": trainer.step,
+        "n_vectors": trainer.step * trainer.cfg.batch_size,
+        "lr": trainer.opt.param_groups[0]["lr"],
+        "loss": float(sum(float(t) for t in terms.values())),
+        **{name: float(value) for name, value in terms.items()},
+        "nmse": batch_nmse(x_bd * trainer.sae.scale, loss.xn_hat_bd),
+        "l0": float(sums[1]) / x_bd.shape[0],
+        "n_dead": int(sums[2]),
+    }
+
+
+@torch.no_grad()
+def sharded_validation(trainer: ShardedTrainer, val_dir) -> dict:
+    """train.validation_metrics with the latents spread over the ranks (every rank reads the same vectors)."""
+    shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
+    acc = MetricsAccumulator(shard.d_model, shard.d_sae)  # this rank's latents' firing counts
+    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens)
+    n_max = cfg.n_val_vectors or loader.n_vectors
+    for x_bd in loader:
+        x_bd = x_bd[: n_max - acc.n_vectors].to(trainer.device, torch.float32)
+        pre_bs = shard.pre_acts_normed(x_bd * shard.scale)
+        codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=False)
+        x_hat_bd = decode(shard, codes, comm)[-1] / shard.scale
+        acc.update(x_bd, x_hat_bd, codes.dense(shard))
+        if acc.n_vectors >= n_max:
+            break
+    loader.close()
+    result = acc.result()
+    counts = comm.all_reduce(torch.tensor([acc.n_active, result["n_dead"], result["n_dense"]], dtype=torch.int64,
+                                          device=trainer.device))  # fmt: skip
+    n_active, n_dead, n_dense = (int(c) for c in counts)
+    return {**result, "l0": n_active / max(acc.n_vectors, 1), "n_dead": n_dead, "n_dense": n_dense}
+
+
+@torch.no_grad()
+def gather_sae(shard: LatentShard, comm: Comm) -> SAE | None:
+    """The whole SAE on rank 0's CPU (None elsewhere): each rank sends its latents (decoder row, encoder column,
+    bias) in chunks of SEND_CHUNK_BYTES."""
+    cfg, d = shard.cfg, shard.d_model
+    rows = max(1, SEND_CHUNK_BYTES // ((2 * d + 1) * 4))
+    bounds = latent_bounds(cfg.d_sae, comm.world_size)
+    if not comm.is_root:
+        packed = torch.cat([shard.W_dec, shard.W_enc.T, shard.b_enc[:, None]], 1)
+        for start in range(0, shard.d_sae, rows):
+            comm.send(packed[start : start + rows], 0)
+        return None
+    sae = SAE(cfg)
+    for name in ("b_dec", "scale", "threshold"):
+        getattr(sae, name).copy_(getattr(shard, name).cpu())
+    for r in range(comm.world_size):
+        for start in range(bounds[r], bounds[r + 1], rows):
+            stop = min(start + rows, bounds[r + 1])
+            if r == 0:
+                part = torch.cat([shard.W_dec[start:stop], shard.W_enc[:, start:stop].T, shard.b_enc[start:stop, None]],
+                                 1)  # fmt: skip
+            else:
+                part = comm.recv(torch.empty(stop - start, 2 * d + 1, device=comm.device), r)
+            part = part.cpu()
+            sae.W_dec[start:stop] = part[:, :d]
+            sae.W_enc[:, start:stop] = part[:, d:-1].T
+            sae.b_enc[start:stop] = part[:, -1]
+    return sae.eval()

@@ -1,0 +1,154 @@
+"""Sweep planning: the runs of the `saes` config entries, and the training config of one run. No torch, no data.
+
+Snakemake imports this at parse time (and in every Slurm job), so it stays cheap: `plan_runs` turns typed SAE specs
+and the shard hashes of the activations into `RunPlan`s, each with its `TrainConfig` and run id. The run id is the
+sha256 of `TrainConfig.to_dict()` (`runs.run_id`): the train/val shard hashes, the trainer version and every
+hyper-parameter exactly as the config spells it, so the same config and data always name the same run directory.
+
+    specs = {name: SAESpec.from_dict(name, obj) for name, obj in validated_config["saes"].items()}
+    plans = plan_runs(specs, {"vit": shard_hash}, {"vit": "content"})
+"""
+
+import dataclasses
+import itertools
+import typing
+
+from saeflow.errors import SaeflowError
+from saeflow.store import runs
+
+TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
+NOT_SWEPT = ("train", "val")
+
+
+def _is_sweep(key: str, value) -> bool:
+    if key in NOT_SWEPT or not isinstance(value, list):
+        return False
+    return key != "matryoshka" or (bool(value) and all(isinstance(v, list) for v in value))
+
+
+def expand_sweep(spec: dict) -> list[dict]:
+    """The cartesian product of every list-valued key (in the spec's key order; the last key varies fastest)."""
+    keys = [key for key, value in spec.items() if _is_sweep(key, value)]
+    combos = itertools.product(*(spec[key] for key in keys))
+    return [{**spec, **dict(zip(keys, combo))} for combo in combos]
+
+
+@dataclasses.dataclass(frozen=True)
+class SAESpec:
+    """One `saes.<name>` entry of a validated config: the activations it reads and its (swept) hyper-parameters."""
+
+    name: str  # the key under `saes`
+    train: str  # activation name (under `activations`) trained on
+    val: str | None  # activation name validated on; None: the training one
+    hyper: dict[str, typing.Any]  # every other key, in the spec's order (the sweep order); list values are swept
+
+    @classmethod
+    def from_dict(cls, name: str, obj: typing.Mapping[str, typing.Any]) -> "SAESpec":
+        """From a schema-validated entry (the schema fills the defaults)."""
+        hyper = {key: value for key, value in obj.items() if key not in NOT_SWEPT}
+        return cls(name=name, train=obj["train"], val=obj.get("val"), hyper=hyper)
+
+    @property
+    def val_activation(self) -> str:
+        return self.val or self.train
+
+    def points(self) -> list[dict]:
+        """The hyper-parameters of each run of the sweep, in run-index order."""
+        return expand_sweep(self.hyper)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The hyper-parameters of one run (exactly the keys of the run's config.json; defaults live in the schema)."""
+
+    trainer: str
+    train_shards: str
+    val_shards: str
+    layer: int
+    tokens: str
+    arch: str
+    expansion: int
+    k: int
+    matryoshka: tuple[float, ...]
+    l1_coeff: float
+    aux_k: int
+    aux_alpha: float
+    dead_after_vectors: int | None  # None: train.dead_after_steps' default
+    lr: float | None  # None: train.auto_lr(d_sae)
+    lr_warmup_frac: float
+    sparsity_warmup_frac: float
+    batch_size: int
+    n_epochs: int
+    n_train_vectors: int | None
+    n_val_vectors: int | None
+    seed: int
+    data_seed: int
+
+    @classmethod
+    def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing, extra = sorted(names - obj.keys()), sorted(obj.keys() - names)
+        if missing or extra:
+            raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
+        if obj["trainer"] != TRAINER:
+            raise SaeflowError(f"{where}: made by trainer {obj['trainer']!r}; this saeflow is {TRAINER!r}")
+        swept = [k for k, v in obj.items() if _is_sweep(k, v)]
+        if swept:
+            raise SaeflowError(f"{where}: {swept} are still lists; a run holds one point of a sweep")
+        return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
+
+    def to_dict(self) -> dict:
+        """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list."""
+        return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
+
+    def loader_key(self) -> tuple:
+        """Runs with equal keys see identical batches, so they can share one pass."""
+        return (
+            self.train_shards,
+            self.layer,
+            self.tokens,
+            self.batch_size,
+            self.data_seed,
+            self.n_epochs,
+            self.n_train_vectors,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """One point of one SAE sweep, planned without touching data."""
+
+    sae_name: str  # the key under `saes`
+    index: int  # position in the sweep of `sae_name`
+    run_id: str  # sha256 of `train_config.to_dict()`: the run directory's name
+    train_config: TrainConfig
+    train_activation: str  # activation name trained on
+    val_activation: str  # activation name validated on
+
+
+def plan_runs(
+    saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
+) -> list[RunPlan]:
+    """Every run of every SAE spec; `shard_hashes` maps activation names to shard hashes, `auto_tokens` to what
+    `tokens: auto` means for their shards (`no_special` for text saeflow extracted, else `content`). The run config
+    holds the resolved choice, so `auto` and the choice it stands for name the same run."""
+    plans = []
+    for sae_name, spec in saes.items():
+        for name in (spec.train, spec.val_activation):
+            if name not in shard_hashes:
+                raise SaeflowError(
+                    f"saes.{sae_name}: activation {name!r} is not defined; known: {', '.join(shard_hashes) or 'none'}"
+                )
+        for index, hyper in enumerate(spec.points()):
+            obj = {
+                "trainer": TRAINER,
+                "train_shards": shard_hashes[spec.train],
+                "val_shards": shard_hashes[spec.val_activation],
+                **hyper,
+            }
+            if obj.get("tokens") == "auto":
+                obj["tokens"] = auto_tokens[spec.train]
+            train_config = TrainConfig.from_dict(obj, f"saes.{sae_name}[{index}]")
+            run_id = runs.run_id(train_config.to_dict())
+            plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation))
+    return plans

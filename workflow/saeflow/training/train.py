@@ -1,0 +1,491 @@
+"""The resumable SAE training loop: `train_runs` trains run directories made by `saeflow create-run`.
+
+A run is content-addressed by its training config (`sweeps.TrainConfig`, `runs.run_id`): the train/val shard hashes
+plus every hyper-parameter, seeds included. Training is a pure function of that config: the data order depends only
+on (data_seed, epoch, step) (see `loaders`), the initialization only on `seed`, and every `checkpoint_every` steps
+the full state (weights, Adam moments, dead-latent counters, BatchTopK threshold, step) is saved atomically to
+`checkpoint/resume.pt`. A killed run restarts from there and ends with the same weights as an uninterrupted one.
+
+Runs that read the same vectors in the same order (same train shards, layer, tokens, batch size, data seed and
+length) train in one pass: each batch is read once and fed to every SAE of the group. The loss is `objectives`'.
+"""
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+import typing
+
+import torch
+import tqdm
+
+from saeflow import config, numerics, preempt
+from saeflow.errors import SaeflowError
+from saeflow.store import atomic, provenance, runs
+from saeflow.store.shards import ShardDir
+from saeflow.training import localcopy, tracking
+from saeflow.training.loaders import OrderedLoader, ShuffledLoader
+from saeflow.training.metrics import MetricsAccumulator, batch_nmse
+from saeflow.training.objectives import DeadLatents, Loss, Objective
+from saeflow.training.sae import SAE, SAEConfig, save_atomic, save_sae
+from saeflow.training.sweeps import TrainConfig
+
+logger = logging.getLogger("saeflow.training.train")
+
+N_INIT_VECTORS = 16384
+DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
+RELU_DECODER_INIT_NORM = 0.1  # ReLU decoder rows start this short and their norms train freely (see init_from_data)
+LOG_EVERY = 10
+TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
+
+
+def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
+    """The architecture a run trains: Matryoshka fractions of d_sae become latent counts."""
+    d_sae = cfg.expansion * d_model
+    prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in cfg.matryoshka}))
+    return SAEConfig(d_model=d_model, d_sae=d_sae, arch=cfg.arch, k=cfg.k, matryoshka=prefixes)
+
+
+def auto_lr(d_sae: int) -> float:
+    """The default peak learning rate of every architecture: 8e-4 at d_sae = 16384, scaled by 1/sqrt(d_sae).
+
+    Adam moves every weight by about lr per step whatever its gradient's size, so what matters is lr against the
+    weights' own size: a unit decoder row's (and its encoder column's) entries are about 1/sqrt(d_model), and
+    scaling lr with them keeps the relative step (how fast a latent's direction turns) the same across widths at a
+    fixed expansion (sparsify scales its default the same way). 4e-4 (an older fixed default) left TopK at 1% of a
+    planted dictionary in 256 steps where sparsify's defaults reach 75%. ReLU, whose decoder rows start at norm 0.1,
+    once got a fifth of this (to turn its short rows no faster than TopK's unit ones); that left its encoder biases
+    too slow to sparsify the codes in a short run: 11% of the planted dictionary at L0 70 (true 8), against 91% at
+    L0 13 with the full rate (benchmarks/bench_planted.py, d 128, 512 atoms, 1M vectors; 2x the rate gave 96%,
+    0.5x 87%).
+    """
+    return 8e-4 * math.sqrt(16384 / d_sae)
+
+
+def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
+    """Steps a latent must stay silent to count as dead: `dead_after_vectors` in steps, or by default a tenth of
+    the run (so AuxK can revive latents in short runs too), at most 10M vectors (long runs: OpenAI's window)."""
+    if cfg.dead_after_vectors is not None:
+        return max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
+    return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
+
+
+def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
+    """Linear warm-up, then cosine decay to zero at the last step."""
+    n_warm = int(warmup_frac * n_steps)
+    if step < n_warm:
+        return peak * (step + 1) / n_warm
+    progress = (step - n_warm) / max(1, n_steps - n_warm)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Checkpoint:
+    """A run's files while it trains: resume.pt (the full state, for an exact restart) and metrics.jsonl."""
+
+    def __init__(self, run: runs.Run):
+        self.run = run
+
+    def restore(self, trainer: "Trainer") -> bool:
+        """Load resume.pt into `trainer` and drop the metric lines logged after it; False when there is none."""
+        for stale in self.run.checkpoint_dpath.glob(f".*{atomic.TMP_INFIX}*"):  # half-written by a killed process
+            stale.unlink()
+        atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
+        self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
+        from saeflow.training.sharded import (
+            read_resume,  # resume.pt, or the ranks' files of a latent-sharded checkpoint
+        )
+
+        state = read_resume(self.run, trainer.device, getattr(trainer, "latents", None))
+        if state is None:
+            return False
+        trainer.load_state_dict(state)
+        self._truncate_log(trainer.step)
+        logger.info("%s: resuming at step %d of %d", self.run.root, trainer.step, trainer.n_steps)
+        return True
+
+    def save(self, state: dict) -> None:
+        from saeflow.training.sharded import remove_resume_shards
+
+        save_atomic(state, self.run.resume_fpath)
+        remove_resume_shards(self.run)  # a latent-sharded checkpoint of an earlier attempt is older now
+
+    def restart_log(self) -> None:
+        """A fresh run starts a fresh metrics.jsonl (one left by a run that never reached a resume point)."""
+        self.run.metrics_log_fpath.unlink(missing_ok=True)
+
+    def log(self, record: dict) -> None:
+        """Append one line; a failed append (a full disk) is cut back, so the log never holds a torn line."""
+        fpath = self.run.metrics_log_fpath
+        size_bytes = fpath.stat().st_size if fpath.exists() else 0
+        try:
+            with open(fpath, "a", encoding="utf-8") as fd:
+                fd.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as err:
+            os.truncate(fpath, size_bytes)
+            if atomic.is_no_space(err):
+                raise atomic.no_space_error(fpath, "the log was cut back to its last whole line") from None
+            raise
+
+    def _truncate_log(self, step: int) -> None:
+        """Drop metric lines logged after the resume point (they will be logged again, identically)."""
+        fpath = self.run.metrics_log_fpath
+        if not fpath.exists():
+            return
+        keep = []
+        for line in fpath.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line torn by the kill
+                continue
+            if record.get("step", math.inf) <= step:
+                keep.append(line)
+        atomic.write_file_atomic(fpath, "".join(line + "\n" for line in keep).encode())
+
+    def publish(self, result: dict, sae: SAE, prov: dict) -> None:
+        """Stage metrics.jsonl (with the final line), metrics.json, provenance.json and sae.pt together, then rename
+        them out.
+
+        The staging directory is sealed once its sae.pt exists (written last, after the other two are fsynced);
+        `finish_pending` completes a sealed publish after a crash and an unsealed one is redone, so a run never
+        shows metrics.json without sae.pt. sae.pt is renamed out last: its presence means "done". All three are
+        published read-only.
+        """
+        staging = self.run.publish_dpath
+        atomic.remove_staging(staging)
+        log_fpath = self.run.metrics_log_fpath
+        log_text = log_fpath.read_text(encoding="utf-8") if log_fpath.exists() else ""
+        final_line = json.dumps({**result, "final": True}, sort_keys=True) + "\n"
+        with atomic.no_space_as_error(self.run.sae_fpath, f"removed {staging.name}, nothing was published"):
+            try:
+                staging.mkdir()
+                for fname, text in (
+                    (log_fpath.name, log_text + final_line),
+                    (self.run.final_metrics_fpath.name, json.dumps(result, indent=2, sort_keys=True) + "\n"),
+                    (self.run.provenance_fpath.name, json.dumps(prov, indent=2, sort_keys=True) + "\n"),
+                ):
+                    (staging / fname).write_text(text, encoding="utf-8")
+                    atomic.fsync_path(staging / fname)
+                    os.chmod(staging / fname, atomic.READONLY_FILE_MODE)
+                save_sae(sae, staging / self.run.sae_fpath.name, readonly=True)  # seals the staging directory
+            except BaseException:
+                atomic.remove_staging(staging)
+                raise
+        self.finish_pending()
+
+    def finish_pending(self) -> bool:
+        """Complete a sealed publish (rename out metrics.jsonl, metrics.json, then sae.pt) and drop what a
+        finished run no longer needs. True when the run is trained (sae.pt present)."""
+        run, staging = self.run, self.run.publish_dpath
+        if not run.sae_fpath.exists() and (staging / run.sae_fpath.name).exists():
+            for final_fpath in (run.metrics_log_fpath, run.final_metrics_fpath, run.provenance_fpath, run.sae_fpath):
+                if (staging / final_fpath.name).exists():
+                    os.replace(staging / final_fpath.name, final_fpath)
+            atomic.fsync_path(run.checkpoint_dpath)
+        if not run.sae_fpath.exists():
+            return False
+        atomic.remove_staging(staging)
+        run.resume_fpath.unlink(missing_ok=True)
+        shutil.rmtree(run.resume_shards_dpath, ignore_errors=True)
+        return True
+
+
+class Trainer:
+    """One SAE being trained: its weights, optimizer, step and dead-latent counters."""
+
+    def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device):
+        self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
+        self.checkpoint = Checkpoint(run)
+        self.sae = SAE(sae_config(cfg, d_model)).to(device).train()
+        self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
+        self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.objective = Objective(cfg, n_steps)
+        self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
+        self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
+        self.last: dict = {}  # the latest metrics record (for the progress bar)
+        self.platforms = [provenance.platform()]  # of each attempt that trained it, when they differ (resume.pt)
+        self.started_at = provenance.utc_now()
+        self.tracker = tracking.Tracker([])  # W&B / TensorBoard mirrors of the metrics, opened by `_train_group`
+
+    @torch.no_grad()
+    def init_from_data(self, x_nd: torch.Tensor) -> None:
+        """Scale so mean ||x||^2 = d_model; b_dec = mean; random decoder rows; encoder = decoder transpose.
+
+        TopK/BatchTopK decoder rows are unit vectors and stay so (the top-k choice keeps codes honest). ReLU rows
+        start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
+        rescaling games nothing), as in Anthropic's April 2024 update and sae-lens: with unit rows, pre-activations
+        start at the data's own scale (about 1 in normalized space) and Adam, which moves each weight by about lr
+        per step, cannot bring the encoder biases down far enough to sparsify in a short run; the codes stay dense
+        and the decoder rows never leave their random init (0 of 1,024 planted atoms recovered).
+        The norms are folded back into the encoder when the SAE is published (`SAE.fold_decoder_norms`).
+        """
+        sae = self.sae
+        x_nd = x_nd.to(self.device, torch.float32)
+        mean_sq = x_nd.square().sum(-1).mean()
+        if not torch.isfinite(mean_sq) or mean_sq <= 0:
+            raise SaeflowError(f"{self.run.root}: training vectors are all zero or not finite; cannot normalize")
+        sae.scale.fill_(math.sqrt(sae.d_model / float(mean_sq)))
+        sae.b_dec.copy_((x_nd * sae.scale).mean(0))
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        sae.W_dec.copy_(torch.randn(sae.d_sae, sae.d_model, generator=gen))
+        sae.normalize_decoder()
+        if self.cfg.arch == "relu":
+            sae.W_dec.mul_(RELU_DECODER_INIT_NORM)
+        sae.W_enc.copy_(sae.W_dec.T)
+        sae.b_enc.zero_()
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to continue exactly (resume.pt)."""
+        return {
+            "sae": self.sae.state_dict(),
+            "opt": self.opt.state_dict(),
+            "since_fired_s": self.dead.since_fired_s,
+            "step": self.step,
+            "platforms": self.platforms, "pool_rows": self.pool_rows,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sae.load_state_dict(state["sae"])
+        self.opt.load_state_dict(state["opt"])
+        self.dead.since_fired_s.copy_(state["since_fired_s"])
+        self.step = int(state["step"])
+        earlier, here = list(state.get("platforms", [])), self.platforms[-1]
+        if earlier and numerics.platform_key(earlier[-1]) != numerics.platform_key(here):
+            logger.warning(
+                "%s: resumed on another platform than step %d was computed on; the result matches an "
+                "uninterrupted run within float tolerance, not bitwise", self.run.root, self.step,
+            )
+            earlier.append(here)
+        self.platforms = earlier or [here]
+
+    def train_step(self, x_bd: torch.Tensor) -> None:
+        sae = self.sae
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+        loss = self.objective(sae, x_bd, self.step, self.dead)
+        self.opt.zero_grad(set_to_none=True)
+        loss.total.backward()
+        unit_rows = self.cfg.arch != "relu"  # see init_from_data
+        if unit_rows:
+            sae.remove_parallel_grad()
+        self.opt.step()
+        if unit_rows:
+            sae.normalize_decoder()
+        with torch.no_grad():
+            fired_s = loss.codes.fired_s()
+            self.dead.update(fired_s)
+            if self.cfg.arch == "batchtopk":  # inference threshold: running mean of the smallest kept activation
+                f_bs = loss.codes.f_bs
+                min_kept = f_bs[f_bs > 0].min() if fired_s.any() else sae.threshold
+                sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
+        self.step += 1
+        if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
+            self.last = self._record(x_bd, loss)
+            self.checkpoint.log(self.last)
+            self.tracker.log(self.last)
+
+    @torch.no_grad()
+    def _record(self, x_bd: torch.Tensor, loss: Loss) -> dict:
+        return {
+            "step": self.step,
+            "n_vectors": self.step * self.cfg.batch_size,
+            "lr": self.opt.param_groups[0]["lr"],
+            "loss": float(loss.total),
+            **{name: float(value) for name, value in loss.terms.items()},
+            "nmse": batch_nmse(x_bd * self.sae.scale, loss.xn_hat_bd),
+            "l0": loss.codes.l0(),
+            "n_dead": int(self.dead.dead_s.sum()),
+        }
+
+    def finish(self, val_dir: ShardDir) -> dict:
+        """Validation metrics in raw space, then the run's final files (sae.pt last)."""
+        self.sae.eval()
+        if self.cfg.arch == "relu":
+            self.sae.fold_decoder_norms()  # sae.pt always has unit decoder rows
+        metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
+        result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}
+        self.sae.cpu()
+        prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
+                "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
+        self.checkpoint.publish(result, self.sae, prov)
+        self.tracker.close(final=result)
+        return result
+
+
+@torch.no_grad()
+def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device) -> dict:
+    """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order."""
+    acc = MetricsAccumulator(sae.d_model, sae.d_sae)
+    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens)
+    n_max = cfg.n_val_vectors or loader.n_vectors
+    for x_bd in loader:
+        x_bd = x_bd[: n_max - acc.n_vectors].to(device, torch.float32)
+        x_hat_bd, f_bs = sae(x_bd)
+        acc.update(x_bd, x_hat_bd, f_bs)
+        if acc.n_vectors >= n_max:
+            break
+    loader.close()
+    return acc.result()
+
+
+def train_runs(
+    run_paths: typing.Sequence[str | os.PathLike],
+    device: str = TRAIN_DEFAULTS["device"],
+    checkpoint_every: int = TRAIN_DEFAULTS["checkpoint_every"],
+    max_steps: int | None = None,
+    local_copy: str = "",
+    runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"],
+    tracking_settings: tracking.Settings | None = None,
+    parallel: str = TRAIN_DEFAULTS["parallel"],
+    buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"],
+) -> list[dict]:
+    """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
+
+    Runs that read identical batches (`TrainConfig.loader_key`) train in one pass, at most `runs_per_pass` at a
+    time, in the order given: each publishes its own sae.pt, in that order. `max_steps` stops after that many steps
+    (with a resume checkpoint), for tests and time-limited jobs. `local_copy` (e.g. "$TMPDIR") reads the training
+    shards from a node-local copy (saeflow.training.localcopy). `tracking_settings` mirrors the metrics to
+    W&B/TensorBoard (saeflow.training.tracking). `buffer_bytes`: the shuffle pool (saeflow.training.memory; `auto` sizes
+    it from the job's memory). Returns the final validation metrics of runs that finished. Each run's lock
+    (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then finds it done. A
+    process that a launcher made one rank of several trains with the others (saeflow.training.parallel, in the
+    `parallel` mode); the results are then rank 0's.
+    """
+    from saeflow.training import parallel as parallel_mod
+
+    comm = parallel_mod.join(device)
+    if comm.distributed:
+        settings = dict(checkpoint_every=checkpoint_every, max_steps=max_steps, local_copy=local_copy,
+                        runs_per_pass=runs_per_pass, tracking_settings=tracking_settings, parallel=parallel,
+                        buffer_bytes=buffer_bytes)  # fmt: skip
+        return parallel_mod.train_runs(comm, run_paths, settings)
+    dev = comm.device
+    opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
+    with contextlib.ExitStack() as locks:
+        for key in sorted(opened):  # one order for every process: no deadlock between overlapping run lists
+            locks.enter_context(atomic.exclusive_lock(opened[key].lock_fpath))
+        todo: dict[tuple, list[tuple[runs.Run, TrainConfig]]] = {}
+        for run in opened.values():
+            if Checkpoint(run).finish_pending():
+                logger.info("%s: already trained (%s exists)", run.root, run.sae_fpath)
+                continue
+            cfg = TrainConfig.from_dict(run.config(), str(run.config_fpath))
+            todo.setdefault(cfg.loader_key(), []).append((run, cfg))
+        results = []
+        for group in todo.values():
+            for first in range(0, len(group), runs_per_pass):
+                chunk = group[first : first + runs_per_pass]
+                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy, tracking_settings,
+                                            buffer_bytes))  # fmt: skip
+    return results
+
+
+def _open_shards(run: runs.Run, link: str) -> ShardDir:
+    return ShardDir(run.link(link).resolve())
+
+
+def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str, make_loader) -> tuple[ShuffledLoader, list]:
+    """The group's shared training loader (`make_loader(shard_dir, config)`) and each run's validation shards,
+    checked against the configs."""
+    run0, cfg0 = group[0]
+    train_dir = _open_shards(run0, run0.TRAIN_SHARDS)
+    for run, _ in group:
+        if _open_shards(run, run.TRAIN_SHARDS).hash != cfg0.train_shards or train_dir.hash != cfg0.train_shards:
+            raise SaeflowError(f"{run.link(run.TRAIN_SHARDS)}: does not point to shards {cfg0.train_shards}")
+    val_dirs = [_open_shards(run, run.VAL_SHARDS) for run, _ in group]
+    if local_copy:  # read the training shards from node-local disk (checked copy, made once per node)
+        train_dir = ShardDir(localcopy.local_copy(train_dir.dpath, local_copy))
+    loader = make_loader(train_dir, cfg0)
+    d_model = train_dir.metadata.d_model
+    for (run, _), val_dir in zip(group, val_dirs):
+        if val_dir.metadata.d_model != d_model:
+            raise SaeflowError(
+                f"{run.link(run.VAL_SHARDS)}: d_model {val_dir.metadata.d_model} differs from training's {d_model}"
+            )
+    return loader, val_dirs
+
+
+def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local_copy="", tracking_settings=None,
+                 buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"]):  # fmt: skip
+    from saeflow.training.distributed import Comm
+    from saeflow.training.parallel import pool_bytes
+
+    cfg0 = group[0][1]
+    pool = pool_bytes(group, buffer_bytes, "sweep", _open_shards(group[0][0], runs.Run.TRAIN_SHARDS), Comm.alone(dev))
+
+    def make_loader(shard_dir: ShardDir, cfg: TrainConfig) -> ShuffledLoader:
+        return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool)
+
+    loader, val_dirs = _open_data(group, local_copy, make_loader)
+    d_model = loader.view.d_model
+    n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
+    trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]
+    for t in trainers:
+        t.pool_rows = loader.n_pool
+    fresh = [t for t in trainers if not t.checkpoint.restore(t)]
+    if fresh:
+        init_nd = _first_vectors(loader, N_INIT_VECTORS)
+        for t in fresh:
+            t.checkpoint.restart_log()
+            t.init_from_data(init_nd)
+    start = min(t.step for t in trainers)
+    stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
+    with contextlib.ExitStack() as trackers:
+        for t in trainers:
+            t.tracker = tracking.open_tracker(tracking_settings, t.run, t.step)
+            trackers.callback(t.tracker.close)  # stopped or failed: closed without a final record
+        stop = _run_steps(trainers, loader, start, stop, checkpoint_every)  # earlier when a stop signal came
+        loader.close()
+        if stop < n_steps:
+            for t in trainers:
+                t.checkpoint.save(t.state_dict())
+            if preempt.received():
+                raise preempt.stopped(f"resume checkpoints saved at step {stop} of {n_steps}")
+            return []
+        return [{"run": str(t.run.root), **t.finish(val_dir)} for t, val_dir in zip(trainers, val_dirs)]
+
+
+def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop: int, checkpoint_every: int) -> int:
+    """Steps `start..stop-1` of the group: each batch is read once and fed to every trainer at that step. Returns
+    the step reached: `stop`, or the step after which a stop signal (saeflow.preempt) came."""
+    batch_size, n_steps, per_epoch = loader.batch_size, trainers[0].n_steps, len(loader)
+    bar = tqdm.tqdm(total=(stop - start) * batch_size, unit="vec", unit_scale=True, desc=f"train x{len(trainers)}")
+    step = start
+    t0_sec = time.perf_counter()
+    try:
+        while step < stop:
+            epoch, batch_idx = divmod(step, per_epoch)
+            for x_bd in loader.iter_batches(epoch, batch_idx):
+                # Blocking: the batch is a view of a pageable buffer the loader recycles two batches later.
+                x_bd = x_bd.to(trainers[0].device, torch.float32)
+                for t in trainers:
+                    if t.step == step:
+                        t.train_step(x_bd)
+                        if t.step % checkpoint_every == 0 and t.step < n_steps:
+                            t.checkpoint.save(t.state_dict())
+                step += 1
+                bar.update(x_bd.shape[0])
+                if trainers[0].last and step % LOG_EVERY == 0:
+                    last = trainers[0].last
+                    bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
+                if preempt.received():
+                    stop = step
+                if step >= stop:
+                    break
+    finally:
+        bar.close()  # the error message starts on a line of its own
+    logger.info("trained %d steps in %.2f s", stop - start, time.perf_counter() - t0_sec)
+    return stop
+
+
+def _first_vectors(loader: ShuffledLoader, n: int) -> torch.Tensor:
+    """The first `n` vectors of epoch 0 (the data-based initialization sample)."""
+    parts, got = [], 0
+    for x_bd in loader.iter_batches(0):
+        parts.append(x_bd[: n - got].clone())
+        got += parts[-1].shape[0]
+        if got >= n:
+            break
+    return torch.cat(parts)
