@@ -21,8 +21,9 @@ import time
 
 import numpy as np
 
-from saeflow.interop import zarr_compat, zarr_store
+from saeflow.interop import zarr_store
 from saeflow.interop.records import Record
+from saeflow.interop.zarr_store import compat as zarr_compat
 
 
 class SyntheticRecords(collections.abc.Sequence):

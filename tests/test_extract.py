@@ -14,7 +14,7 @@ from PIL import Image
 from builders import text_spec, typed, vision_spec
 from saeflow import cli
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, models
+from saeflow.extraction import adapters, extract
 from saeflow.store import shards
 from saeflow.store.layout import ShardLayout
 
@@ -86,7 +86,7 @@ def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
     spec = vision_spec(batch_size=2)  # 3 examples per shard, batches never cross a shard
     clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
 
-    real_run = models.Adapter.run
+    real_run = adapters.Adapter.run
     calls = []
 
     def crashing_run(self, batch, layers):
@@ -95,13 +95,13 @@ def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
             raise _Crash
         return real_run(self, batch, layers)
 
-    monkeypatch.setattr(models.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
     with pytest.raises(_Crash):
         extract.extract(typed(spec), tmp_path / "crashy", progress=False)
     final = tmp_path / "crashy" / clean.dpath.name
     staging = tmp_path / "crashy" / f".{clean.dpath.name}.partial"
     assert not final.exists() and staging.exists()
-    monkeypatch.setattr(models.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run", real_run)
     resumed = extract.extract(typed(spec), tmp_path / "crashy", progress=False)
     assert resumed.resumed_from == 6 and not staging.exists()
     assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)
@@ -119,7 +119,7 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, caps
     clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))
-    restore = _signal_self_at(monkeypatch, models.Adapter, "run", 4, signal.SIGINT)  # a real Ctrl-C
+    restore = _signal_self_at(monkeypatch, adapters.Adapter, "run", 4, signal.SIGINT)  # a real Ctrl-C
     assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 130
     staging = tmp_path / "root" / f".{clean.dpath.name}.partial"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
@@ -136,7 +136,7 @@ def test_a_job_that_plans_another_hash_than_the_workflow_stops_before_the_model_
     rule's shell script after the extraction (one command per rule: a failed job shows one line of shell)."""
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"activations": {"a": vision_spec()}}))
-    monkeypatch.setattr(models, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(adapters, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
     argv = ["extract", str(config_fpath), "--shards-root", str(tmp_path / "root"), "--expect-hash", "0" * 64]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
@@ -166,7 +166,7 @@ def test_unreadable_image_fails_before_the_model_loads(tmp_path, monkeypatch):
     root = tmp_path / "imgs"
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(_mkdir(root / "a") / "ok.png")
     (root / "a" / "bad.jpg").write_bytes(b"\xff\xd8 truncated")
-    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr(adapters, "load", lambda *a, **k: pytest.fail("the model must not load"))
     with pytest.raises(SaeflowError, match=r"bad.jpg: unreadable image"):
         spec = typed(vision_spec(dataset={"kind": "image_folder", "root": str(root)}))
         extract.extract(spec, tmp_path / "s", progress=False)
@@ -263,12 +263,12 @@ def test_segmentation_labels_reach_labels_bin_and_image_folder_classes_reach_cla
 SLOW_CHILD = """
 import sys, time
 from saeflow import cli
-from saeflow.extraction import models
-real_run = models.Adapter.run
+from saeflow.extraction import adapters
+real_run = adapters.Adapter.run
 def slow_run(self, batch, layers):
     time.sleep(0.3)  # slow enough that the parent can SIGKILL us mid-extraction
     return real_run(self, batch, layers)
-models.Adapter.run = slow_run
+adapters.Adapter.run = slow_run
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -12,7 +12,7 @@ from PIL import Image
 from builders import ARCH_CONFIGS, MINILM, TINY_TEXT, text_spec, typed, vision_spec
 from saeflow import cli
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, fingerprints, models, tokenization
+from saeflow.extraction import adapters, extract, fingerprints, models, tokenization
 from saeflow.extraction.extract import plan_activation
 from saeflow.store import shards
 from saeflow.store.layout import ShardLayout
@@ -162,7 +162,7 @@ def _checkpoint_with_processor(dpath, arch: str):
     import transformers
 
     spec = models.ModelSpec(random_arch=arch, random_config=ARCH_CONFIGS[arch])
-    model = models.build(models.describe(spec), spec).eval()
+    model = adapters.build(models.describe(spec), spec).eval()
     model.save_pretrained(dpath)
     cls_name, settings = PROCESSORS[arch]
     getattr(transformers, cls_name)(**settings).save_pretrained(dpath)
@@ -240,7 +240,7 @@ def test_stored_and_exported_ids_equal_autotokenizer(arch, tmp_path):
 
     config = dict(TEXT_CONFIGS.get(arch, ARCH_CONFIGS.get(arch, {})), vocab_size=31_000 if arch == "bert" else 300)
     spec = models.ModelSpec(random_arch=arch, random_config=config)
-    models.build(models.describe(spec), spec).save_pretrained(tmp_path / "ckpt")
+    adapters.build(models.describe(spec), spec).save_pretrained(tmp_path / "ckpt")
     _tokenizer_for(arch).save_pretrained(tmp_path / "ckpt")
     (tmp_path / "doc.txt").write_text(DOC)
     context_length = 24

@@ -6,7 +6,7 @@ import torch
 
 from builders import PROMPTS
 from saeflow.errors import SaeflowError
-from saeflow.extraction import models
+from saeflow.extraction import adapters, models
 from saeflow.interop import engine
 
 
@@ -17,7 +17,7 @@ def test_layers_match_extraction_adapter_and_hidden_states(tiny_lm_dpath):
     rec = eng.record("The cat sat on the mat.", label=1)
     assert eng.layers == (0, 1) and rec.layers == (0, 1)
     ids_bt = torch.tensor(rec.token_ids)[None]
-    adapter_acts = models.load(models.ModelSpec(name=str(tiny_lm_dpath))).run(ids_bt, layers=(0, 1))
+    adapter_acts = adapters.load(models.ModelSpec(name=str(tiny_lm_dpath))).run(ids_bt, layers=(0, 1))
     out = eng.model(input_ids=ids_bt, output_hidden_states=True)
     for layer in (0, 1):
         np.testing.assert_allclose(rec.acts[layer], adapter_acts[layer][0].numpy(), rtol=1e-5, atol=1e-6)

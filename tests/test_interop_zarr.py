@@ -15,8 +15,9 @@ import _zarr_other_version as other
 import saeflow
 from builders import PROMPTS, pip_site
 from saeflow.errors import SaeflowError
-from saeflow.interop import engine, zarr_compat, zarr_store
+from saeflow.interop import engine, zarr_store
 from saeflow.interop.records import Record
+from saeflow.interop.zarr_store import compat as zarr_compat
 
 LAYERS = (0, 1)
 OPTS = zarr_store.ZarrOptions(prompt_max=8, response_max=4, t_chunk_prompt=4, samples_per_shard=3)

@@ -8,13 +8,13 @@ import torch
 
 from builders import ARCH_CONFIGS, MINILM, TEXT_ARCHS, text_spec, typed, vision_spec
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, models, tokenization
+from saeflow.extraction import adapters, extract, models, tokenization
 from saeflow.store import shards
 
 
 def _reference_hidden_states(plan_, sd: shards.ShardDir):
     """The model's own output_hidden_states on the exact inputs the extraction used."""
-    adapter = models.load(plan_.model_spec, "float32", "cpu", info=plan_.info)
+    adapter = adapters.load(plan_.model_spec, "float32", "cpu", info=plan_.info)
     if plan_.info.modality == "vision":
         x = torch.from_numpy(np.stack([plan_.dataset.example(i, plan_.preprocess)[0] for i in range(sd.n_ex)]))
         out = adapter.model(pixel_values=x, output_hidden_states=True)
@@ -72,7 +72,7 @@ def test_real_minilm_matches_hidden_states(shards_root):
 
 def test_forward_stops_after_deepest_requested_block():
     spec = models.ModelSpec(random_arch="vit", random_config=ARCH_CONFIGS["vit"])
-    adapter = models.load(spec)
+    adapter = adapters.load(spec)
     ran = []
     handles = [b.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, b in enumerate(adapter.blocks)]
     acts = adapter.run(torch.zeros(1, 3, 32, 32), layers=(0, 1))
@@ -143,12 +143,13 @@ def test_packing_tokenizer_matches_transformers_tokenizer():
     texts = ["Hello, World! Déjà vu.", "x" * 3000, "def f(a, b):\n    return a ** b  # comment"]
     assert list(tokenization.tokenize(fast, texts)) == hf(texts, add_special_tokens=False)["input_ids"]
     assert tokenization.special_tokens(fast) == ((hf.cls_token_id,), (hf.sep_token_id,))
-    assert models.load(models.ModelSpec(name=MINILM), info=info).tokenizer("a b")["input_ids"] == hf("a b")["input_ids"]
+    adapter = adapters.load(models.ModelSpec(name=MINILM), info=info)
+    assert adapter.tokenizer("a b")["input_ids"] == hf("a b")["input_ids"]
 
 
 def test_local_vision_checkpoint_uses_its_preprocessor_config(tmp_path, shards_root):
     spec = models.ModelSpec(random_arch="dinov2", random_config=ARCH_CONFIGS["dinov2"])
-    models.build(models.describe(spec), spec).save_pretrained(tmp_path / "tiny-dino")
+    adapters.build(models.describe(spec), spec).save_pretrained(tmp_path / "tiny-dino")
     (tmp_path / "tiny-dino" / "preprocessor_config.json").write_text(json.dumps({
         "do_resize": True, "size": {"shortest_edge": 40}, "crop_size": {"height": 24, "width": 24},
         "image_mean": [0.4, 0.4, 0.4], "image_std": [0.2, 0.2, 0.2],

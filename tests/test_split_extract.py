@@ -6,7 +6,7 @@ import pytest
 
 from builders import file_bytes, vision_spec
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, models
+from saeflow.extraction import adapters, extract
 from saeflow.extraction.specs import ActivationSpec
 from saeflow.store.shards import parts
 
@@ -49,7 +49,7 @@ def test_a_crashed_part_resumes_that_part_only(tmp_path, one_job, monkeypatch):
     extract.extract(_typed(), tmp_path, progress=False, part=(0, 2))
     done_0 = tmp_path / f".{one_job.name}.parts" / "part-0-of-2" / "part.json"
     mtime_0 = done_0.stat().st_mtime_ns
-    real_run, calls = models.Adapter.run, []
+    real_run, calls = adapters.Adapter.run, []
 
     def crashing_run(self, batch, layers):
         calls.append(1)
@@ -57,10 +57,10 @@ def test_a_crashed_part_resumes_that_part_only(tmp_path, one_job, monkeypatch):
             raise RuntimeError("killed")
         return real_run(self, batch, layers)
 
-    monkeypatch.setattr(models.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
     with pytest.raises(RuntimeError, match="killed"):
         extract.extract(_typed(), tmp_path, progress=False, part=(1, 2))
-    monkeypatch.setattr(models.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run", real_run)
     with pytest.raises(SaeflowError, match=r"part-1-of-2 is not a finished part"):
         extract.seal(_typed(), tmp_path, 2)
     assert not (tmp_path / one_job.name).exists()

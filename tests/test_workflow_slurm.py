@@ -220,7 +220,7 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     """4 part jobs + 1 seal job through the profile; the directory equals one job's, byte for byte; a part that
     crashed before the workflow ran resumes from its last complete shard (the other parts start from nothing)."""
     from builders import file_bytes
-    from saeflow.extraction import extract, models
+    from saeflow.extraction import adapters, extract
     from saeflow.extraction.specs import ActivationSpec
 
     cfg = tiny_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
@@ -229,7 +229,7 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     spec = ActivationSpec.from_dict(act)
     one_job = extract.extract(spec, tmp_path / "one-job", progress=False).dpath
 
-    real_run, calls = models.Adapter.run, []
+    real_run, calls = adapters.Adapter.run, []
 
     def crashing_run(self, batch, layers):
         calls.append(1)
@@ -237,10 +237,10 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
             raise RuntimeError("killed")
         return real_run(self, batch, layers)
 
-    monkeypatch.setattr(models.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
     with pytest.raises(RuntimeError, match="killed"):
         extract.extract(spec, tmp_path / "scratch", progress=False, part=(1, 4))
-    monkeypatch.setattr(models.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run", real_run)
 
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))

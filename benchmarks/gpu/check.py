@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from saeflow.analysis import inference  # noqa: E402
-from saeflow.extraction import extract, models, specs  # noqa: E402
+from saeflow.extraction import adapters, extract, specs  # noqa: E402
 from saeflow.store import runs, shards  # noqa: E402
 from saeflow.training import loaders, sae, sweeps, train  # noqa: E402
 
@@ -251,7 +251,7 @@ def bare_forward_sec(spec: specs.ActivationSpec, dev: torch.device) -> float:
     md = plan_.metadata
     source = extract._image_batches if plan_.info.modality == "vision" else extract._text_batches
     inputs = [x for x, _ in source(plan_, extract.batches(md.n_ex, md.ex_per_shard, spec.batch_size, 0))]
-    model = models.load(plan_.model_spec, spec.compute_dtype, str(dev), info=plan_.info).model
+    model = adapters.load(plan_.model_spec, spec.compute_dtype, str(dev), info=plan_.info).model
     dtype = getattr(torch, spec.compute_dtype)
 
     def forward(x):

@@ -274,3 +274,22 @@ def from_args(cls, args: argparse.Namespace, **overrides):
     names = {f.name for f in dataclasses.fields(cls)}
     values = {name: getattr(args, name) for name in names if hasattr(args, name)}
     return cls(**{**values, **overrides})
+
+
+def export_defaults(cls, *sections: str | None) -> dict:
+    """The schema defaults of dataclass `cls`'s fields, from an `exports.<name>` entry's own keys (section None)
+    and from its sections ("model", "lmprobe", "zarr", "pickle"), later sections winning."""
+    props = load_schema()["$defs"]["export_spec"]["properties"]
+    names = {f.name for f in dataclasses.fields(cls)}
+    found = {}
+    for section in sections:
+        section_props = props if section is None else props[section]["properties"]
+        for key, prop in section_props.items():
+            if key in names and "default" in prop:
+                found[key] = copy.deepcopy(prop["default"])
+    return found
+
+
+def validate_entry(obj: dict, def_name: str) -> dict:
+    """A copy of `obj`, validated against `$defs.<def_name>` and filled with its defaults (the caller's dict stays)."""
+    return validate(copy.deepcopy(obj), def_schema(def_name))

@@ -21,7 +21,8 @@ from saeflow.analysis import stability, summary
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
 from saeflow.extraction import extract, tokenization
-from saeflow.extraction.specs import ActivationSpec, ExportSpec, ShardsSpec, activation_from_dict
+from saeflow.extraction.specs import ActivationSpec, ShardsSpec, activation_from_dict
+from saeflow.interop.spec import ExportSpec
 from saeflow.store import hashing, layout, shards
 from saeflow.store.atomic import write_file_atomic
 from saeflow.store.shards import parts

@@ -70,7 +70,7 @@ import tqdm
 from saeflow import config, devices
 from saeflow.analysis.inference import trained_layer
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, models, specs
+from saeflow.extraction import adapters, extract, models, specs
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.hashing import file_sha256
 from saeflow.store.layout import ShardLayout
@@ -109,8 +109,8 @@ class Config:
     def __post_init__(self):
         if self.n_tokens < 1 or self.batch_size < 1:
             raise SaeflowError(f"n_tokens and batch_size must be at least 1, got {self.n_tokens}, {self.batch_size}")
-        if self.compute_dtype not in models.COMPUTE_DTYPES:
-            raise SaeflowError(f"compute_dtype must be one of {models.COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        if self.compute_dtype not in adapters.COMPUTE_DTYPES:
+            raise SaeflowError(f"compute_dtype must be one of {adapters.COMPUTE_DTYPES}, got {self.compute_dtype!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,13 +140,13 @@ def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: st
     """The model with the weights extraction used; causal LMs with their LM head (random-init: tied or seeded)."""
     causal = info.family in CAUSAL_FAMILIES
     if not causal:
-        model = models.build(info, spec, compute_dtype)
+        model = adapters.build(info, spec, compute_dtype)
     else:
         import transformers
 
         dtype = getattr(torch, compute_dtype)
         if info.source is None:
-            base = models.build(info, spec, compute_dtype)
+            base = adapters.build(info, spec, compute_dtype)
             torch.manual_seed(spec.seed)
             model = transformers.AutoModelForCausalLM.from_config(base.config).to(dtype)
             model.base_model.load_state_dict(base.state_dict())
@@ -158,7 +158,7 @@ def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: st
             except (OSError, ValueError) as err:
                 raise SaeflowError(f"cannot load the language-model head of {info.ckpt}: {err}") from None
     model = model.to(device).eval()
-    blocks = models.find_blocks(model.base_model if causal else model)
+    blocks = adapters.find_blocks(model.base_model if causal else model)
     return Spliceable(info, model, blocks, causal)
 
 
@@ -181,7 +181,7 @@ def splice_mask(view: loaders.LayerView, info: models.ModelInfo, lo: int, hi: in
     selection of the stored positions, `view.keep`); register tokens, never stored, stay clean."""
     keep_nt = view.keep(lo, hi)
     mask_nt = np.zeros((hi - lo, keep_nt.shape[1] + info.n_registers), dtype=bool)
-    mask_nt[:, models.stored_positions(info, mask_nt.shape[1])] = keep_nt
+    mask_nt[:, adapters.stored_positions(info, mask_nt.shape[1])] = keep_nt
     return torch.from_numpy(mask_nt)
 
 
@@ -192,7 +192,7 @@ def _hidden(output) -> torch.Tensor:
 def check_stored(sd: ShardDir, info: models.ModelInfo, layer: int, compute_dtype: str, lo: int, out_btd) -> None:
     """Refuse when the clean pass's block `layer` output for examples lo.. is not what the shards store (module
     docstring): the model is not the one extraction ran, and a splice into it would score another model."""
-    got_btd = models.keep_stored(info, _hidden(out_btd)).float().cpu()
+    got_btd = adapters.keep_stored(info, _hidden(out_btd)).float().cpu()
     stored_btd = torch.from_numpy(np.stack([sd.example(ex, layer) for ex in range(lo, lo + len(got_btd))])).float()
     err = float(((got_btd - stored_btd).norm(dim=-1) / stored_btd.norm(dim=-1).clamp_min(1e-12)).mean())
     dtypes = {sd.metadata.dtype, sd.metadata.data.get("compute_dtype", "float32"), compute_dtype}

@@ -125,8 +125,8 @@ def _adhoc_spec(args) -> dict:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from saeflow.extraction.specs import ExportSpec
     from saeflow.interop import convert
+    from saeflow.interop.spec import ExportSpec
 
     if args.config is not None:
         name, spec = config.pick(config.load(args.config)["exports"], args.export, "export")

@@ -28,7 +28,7 @@ import numpy as np
 
 from saeflow import devices, preempt
 from saeflow.errors import SaeflowError
-from saeflow.extraction import datasets, models, specs, tokenization
+from saeflow.extraction import adapters, datasets, models, specs, tokenization
 from saeflow.store import layout, shards
 from saeflow.store.hashing import canonical_json
 from saeflow.store.shards import parts
@@ -226,7 +226,7 @@ def extract(
         return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
     if plan_.info.modality == "vision":
         dataset.check(progress)  # unreadable images fail here, before any weights are loaded
-    device_name = str(devices.resolve_device(plan_.device))  # models.load and provenance.json take the name
+    device_name = str(devices.resolve_device(plan_.device))  # adapters.load and provenance.json take the name
     provenance_extra = {
         "extraction": {"batch_size": plan_.spec.batch_size, "device": device_name, "n_workers": plan_.spec.n_workers},
         # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
@@ -244,7 +244,7 @@ def extract(
             )
         if writer.resumed_from:
             logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
-        adapter = models.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
+        adapter = adapters.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
         spans = [
             s for s in batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, writer.n_written) if s[0] < ex_stop
         ]

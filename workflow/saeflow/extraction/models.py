@@ -1,13 +1,7 @@
-"""Model adapters over `transformers`: one interface for vision and language transformers.
+"""Models described without their weights: what a checkpoint is (family, sizes, identity), from its config.
 
     info = models.describe(spec)           # cheap: config.json (+ preprocessor_config.json), no weights
-    adapter = models.load(spec, compute_dtype="float32", device="cpu")
-    acts = adapter.run(batch_bt_or_bchw, layers=(2, 5))   # {layer: acts_btd}, forward stopped after block 5
-
-"Layer k" is the output of transformer block k (the residual stream after block k), 0-indexed. Hooks on the block
-modules record it; the hook on the deepest requested block raises `_StopForward`, so later blocks never run.
-For pre-norm decoders (GPT-2, Llama) Hugging Face's `hidden_states[-1]` has the final norm applied; we store the
-raw residual stream of the last block instead (the same definition for every layer).
+                                           # extraction.adapters loads and runs it
 
 Models are found by local directory or Hugging Face id. Their identity (`ckpt`, part of the shard hash) covers
 every file that changes the activations (`identity_fnames`: config, weights, tokenizer and image processor files):
@@ -28,10 +22,8 @@ when the name is resolved (`link_packaged_model`), by the workflow and every com
 A random-init model is built from a `transformers` config and a seed.
 """
 
-import contextlib
 import dataclasses
 import fnmatch
-import functools
 import hashlib
 import json
 import logging
@@ -65,8 +57,6 @@ ARCHS: dict[str, tuple[str, str, bool]] = {
 ENCODER_FAMILIES = ("bert", "roberta")
 # Multi-modal checkpoints whose vision tower we use.
 VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
-# Where the list of transformer blocks lives, per model class layout (first match wins).
-BLOCK_PATHS = ("vision_model.encoder.layers", "encoder.layer", "encoder.layers", "layers", "h")
 # transformers' config-class defaults of the fields planning reads, so planning never imports transformers
 # (a 3 s import). tests/test_models.py checks this table against transformers; `build` checks every loaded model.
 CONFIG_DEFAULTS: dict[str, dict] = {
@@ -86,7 +76,6 @@ CONFIG_DEFAULTS: dict[str, dict] = {
     "roberta": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 512, "vocab_size": 50265},
 }
 CONFIG_ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
-COMPUTE_DTYPES = ("float32", "bfloat16")
 # The files of a checkpoint directory that change its activations, hence its identity (docs/extraction.md): the
 # config, the image processor's and the tokenizer's files by name, and the weights transformers' PyTorch loading
 # reads (model*.safetensors, pytorch_model*.bin, adapters) with their shard indexes, by pattern. Top level only.
@@ -409,164 +398,4 @@ def _info(model_type, raw: dict, ckpt: str, source: str | None, revision: str | 
         std=tuple(float(x) for x in preprocessor.get("image_std", std)),
         preprocessor=preprocessor,
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loading and running
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class _StopForward(Exception):
-    """Raised by the hook on the deepest requested block: the rest of the model never runs."""
-
-
-def find_blocks(model):
-    """The ModuleList of transformer blocks: block k's output is what saeflow calls layer k."""
-    import torch
-
-    for path in BLOCK_PATHS:
-        module = model
-        for attr in path.split("."):
-            module = getattr(module, attr, None)
-            if module is None:
-                break
-        if isinstance(module, torch.nn.ModuleList):
-            return module
-    raise SaeflowError(f"cannot find the transformer blocks of {type(model).__name__} (looked at {BLOCK_PATHS})")
-
-
-@contextlib.contextmanager
-def record_blocks(blocks, layers: typing.Sequence[int], stop_after_deepest: bool) -> typing.Iterator[dict]:
-    """Forward hooks that store each requested block's output (B, T, D) in the yielded dict.
-
-    With `stop_after_deepest` the deepest block's hook ends the forward pass, so later blocks never run.
-    """
-    deepest = max(layers)
-    recorded: dict = {}
-
-    def make_hook(layer: int):
-        def hook(module, args, output):
-            recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
-            if stop_after_deepest and layer == deepest:
-                raise _StopForward
-
-        return hook
-
-    handles = [blocks[layer].register_forward_hook(make_hook(layer)) for layer in layers]
-    try:
-        yield recorded
-    except _StopForward:
-        pass
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def stored_positions(info: ModelInfo, n_model_tokens: int):
-    """The positions of a model's sequence that extraction stores, in order (int64 array): all but the register
-    tokens (DINOv2 with registers: CLS, registers, patches; CLS then the patches are stored)."""
-    import numpy as np
-
-    r = info.n_registers
-    return np.r_[0:1, 1 + r : n_model_tokens] if r else np.arange(n_model_tokens)
-
-
-def keep_stored(info: ModelInfo, acts_btd):
-    """The stored positions (`stored_positions`) of a block's output (B, T_model, D)."""
-    if info.n_registers == 0:
-        return acts_btd
-    import torch
-
-    return acts_btd[:, torch.from_numpy(stored_positions(info, acts_btd.shape[1])).to(acts_btd.device)]
-
-
-class Adapter:
-    """A loaded model with one job: activations of chosen blocks for a batch, stopping after the deepest."""
-
-    def __init__(self, info: ModelInfo, model, compute_dtype: str, device: str):
-        import torch
-
-        self.info = info
-        self.model = model.eval()
-        self.compute_dtype = compute_dtype
-        self.torch_dtype = getattr(torch, compute_dtype)
-        self.device = torch.device(device)
-        self.blocks = find_blocks(self.model)
-        if len(self.blocks) != info.n_layers:
-            raise SaeflowError(f"{info.ckpt}: found {len(self.blocks)} blocks, config says {info.n_layers}")
-
-    @property
-    def n_layers(self) -> int:
-        return self.info.n_layers
-
-    @property
-    def d_model(self) -> int:
-        return self.info.d_model
-
-    @functools.cached_property
-    def tokenizer(self):
-        """The checkpoint's transformers tokenizer (text models; random-init models have none)."""
-        if self.info.modality != "text":
-            raise SaeflowError(f"{self.info.ckpt} is a vision model; it has no tokenizer")
-        from saeflow.extraction import tokenization
-
-        return tokenization.load_tokenizer(self.info, None)
-
-    def run(self, batch, layers: typing.Sequence[int]) -> dict:
-        """{layer: float32 acts (B, T, D) on CPU} for images (B, 3, H, W) or token ids (B, T).
-
-        `layers` are absolute block indices. Register tokens are removed; CLS (when the model has one) stays first.
-        """
-        import torch
-
-        layers = tuple(layers)
-        with record_blocks(self.blocks, layers, stop_after_deepest=True) as recorded, torch.inference_mode():
-            batch = batch.to(self.device)
-            if self.info.modality == "vision":
-                self.model(pixel_values=batch.to(self.torch_dtype))
-            else:
-                self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
-        return {layer: keep_stored(self.info, recorded[layer]).float().cpu() for layer in layers}
-
-
-def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):
-    """The transformers module (weights loaded, or randomly initialized from the seed), in `compute_dtype`."""
-    import torch
-    import transformers
-
-    dtype = getattr(torch, compute_dtype)
-    cls = {
-        "clip_vision_model": transformers.CLIPVisionModel,
-        "siglip_vision_model": transformers.SiglipVisionModel,
-    }.get(info.model_type, transformers.AutoModel)
-    if info.source is None:
-        try:
-            config = transformers.AutoConfig.for_model(spec.random_arch, **spec.random_config)
-        except Exception as err:  # transformers validates configs with several exception types
-            raise SaeflowError(f"model.random.config: invalid for {spec.random_arch}: {err}") from None
-        torch.manual_seed(spec.seed)
-        model = transformers.AutoModel.from_config(config).to(dtype)
-    else:
-        try:
-            model = cls.from_pretrained(info.source, revision=info.revision, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise SaeflowError(f"cannot load the weights of {info.ckpt}: {err}") from None
-    built = (model.config.num_hidden_layers, model.config.hidden_size)
-    if built != (info.n_layers, info.d_model):
-        raise SaeflowError(
-            f"{info.ckpt}: planning read {info.n_layers} blocks x d={info.d_model} from config.json, but transformers "
-            f"built {built[0]} x d={built[1]}; the shard hash would be wrong (please report this config)"
-        )
-    return model
-
-
-def load(
-    spec: ModelSpec, compute_dtype: str = "float32", device: str = "cpu", info: ModelInfo | None = None
-) -> Adapter:
-    """Describe (unless given) and load a model, ready to `run`."""
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise SaeflowError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
-    info = info or describe(spec)
-    model = build(info, spec, compute_dtype).to(device)
-    return Adapter(info, model, compute_dtype, device)
 

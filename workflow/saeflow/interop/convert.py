@@ -12,10 +12,10 @@ import pathlib
 import typing
 
 from saeflow.errors import SaeflowError
-from saeflow.extraction.specs import ExportSpec
 from saeflow.interop import lmprobe, pickle_shards, saev_import, saev_sink, zarr_store
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 from saeflow.interop.records import Record, read_prompts
+from saeflow.interop.spec import ExportSpec
 
 SINK_FORMATS = ("lmprobe", "zarr", "pickle", "saev")
 

@@ -14,8 +14,9 @@ import typing
 
 import numpy as np
 
+from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.extraction import models, specs, tokenization
+from saeflow.extraction import adapters, models, tokenization
 from saeflow.interop.records import Record
 
 
@@ -38,7 +39,7 @@ class EngineConfig:
     @classmethod
     def defaults(cls, **overrides) -> "EngineConfig":
         """The schema's defaults (revision, max_tokens, batch_size, device), with `overrides` (model and layers)."""
-        return cls(**{**specs.export_defaults(cls, None, "model"), **overrides})
+        return cls(**{**config.export_defaults(cls, None, "model"), **overrides})
 
 
 def _load_model(info: models.ModelInfo, cfg: EngineConfig):
@@ -104,7 +105,7 @@ class TextEngine:
         self.layers = self.info.resolve_layers(cfg.layers)
         self.tokenizer = tokenization.load_tokenizer(self.info, None)
         self.model, self.causal = _load_model(self.info, cfg)
-        self.blocks = models.find_blocks(self.model.base_model)
+        self.blocks = adapters.find_blocks(self.model.base_model)
         self.d_model = self.info.d_model
 
     def _forward(self, ids_bt, mask_bt=None):
@@ -114,7 +115,7 @@ class TextEngine:
         if mask_bt is None:
             mask_bt = torch.ones_like(ids_bt)
         # The whole model runs (logits are needed), so the hooks must not stop it after the deepest block.
-        recording = models.record_blocks(self.blocks, self.layers, stop_after_deepest=False)
+        recording = adapters.record_blocks(self.blocks, self.layers, stop_after_deepest=False)
         with recording as recorded, torch.inference_mode():
             out = self.model(input_ids=ids_bt.to(self.cfg.device), attention_mask=mask_bt.to(self.cfg.device),
                              use_cache=False)

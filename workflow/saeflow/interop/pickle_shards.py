@@ -18,8 +18,8 @@ import typing
 
 import numpy as np
 
+from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.extraction import specs
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET, Budget, read_json
 from saeflow.interop.records import Record, check_uniform
 from saeflow.interop.safe_unpickle import BoundedStream, BudgetUnpickler
@@ -234,7 +234,7 @@ class PickleOptions:
     @classmethod
     def defaults(cls, **overrides) -> "PickleOptions":
         """The schema's defaults, with `overrides` (for writing without an export spec)."""
-        return cls(**{**specs.export_defaults(cls, "pickle"), **overrides})
+        return cls(**{**config.export_defaults(cls, "pickle"), **overrides})
 
 
 def write(
