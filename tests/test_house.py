@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_DPATH = REPO_ROOT / "workflow" / "saeflow"
 RULES_DPATH = REPO_ROOT / "workflow" / "rules"
 LAYOUT_FPATH = PACKAGE_DPATH / "store" / "layout.py"
+SCHEMA_FPATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 MAX_UNIT_LINES = 120
 # Names of the shard and run layouts (saeflow/store/layout.py). "metadata.json" is also the gzip-pickle format's own
 # file (activation-shard-pickle-format-1.0), which its module names.
@@ -108,3 +110,31 @@ def test_every_module_counts_a_module_by_its_functions():
 
     assert has("def f():\n    pass\n") and has("class A:\n    def f(self):\n        pass\n") and has("f = lambda: 1\n")
     assert not has("X = 1\n") and not has("class A:\n    X = 1\n") and not has('"""docs"""\n__version__ = "1"\n')
+
+
+def schema_enums() -> set[frozenset]:
+    """Every enumeration of two or more strings in the config schema."""
+    found, todo = set(), [yaml.safe_load(SCHEMA_FPATH.read_text())]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            values = node.get("enum")
+            if isinstance(values, list) and len(values) >= 2 and all(isinstance(v, str) for v in values):
+                found.add(frozenset(values))
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
+    return found
+
+
+def test_no_module_copies_an_enum_the_schema_holds():
+    """The schema is the one list of a key's values: code (CLI `choices` included) reads it (config.enum)."""
+    enums, copies = schema_enums(), []
+    for fpath in package_modules():
+        for node in ast.walk(ast.parse(fpath.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+            ):
+                if frozenset(e.value for e in node.elts) in enums:
+                    copies.append(f"{fpath.relative_to(PACKAGE_DPATH)}:{node.lineno}")
+    assert enums and not copies, "read these from the schema (config.enum): " + "; ".join(copies)

@@ -228,9 +228,24 @@ def section_defaults(section: str) -> dict:
     return {key: copy.deepcopy(sub["default"]) for key, sub in section_properties(section).items() if "default" in sub}
 
 
-def section_enum(section: str, key: str) -> tuple:
-    """The allowed values of one enumerated key of a top-level section."""
-    return tuple(section_properties(section)[key]["enum"])
+def enum(where: str, *path: str) -> tuple:
+    """The allowed values of an enumerated key: `where` is a `$defs` entry or a top-level section, `path` the keys
+    under it, e.g. ("sae_spec", "arch"), ("export_spec", "lmprobe", "storage"), ("visuals", "selection"). A key that
+    also takes a list of its values (a sweep, `train.tracking`) gives the values' enum; a dataset key is looked up
+    in its kind's branch: ("activation_spec", "dataset", "segmentation_folder", "label_rule")."""
+    schema = load_schema()
+    node = schema["$defs"][where] if where in schema["$defs"] else schema["properties"][where]
+    for key in path:
+        props = node.get("properties", {})
+        node = props[key] if key in props else _dataset_branch(node, key)
+    while "enum" not in node:
+        node = node["items"] if "items" in node else next(sub for sub in node["oneOf"] if "enum" in sub)
+    return tuple(node["enum"])
+
+
+def _dataset_branch(node: dict, kind: str) -> dict:
+    """The `then` of the dataset schema's branch for one kind (each kind's own keys live there)."""
+    return next(b["then"] for b in node["allOf"] if b["if"]["properties"]["kind"]["const"] == kind)
 
 
 _ARG_TYPES = {"integer": int, "number": float, "string": str}

@@ -5,6 +5,7 @@ import pathlib
 
 from saeflow import config
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
+from saeflow.interop.spec import SINK_FORMATS
 
 EXPORT_DESCRIPTION = """\
 Run a text model over a prompt dataset and write an interop dataset:
@@ -51,11 +52,12 @@ def register(subparsers):
                               description=EXPORT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", type=pathlib.Path, metavar="CONFIG", help="the workflow config (YAML)")
     p.add_argument("--export", metavar="NAME", help="which `exports` entry (optional when there is one)")
-    p.add_argument("--format", choices=("lmprobe", "zarr", "pickle"), help="ad hoc: output format")
+    p.add_argument("--format", choices=config.enum("export_spec", "format"), help="ad hoc: output format")
     p.add_argument("--model", help="ad hoc: HF id or local transformers directory")
     p.add_argument("--prompts", help="ad hoc: .jsonl/.csv/.parquet with a text column (label and extras optional)")
     p.add_argument("--layers", type=int, nargs="+", help="ad hoc: block indices")
-    p.add_argument("--storage", choices=("pooled", "full_sequence"), help="ad hoc lmprobe: storage mode")
+    p.add_argument("--storage", choices=config.enum("export_spec", "lmprobe", "storage"),
+                   help="ad hoc lmprobe: storage mode")
     p.add_argument("--top-k", type=int, help="ad hoc lmprobe: top-k logits (0 = none)")
     p.add_argument("--response-max", type=int, help="ad hoc zarr: greedy response tokens (0 = none)")
     p.add_argument("--out", type=pathlib.Path,
@@ -68,7 +70,7 @@ def register(subparsers):
                               description=CONVERT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=pathlib.Path, metavar="SRC",
                    help="lmprobe dataset, Zarr store or root, or gzip-pickle directory")
-    p.add_argument("--to", required=True, choices=("lmprobe", "zarr", "pickle", "saev"), help="output format")
+    p.add_argument("--to", required=True, choices=SINK_FORMATS, help="output format")
     p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (for saev: the shards root)")
     p.add_argument("--memory-budget", type=_positive_bytes, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
                    help="refuse any source file that would need more memory than this to read: a gzip-pickle shard "

@@ -14,12 +14,13 @@ import contextlib
 import functools
 import typing
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction.models import ModelInfo, ModelSpec, describe
 
 # Where the list of transformer blocks lives, per model class layout (first match wins).
 BLOCK_PATHS = ("vision_model.encoder.layers", "encoder.layer", "encoder.layers", "layers", "h")
-COMPUTE_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = config.enum("activation_spec", "compute_dtype")
 
 
 class _StopForward(Exception):

@@ -39,7 +39,7 @@ from saeflow.store.hashing import canonical_json
 logger = logging.getLogger(__name__)
 
 # model_type -> (family stored in metadata, modality, has a CLS token at position 0)
-ARCHS: dict[str, tuple[str, str, bool]] = {
+MODEL_TYPES: dict[str, tuple[str, str, bool]] = {
     "vit": ("vit", "vision", True),
     "clip_vision_model": ("clip", "vision", True),
     "siglip_vision_model": ("siglip", "vision", False),
@@ -348,8 +348,9 @@ def _size(value, fallback: int) -> int:
 def describe(spec: ModelSpec) -> ModelInfo:
     """Read the model's config.json (not its weights, and without importing transformers)."""
     if spec.random_arch is not None:
-        if spec.random_arch not in ARCHS:
-            raise SaeflowError(f"model.random.arch: unknown architecture {spec.random_arch!r}; known: {sorted(ARCHS)}")
+        if spec.random_arch not in MODEL_TYPES:
+            known = sorted(MODEL_TYPES)
+            raise SaeflowError(f"model.random.arch: unknown architecture {spec.random_arch!r}; known: {known}")
         digest = hashlib.sha256(canonical_json({"config": spec.random_config, "seed": spec.seed}).encode()).hexdigest()
         ckpt = f"random:{spec.random_arch}@seed{spec.seed}-{digest[:16]}"
         return _info(spec.random_arch, spec.random_config, ckpt, source=None, revision=None, preprocessor={})
@@ -362,14 +363,14 @@ def describe(spec: ModelSpec) -> ModelInfo:
 
 
 def _info(model_type, raw: dict, ckpt: str, source: str | None, revision: str | None, preprocessor: dict) -> ModelInfo:
-    if model_type not in ARCHS:
-        raise SaeflowError(f"model {ckpt}: unsupported architecture {model_type!r}; supported: {sorted(ARCHS)}")
+    if model_type not in MODEL_TYPES:
+        raise SaeflowError(f"model {ckpt}: unsupported architecture {model_type!r}; supported: {sorted(MODEL_TYPES)}")
     config = dict(CONFIG_DEFAULTS[model_type])
     for key, value in raw.items():
         key = CONFIG_ALIASES.get(key, key)
         if key in config:
             config[key] = value
-    family, modality, cls_token = ARCHS[model_type]
+    family, modality, cls_token = MODEL_TYPES[model_type]
     common = dict(
         family=family,
         model_type=model_type,

@@ -15,9 +15,7 @@ from saeflow.errors import SaeflowError
 from saeflow.interop import lmprobe, pickle_shards, saev_import, saev_sink, zarr_store
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 from saeflow.interop.records import Record, read_prompts
-from saeflow.interop.spec import ExportSpec
-
-SINK_FORMATS = ("lmprobe", "zarr", "pickle", "saev")
+from saeflow.interop.spec import SINK_FORMATS, ExportSpec
 
 
 @dataclasses.dataclass(frozen=True)

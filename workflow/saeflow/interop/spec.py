@@ -15,6 +15,9 @@ if typing.TYPE_CHECKING:  # imported when an export is typed: a config without e
     from saeflow.interop.pickle_shards import PickleOptions
     from saeflow.interop.zarr_store.format import ZarrOptions
 
+# What `saeflow convert --to` writes: an export format, or (saev) a shard directory that training reads.
+SINK_FORMATS = (*config.enum("export_spec", "format"), "saev")
+
 
 @dataclasses.dataclass(frozen=True)
 class Prompts:

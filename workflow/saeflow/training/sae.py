@@ -21,10 +21,11 @@ import warnings
 
 import torch
 
+from saeflow import config
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.store import atomic
 
-ARCHS = ("relu", "topk", "batchtopk")
+ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
 FORMAT = "saeflow-sae"
 FORMAT_VERSION = 1
 

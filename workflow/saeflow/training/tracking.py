@@ -26,7 +26,7 @@ from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.store import runs
 
-BACKENDS = ("wandb", "tensorboard")
+BACKENDS = config.enum("train", "tracking")
 INSTALL_HINT = "pip install 'saeflow[tracking]'"
 DEFAULTS = config.section_defaults("train")  # tracking, tracking_dir, wandb_project: the schema's `train` keys
 

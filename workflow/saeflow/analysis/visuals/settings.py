@@ -6,7 +6,7 @@ import pathlib
 from saeflow import config
 from saeflow.errors import SaeflowError
 
-SELECTIONS = config.section_enum("visuals", "selection")
+SELECTIONS = config.enum("visuals", "selection")
 DEFAULTS = config.section_defaults("visuals")
 
 

@@ -15,6 +15,7 @@ import pathlib
 
 import numpy as np
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction import fingerprints
 from saeflow.extraction.datasets.base import _DEFAULTS, _data_dict, _preprocess_field, _root
@@ -23,7 +24,7 @@ from saeflow.store.layout import ShardLayout
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 MASK_SUFFIXES = (".png", ".bmp", ".gif", ".tif", ".tiff")
-LABEL_RULES = ("majority", "prefer_foreground")
+LABEL_RULES = config.enum("activation_spec", "dataset", "segmentation_folder", "label_rule")
 
 
 def _images_in(dpath: pathlib.Path, suffixes=IMAGE_SUFFIXES) -> list[pathlib.Path]:

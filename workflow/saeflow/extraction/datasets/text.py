@@ -7,12 +7,13 @@ import json
 import pathlib
 import typing
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction import fingerprints
 from saeflow.extraction.datasets.base import _DEFAULTS, _data_dict, _root
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
-BUILTIN_CORPORA = ("python-docs",)
+BUILTIN_CORPORA = config.enum("activation_spec", "dataset", "builtin_text", "name")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ HIDDEN_KEY_PATTERN = "hidden.layer_{layer}"
 LOGITS_FILE_PATTERN = "tensors/logits_topk_{shard:03d}.safetensors"
 LOGITS_KEYS = ("logits_topk.values", "logits_topk.indices")
 SPEC_LOGITS_KEYS = ("topk_values", "topk_indices")
-STORAGES = ("pooled", "full_sequence")
+STORAGES = config.enum("export_spec", "lmprobe", "storage")
 CORE_COLUMNS = {"text", "label", "num_tokens", "shard_index", "row_offset", "token_offset", "token_shard_ids",
                 "token_shard_offsets", "shard_index_logits", "row_offset_logits", "perplexity_mean",
                 "perplexity_min", "perplexity_max", "token_ids", "token_perplexity", "token_strings"}

@@ -22,7 +22,7 @@ from saeflow.store.hashing import content_hash
 from saeflow.store.layout import ShardLayout
 
 PROTOCOL = "2.0"
-DTYPES = ("float32", "float16")
+DTYPES = config.enum("activation_spec", "store_dtype")
 DEFAULT_PATCHES_PER_SHARD = config.schema_default("activation_spec", "patches_per_shard")  # protocol section 3
 
 

@@ -18,12 +18,13 @@ import typing
 import numpy as np
 import torch
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction import tokenization
 from saeflow.store.layout import ShardLayout
 from saeflow.store.shards import ShardDir
 
-TOKENS = ("content", "cls", "all", "no_special")
+TOKENS = tuple(t for t in config.enum("sae_spec", "tokens") if t != "auto")  # auto is resolved when planning
 DEFAULT_BLOCK_BYTES = 16 << 20
 _FD_LOCK = threading.Lock()
 
