@@ -80,7 +80,6 @@ from saeflow.training import loaders, sae
 logger = logging.getLogger(__name__)
 
 DEFAULTS = config.section_defaults("evaluate")
-CAUSAL_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 MODES = ("clean", "spliced", "ablated", "mean_ablated")
 # A recovered fraction's denominator at most this fraction of the magnitudes it is made of (8 float32 ulps) is noise:
 # the ablation changed nothing measurable, and the ratio is null.
@@ -138,28 +137,9 @@ class Spliceable:
 
 def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: str, device) -> Spliceable:
     """The model with the weights extraction used; causal LMs with their LM head (random-init: tied or seeded)."""
-    causal = info.family in CAUSAL_FAMILIES
-    if not causal:
-        model = adapters.build(info, spec, compute_dtype)
-    else:
-        import transformers
-
-        dtype = getattr(torch, compute_dtype)
-        if info.source is None:
-            base = adapters.build(info, spec, compute_dtype)
-            torch.manual_seed(spec.seed)
-            model = transformers.AutoModelForCausalLM.from_config(base.config).to(dtype)
-            model.base_model.load_state_dict(base.state_dict())
-        else:
-            try:
-                model = transformers.AutoModelForCausalLM.from_pretrained(
-                    info.source, revision=info.revision, dtype=dtype
-                )
-            except (OSError, ValueError) as err:
-                raise SaeflowError(f"cannot load the language-model head of {info.ckpt}: {err}") from None
-    model = model.to(device).eval()
-    blocks = adapters.find_blocks(model.base_model if causal else model)
-    return Spliceable(info, model, blocks, causal)
+    model = adapters.build(info, spec, compute_dtype, lm_head=True).to(device).eval()
+    blocks = adapters.find_blocks(model.base_model if info.causal else model)
+    return Spliceable(info, model, blocks, info.causal)
 
 
 def example_inputs(plan: extract.Plan, sd: ShardDir) -> typing.Callable[[int, int], torch.Tensor]:

@@ -136,13 +136,16 @@ class Adapter:
         return {layer: keep_stored(self.info, recorded[layer]).float().cpu() for layer in layers}
 
 
-def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):
-    """The transformers module (weights loaded, or randomly initialized from the seed), in `compute_dtype`."""
+def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32", lm_head: bool = False):
+    """The transformers module (weights loaded, or randomly initialized from the seed), in `compute_dtype`. With
+    `lm_head`, a causal LM (`info.causal`) comes with its language-model head (its blocks under `.base_model`); a
+    random-init one gets the seeded base model's weights and a head initialized (or tied) from the seed."""
     import torch
     import transformers
 
     dtype = getattr(torch, compute_dtype)
-    cls = {
+    with_head = lm_head and info.causal
+    cls = transformers.AutoModelForCausalLM if with_head else {
         "clip_vision_model": transformers.CLIPVisionModel,
         "siglip_vision_model": transformers.SiglipVisionModel,
     }.get(info.model_type, transformers.AutoModel)
@@ -153,6 +156,11 @@ def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32"):
             raise SaeflowError(f"model.random.config: invalid for {spec.random_arch}: {err}") from None
         torch.manual_seed(spec.seed)
         model = transformers.AutoModel.from_config(config).to(dtype)
+        if with_head:
+            base = model
+            torch.manual_seed(spec.seed)
+            model = cls.from_config(base.config).to(dtype)
+            model.base_model.load_state_dict(base.state_dict())
     else:
         try:
             model = cls.from_pretrained(info.source, revision=info.revision, dtype=dtype)

@@ -55,6 +55,7 @@ MODEL_TYPES: dict[str, tuple[str, str, bool]] = {
 }
 # Families of bidirectional encoders: text examples are [CLS] ... [SEP], and they have no next-token logits.
 ENCODER_FAMILIES = ("bert", "roberta")
+_FAMILY_MODALITY = {family: modality for family, modality, _ in MODEL_TYPES.values()}
 # Multi-modal checkpoints whose vision tower we use.
 VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 # transformers' config-class defaults of the fields planning reads, so planning never imports transformers
@@ -147,6 +148,11 @@ class ModelInfo:
     max_positions: int = 0
 
     @property
+    def causal(self) -> bool:
+        """A causal language model (next-token logits): see `is_causal_lm`."""
+        return is_causal_lm(self.family)
+
+    @property
     def patches_per_ex(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 
@@ -165,6 +171,13 @@ class ModelInfo:
         if not resolved:
             raise SaeflowError("layers must name at least one block")
         return tuple(sorted(resolved))
+
+
+def is_causal_lm(family: str) -> bool:
+    """Whether a family is a causal language model (GPT-2, Llama, Qwen, Mistral): a text family that is no
+    bidirectional encoder. The one answer for evaluate (scored on next-token loss), the interop engine (logits,
+    perplexity, responses) and visuals (the unembedding a latent writes to)."""
+    return _FAMILY_MODALITY.get(family) == "text" and family not in ENCODER_FAMILIES
 
 
 # ---------------------------------------------------------------------------------------------------------------

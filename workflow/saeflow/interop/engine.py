@@ -42,26 +42,17 @@ class EngineConfig:
         return cls(**{**config.export_defaults(cls, None, "model"), **overrides})
 
 
-def _load_model(info: models.ModelInfo, cfg: EngineConfig):
-    """(transformers model in eval mode on cfg.device, whether it is a causal LM): causal LMs load with their head."""
+def _load_model(info: models.ModelInfo, spec: models.ModelSpec, cfg: EngineConfig):
+    """The transformers model in eval mode on cfg.device; a causal LM (`info.causal`) loads with its head."""
     import torch
-    import transformers
 
-    hf_config = transformers.AutoConfig.from_pretrained(info.source, revision=info.revision)
-    # BERT-style configs map to an LM-head class too, but are bidirectional encoders: no next-token logits.
-    causal = type(hf_config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and info.family not in models.ENCODER_FAMILIES
-    if not causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
+    if not info.causal and (cfg.top_k or cfg.perplexity or cfg.response_max):
         raise SaeflowError(
-            f"model {cfg.model!r} ({hf_config.model_type}) is not a causal LM: top-k logits, perplexity and "
+            f"model {cfg.model!r} ({info.model_type}) is not a causal LM: top-k logits, perplexity and "
             "responses need one (set top_k: 0, perplexity: false, response_max: 0)"
         )
-    auto_cls = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     torch.manual_seed(cfg.seed)
-    try:
-        model = auto_cls.from_pretrained(info.source, revision=info.revision, dtype=torch.float32)
-    except (OSError, ValueError) as err:
-        raise SaeflowError(f"cannot load the weights of {info.ckpt}: {err}") from None
-    return model.eval().to(cfg.device), causal
+    return adapters.build(info, spec, "float32", lm_head=True).eval().to(cfg.device)
 
 
 def _right_pad(ids_list: list[list[int]]):
@@ -99,12 +90,13 @@ class TextEngine:
     def __init__(self, cfg: EngineConfig):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.cfg = cfg
-        self.info = models.describe(models.ModelSpec(name=cfg.model, revision=cfg.revision))
+        spec = models.ModelSpec(name=cfg.model, revision=cfg.revision)
+        self.info = models.describe(spec)
         if (modality := self.info.modality) != "text":
             raise SaeflowError(f"model {cfg.model!r} is a {modality} model; interop exports need a text model")
         self.layers = self.info.resolve_layers(cfg.layers)
         self.tokenizer = tokenization.load_tokenizer(self.info, None)
-        self.model, self.causal = _load_model(self.info, cfg)
+        self.model, self.causal = _load_model(self.info, spec, cfg), self.info.causal
         self.blocks = adapters.find_blocks(self.model.base_model)
         self.d_model = self.info.d_model
 

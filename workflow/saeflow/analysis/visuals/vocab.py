@@ -4,6 +4,7 @@ import torch
 
 from saeflow.analysis.visuals.examples import TextExamples
 from saeflow.analysis.visuals.settings import Config
+from saeflow.extraction import models
 
 
 def vocab_matrix(family: str, name: str) -> tuple[torch.Tensor, str]:
@@ -14,9 +15,7 @@ def vocab_matrix(family: str, name: str) -> tuple[torch.Tensor, str]:
     """
     import transformers
 
-    from saeflow.analysis.evaluate import CAUSAL_FAMILIES
-
-    causal = family in CAUSAL_FAMILIES
+    causal = models.is_causal_lm(family)
     what = "unembedding (the LM head)" if causal else (
         "input word embeddings: an encoder has no unembedding, so these are the tokens whose embeddings the "
         "decoder direction points towards / away from, not a logit effect"
@@ -38,8 +37,6 @@ def vocab_matrix(family: str, name: str) -> tuple[torch.Tensor, str]:
 def _safetensors_tensor(name: str, keys: list[str]) -> torch.Tensor | None:
     """The first of `keys` stored in the checkpoint's safetensors (single file or sharded index), else None."""
     from safetensors import safe_open
-
-    from saeflow.extraction import models
 
     index_fpath = models.model_file(name, None, "model.safetensors.index.json")
     if index_fpath is not None:
