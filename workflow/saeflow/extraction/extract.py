@@ -236,12 +236,10 @@ def extract(
         writer = shards.ShardWriter(shards_root, md, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
     else:
         writer = parts.PartWriter(shards_root, md, *part, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
-    ex_stop = getattr(writer, "ex_stop", md.n_ex)  # a part stops at its last shard
+    ex_stop = writer.ex_stop  # a part stops at its last shard
     with _saying_what_is_kept(writer), writer:
         if writer.reused:
-            return Result(
-                getattr(writer, "part_dpath", writer.dpath), True, 0, md.n_ex, total_sec=time.perf_counter() - t0
-            )
+            return Result(writer.built_dpath, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
         if writer.resumed_from:
             logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
         adapter = adapters.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
@@ -249,7 +247,7 @@ def extract(
             s for s in batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, writer.n_written) if s[0] < ex_stop
         ]
         source = _image_batches if plan_.info.modality == "vision" else _text_batches
-        result = Result(getattr(writer, "part_dpath", writer.dpath), False, writer.resumed_from, md.n_ex)
+        result = Result(writer.built_dpath, False, writer.resumed_from, md.n_ex)
         bar = tqdm(
             total=ex_stop, initial=writer.n_written, unit="ex", desc=f"extract {md.hash[:12]}", disable=not progress
         )

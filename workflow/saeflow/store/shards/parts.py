@@ -14,7 +14,6 @@ side files, and publishes with the one-job writer's seal (shards.json, checksums
 rename). Shards are cut and batched exactly as in one job, so any number of parts gives the same bytes.
 """
 
-import json
 import logging
 import os
 import pathlib
@@ -22,13 +21,13 @@ import shutil
 
 from saeflow import numerics
 from saeflow.errors import SaeflowError
-from saeflow.store import atomic, provenance
+from saeflow.store import atomic
 from saeflow.store.hashing import file_sha256
 from saeflow.store.layout import ShardLayout
 from saeflow.store.shards.metadata import Metadata, aux_row_bytes
 from saeflow.store.shards.reader import open_existing
-from saeflow.store.shards.validate import read_json
-from saeflow.store.shards.writer import ShardWriter, _remove_strays, _Staging
+from saeflow.store.shards.staging import Part, Staging, entry_ok, finished_part
+from saeflow.store.shards.writer import ShardWriter
 
 logger = logging.getLogger(__name__)
 
@@ -65,156 +64,21 @@ class PartWriter(ShardWriter):
     (the first example of the part on a fresh start), and leaving the block finishes the part, never publishes."""
 
     def __init__(self, shards_root, metadata: Metadata, part_idx: int, n_parts: int, aux=(), provenance_extra=None):
-        super().__init__(shards_root, metadata, aux=aux, provenance_extra=provenance_extra)
-        self.first, self.stop = _part_range(metadata, part_idx, n_parts)
-        self.ex_start = sum(metadata.shard_sizes[: self.first])
-        self.ex_stop = sum(metadata.shard_sizes[: self.stop])
-        final = ShardLayout.at(self.root, metadata.hash)
-        self._staging = _PartStaging(final, final.part(part_idx, n_parts), self)
-        self.staging = self._staging.layout.dpath
-        self.part_dpath = self.staging
-
-    def __enter__(self) -> "PartWriter":
-        if open_existing(self.dpath) is not None:  # already sealed and published: nothing to do
-            self.reused = True
-            return self
-        super().__enter__()
-        if not self.reused:
-            self.n_written = self.resumed_from = self.ex_start + self._staging.resumed_from
-        return self
+        first, stop = _part_range(metadata, part_idx, n_parts)
+        part = Part(ShardLayout.at(shards_root, metadata.hash).part(part_idx, n_parts), first, stop)
+        super().__init__(shards_root, metadata, aux=aux, provenance_extra=provenance_extra, part=part)
 
     def write(self, acts_nltd, aux=None) -> None:
         if self.n_written + acts_nltd.shape[0] > self.ex_stop:
-            raise SaeflowError(f"part {self.staging.name} holds examples [{self.ex_start}, {self.ex_stop}) only")
+            ex_start = self.ex_stop - sum(self.md.shard_sizes[self._staging.first : self._staging.stop])
+            raise SaeflowError(f"part {self.staging.name} holds examples [{ex_start}, {self.ex_stop}) only")
         super().write(acts_nltd, aux)
-
-
-class _PartStaging:
-    """One part's directory under its own lock: the `_Staging` interface the writer and its drainer use."""
-
-    def __init__(self, final: ShardLayout, part: ShardLayout, writer: PartWriter):
-        self.final, self.layout, self.writer = final, part, writer
-        self.md, self.aux_fnames = writer.md, writer.aux_fnames
-        self.completed: list[dict] = []
-        self.resumed_from = 0  # examples of this part kept from a killed run
-        self.started_at = provenance.utc_now()
-        self._lock_cm = None
-
-    def acquire(self) -> bool:
-        """Lock the part and make it ready to append to; False when the part is already finished."""
-        self.layout.dpath.parent.mkdir(parents=True, exist_ok=True)
-        lock_cm = atomic.exclusive_lock(self.layout.lock_fpath)
-        lock_cm.__enter__()
-        self._lock_cm = lock_cm
-        if open_existing(self.final.dpath) is not None or _finished_part(self.layout, self.md) is not None:
-            return False
-        completed = self._resume_point()
-        if completed is None:  # a fresh part (the empty directory Snakemake made for the marker is fine)
-            if self.layout.dpath.exists():
-                atomic.make_tree_writable(self.layout.dpath)
-                _remove_strays(self.layout, keep=set())
-            self.layout.dpath.mkdir(parents=True, exist_ok=True)
-            atomic.write_json(self.layout.metadata_fpath, self.md.to_dict())
-            for fname in self.aux_fnames:
-                self.layout.file(fname).touch()
-            completed = []
-        self._truncate_to(completed)
-        self.completed = completed
-        self.resumed_from = sum(s["n_ex"] for s in completed)
-        self._write_progress()
-        return True
-
-    def release(self):
-        if self._lock_cm is not None:
-            self._lock_cm.__exit__(None, None, None)
-            self._lock_cm = None
-
-    def record(self, entry: dict):
-        self.completed.append(entry)
-        self._write_progress()
-
-    def cut_back(self):
-        if self.layout.dpath.exists():
-            self._truncate_to(list(self.completed))
-
-    def publish(self, n_written: int):
-        """Finish the part: part.json (shards, side-file checksums, provenance) is written last, atomically."""
-        writer = self.writer
-        if n_written != writer.ex_stop or len(self.completed) != writer.stop - writer.first:
-            raise SaeflowError(
-                f"only {n_written - writer.ex_start} of {writer.ex_stop - writer.ex_start} examples were written to "
-                f"{self.layout.dpath}; rerun the part to resume from its last complete shard"
-            )
-        aux = {f: {"bytes": self.layout.file(f).stat().st_size, "sha256": file_sha256(self.layout.file(f))}
-               for f in self.aux_fnames}  # fmt: skip
-        prov = {
-            **provenance.collect(),
-            **writer.provenance_extra,
-            "started_at": self.started_at,
-            "finished_at": provenance.utc_now(),
-            "resumed_from_ex": self.resumed_from,
-        }
-        done = {"shards": [writer.first, writer.stop], "completed": self.completed, "aux": aux, "provenance": prov}
-        atomic.write_json(self.layout.part_done_fpath, done)
-        self.layout.progress_fpath.unlink()
-
-    def _write_progress(self):
-        atomic.write_file_atomic(self.layout.progress_fpath, json.dumps({"completed": self.completed}).encode())
-
-    def _resume_point(self) -> list[dict] | None:
-        """The progress entries a killed part left, when each matches its shard file; None to start afresh."""
-        md, first = self.md, self.writer.first
-        try:
-            if read_json(self.layout.metadata_fpath) != md.to_dict():
-                return None
-            completed = read_json(self.layout.progress_fpath)["completed"]
-            n_done = sum(md.shard_sizes[first : first + len(completed)])
-            for offset, entry in enumerate(completed):
-                if not _entry_ok(self.layout, md, first + offset, entry, first + offset < self.writer.stop):
-                    return None
-            for fname in self.aux_fnames:
-                if self.layout.file(fname).stat().st_size < n_done * aux_row_bytes(md, fname):
-                    return None
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return completed
-
-    def _truncate_to(self, completed: list[dict]):
-        """Drop the torn shard and temporary files, and cut the side files back to the complete shards."""
-        keep = {ShardLayout.METADATA_FNAME, ShardLayout.PROGRESS_FNAME, *self.aux_fnames}
-        _remove_strays(self.layout, keep=keep | {s["name"] for s in completed})
-        first = self.writer.first
-        n_done = sum(self.md.shard_sizes[first : first + len(completed)])
-        for fname in self.aux_fnames:
-            os.truncate(self.layout.file(fname), n_done * aux_row_bytes(self.md, fname))
-
-
-def _entry_ok(layout: ShardLayout, md: Metadata, shard_idx: int, entry: dict, in_range: bool = True) -> bool:
-    """A progress/part entry names shard `shard_idx` with its planned count and size, and the file has that size."""
-    return (
-        in_range
-        and entry["name"] == layout.shard_fname(shard_idx)
-        and entry["n_ex"] == md.shard_sizes[shard_idx]
-        and entry["bytes"] == md.shard_sizes[shard_idx] * md.bytes_per_ex
-        and isinstance(entry["sha256"], str)
-        and layout.shard_fpath(shard_idx).stat().st_size == entry["bytes"]
-    )
-
-
-def _finished_part(part: ShardLayout, md: Metadata) -> dict | None:
-    """part.json of a finished part of this metadata, else None."""
-    try:
-        if read_json(part.metadata_fpath) != md.to_dict():
-            return None
-        return read_json(part.part_done_fpath)
-    except (OSError, ValueError):
-        return None
 
 
 def _checked_part(part: ShardLayout, md: Metadata, rng: tuple[int, int], aux_fnames, moved: int) -> dict:
     """part.json of a finished part, every shard not yet moved (index >= `moved`) checked: name, count, size and a
     fresh sha256; the side files by size and sha256. One-line SaeflowError naming the part and the problem."""
-    done = _finished_part(part, md)
+    done = finished_part(part, md)
     if done is None:
         raise SaeflowError(f"{part.dpath} is not a finished part of {md.hash} (no part.json); run that part first")
     first, stop = rng
@@ -225,7 +89,7 @@ def _checked_part(part: ShardLayout, md: Metadata, rng: tuple[int, int], aux_fna
         if idx < moved:
             continue
         try:
-            ok = _entry_ok(part, md, idx, entry) and file_sha256(part.shard_fpath(idx)) == entry["sha256"]
+            ok = entry_ok(part, md, idx, entry) and file_sha256(part.shard_fpath(idx)) == entry["sha256"]
         except (OSError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -254,7 +118,7 @@ def seal(
     if len(ranges) != n_parts:
         raise SaeflowError(f"{md.hash[:12]} has {len(md.shard_sizes)} shards: it cannot be sealed from {n_parts} parts")
     aux_fnames = tuple(sorted(set(aux)))
-    staging = _Staging(final, md, aux_fnames, dict(provenance_extra or {}))
+    staging = Staging(final, md, aux_fnames, dict(provenance_extra or {}))
     try:
         if not staging.acquire():
             return final.dpath, True
@@ -292,7 +156,7 @@ def _warn_if_mixed_platforms(dpath: pathlib.Path, dones: list[dict]) -> bool:
     return True
 
 
-def _move_shard(part: ShardLayout, staging: _Staging, md: Metadata, first: int, idx: int, entry: dict, aux_fds):
+def _move_shard(part: ShardLayout, staging: Staging, md: Metadata, first: int, idx: int, entry: dict, aux_fds):
     """Link one shard file into staging, append its side rows, fsync, and record it (the seal's resume point)."""
     for fname, fd in aux_fds.items():
         row_bytes = aux_row_bytes(md, fname)

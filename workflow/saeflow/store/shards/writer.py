@@ -4,14 +4,12 @@ one rename (docs/store.md has the crash/resume/concurrency guarantees).
     ShardWriter   the producer's side: checks each `write` and splits it at shard boundaries into queue items
     _Drainer      the background thread: writes queued items to the shard files, hashing and fsyncing on threads
                   of their own, and records each finished shard, in order, in the progress file
-    _Staging      the staging directory of one hash under its lock: resumes from the progress file (cut back to
-                  the last complete shard), finishes a build a killed run had sealed, and publishes
+    Staging       (staging.py) the directory it builds in, under its lock: the hash's staging sibling, or one part's
 """
 
 import collections
 import concurrent.futures
 import hashlib
-import json
 import os
 import pathlib
 import queue
@@ -20,13 +18,12 @@ import typing
 
 import numpy as np
 
-from saeflow.errors import SaeflowError, ShardDirError
-from saeflow.store import atomic, provenance
-from saeflow.store.hashing import file_sha256
+from saeflow.errors import SaeflowError
+from saeflow.store import atomic
 from saeflow.store.layout import ShardLayout
-from saeflow.store.shards.metadata import AUX_FILES, Metadata, aux_row_bytes, expected_shards_json
+from saeflow.store.shards.metadata import AUX_FILES, Metadata
 from saeflow.store.shards.reader import open_existing
-from saeflow.store.shards.validate import KNOWN_FNAMES, read_json, validate
+from saeflow.store.shards.staging import Part, Staging
 
 
 class ShardWriter:
@@ -52,6 +49,7 @@ class ShardWriter:
         aux: typing.Iterable[str] = (),
         provenance_extra: dict | None = None,
         queue_depth: int = 4,
+        part: Part | None = None,
     ):
         self.root = pathlib.Path(shards_root)
         self.md = metadata
@@ -61,15 +59,21 @@ class ShardWriter:
                 raise SaeflowError(f"unknown side file {fname!r}; known: {sorted(AUX_FILES)}")
         self.provenance_extra = dict(provenance_extra or {})
         layout = ShardLayout.at(self.root, metadata.hash)
+        self._staging = Staging(layout, metadata, self.aux_fnames, self.provenance_extra, part)
         self.dpath = layout.dpath
-        self.staging = layout.staging.dpath
-        self.lock_fpath = layout.lock_fpath
+        self.staging = self._staging.layout.dpath
+        self.lock_fpath = self._staging.lock_fpath
+        self.ex_stop = self._staging.ex_stop  # a part writes up to its last shard
         self.reused = False
         self.n_written = 0  # examples accepted so far (durable up to the resume point at entry)
         self.resumed_from = 0
         self._queue_depth = queue_depth
-        self._staging = _Staging(layout, metadata, self.aux_fnames, self.provenance_extra)
         self._drainer: _Drainer | None = None
+
+    @property
+    def built_dpath(self) -> pathlib.Path:
+        """What this writer makes: the shard directory, or a part's directory."""
+        return self.dpath if self._staging.part is None else self.staging
 
     def __enter__(self) -> "ShardWriter":
         if open_existing(self.dpath) is not None:
@@ -83,7 +87,7 @@ class ShardWriter:
                 raise SaeflowError(f"cannot prepare {self.staging}: {err!r}; nothing was published") from err
             raise
         if not self.reused:
-            self.n_written = self.resumed_from = self._staging.resumed_from
+            self.n_written = self.resumed_from = self._staging.ex_start + self._staging.resumed_from
             self._drainer = _Drainer(self._staging, self._queue_depth)
         return self
 
@@ -139,7 +143,7 @@ class _Drainer:
     `raise_if_failed`, so it surfaces at the next `write` or at the end.
     """
 
-    def __init__(self, staging: "_Staging", queue_depth: int):
+    def __init__(self, staging: Staging, queue_depth: int):
         self.staging = staging
         self.queue: queue.Queue = queue.Queue(maxsize=queue_depth)
         self.error: BaseException | None = None
@@ -223,117 +227,6 @@ class _Drainer:
         self.staging.record({"name": shard.fpath.name, **entry})
 
 
-class _Staging:
-    """The staging sibling of one shard directory, built under the hash's lock.
-
-    Its progress file lists the durable shards, so a killed build resumes after the last one; once sealed (shard
-    list, checksums and provenance written, progress file removed) only the rename is left, and a killed run's
-    sealed directory is published by the next run.
-    """
-
-    def __init__(self, final: ShardLayout, md: Metadata, aux_fnames: tuple[str, ...], provenance_extra: dict):
-        self.final = final
-        self.layout = final.staging
-        self.md = md
-        self.aux_fnames = aux_fnames
-        self.provenance_extra = provenance_extra
-        self.completed: list[dict] = []  # the progress entries of the durable shards, in order
-        self.resumed_from = 0
-        self.started_at = provenance.utc_now()
-        self._lock_cm = None
-
-    def acquire(self) -> bool:
-        """Take the lock and make staging ready to append to. False when there is nothing to write: the directory
-        was published while we waited, or a killed run had sealed staging and it is published now."""
-        self.final.dpath.parent.mkdir(parents=True, exist_ok=True)
-        lock_cm = atomic.exclusive_lock(self.final.lock_fpath)
-        lock_cm.__enter__()
-        self._lock_cm = lock_cm
-        if open_existing(self.final.dpath) is not None:  # published by another process while we waited
-            return False
-        if _is_sealed(self.layout, self.md, self.aux_fnames):  # a run was killed while publishing: finish its job
-            atomic.make_tree_writable(self.layout.dpath)  # a run killed inside publish_dir may have made it read-only
-            _remove_strays(self.layout, keep=KNOWN_FNAMES | {s["name"] for s in expected_shards_json(self.md)})
-            self._rename_into_place()
-            return False
-        self._prepare()
-        return True
-
-    def release(self):
-        if self._lock_cm is not None:
-            self._lock_cm.__exit__(None, None, None)
-            self._lock_cm = None
-            if self.final.dpath.exists():  # later writers find the directory before they look for the lock
-                self.final.lock_fpath.unlink(missing_ok=True)
-
-    def record(self, entry: dict):
-        """Append a durable shard's entry to the progress file: the point a killed build resumes from."""
-        self.completed.append(entry)
-        self._write_progress()
-
-    def _write_progress(self):
-        atomic.write_file_atomic(self.layout.progress_fpath, json.dumps({"completed": self.completed}).encode())
-
-    def _prepare(self):
-        """Resume from the last complete shard in the staging directory, or start it afresh."""
-        completed = _resume_point(self.layout, self.md, self.aux_fnames)
-        if completed is not None:
-            self._truncate_to(completed)
-            self.completed = completed
-            self.resumed_from = sum(s["n_ex"] for s in completed)
-            return
-        atomic.remove_staging(self.layout.dpath)
-        self.layout.dpath.mkdir(parents=True)
-        atomic.write_json(self.layout.metadata_fpath, self.md.to_dict())
-        for fname in self.aux_fnames:
-            self.layout.file(fname).touch()
-        self._write_progress()
-
-    def cut_back(self):
-        """After a failed write: back to the last complete shard (frees the torn one; resume starts there)."""
-        if self.layout.dpath.exists():
-            self._truncate_to(list(self.completed))
-
-    def _truncate_to(self, completed: list[dict]):
-        """Remove the unfinished shard, other side files and temporary files, then cut the side files."""
-        atomic.make_tree_writable(self.layout.dpath)  # a run killed inside publish_dir may have made it read-only
-        keep = {self.layout.METADATA_FNAME, self.layout.PROGRESS_FNAME, *self.aux_fnames}
-        _remove_strays(self.layout, keep=keep | {s["name"] for s in completed})
-        n_done = sum(self.md.shard_sizes[: len(completed)])
-        for fname in self.aux_fnames:
-            os.truncate(self.layout.file(fname), n_done * aux_row_bytes(self.md, fname))
-
-    def publish(self, n_written: int):
-        """Seal staging (shard list, checksums, provenance, then the progress file goes) and rename it into place."""
-        md = self.md
-        if n_written != md.n_ex or len(self.completed) != len(md.shard_sizes):
-            raise SaeflowError(
-                f"only {n_written} of {md.n_ex} examples were written to {self.layout.dpath}; nothing was published. "
-                "Rerun to resume from the last complete shard."
-            )
-        atomic.write_json(self.layout.shards_fpath, expected_shards_json(md))
-        hashed_fnames = (self.layout.METADATA_FNAME, self.layout.SHARDS_FNAME, *self.aux_fnames)
-        atomic.write_json(self.layout.checksums_fpath, _checksums(self.layout, self.completed, hashed_fnames))
-        prov = {
-            **provenance.collect(),
-            **self.provenance_extra,
-            "started_at": self.started_at,
-            "finished_at": provenance.utc_now(),
-            "resumed_from_ex": self.resumed_from,
-        }
-        atomic.write_json(self.layout.provenance_fpath, prov)
-        # From here the staging directory is sealed: a run killed before the rename publishes it on entry.
-        self.layout.progress_fpath.unlink()
-        report = validate(self.layout.dpath, name=md.hash)
-        if not report.ok:
-            raise ShardDirError(self.layout.dpath, report.problems, hint="nothing was published")
-        self._rename_into_place()
-
-    def _rename_into_place(self):
-        if not atomic.publish_dir(self.layout.dpath, self.final.dpath):
-            open_existing(self.final.dpath)  # lost a rename race despite the lock: the winner's directory must be valid
-
-
 def _kept(staging_dpath: pathlib.Path) -> str:
     """What a full disk leaves: the resumable staging directory, cut back to its complete shards."""
     return f"kept the complete shards in {staging_dpath.name} to resume from, nothing was published"
@@ -362,69 +255,6 @@ def _checked(
             raise SaeflowError(f"{fname} rows must have shape {(n, *spec.row_shape(md))}, got {rows.shape}")
         aux_rows[fname] = np.ascontiguousarray(rows, dtype=spec.dtype)
     return np.ascontiguousarray(acts_nltd, dtype=md.dtype), aux_rows
-
-
-def _holds_metadata(layout: ShardLayout, md: Metadata) -> bool:
-    try:
-        return read_json(layout.metadata_fpath) == md.to_dict()
-    except (OSError, ValueError):
-        return False
-
-
-def _is_sealed(layout: ShardLayout, md: Metadata, aux_fnames: tuple[str, ...]) -> bool:
-    """True when staging holds a complete, valid directory with our side files (progress file already gone)."""
-    if layout.progress_fpath.exists() or not _holds_metadata(layout, md):
-        return False
-    report = validate(layout.dpath, name=md.hash)
-    aux_present = tuple(f for f in AUX_FILES if layout.file(f).exists())
-    return report.ok and aux_present == aux_fnames and layout.checksums_fpath.exists()
-
-
-def _resume_point(layout: ShardLayout, md: Metadata, aux_fnames: tuple[str, ...]) -> list[dict] | None:
-    """The progress entries a killed build left in staging, when each matches its shard file and the side files
-    hold at least their rows; None when staging cannot be trusted (it is started afresh)."""
-    if not _holds_metadata(layout, md):
-        return None
-    sizes = md.shard_sizes
-    try:
-        completed = read_json(layout.progress_fpath)["completed"]
-        for i, entry in enumerate(completed):
-            if (
-                i >= len(sizes)
-                or entry["name"] != layout.shard_fname(i)
-                or entry["n_ex"] != sizes[i]
-                or entry["bytes"] != sizes[i] * md.bytes_per_ex
-                or not isinstance(entry["sha256"], str)
-                or layout.shard_fpath(i).stat().st_size != entry["bytes"]
-            ):
-                return None
-        n_done = sum(sizes[: len(completed)])
-        for fname in aux_fnames:
-            if layout.file(fname).stat().st_size < n_done * aux_row_bytes(md, fname):
-                return None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return completed
-
-
-def _checksums(layout: ShardLayout, completed: list[dict], fnames: tuple[str, ...]) -> dict:
-    """The checksums file: each shard's entry as recorded when it was finished, the files `fnames` hashed now."""
-    files = {s["name"]: {"bytes": s["bytes"], "sha256": s["sha256"]} for s in completed}
-    for fname in fnames:
-        fpath = layout.file(fname)
-        files[fname] = {"bytes": fpath.stat().st_size, "sha256": file_sha256(fpath)}
-    return {"files": files}
-
-
-def _remove_strays(layout: ShardLayout, keep: set[str]):
-    """Remove every entry of the directory not named in `keep` (half-written shards, temporary files)."""
-    for child in layout.dpath.iterdir():
-        if child.name in keep:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            atomic.remove_staging(child)
-        else:
-            child.unlink()
 
 
 class _ShardFile:
