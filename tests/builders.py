@@ -140,7 +140,7 @@ def write_shards(
 def identity_sae(d: int) -> sae.SAE:
     """codes = relu(x): the codes of every row are known."""
     eye = torch.eye(d)
-    return sae.SAE.from_weights(eye, torch.zeros(d), eye, torch.zeros(d), arch="relu")
+    return sae.SAE.from_weights(eye, torch.zeros(d), eye, torch.zeros(d), arch="relu", k=1)
 
 
 def run_from_sae_spec(

@@ -139,8 +139,9 @@ def test_settings_reach_the_cli_as_flags_that_parse_back_to_the_same_values(sect
     [
         (lambda c: c["saes"]["text-topk"].update(layer=0), r"saes\.text-topk\[0\]\.layer: layer 0 is not extracted "
                                                            r"by the train activation 'text'"),
-        (lambda c: c["saes"]["text-topk"].update(k=[4, 65]), r"saes\.text-topk\[1\]\.k: k=65 is more than the SAE's "
-                                                             r"64 latents \(expansion 2 x d_model 32\)"),
+        (lambda c: c["saes"]["text-topk"].update(k=[4, 65]), r"saes\.text-topk\[1\]\.k: k=65 must be in "
+                                                             r"\[1, d_sae=64\] for topk \(d_sae = expansion 2 x "
+                                                             r"d_model 32\)"),
         (lambda c: c["saes"]["text-topk"].update(tokens="cls"), r"saes\.text-topk\[0\]\.tokens: 'cls' asked for, but "
                                                                 r"the train activation 'text' has no CLS token"),
         (lambda c: (c["saes"]["text-topk"].update(val="images"), c["activations"]["images"].update(layers=[0])),

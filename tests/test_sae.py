@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from saeflow.errors import SaeflowError
-from saeflow.training.sae import SAE, SAEConfig, load_sae, save_sae
+from saeflow.training.sae import SAE, load_sae, save_sae
+from saeflow.training.sweeps import SAEConfig
 
 
 def _identity_sae(arch: str, k: int = 2, scale: float = 1.0, threshold: float = 0.0) -> SAE:
@@ -60,16 +61,16 @@ def test_bad_checkpoints_and_configs(tmp_path):
     with pytest.raises(SaeflowError, match="junk.pt"):
         load_sae(junk)
     with pytest.raises(SaeflowError, match="architecture"):
-        SAEConfig(d_model=4, d_sae=8, arch="gated")
+        SAEConfig(d_model=4, d_sae=8, arch="gated", k=1)
     with pytest.raises(SaeflowError, match="matryoshka"):
-        SAEConfig(d_model=4, d_sae=8, k=2, matryoshka=(4, 2))
-    with pytest.raises(SaeflowError, match="k must be"):
+        SAEConfig(d_model=4, d_sae=8, arch="topk", k=2, matryoshka=(4, 2))
+    with pytest.raises(SaeflowError, match=r"k: k=9 must be in \[1, d_sae=8\]"):
         SAEConfig(d_model=4, d_sae=8, arch="topk", k=9)
 
 
 def test_decoder_geometry():
     torch.manual_seed(0)
-    sae = SAE(SAEConfig(d_model=6, d_sae=10, arch="relu"))
+    sae = SAE(SAEConfig(d_model=6, d_sae=10, arch="relu", k=1))
     with torch.no_grad():
         sae.W_dec.normal_()
     sae.normalize_decoder()

@@ -20,7 +20,8 @@ from saeflow.errors import SaeflowError
 from saeflow.store import shards
 from saeflow.store.layout import RunLayout, ShardLayout
 from saeflow.training import objectives, sweeps, train
-from saeflow.training.sae import SAE, SAEConfig, load_sae
+from saeflow.training.sae import SAE, load_sae
+from saeflow.training.sweeps import SAEConfig
 
 
 @pytest.fixture(autouse=True)

@@ -87,10 +87,11 @@ def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
     if train_md.d_model != val_md.d_model:
         raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
                            f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
-    d_sae = cfg.expansion * train_md.d_model
-    if cfg.arch in ("topk", "batchtopk") and cfg.k > d_sae:
-        raise SaeflowError(f"{where}.k: k={cfg.k} is more than the SAE's {d_sae} latents "
-                           f"(expansion {cfg.expansion} x d_model {train_md.d_model})")  # fmt: skip
+    try:
+        cfg.sae_config(train_md.d_model)  # what training builds: k must fit d_sae
+    except SaeflowError as err:
+        raise SaeflowError(f"{where}.{err}") from None
+
 
 def has_labels(spec: ActivationSpec | ShardsSpec, shards: layout.ShardLayout) -> bool:
     """Whether a shard directory carries labels to probe: its dataset writes labels.bin or classes.bin (planned

@@ -21,43 +21,12 @@ import warnings
 
 import torch
 
-from saeflow import config
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.store import atomic
+from saeflow.training.sweeps import SAEConfig
 
-ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
 FORMAT = "saeflow-sae"
 FORMAT_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class SAEConfig:
-    """Everything needed to rebuild the module (not how it was trained)."""
-
-    d_model: int
-    d_sae: int
-    arch: str = "topk"
-    k: int = 32  # active latents per vector (topk) or on average per vector (batchtopk); unused by relu
-    matryoshka: tuple[int, ...] = ()  # nested prefix sizes, ascending, each < d_sae; () = plain SAE
-
-    def __post_init__(self):
-        object.__setattr__(self, "matryoshka", tuple(int(m) for m in self.matryoshka))
-        if self.arch not in ARCHS:
-            raise SaeflowError(f"unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")
-        if self.d_model < 1 or self.d_sae < 1:
-            raise SaeflowError(f"d_model and d_sae must be positive, got {self.d_model}, {self.d_sae}")
-        if self.arch != "relu" and not 1 <= self.k <= self.d_sae:
-            raise SaeflowError(f"k must be in [1, d_sae={self.d_sae}] for {self.arch}, got {self.k}")
-        prefixes = list(self.matryoshka)
-        if prefixes != sorted(set(prefixes)) or any(not 0 < m < self.d_sae for m in prefixes):
-            raise SaeflowError(
-                f"matryoshka prefixes must be strictly ascending and inside (0, d_sae={self.d_sae}), got {prefixes}"
-            )
-
-    @property
-    def prefixes(self) -> tuple[int, ...]:
-        """The latent prefixes whose reconstructions are trained (always ends with d_sae)."""
-        return (*self.matryoshka, self.d_sae)
 
 
 class SAE(torch.nn.Module):
@@ -82,8 +51,8 @@ class SAE(torch.nn.Module):
         b_enc_s: torch.Tensor,
         W_dec_sd: torch.Tensor,
         b_dec_d: torch.Tensor,
-        arch: str = "relu",
-        k: int = 32,
+        arch: str,
+        k: int,
         scale: float = 1.0,
         threshold: float = 0.0,
         matryoshka: tuple[int, ...] = (),

@@ -1,4 +1,5 @@
-"""Sweep planning: the runs of the `saes` config entries, and the training config of one run. No torch, no data.
+"""Sweep planning: the runs of the `saes` config entries, the training config of one run and the SAE it trains
+(`TrainConfig.sae_config`: d_sae and the check that k fits it live there). No torch, no data.
 
 Snakemake imports this at parse time (and in every Slurm job), so it stays cheap: `plan_runs` turns typed SAE specs
 and the shard hashes of the activations into `RunPlan`s, each with its `TrainConfig` and run id. The run id is the
@@ -13,9 +14,11 @@ import dataclasses
 import itertools
 import typing
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.store import runs
 
+ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val")
 
@@ -101,6 +104,16 @@ class TrainConfig:
         """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list."""
         return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
 
+    def sae_config(self, d_model: int) -> "SAEConfig":
+        """The SAE this run trains on vectors of width `d_model`: d_sae = expansion x d_model, the Matryoshka
+        fractions of d_sae as latent counts. SAEConfig refuses a k above d_sae (planning finds it before any job)."""
+        d_sae = self.expansion * d_model
+        prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
+        try:
+            return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes)
+        except SaeflowError as err:
+            raise SaeflowError(f"{err} (d_sae = expansion {self.expansion} x d_model {d_model})") from None
+
     def loader_key(self) -> tuple:
         """Runs with equal keys see identical batches, so they can share one pass."""
         return (
@@ -152,3 +165,35 @@ def plan_runs(
             run_id = runs.run_id(train_config.to_dict())
             plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation))
     return plans
+
+
+@dataclasses.dataclass(frozen=True)
+class SAEConfig:
+    """Everything needed to rebuild the module (not how it was trained)."""
+
+    d_model: int
+    d_sae: int
+    arch: str  # one of ARCHS
+    k: int  # active latents per vector (topk) or on average per vector (batchtopk); unused by relu
+    matryoshka: tuple[int, ...] = ()  # nested prefix sizes, ascending, each < d_sae; () = plain SAE
+
+    def __post_init__(self):
+        """Refuse what the SAE cannot compute; each message starts with the key at fault (planning prefixes it
+        with `saes.<name>[<index>].`)."""
+        object.__setattr__(self, "matryoshka", tuple(int(m) for m in self.matryoshka))
+        if self.arch not in ARCHS:
+            raise SaeflowError(f"arch: unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")
+        if self.d_model < 1 or self.d_sae < 1:
+            raise SaeflowError(f"d_model and d_sae must be positive, got {self.d_model}, {self.d_sae}")
+        if self.arch != "relu" and not 1 <= self.k <= self.d_sae:
+            raise SaeflowError(f"k: k={self.k} must be in [1, d_sae={self.d_sae}] for {self.arch}")
+        prefixes = list(self.matryoshka)
+        if prefixes != sorted(set(prefixes)) or any(not 0 < m < self.d_sae for m in prefixes):
+            raise SaeflowError(
+                f"matryoshka: prefixes must be strictly ascending and inside (0, d_sae={self.d_sae}), got {prefixes}"
+            )
+
+    @property
+    def prefixes(self) -> tuple[int, ...]:
+        """The latent prefixes whose reconstructions are trained (always ends with d_sae)."""
+        return (*self.matryoshka, self.d_sae)

@@ -30,7 +30,7 @@ from saeflow.training import localcopy, tracking
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator, batch_nmse
 from saeflow.training.objectives import DeadLatents, Loss, Objective
-from saeflow.training.sae import SAE, SAEConfig, save_atomic, save_sae
+from saeflow.training.sae import SAE, save_atomic, save_sae
 from saeflow.training.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
@@ -40,13 +40,6 @@ DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see
 RELU_DECODER_INIT_NORM = 0.1  # ReLU decoder rows start this short and their norms train freely (see init_from_data)
 LOG_EVERY = 10
 TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
-
-
-def sae_config(cfg: TrainConfig, d_model: int) -> SAEConfig:
-    """The architecture a run trains: Matryoshka fractions of d_sae become latent counts."""
-    d_sae = cfg.expansion * d_model
-    prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in cfg.matryoshka}))
-    return SAEConfig(d_model=d_model, d_sae=d_sae, arch=cfg.arch, k=cfg.k, matryoshka=prefixes)
 
 
 def auto_lr(d_sae: int) -> float:
@@ -198,7 +191,7 @@ class Trainer:
     def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device):
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
         self.checkpoint = Checkpoint(run)
-        self.sae = SAE(sae_config(cfg, d_model)).to(device).train()
+        self.sae = SAE(cfg.sae_config(d_model)).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
         self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
