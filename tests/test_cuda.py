@@ -102,7 +102,7 @@ def test_inference_dump_on_gpu_matches_cpu(tmp_path):
     dumps = {}
     for device in ("cpu", "cuda"):
         run = run_around_sae(tmp_path / f"runs-{device}", sd, model, layer=2)
-        cfg = inference.Config(run.root, sd.dpath, top_k=5, batch_size=64, device=device)
+        cfg = inference.InferenceConfig(run.root, sd.dpath, top_k=5, batch_size=64, device=device)
         dumps[device] = inference.run_inference(cfg)
     codes = {dev: scipy.sparse.load_npz(DumpLayout(d).acts_fpath).toarray() for dev, d in dumps.items()}
     assert codes["cpu"].shape == (40 * 9, 96)

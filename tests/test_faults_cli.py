@@ -258,7 +258,7 @@ def test_run_fault(world, case):
 
 
 def _dump(world) -> pathlib.Path:
-    cfg = inference.Config(run=world["run"].root, shards=world["sd"].dpath, device="cpu", top_k=2)
+    cfg = inference.InferenceConfig(run=world["run"].root, shards=world["sd"].dpath, device="cpu", top_k=2)
     return inference.run_inference(cfg)
 
 

@@ -39,6 +39,12 @@ LAYOUT_NAMES = {
     "train-dataset": (),
     "val-dataset": (),
     "index.html": (),
+    "app.js": (),
+    "style.css": (),
+    "data.js": (),
+    "neuronpedia-batch.json": (),
+    "summary.csv": (),
+    "pareto.png": (),
 }
 
 

@@ -114,7 +114,7 @@ def test_replace_stale_swaps_in_a_dump_of_the_new_checkpoint(dumped, monkeypatch
     monkeypatch.setattr(inference, "file_sha256", lambda fpath: "0" * 64)
     monkeypatch.setattr(inference, "_dump", lambda *a: (_ for _ in ()).throw(RuntimeError("killed")))
     with pytest.raises(RuntimeError):
-        inference.run_inference(inference.Config(run.root, sd.dpath, top_k=4, replace_stale=True))
+        inference.run_inference(inference.InferenceConfig(run.root, sd.dpath, top_k=4, replace_stale=True))
     assert json.loads(DumpLayout(out).config_fpath.read_text())["sae_sha256"] == recorded
     monkeypatch.undo()
     monkeypatch.setattr(inference, "file_sha256", lambda fpath: "0" * 64)
@@ -128,13 +128,13 @@ def test_clear_errors(tmp_path, capsys):
     sd = write_shards(tmp_path / "shards", acts, layers=(2,), ex_per_shard=3)
     no_ckpt = run_around_sae(tmp_path / "runs", sd, None, layer=2)
     with pytest.raises(SaeflowError, match="no checkpoint"):
-        inference.run_inference(inference.Config(no_ckpt.root, sd.dpath))
+        inference.run_inference(inference.InferenceConfig(no_ckpt.root, sd.dpath))
     wrong_layer = run_around_sae(tmp_path / "runs", sd, identity_sae(4), layer=5)
     with pytest.raises(SaeflowError, match="trained on layer 5.*stores layers \\[2\\]"):
-        inference.run_inference(inference.Config(wrong_layer.root, sd.dpath))
+        inference.run_inference(inference.InferenceConfig(wrong_layer.root, sd.dpath))
     wrong_d = run_around_sae(tmp_path / "runs", sd, identity_sae(8), layer=2, tag="d8")
     with pytest.raises(SaeflowError, match="d_model=8.*d_model=4"):
-        inference.run_inference(inference.Config(wrong_d.root, sd.dpath))
+        inference.run_inference(inference.InferenceConfig(wrong_d.root, sd.dpath))
     assert not wrong_d.dump(sd.hash).dpath.exists()
     assert cli.main(["inference", "--run", str(tmp_path / "nope"), "--shards", str(sd.dpath)]) == 1
     assert "does not exist" in capsys.readouterr().err

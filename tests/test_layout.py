@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from saeflow.store.layout import DumpLayout, RunLayout, ShardLayout, staging_dpath
+from saeflow.store.layout import RUN_ID_WILDCARD, SHARD_HASH_WILDCARD, DumpLayout, RunLayout, ShardLayout, staging_dpath
 
 ROOT = pathlib.Path("/fs/scratch/PAS1234/me/saev")
 HASH = "ab" * 32
@@ -68,7 +68,7 @@ def test_shard_layout_is_protocol_2_0_with_staging_and_lock_beside_it():
 
 
 def test_patterns_put_snakemake_wildcards_where_the_hashes_go():
-    assert str(RunLayout.pattern("runs").sae_fpath) == "runs/{run_id}/checkpoint/sae.pt"
-    assert str(ShardLayout.pattern("shards").shards_fpath) == "shards/{shard_hash}/shards.json"
-    dump = RunLayout.pattern("runs").dump("{shard_hash}")
+    assert str(RunLayout.at("runs", RUN_ID_WILDCARD).sae_fpath) == "runs/{run_id}/checkpoint/sae.pt"
+    assert str(ShardLayout.at("shards", SHARD_HASH_WILDCARD).shards_fpath) == "shards/{shard_hash}/shards.json"
+    dump = RunLayout.at("runs", RUN_ID_WILDCARD).dump(SHARD_HASH_WILDCARD)
     assert str(dump.metrics_fpath) == "runs/{run_id}/inference/{shard_hash}/metrics.json"

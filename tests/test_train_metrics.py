@@ -20,7 +20,7 @@ def test_known_answers_across_batches():
     assert r["mse"] == pytest.approx(4 / 8)
     assert r["l0"] == pytest.approx(5 / 4)
     assert (r["n_dead"], r["n_dense"]) == (1, 1)  # latent 1 never fires; latent 0 fires on 4/4 > 0.5
-    assert acc.latent_freq().tolist() == [1.0, 0.0, 0.25]
+    assert (acc.fires_s.double() / acc.n_vectors).tolist() == [1.0, 0.0, 0.25]  # per-latent firing counts
     assert batch_nmse(x_bd, x_hat_bd) == pytest.approx(0.5)
 
 

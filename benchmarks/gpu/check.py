@@ -405,7 +405,7 @@ def run_inference(model: sae.SAE, prof: Profile, dev: torch.device, root: pathli
     sd = write_vectors(root / "shards-infer", prof.n_infer_vectors, prof.d_model, "infer")
     run = runs.create_run(root / "runs", {"layer": 0, "train_shards": sd.hash}, sd.dpath)
     sae.save_sae(model.cpu(), run.sae_fpath)
-    cfg = inference.Config(run.root, sd.dpath, batch_size=prof.infer_batch, device=str(dev))
+    cfg = inference.InferenceConfig(run.root, sd.dpath, batch_size=prof.infer_batch, device=str(dev))
     t0 = time.perf_counter()
     inference.run_inference(cfg)
     ours_sec = time.perf_counter() - t0

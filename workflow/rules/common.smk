@@ -16,9 +16,14 @@ from saeflow import config as saeflow_config
 from saeflow.analysis import report as saeflow_report
 from saeflow.analysis import stability as saeflow_stability
 from saeflow.errors import SaeflowError
-from saeflow.training.launch import rule_resources
-from saeflow.store.layout import SHARD_HASH_WILDCARD, RunLayout, ShardLayout
 from saeflow.planning import WorkflowPlan, read_planned
+from saeflow.store.layout import (
+    HASH_REGEX,
+    RUN_ID_WILDCARD,
+    SHARD_HASH_WILDCARD,
+    CliConfigLayout,
+)
+from saeflow.training.launch import rule_resources
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on
@@ -41,16 +46,16 @@ else:
     )
 SAEFLOW_ENV = "../../envs/saeflow.yaml"
 # Where the workflow keeps the config files it hands to the `saeflow` CLI (content-addressed, never edited).
-CLI_CONFIG_DPATH = pathlib.Path(".snakemake", "saeflow")
+CLI_CONFIGS = CliConfigLayout()
 
 
 def plan_workflow(config):
-    # Planning also makes the link to the packaged MiniLM a config names (saeflow.extraction.models.link_packaged_model).
+    # Planning also makes the link to the packaged MiniLM a config names (models.link_packaged_model).
     # A job's own parse (Slurm) takes the shard metadata the Snakemake that submitted it planned and wrote under
-    # CLI_CONFIG_DPATH: no dataset listed, no model file read again in every job (saeflow.planning.read_planned).
+    # CLI_CONFIGS: no dataset listed, no model file read again in every job (saeflow.planning.read_planned).
     planned = {}
     if workflow.exec_mode != ExecMode.DEFAULT:
-        planned = read_planned(config["activations"], CLI_CONFIG_DPATH)
+        planned = read_planned(config["activations"], CLI_CONFIGS.dpath)
     try:
         plan = WorkflowPlan.from_config(config, planned)
     except SaeflowError as err:
@@ -68,19 +73,28 @@ def plan_workflow(config):
 PLAN = plan_workflow(config)
 for _line in saeflow_config.describe_roots(config, ROOT_SOURCES):
     logger.info(f"saeflow: {_line}")
-PLAN.write_cli_configs(CLI_CONFIG_DPATH)
+PLAN.write_cli_configs(CLI_CONFIGS.dpath)
 for _warning in PLAN.purged_shard_warnings():
     logger.warning(_warning)
 
-SHARDS = ShardLayout.pattern(PLAN.cfg.shards_root)  # {shard_hash}
-RUNS = RunLayout.pattern(PLAN.cfg.runs_root)  # {run_id}
+SHARDS = PLAN.shard(SHARD_HASH_WILDCARD)  # the layouts with wildcards: {shard_hash}
+RUNS = PLAN.run(RUN_ID_WILDCARD)  # {run_id}
 DUMPS = RUNS.dump(SHARD_HASH_WILDCARD)  # {run_id}, {shard_hash}
+
+
+# The one block of wildcard constraints: a hash is a full sha256, part numbers are numbers. A rule narrows a
+# wildcard further only where the plan decides which job makes a file (split extraction, training passes).
+wildcard_constraints:
+    shard_hash=HASH_REGEX,
+    run_id=HASH_REGEX,
+    part_idx="[0-9]+",
+    n_parts="[0-9]+",
 
 
 def get_cli_config(kind, key):
     """The per-job config file of a shard hash, run id or export name (kind: shards, runs, exports), or what decides
     a stage's rerun (kind: stages; key: inference, summary)."""
-    return CLI_CONFIG_DPATH / PLAN.cli_config(kind, key)
+    return CLI_CONFIGS.fpath(kind, key)
 
 
 def get_activation_shards_json(activation):
@@ -156,7 +170,7 @@ def split_hash_regex(split):
     hashes = "|".join(PLAN.shard_parts)
     if split:
         return f"(?:{hashes})" if hashes else "(?!x)x"
-    return f"(?!{hashes})[0-9a-f]{{64}}" if hashes else "[0-9a-f]{64}"
+    return f"(?!{hashes}){HASH_REGEX}" if hashes else HASH_REGEX
 
 
 def get_part_markers(wildcards):

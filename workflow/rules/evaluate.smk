@@ -21,9 +21,6 @@ rule evaluate:
         RUNS.evaluation_fpath(SHARD_HASH_WILDCARD),
     log:
         "logs/evaluate/{run_id}/{shard_hash}.log",
-    wildcard_constraints:
-        run_id="[0-9a-f]{64}",
-        shard_hash="[0-9a-f]{64}",
     conda:
         SAEFLOW_ENV
     threads: 2

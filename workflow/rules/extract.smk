@@ -24,11 +24,9 @@ rule extract:
     threads: 2
     params:
         config=lambda wc: get_cli_config("shards", wc.shard_hash),
-        shards_root=PLAN.cfg.shards_root,
     shell:
         # Snakemake creates the (empty) output directory first; saeflow publishes the whole directory over it.
-        "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
-        "--expect-hash {wildcards.shard_hash} >{log:q} 2>&1"
+        "saeflow extract {params.config:q} --expect-hash {wildcards.shard_hash} >{log:q} 2>&1"
 
 
 rule extract_part:
@@ -38,17 +36,14 @@ rule extract_part:
         "logs/extract/{shard_hash}.part-{part_idx}-of-{n_parts}.log",
     wildcard_constraints:
         shard_hash=split_hash_regex(split=True),
-        part_idx="[0-9]+",
-        n_parts="[0-9]+",
     conda:
         SAEFLOW_ENV
     threads: 2
     params:
         config=lambda wc: get_cli_config("shards", wc.shard_hash),
-        shards_root=PLAN.cfg.shards_root,
     shell:
-        "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
-        "--expect-hash {wildcards.shard_hash} --part {wildcards.part_idx}/{wildcards.n_parts} >{log:q} 2>&1"
+        "saeflow extract {params.config:q} --expect-hash {wildcards.shard_hash} "
+        "--part {wildcards.part_idx}/{wildcards.n_parts} >{log:q} 2>&1"
 
 
 rule extract_seal:
@@ -64,8 +59,6 @@ rule extract_seal:
         SAEFLOW_ENV
     params:
         config=lambda wc: get_cli_config("shards", wc.shard_hash),
-        shards_root=PLAN.cfg.shards_root,
         n_parts=lambda wc: PLAN.shard_parts[wc.shard_hash],
     shell:
-        "saeflow extract {params.config:q} --shards-root {params.shards_root:q} "
-        "--expect-hash {wildcards.shard_hash} --seal {params.n_parts} >{log:q} 2>&1"
+        "saeflow extract {params.config:q} --expect-hash {wildcards.shard_hash} --seal {params.n_parts} >{log:q} 2>&1"

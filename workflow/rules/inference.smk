@@ -38,9 +38,6 @@ rule inference:
         ],
     log:
         "logs/inference/{run_id}/{shard_hash}.log",
-    wildcard_constraints:
-        run_id="[0-9a-f]{64}",
-        shard_hash="[0-9a-f]{64}",
     conda:
         SAEFLOW_ENV
     threads: 2

@@ -26,17 +26,13 @@ rule create_run:
         RUNS.config_fpath,
     log:
         "logs/create_run/{run_id}.log",
-    wildcard_constraints:
-        run_id="[0-9a-f]{64}",
     conda:
         SAEFLOW_ENV
     params:
         config=lambda wc: get_cli_config("runs", wc.run_id),
-        shards_root=PLAN.cfg.shards_root,
-        runs_root=PLAN.cfg.runs_root,
     shell:
         """
-        created=$(saeflow create-run {params.config:q} --run-id {wildcards.run_id} --shards-root {params.shards_root:q} --runs-root {params.runs_root:q} 2>{log:q})
+        created=$(saeflow create-run {params.config:q} --run-id {wildcards.run_id} 2>{log:q})
         if [ "$(basename "$created")" != {wildcards.run_id} ]; then
             echo "saeflow create-run made '$created'; the workflow planned {wildcards.run_id}" >>{log:q}
             exit 1

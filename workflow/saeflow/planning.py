@@ -17,7 +17,7 @@ import json
 import os
 import pathlib
 
-from saeflow.analysis import stability, summary
+from saeflow.analysis import stability
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
 from saeflow.extraction import extract, tokenization
@@ -212,7 +212,8 @@ class WorkflowPlan:
         return self.export_dpath(name) / self.cfg.exports[name].marker_fname
 
     def summary_fpaths(self) -> tuple[pathlib.Path, pathlib.Path]:
-        return self.cfg.summary_dir / summary.SUMMARY_FNAME, self.cfg.summary_dir / summary.PARETO_FNAME
+        summary = layout.SummaryLayout(self.cfg.summary_dir)
+        return summary.csv_fpath, summary.pareto_fpath
 
     def targets(self) -> list[pathlib.Path]:
         """What `snakemake` builds by default: every run's config and checkpoint (so a purged one is made again,
@@ -236,7 +237,7 @@ class WorkflowPlan:
         """Where the config of one job lives under the cache directory: kind is shards, runs, exports or stability,
         key the shard hash, run id, export name or seed group; or what a parse planned (kind planned, key
         activation_key)."""
-        return pathlib.Path(kind, f"{key}.json")
+        return layout.CliConfigLayout.rel_fpath(kind, key)
 
     def write_cli_configs(self, cache_dpath: pathlib.Path) -> None:
         """Write every per-job config under `cache_dpath`, atomically and only where its content changed.

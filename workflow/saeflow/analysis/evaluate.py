@@ -1,6 +1,6 @@
 """The SAE spliced back into its model: what the model loses when the reconstruction replaces the activation.
 
-    cfg = evaluate.Config(run=RUN, spec=specs.ActivationSpec.from_dict(...))   # the run's validation activation spec
+    cfg = evaluate.EvaluateConfig(run=RUN, spec=specs.ActivationSpec.from_dict(...))  # the run's validation spec
     fpath = evaluate.run_evaluation(cfg)        # RUN/evaluation/<val_shard_hash>.json
 
 The first ceil(n_tokens / tokens_per_example) examples of the run's validation activation spec go through the
@@ -93,7 +93,7 @@ Reconstruct = typing.Callable[[torch.Tensor], torch.Tensor]  # raw activations (
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class EvaluateConfig:
     """One evaluation: which run, on which activation spec (the run's validation one), how."""
 
     run: pathlib.Path
@@ -446,7 +446,7 @@ def open_val_shards(shards_dpath: pathlib.Path, shard_hash: str) -> ShardDir:
     return sd
 
 
-def run_evaluation(cfg: Config) -> pathlib.Path:
+def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     """Evaluate the run's SAE spliced into its model; write RUN/evaluation/<val_shard_hash>.json atomically."""
     run = runs.open_run(cfg.run)
     sae_fpath = run.require_checkpoint()

@@ -44,7 +44,7 @@ DEFAULTS = config.section_defaults("inference")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class InferenceConfig:
     """One inference dump: which run, on which shards, how."""
 
     run: pathlib.Path
@@ -123,7 +123,7 @@ def open_inputs(run_dpath: pathlib.Path, shards_dpath: pathlib.Path) -> tuple[ru
     return run, model, sd, layer
 
 
-def run_inference(cfg: Config) -> pathlib.Path:
+def run_inference(cfg: InferenceConfig) -> pathlib.Path:
     """Write (or reuse) RUN/inference/<shard_hash>/ and return its path."""
     run, model, sd, layer = open_inputs(cfg.run, cfg.shards)
     dump_config = {
@@ -199,7 +199,7 @@ def check_reusable(dump: layout.DumpLayout, dump_config: dict) -> None:
 
 
 @torch.no_grad()
-def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: Config, out: layout.DumpLayout) -> None:
+def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: InferenceConfig, out: layout.DumpLayout) -> None:
     """One streaming pass: CSR rows, per-latent statistics, top-k and metrics."""
     T, d_sae = sd.metadata.tokens_per_ex, model.d_sae
     n_rows = sd.n_ex * T

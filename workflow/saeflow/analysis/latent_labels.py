@@ -18,11 +18,6 @@ from saeflow.store import atomic, layout
 N_LABELS_SHOWN = 10  # labels listed per latent, the best single latent's first, then highest held-out AUROC
 
 
-def visuals_lock_fpath(dump_dpath: pathlib.Path) -> pathlib.Path:
-    """The flock held while a dump's visuals/ is drawn or its labels.js replaced."""
-    return dump_dpath.parent / f".{dump_dpath.name}.visuals.lock"
-
-
 @contextlib.contextmanager
 def writable_dir(dpath: pathlib.Path) -> typing.Iterator[None]:
     """Let a read-only, published directory take one new entry, then make it read-only again."""
@@ -63,7 +58,7 @@ def labels_js(probe_result: dict | None, labelled: bool = True) -> bytes:
 def write_labels_page(dump: layout.DumpLayout, probe_result: dict) -> None:
     """Put a new probe result on the dump's drawn latent pages: visuals/labels.js replaced atomically (under the
     visuals' lock, the read-only directory writable for the one rename). Undrawn visuals read it when drawn."""
-    with atomic.exclusive_lock(visuals_lock_fpath(dump.dpath)):
+    with atomic.exclusive_lock(dump.visuals_lock_fpath):
         if not dump.index_fpath.exists():
             return
         with writable_dir(dump.visuals_dpath):

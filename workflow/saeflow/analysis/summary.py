@@ -21,7 +21,7 @@ import numpy as np
 
 from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
-from saeflow.store import atomic
+from saeflow.store import atomic, layout
 from saeflow.store.hashing import read_json_object
 from saeflow.store.runs import open_run
 
@@ -30,8 +30,6 @@ L0_KEYS = ("l0", "L0")
 NMSE_KEYS = ("nmse", "normalized_mse")
 # Splice evaluation (saeflow.analysis.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
 SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
-SUMMARY_FNAME = "summary.csv"
-PARETO_FNAME = "pareto.png"
 
 
 def flatten(obj: dict, prefix: str = "") -> dict:
@@ -253,7 +251,8 @@ def write_summary(
 
     rows = collect(run_dpaths, names)
     out_dpath.mkdir(parents=True, exist_ok=True)
-    csv_fpath, png_fpath = out_dpath / SUMMARY_FNAME, out_dpath / PARETO_FNAME
+    out = layout.SummaryLayout(out_dpath)
+    csv_fpath, png_fpath = out.csv_fpath, out.pareto_fpath
     atomic.write_file_atomic(csv_fpath, to_csv(rows).encode("utf-8"))
     plot_pareto(rows, png_fpath)
     report.write_pages(rows, [read_json_object(f, "stability JSON object") for f in stability_fpaths], out_dpath)

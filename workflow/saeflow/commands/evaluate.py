@@ -52,7 +52,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         typed = specs.ActivationSpec.from_dict(spec)
     except SaeflowError as err:
         raise SaeflowError(f"{args.config}: activations.{name}: {err}") from None
-    cfg = config.from_args(evaluate.Config, args, spec=typed, progress=not args.no_progress)
+    cfg = config.from_args(evaluate.EvaluateConfig, args, spec=typed, progress=not args.no_progress)
     print(evaluate.run_evaluation(cfg))
     return 0
 

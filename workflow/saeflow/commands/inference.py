@@ -54,13 +54,13 @@ def register(subparsers):
 def cmd_inference(args: argparse.Namespace) -> int:
     from saeflow.analysis import inference
 
-    print(inference.run_inference(config.from_args(inference.Config, args)))
+    print(inference.run_inference(config.from_args(inference.InferenceConfig, args)))
     return 0
 
 
 def cmd_visuals(args: argparse.Namespace) -> int:
     from saeflow.analysis import visuals
 
-    cfg = config.from_args(visuals.Config, args, selection="list" if args.latents else args.selection)
-    print(visuals.make_visuals(cfg) / layout.DumpLayout.INDEX_FNAME)
+    cfg = config.from_args(visuals.VisualsConfig, args, selection="list" if args.latents else args.selection)
+    print(layout.VisualsLayout(visuals.make_visuals(cfg)).index_fpath)
     return 0

@@ -1,11 +1,14 @@
-"""`saeflow export` and `saeflow convert`: interop datasets (lmprobe 2.0, Zarr, gzip-pickle, saev import)."""
+"""`saeflow export`, `convert`, `import saev`, `export-checkpoint`, `import-checkpoint`: other tools' formats.
+
+Datasets (lmprobe 2.0, Zarr, gzip-pickle, saev shard directories) and SAE checkpoints (SAELens, sparsify).
+"""
 
 import argparse
 import pathlib
 
 from saeflow import config
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
-from saeflow.interop.spec import SINK_FORMATS
+from saeflow.interop.spec import SAE_FORMATS, SINK_FORMATS
 
 EXPORT_DESCRIPTION = """\
 Run a text model over a prompt dataset and write an interop dataset:
@@ -44,6 +47,27 @@ except a padded last shard, which is trimmed into a copy; labels.bin is linked. 
 running it (saev dataset-config classes and paths only) into the protocol 2.0 `data` object; the original string is
 kept under data.__saev__. checksums.json records every file; for linked shards that reads them once (about 1 GB/s
 cold), unless --no-link-checksums. Importing again reuses the directory.
+"""
+
+EXPORT_CHECKPOINT_DESCRIPTION = """\
+Write the SAE of RUN (checkpoint/sae.pt) as a directory the other library loads with its own code:
+
+  saelens   cfg.json + sae_weights.safetensors: sae_lens.SAE.load_from_disk(OUT) (relu -> standard, topk -> topk,
+            batchtopk -> jumprelu with the BatchTopK threshold for every latent)
+  sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only)
+
+saeflow's input scale is folded into the weights (W_enc * scale, W_dec / scale, b_dec / scale), so the codes equal
+saeflow's and the reconstruction is in raw activation space; cfg.json records the run, layer and folded scale
+(SAELens: metadata.saeflow; sparsify: saeflow). OUT must not exist; it is published in one rename.
+"""
+
+IMPORT_CHECKPOINT_DESCRIPTION = """\
+Turn a SAELens (cfg.json + sae_weights.safetensors) or sparsify (cfg.json + sae.safetensors) SAE directory into a
+saeflow run directory ROOT/<run_id>/ (checkpoint/config.json naming the origin, the weights' sha256, the layer and
+the shard directory; checkpoint/sae.pt; links/train-shards -> DIR), ready for
+`saeflow inference --run RUN --shards DIR` and `saeflow visuals`. The run id is the sha256 of that config, so an
+import is idempotent. Architectures: SAELens standard, topk, jumprelu with one threshold for all latents
+(BatchTopK); sparsify topk. The weights are read with safetensors; no code from the checkpoint runs.
 """
 
 
@@ -96,6 +120,40 @@ def register(subparsers):
     s.add_argument("--memory-budget", type=_positive_bytes, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
                    help="bound for reading saev's JSON files and unpickling its data field (default 1 GiB)")
     s.set_defaults(func=cmd_import_saev)
+    _add_checkpoint_commands(subparsers)
+
+
+def _add_checkpoint_commands(subparsers):
+    """export-checkpoint and import-checkpoint; their old spellings export-sae and import-sae (which read like
+    `import saev`, a different job) still work, unlisted."""
+    commands = (
+        ("export-checkpoint", "export-sae", "write a run's SAE as a SAELens or sparsify checkpoint directory",
+         EXPORT_CHECKPOINT_DESCRIPTION, _export_checkpoint_args, cmd_export_checkpoint),
+        ("import-checkpoint", "import-sae", "make a run directory from a SAELens or sparsify SAE checkpoint",
+         IMPORT_CHECKPOINT_DESCRIPTION, _import_checkpoint_args, cmd_import_checkpoint),
+    )  # fmt: skip
+    for name, old_name, help_text, description, add_args, func in commands:
+        for command in (name, old_name):
+            listed = {"help": help_text} if command == name else {}
+            p = subparsers.add_parser(command, description=description,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter, **listed)
+            add_args(p)
+            p.set_defaults(func=func)
+
+
+def _export_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, type=pathlib.Path, help="a trained run directory")
+    p.add_argument("--format", required=True, choices=SAE_FORMATS, help="which library's files to write")
+    p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (must not exist)")
+
+
+def _import_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", type=pathlib.Path, metavar="SRC", help="the SAE directory (holding cfg.json)")
+    p.add_argument("--format", choices=SAE_FORMATS, default=None, help="default: detected from the weights file name")
+    p.add_argument("--runs-root", required=True, type=pathlib.Path, help="where run directories <run_id>/ live")
+    p.add_argument("--shards", required=True, type=pathlib.Path, help="the shard directory the SAE will read")
+    p.add_argument("--layer", type=int, default=None,
+                   help="the stored layer the SAE reads (optional when the shards store one layer)")
 
 
 def _positive_bytes(text: str) -> int:
@@ -155,4 +213,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     source = convert.open_source(args.src, memory_budget=args.memory_budget)
     print(convert.write(source, args.to, args.out, convert.default_spec()))
+    return 0
+
+
+def cmd_export_checkpoint(args: argparse.Namespace) -> int:
+    from saeflow.interop import sae_checkpoints
+
+    print(sae_checkpoints.export_run(args.run, args.format, args.out))
+    return 0
+
+
+def cmd_import_checkpoint(args: argparse.Namespace) -> int:
+    from saeflow.interop import sae_checkpoints
+
+    run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format)
+    print(run.root)
     return 0

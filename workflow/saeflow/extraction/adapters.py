@@ -11,7 +11,6 @@ raw residual stream of the last block instead (the same definition for every lay
 """
 
 import contextlib
-import functools
 import typing
 
 from saeflow import config
@@ -109,15 +108,6 @@ class Adapter:
     @property
     def d_model(self) -> int:
         return self.info.d_model
-
-    @functools.cached_property
-    def tokenizer(self):
-        """The checkpoint's transformers tokenizer (text models; random-init models have none)."""
-        if self.info.modality != "text":
-            raise SaeflowError(f"{self.info.ckpt} is a vision model; it has no tokenizer")
-        from saeflow.extraction import tokenization
-
-        return tokenization.load_tokenizer(self.info, None)
 
     def run(self, batch, layers: typing.Sequence[int]) -> dict:
         """{layer: float32 acts (B, T, D) on CPU} for images (B, 3, H, W) or token ids (B, T).

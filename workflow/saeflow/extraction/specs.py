@@ -15,6 +15,7 @@ import typing
 from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction import datasets, models
+from saeflow.store import layout
 
 # What `dataset.kind` can build (see datasets.from_config).
 Dataset = (
@@ -83,7 +84,7 @@ class ShardsSpec:
         """The directory's metadata (whose hash names it), after checking it is a valid shard dir in shards_root."""
         from saeflow.store.shards import ShardDir  # numpy: only when a config names a directory
 
-        is_hash = re.fullmatch(r"[0-9a-f]{64}", self.shards) is not None
+        is_hash = re.fullmatch(layout.HASH_REGEX, self.shards) is not None
         dpath = shards_root / self.shards if is_hash else expand_path(self.shards, "shards")
         if not dpath.is_dir():
             where = f"no directory {dpath}" + (" (a hash is looked up under shards_root)" if is_hash else "")

@@ -30,13 +30,13 @@ import pathlib
 import torch
 
 from saeflow.errors import SaeflowError, unreadable
+from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
 from saeflow.store.hashing import file_sha256
 from saeflow.training import sae
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("saelens", "sparsify")
 CFG_FNAME = "cfg.json"  # both libraries
 WEIGHTS_FNAMES = {"saelens": "sae_weights.safetensors", "sparsify": "sae.safetensors"}
 SAELENS_ARCHS = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}
@@ -107,8 +107,8 @@ def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: d
 
 
 def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise SaeflowError(f"unknown SAE checkpoint format {fmt!r}; choose one of {FORMATS}")
+    if fmt not in SAE_FORMATS:
+        raise SaeflowError(f"unknown SAE checkpoint format {fmt!r}; choose one of {SAE_FORMATS}")
 
 
 def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -185,7 +185,7 @@ class Imported:
 
 def detect_format(src_dpath: pathlib.Path) -> str:
     """saelens or sparsify, from the weights file in SRC."""
-    found = [fmt for fmt in FORMATS if (src_dpath / WEIGHTS_FNAMES[fmt]).is_file()]
+    found = [fmt for fmt in SAE_FORMATS if (src_dpath / WEIGHTS_FNAMES[fmt]).is_file()]
     if len(found) == 1:
         return found[0]
     subdirs = sorted(p.name for p in src_dpath.glob(f"*/{CFG_FNAME}")) if src_dpath.is_dir() else []

@@ -9,6 +9,7 @@ import dataclasses
 import typing
 
 from saeflow import config
+from saeflow.store import layout
 
 if typing.TYPE_CHECKING:  # imported when an export is typed: a config without exports plans without them
     from saeflow.interop.lmprobe.format import LmprobeOptions
@@ -17,6 +18,8 @@ if typing.TYPE_CHECKING:  # imported when an export is typed: a config without e
 
 # What `saeflow convert --to` writes: an export format, or (saev) a shard directory that training reads.
 SINK_FORMATS = (*config.enum("export_spec", "format"), "saev")
+# The SAE checkpoints `saeflow export-checkpoint` writes and `import-checkpoint` reads (interop.sae_checkpoints).
+SAE_FORMATS = ("saelens", "sparsify")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +88,7 @@ class ExportSpec:
 
     def out_dpath(self, name: str) -> str:
         """Where export `name` goes: its `out`, else results/exports/<name>."""
-        return self.out or f"results/exports/{name}"
+        return self.out or str(layout.DEFAULT_EXPORTS_DPATH / name)
 
     @property
     def marker_fname(self) -> str:

@@ -1,8 +1,8 @@
 """Where everything lives: the one definition of the shard-directory and run-directory layouts.
 
 Nothing else in saeflow (the package, the Snakemake rules, the tests) spells a path of these layouts; they ask
-these classes. `pattern(root)` gives the same layout with a Snakemake wildcard in place of the hash, so a rule's
-output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what the CLI writes.
+these classes. With a Snakemake wildcard in place of the hash they give the rules' patterns (`RunLayout.at(runs_root,
+RUN_ID_WILDCARD).sae_fpath`, which the rules get from the plan), which can never drift from what the CLI writes.
 
     <shards_root>/<shard_hash>/                  ShardLayout (saev protocol 2.0 plus saeflow's extras, docs/store.md)
       metadata.json  shards.json  acts000000.bin ...  labels.bin  tokens.bin  classes.bin
@@ -19,18 +19,27 @@ output is `RunLayout.pattern(runs_root).sae_fpath` and can never drift from what
       links/train-shards  train-dataset  val-shards  val-dataset
       inference/<shard_hash>/                    DumpLayout
         config.json  patch_acts.npz  latents.npz  metrics.json  provenance.json
-        visuals/index.html  l0_hist.png  freq_vs_mean.png  labels.js  ...
+        visuals/                                 VisualsLayout: index.html app.js style.css data.js config.json
+                                                 l0_hist.png freq_vs_mean.png latents/<id>.png neuronpedia-batch.json
+                                                 labels.js
       inference/.<shard_hash>.lock               flock: one builder per dump
+      inference/.<shard_hash>.visuals.lock       flock: one drawer per dump's visuals
       evaluation/<shard_hash>.json               `saeflow evaluate`: the SAE spliced into the model on those data
       probe/<shard_hash>.json                    `saeflow probe`: which latents predict the labels of those data
     <runs_root>/.<run_id>.lock                   flock: one writer per run (create-run, train, dump publishing)
+
+    <summary_dir>/summary.csv  pareto.png        SummaryLayout
+    results/exports/<name>/                      an export whose `out` is null (DEFAULT_EXPORTS_DPATH)
+    .snakemake/saeflow/<kind>/<key>.json         CliConfigLayout: the per-job configs the rules hand to the CLI
+
+A content hash (a shard hash, a run id) is the full sha256: HASH_REGEX.
 """
 
 import dataclasses
 import os
 import pathlib
-import typing
 
+HASH_REGEX = "[0-9a-f]{64}"  # a shard hash or a run id (the workflow's wildcard constraint)
 SHARD_HASH_WILDCARD = "{shard_hash}"
 RUN_ID_WILDCARD = "{run_id}"
 PROVENANCE_FNAME = "provenance.json"
@@ -48,18 +57,11 @@ def staging_dpath(final_dpath: pathlib.Path, tag: str = STAGING_TAG) -> pathlib.
 
 
 class _ContentAddressed:
-    """A directory `<root>/<content hash>/`; `WILDCARD` stands for the hash in Snakemake patterns."""
-
-    WILDCARD: typing.ClassVar[str]
+    """A directory `<root>/<content hash>/` (the hash may be a Snakemake wildcard: the rules' patterns)."""
 
     @classmethod
     def at(cls, root: str | os.PathLike, key: str) -> "_ContentAddressed":
         return cls(pathlib.Path(root) / key)
-
-    @classmethod
-    def pattern(cls, root: str | os.PathLike) -> "_ContentAddressed":
-        """The layout with the wildcard for the hash: Snakemake rule inputs and outputs."""
-        return cls.at(root, cls.WILDCARD)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,6 @@ class ShardLayout(_ContentAddressed):
 
     dpath: pathlib.Path
 
-    WILDCARD = SHARD_HASH_WILDCARD
     METADATA_FNAME = "metadata.json"
     SHARDS_FNAME = "shards.json"
     CHECKSUMS_FNAME = "checksums.json"
@@ -117,6 +118,41 @@ class ShardLayout(_ContentAddressed):
 
 
 @dataclasses.dataclass(frozen=True)
+class VisualsLayout:
+    """The visuals of a dump, `RUN/inference/<shard_hash>/visuals/` (or its staging sibling): a static site."""
+
+    dpath: pathlib.Path
+
+    INDEX_FNAME = "index.html"
+    ASSET_FNAMES = (INDEX_FNAME, "app.js", "style.css")  # the page itself, copied from the package's assets
+    DATA_FNAME = "data.js"  # every latent's statistics and the drawn ones: a script, so file:// pages load it
+    CONFIG_FNAME = "config.json"  # what was drawn
+    NEURONPEDIA_FNAME = "neuronpedia-batch.json"  # text runs: SAEDashboard's Neuronpedia batch
+    LATENTS_DNAME = "latents"
+    PLOTS = ("l0_hist", "freq_vs_mean")  # <plot>.png, drawn for every dump
+    LABELS_JS_FNAME = "labels.js"  # the labels each latent predicts (saeflow probe), a script
+
+    index_fpath = _path("dpath", INDEX_FNAME, doc="index.html: the latent browser")
+    labels_js_fpath = _path("dpath", LABELS_JS_FNAME, doc="labels.js: probe results per latent")
+    data_fpath = _path("dpath", DATA_FNAME)
+    config_fpath = _path("dpath", CONFIG_FNAME)
+    neuronpedia_fpath = _path("dpath", NEURONPEDIA_FNAME)
+    latents_dpath = _path("dpath", LATENTS_DNAME)
+
+    @classmethod
+    def latent_png(cls, latent: int, band: int | None = None) -> str:
+        """`latents/<id>.png` (its top examples) or `latents/<id>-q<band>.png`, relative: the page links it."""
+        return f"{cls.LATENTS_DNAME}/{latent}{'' if band is None else f'-q{band}'}.png"
+
+    @staticmethod
+    def plot_fname(plot: str) -> str:
+        return f"{plot}.png"
+
+    def plot_fpath(self, plot: str) -> pathlib.Path:
+        return self.dpath / self.plot_fname(plot)
+
+
+@dataclasses.dataclass(frozen=True)
 class DumpLayout:
     """An inference dump `RUN/inference/<shard_hash>/` and its visuals."""
 
@@ -128,9 +164,8 @@ class DumpLayout:
     METRICS_FNAME = "metrics.json"
     PROVENANCE_FNAME = PROVENANCE_FNAME
     VISUALS_DNAME = "visuals"
-    INDEX_FNAME = "index.html"
-    PLOTS = ("l0_hist", "freq_vs_mean")  # visuals/<plot>.png, drawn for every dump
-    LABELS_JS_FNAME = "labels.js"  # visuals/labels.js: the labels each latent predicts (saeflow probe), a script
+    INDEX_FNAME = VisualsLayout.INDEX_FNAME
+    PLOTS = VisualsLayout.PLOTS
 
     config_fpath = _path("dpath", CONFIG_FNAME)
     acts_fpath = _path("dpath", ACTS_FNAME)
@@ -138,15 +173,27 @@ class DumpLayout:
     metrics_fpath = _path("dpath", METRICS_FNAME, doc="metrics.json: the workflow lets it stand for the published dump")
     provenance_fpath = _path("dpath", PROVENANCE_FNAME)
     visuals_dpath = _path("dpath", VISUALS_DNAME)
-    index_fpath = _path("dpath", VISUALS_DNAME, INDEX_FNAME, doc="visuals/index.html: the latent browser")
-    labels_js_fpath = _path("dpath", VISUALS_DNAME, LABELS_JS_FNAME, doc="visuals/labels.js: probe results per latent")
 
-    @staticmethod
-    def plot_fname(plot: str) -> str:
-        return f"{plot}.png"
+    @property
+    def visuals(self) -> VisualsLayout:
+        return VisualsLayout(self.visuals_dpath)
+
+    @property
+    def index_fpath(self) -> pathlib.Path:
+        """visuals/index.html: the latent browser (the workflow lets it stand for the visuals)."""
+        return self.visuals.index_fpath
+
+    @property
+    def labels_js_fpath(self) -> pathlib.Path:
+        return self.visuals.labels_js_fpath
+
+    @property
+    def visuals_lock_fpath(self) -> pathlib.Path:
+        """`inference/.<shard_hash>.visuals.lock`: flock held while one process draws the dump's visuals."""
+        return self.dpath.parent / f".{self.dpath.name}.visuals.lock"
 
     def plot_fpath(self, plot: str) -> pathlib.Path:
-        return self.visuals_dpath / self.plot_fname(plot)
+        return self.visuals.plot_fpath(plot)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +202,6 @@ class RunLayout(_ContentAddressed):
 
     root: pathlib.Path
 
-    WILDCARD = RUN_ID_WILDCARD
     CHECKPOINT_DNAME = "checkpoint"
     LINKS_DNAME = "links"
     INFERENCE_DNAME = "inference"
@@ -213,3 +259,32 @@ class RunLayout(_ContentAddressed):
     def dump_lock_fpath(self, shard_hash: str) -> pathlib.Path:
         """`inference/.<shard_hash>.lock`: flock held while one process builds that dump."""
         return self.inference_dpath / f".{shard_hash}.lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryLayout:
+    """The workflow's summary, `<summary_dir>/`: one row per run, and the Pareto plot of the sweep."""
+
+    dpath: pathlib.Path
+
+    csv_fpath = _path("dpath", "summary.csv")
+    pareto_fpath = _path("dpath", "pareto.png")
+
+
+DEFAULT_EXPORTS_DPATH = pathlib.Path("results", "exports")  # exports.<name>.out when null: <this>/<name>
+
+
+@dataclasses.dataclass(frozen=True)
+class CliConfigLayout:
+    """The per-job configs the workflow hands to the CLI (relative to its working directory): `<kind>/<key>.json`,
+    kind shards, runs or exports (a job's config, named by its shard hash, run id or export name), or stages (what
+    decides a stage's rerun). Each is rewritten only when its content changes."""
+
+    dpath: pathlib.Path = pathlib.Path(".snakemake", "saeflow")
+
+    @staticmethod
+    def rel_fpath(kind: str, key: str) -> pathlib.Path:
+        return pathlib.Path(kind, f"{key}.json")
+
+    def fpath(self, kind: str, key: str) -> pathlib.Path:
+        return self.dpath / self.rel_fpath(kind, key)

@@ -8,6 +8,7 @@ directory is content-addressed like a shard directory: same config and data, sam
 import json
 import os
 import pathlib
+import re
 
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, layout
@@ -61,7 +62,7 @@ def _symlink(target: str | os.PathLike | None, link_fpath: pathlib.Path) -> None
 
 def _same_shard_hash(a: pathlib.Path, b: pathlib.Path) -> bool:
     """Both paths name a shard directory by the same full sha256 (so the same bytes, wherever the root is)."""
-    return a.name == b.name and len(a.name) == 64 and all(c in "0123456789abcdef" for c in a.name)
+    return a.name == b.name and re.fullmatch(layout.HASH_REGEX, a.name) is not None
 
 
 def create_run(

@@ -59,10 +59,6 @@ class MetricsAccumulator:
             "dense_freq": self.dense_freq,
         }
 
-    def latent_freq(self) -> torch.Tensor:
-        """Fraction of vectors on which each latent fired, (d_sae,)."""
-        return self.fires_s.double() / max(self.n_vectors, 1)
-
 
 def batch_nmse(x_bd: torch.Tensor, x_hat_bd: torch.Tensor) -> float:
     """NMSE of one batch (for progress bars): error over variance around the batch mean."""

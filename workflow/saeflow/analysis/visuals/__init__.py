@@ -17,8 +17,7 @@ latent), so memory does not depend on the size of patch_acts.npz.
 
 from saeflow.analysis.visuals.draw import LINE_PX, TEXT_PNG_WIDTH
 from saeflow.analysis.visuals.latents import top_rows
-from saeflow.analysis.visuals.neuronpedia import NEURONPEDIA_FNAME
-from saeflow.analysis.visuals.settings import Config
+from saeflow.analysis.visuals.settings import VisualsConfig
 from saeflow.analysis.visuals.site import choose_latents, make_visuals
 
-__all__ = ["LINE_PX", "NEURONPEDIA_FNAME", "TEXT_PNG_WIDTH", "Config", "choose_latents", "make_visuals", "top_rows"]
+__all__ = ["LINE_PX", "TEXT_PNG_WIDTH", "VisualsConfig", "choose_latents", "make_visuals", "top_rows"]

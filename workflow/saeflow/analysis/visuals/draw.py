@@ -1,7 +1,6 @@
 """Drawing: top-k image grids with patch heatmaps, text contexts shaded by activation, the summary plots."""
 
 import math
-import pathlib
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -110,7 +109,7 @@ def draw_text_contexts(contexts: list[dict], width_px: int = TEXT_PNG_WIDTH) -> 
     return img
 
 
-def draw_summary(latents: dict[str, np.ndarray], out_dpath: pathlib.Path) -> None:
+def draw_summary(latents: dict[str, np.ndarray], out: layout.VisualsLayout) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +122,7 @@ def draw_summary(latents: dict[str, np.ndarray], out_dpath: pathlib.Path) -> Non
     ax.set_ylabel("log10 mean activation when firing")
     ax.set_title(f"{int(alive.sum())} live latents of {len(alive)}")
     fig.tight_layout()
-    fig.savefig(out_dpath / layout.DumpLayout.plot_fname("freq_vs_mean"))
+    fig.savefig(out.plot_fpath("freq_vs_mean"))
     plt.close(fig)
 
     hist = latents["l0_hist"]
@@ -133,5 +132,5 @@ def draw_summary(latents: dict[str, np.ndarray], out_dpath: pathlib.Path) -> Non
     ax.set_xlabel("active latents per token (L0)")
     ax.set_ylabel("tokens")
     fig.tight_layout()
-    fig.savefig(out_dpath / layout.DumpLayout.plot_fname("l0_hist"))
+    fig.savefig(out.plot_fpath("l0_hist"))
     plt.close(fig)

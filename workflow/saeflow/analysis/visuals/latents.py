@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from saeflow.analysis.visuals.draw import draw_image_grid, draw_text_contexts, text_context
-from saeflow.analysis.visuals.settings import Config
+from saeflow.analysis.visuals.settings import VisualsConfig
 from saeflow.store import layout
 
 HIST_BINS = 24
@@ -47,7 +47,7 @@ def histogram(vals_n: np.ndarray, n_bins: int = HIST_BINS) -> dict:
     return {"lo": 0.0, "hi": round(hi, 4), "counts": counts.tolist()}
 
 
-def quantile_rows(rows_n, vals_n, T: int, cfg: Config, latent: int, one_per_example: bool) -> list[dict]:
+def quantile_rows(rows_n, vals_n, T: int, cfg: VisualsConfig, latent: int, one_per_example: bool) -> list[dict]:
     """Seeded samples from each quantile band of the firing values, strongest band first."""
     if len(vals_n) == 0:
         return []
@@ -88,13 +88,13 @@ class _Pen:
         bands = quantile_rows(rows_n, vals_n, T, self.cfg, latent, one_per_example=image)
         examples_needed = sorted({e for e, _, _ in top} | {e for band in bands for e, _, _ in band["rows"]})
         acts = dict(zip(examples_needed, _latent_acts(self.model, self.sd, self.layer, examples_needed, latent)))
-        entry["png"] = self.draw(top, acts, f"latents/{latent}.png")
+        entry["png"] = self.draw(top, acts, layout.VisualsLayout.latent_png(latent))
         if not image:
             entry["contexts"] = [self.context(e, t, acts) for e, t, _ in top]
         for b, band in enumerate(bands):
             shown = {"q": band["q"], "range": band["range"], "rows": [[e, t, round(v, 4)] for e, t, v in band["rows"]]}
             if image and band["rows"]:
-                shown["png"] = self.draw(band["rows"], acts, f"latents/{latent}-q{b}.png")
+                shown["png"] = self.draw(band["rows"], acts, layout.VisualsLayout.latent_png(latent, b))
             elif band["rows"]:
                 shown["contexts"] = [self.context(e, t, acts) for e, t, _ in band["rows"]]
             entry["quantiles"].append(shown)

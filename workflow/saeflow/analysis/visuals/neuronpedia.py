@@ -3,9 +3,6 @@
 
 import pathlib
 
-NEURONPEDIA_FNAME = "neuronpedia-batch.json"
-
-
 # Per-feature keys SAEDashboard fills from analyses saeflow does not run (neuron alignment, correlations, logit
 # histogram, attention-head allocation): present, empty, as SAEDashboard writes them when it skips those analyses.
 NEURONPEDIA_EMPTY_KEYS = (

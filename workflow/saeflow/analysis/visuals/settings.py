@@ -11,7 +11,7 @@ DEFAULTS = config.section_defaults("visuals")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class VisualsConfig:
     """Which latents to draw and how."""
 
     run: pathlib.Path

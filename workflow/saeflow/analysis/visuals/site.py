@@ -16,8 +16,8 @@ from saeflow.analysis import inference, latent_labels
 from saeflow.analysis.visuals.draw import draw_summary
 from saeflow.analysis.visuals.examples import open_examples
 from saeflow.analysis.visuals.latents import _Pen, latent_values
-from saeflow.analysis.visuals.neuronpedia import NEURONPEDIA_FNAME, neuronpedia_batch
-from saeflow.analysis.visuals.settings import DEFAULTS, Config
+from saeflow.analysis.visuals.neuronpedia import neuronpedia_batch
+from saeflow.analysis.visuals.settings import DEFAULTS, VisualsConfig
 from saeflow.analysis.visuals.vocab import token_index, vocab_effects
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, layout, runs
@@ -25,7 +25,6 @@ from saeflow.store import atomic, layout, runs
 logger = logging.getLogger(__name__)
 
 ASSETS_DPATH = pathlib.Path(__file__).resolve().parent / "assets"
-ASSET_FNAMES = (layout.DumpLayout.INDEX_FNAME, "app.js", "style.css")
 
 
 def find_dump(run: runs.Run, shards_hash: str | None) -> pathlib.Path:
@@ -46,7 +45,7 @@ def find_dump(run: runs.Run, shards_hash: str | None) -> pathlib.Path:
     return run.dump(shards_hash).dpath
 
 
-def redraw_command(cfg: Config, shards_hash: str, drawn: list[int]) -> str:
+def redraw_command(cfg: VisualsConfig, shards_hash: str, drawn: list[int]) -> str:
     """The command a page shows for a latent it did not draw, less that latent's id (the page appends it): this
     run and dump, this page's settings, the latents it drew, redrawn over it (--force); runnable from anywhere."""
     keep = {key: value for key, value in dataclasses.asdict(cfg).items()
@@ -56,7 +55,7 @@ def redraw_command(cfg: Config, shards_hash: str, drawn: list[int]) -> str:
     return shlex.join([*argv, "--force", "--selection", "list", "--latents", *map(str, drawn)])
 
 
-def choose_latents(cfg: Config, latents: dict[str, np.ndarray]) -> list[int]:
+def choose_latents(cfg: VisualsConfig, latents: dict[str, np.ndarray]) -> list[int]:
     """Latent ids to draw: most frequent first, a seeded random sample of live latents, or an explicit list."""
     d_sae = len(latents["freq"])
     if cfg.selection == "list":
@@ -76,25 +75,26 @@ def _round(arr: np.ndarray) -> list:
     return [float(f"{v:.4g}") for v in arr.tolist()]
 
 
-def make_visuals(cfg: Config) -> pathlib.Path:
+def make_visuals(cfg: VisualsConfig) -> pathlib.Path:
     """Write (or, unless forced, reuse) RUN/inference/<hash>/visuals/ and return its path."""
     run = runs.open_run(cfg.run)
     dump_dpath = find_dump(run, cfg.shards_hash)
     dump = inference.load_dump(dump_dpath)
     run, model, sd, layer = inference.open_inputs(run.root, pathlib.Path(dump.config["shards"]))
     chosen = choose_latents(cfg, dump.latents)
-    final_dpath = layout.DumpLayout(dump_dpath).visuals_dpath
+    dump_layout = layout.DumpLayout(dump_dpath)
+    final_dpath = dump_layout.visuals_dpath
     vis_config = {**{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("run", "force")},
                   "latents_drawn": chosen}
     vis_config["shards_hash"] = dump_dpath.name
-    with atomic.exclusive_lock(latent_labels.visuals_lock_fpath(dump_dpath)):
+    with atomic.exclusive_lock(dump_layout.visuals_lock_fpath):
         if final_dpath.exists() and not cfg.force:
             logger.info("reusing %s (pass --force to redraw)", final_dpath)
             return final_dpath
         staging = atomic.staging_dpath(final_dpath)
         with latent_labels.writable_dir(dump_dpath):
             atomic.remove_staging(staging)
-            (staging / "latents").mkdir(parents=True)
+            layout.VisualsLayout(staging).latents_dpath.mkdir(parents=True)
             try:
                 _render(cfg, dump, model, sd, layer, chosen, vis_config, staging)
                 old = atomic.staging_dpath(final_dpath, "old")
@@ -114,6 +114,7 @@ def make_visuals(cfg: Config) -> pathlib.Path:
 
 
 def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.Path) -> None:
+    out = layout.VisualsLayout(out_dpath)
     examples = open_examples(sd, cfg.tokenizer)
     md = sd.metadata
     lat = dump.latents
@@ -125,7 +126,7 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     for latent in tqdm.tqdm(chosen, desc="visuals", unit="latent", disable=None):
         pen = _Pen(cfg, examples, model, sd, layer, labels, out_dpath)
         drawn[str(latent)] = {**pen.latent(lat, latent, *values[latent]), **vocab.get(latent, {})}
-    draw_summary(lat, out_dpath)
+    draw_summary(lat, out)
     data = {
         "meta": {
             "run": str(dump.config["run"]),
@@ -145,14 +146,14 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
         "drawn": drawn,
         "token_index": token_index(drawn),
     }
-    (out_dpath / "data.js").write_text(
+    out.data_fpath.write_text(
         "window.SAEFLOW_DATA = " + json.dumps(data, separators=(",", ":")) + ";\n", encoding="utf-8"
     )
     probe_result = latent_labels.probe_result_of(pathlib.Path(cfg.run), dump.dpath.name, dump.config.get("sae_sha256"))
     labelled = any(sd.has_aux(fname) for fname in (layout.ShardLayout.LABELS_FNAME, layout.ShardLayout.CLASSES_FNAME))
-    (out_dpath / layout.DumpLayout.LABELS_JS_FNAME).write_bytes(latent_labels.labels_js(probe_result, labelled))
+    out.labels_js_fpath.write_bytes(latent_labels.labels_js(probe_result, labelled))
     if examples.kind == "text":
-        atomic.write_json(out_dpath / NEURONPEDIA_FNAME, neuronpedia_batch(data, md))
-    for fname in ASSET_FNAMES:
-        shutil.copyfile(ASSETS_DPATH / fname, out_dpath / fname)
-    atomic.write_json(out_dpath / "config.json", vis_config)
+        atomic.write_json(out.neuronpedia_fpath, neuronpedia_batch(data, md))
+    for fname in out.ASSET_FNAMES:
+        shutil.copyfile(ASSETS_DPATH / fname, out.dpath / fname)
+    atomic.write_json(out.config_fpath, vis_config)

@@ -3,7 +3,7 @@
 import torch
 
 from saeflow.analysis.visuals.examples import TextExamples
-from saeflow.analysis.visuals.settings import Config
+from saeflow.analysis.visuals.settings import VisualsConfig
 from saeflow.extraction import models
 
 
@@ -54,7 +54,7 @@ def _safetensors_tensor(name: str, keys: list[str]) -> torch.Tensor | None:
     return None
 
 
-def vocab_effects(cfg: Config, examples, family: str, model, chosen: list[int]) -> tuple[dict, str]:
+def vocab_effects(cfg: VisualsConfig, examples, family: str, model, chosen: list[int]) -> tuple[dict, str]:
     """{latent: {"promote": [[token, value]...], "suppress": [...]}} from decoder row x vocabulary matrix, and a note
     saying which matrix (or why there are none)."""
     if not isinstance(examples, TextExamples) or examples.tokenizer is None:
