@@ -102,7 +102,7 @@ def test_code_edit_and_fresh_mtimes_rerun_nothing(prepared, tmp_path):
     """An edited saeflow package (first on PYTHONPATH) and freshly touched shard files change no decision."""
     pkg_copy = tmp_path / "pkg" / "saeflow"
     shutil.copytree(REPO_ROOT / "workflow" / "saeflow", pkg_copy)
-    for module in ("extract.py", "train.py", "shards/writer.py"):
+    for module in ("extraction/extract.py", "training/train.py", "store/shards/writer.py"):
         with open(pkg_copy / module, "a", encoding="utf-8") as fd:
             fd.write("\n# an edit to saeflow's code\n")
     shard_dpath = prepared["workdir"] / "shards" / prepared["hash"]
