@@ -32,9 +32,9 @@ import torch
 
 from saeflow import config
 from saeflow.extraction.specs import ActivationSpec
-from saeflow.planning import auto_tokens_of
 from saeflow.store import runs, shards
 from saeflow.training import sae, sweeps
+from saeflow.training.sweeps import auto_tokens_of
 
 # Shard metadata and data
 

@@ -13,9 +13,9 @@ from builders import run_from_sae_spec, text_spec, typed, vision_spec
 from saeflow import cli
 from saeflow.analysis import evaluate
 from saeflow.extraction import extract
-from saeflow.planning import auto_tokens_of
 from saeflow.store import runs, shards
 from saeflow.training import loaders, sae, train
+from saeflow.training.sweeps import auto_tokens_of
 
 
 def _spec_config(tmp_path, spec: dict, **others: dict):

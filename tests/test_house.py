@@ -1,8 +1,11 @@
-"""The house rules of docs/style.md, checked: lint-clean, each layout path spelled once, no unit too long to read."""
+"""The house rules of docs/style.md and docs/architecture.md, checked: lint-clean, each layout path spelled once, no
+unit or module too long to read, imports that point down the stages and never in a circle, each schema enum in one
+place, and each config key reaching its bytes through few files."""
 
 import ast
 import functools
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -15,6 +18,8 @@ RULES_DPATH = REPO_ROOT / "workflow" / "rules"
 LAYOUT_FPATH = PACKAGE_DPATH / "store" / "layout.py"
 SCHEMA_FPATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 MAX_UNIT_LINES = 120
+MAX_MODULE_LINES = 500
+MAX_KEY_FILES = 5
 # Names of the shard and run layouts (saeflow/store/layout.py). "metadata.json" is also the gzip-pickle format's own
 # file (activation-shard-pickle-format-1.0), which its module names.
 LAYOUT_NAMES = {
@@ -144,3 +149,158 @@ def test_no_module_copies_an_enum_the_schema_holds():
                 if frozenset(e.value for e in node.elts) in enums:
                     copies.append(f"{fpath.relative_to(PACKAGE_DPATH)}:{node.lineno}")
     assert enums and not copies, "read these from the schema (config.enum): " + "; ".join(copies)
+
+
+def test_no_module_is_longer_than_500_lines():
+    too_long = [f"{fpath.relative_to(PACKAGE_DPATH)} ({n} lines)" for fpath in package_modules()
+                if (n := len(fpath.read_text().splitlines())) > MAX_MODULE_LINES]  # fmt: skip
+    assert not too_long, "split these along their seams (docs/style.md): " + "; ".join(too_long)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Imports: the static graph of the package (imports inside functions included)
+# ---------------------------------------------------------------------------------------------------------------
+
+# The stages, lowest first (docs/architecture.md): a module imports its own stage or lower ones only. The first
+# floor's modules may import one another; elsewhere a floor's packages (analysis and interop) do not.
+FLOORS = (
+    ("saeflow", "saeflow.errors", "saeflow.config", "saeflow.numerics", "saeflow.devices", "saeflow.preempt"),
+    ("saeflow.store",),
+    ("saeflow.extraction",),
+    ("saeflow.training",),
+    ("saeflow.analysis", "saeflow.interop"),
+    ("saeflow.planning",),
+    ("saeflow.commands",),
+    ("saeflow.cli",),
+    ("saeflow.__main__",),
+)
+
+
+def module_name(fpath: pathlib.Path) -> str:
+    parts = fpath.relative_to(PACKAGE_DPATH.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a package's __init__ when it imports the package itself)."""
+    modules = {module_name(fpath): fpath for fpath in package_modules()}
+    graph = {}
+    for name, fpath in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(fpath.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "saeflow":
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    found.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names if alias.name in modules}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def floor_of(module: str) -> tuple[int, str]:
+    """(floor, the unit on it: a stage package or a module) of a package module."""
+    for i, names in enumerate(FLOORS):
+        for unit in sorted(names, key=len, reverse=True):
+            if module == unit or (unit != "saeflow" and module.startswith(unit + ".")):
+                return i, unit
+    return 0, "saeflow"
+
+
+def test_no_import_cycles():
+    graph, cycles = import_graph(), []
+    for start in sorted(graph):
+        todo, seen = [(start, [start])], set()
+        while todo:
+            module, path = todo.pop()
+            for dep in sorted(graph[module]):
+                if dep == start:
+                    cycles.append(" -> ".join([*path, dep]))
+                elif dep not in seen and dep > start:  # each cycle is found from its smallest module only
+                    seen.add(dep)
+                    todo.append((dep, [*path, dep]))
+    assert not cycles, "import cycles: " + "; ".join(cycles)
+
+
+def test_imports_point_down_the_stages():
+    upward = []
+    for module, deps in import_graph().items():
+        (floor, unit) = floor_of(module)
+        for dep in deps:
+            dep_floor, dep_unit = floor_of(dep)
+            if dep_floor > floor or (dep_floor == floor and dep_unit != unit and floor > 0):
+                upward.append(f"{module} -> {dep}")
+    assert not upward, "imports that point up or across the stages: " + "; ".join(sorted(upward))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files per config key: how many files a reader opens to follow a key from config/config.yaml to the bytes it changes
+# ---------------------------------------------------------------------------------------------------------------
+
+# key -> (the modules that type it, the commands whose jobs write its bytes). The walk (docs/architecture.md,
+# "How a key reaches its bytes"): start at the typed field's module; add every module that names the key and imports,
+# or is imported by, a module already on the route, among the modules those commands and planning import (the
+# workflow plans first); count them, the schema (which declares the key and its default) and the rules that name it.
+KEY_ROUTES = {
+    "k": (("saeflow.training.sweeps",), ("saeflow.commands.train",)),
+    "layers": (("saeflow.extraction.specs",), ("saeflow.commands.extract",)),
+    "shards_root": (("saeflow.planning",), ("saeflow.commands.extract", "saeflow.commands.train")),
+}
+
+
+def names_key(fpath: pathlib.Path, key: str) -> bool:
+    """The module names the key: a field `key: ...` of a class, an attribute `.key`, a keyword `key=`, or the string
+    "key" (or its flag "--key-name")."""
+    spelled = {key, "--" + key.replace("_", "-")}
+    for node in ast.walk(ast.parse(fpath.read_text())):
+        if isinstance(node, ast.ClassDef):
+            fields = [s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)]
+            if key in fields:
+                return True
+        elif isinstance(node, ast.Attribute) and node.attr == key or isinstance(node, ast.keyword) and node.arg == key:
+            return True
+        elif isinstance(node, ast.Constant) and node.value in spelled:
+            return True
+    return False
+
+
+def imported_through_faces(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph where importing a package's face (an __init__ that hands names on) imports what it hands on."""
+    faces = {m for m in graph if (PACKAGE_DPATH.parent / m.replace(".", "/") / "__init__.py").is_file()}
+    seen = {}
+    for module, deps in graph.items():
+        todo, found = list(deps), set()
+        while todo:
+            dep = todo.pop()
+            if dep not in found:
+                found.add(dep)
+                todo += graph[dep] if dep in faces else []
+        seen[module] = found
+    return seen
+
+
+def key_route(key: str, holders: tuple[str, ...], commands: tuple[str, ...]) -> list[str]:
+    graph = imported_through_faces(import_graph())
+    scope, todo = set(), [*commands, "saeflow.planning"]
+    while todo:
+        module = todo.pop()
+        if module not in scope:
+            scope.add(module)
+            todo += graph[module]
+    fpaths = {module_name(fpath): fpath for fpath in package_modules()}
+    route, grew = set(holders), True
+    while grew:
+        near = {m for m in scope - route if any(m in graph[r] or r in graph[m] for r in route)}
+        grew = bool(added := {m for m in near if names_key(fpaths[m], key)})
+        route |= added
+    rules = [f.name for f in sorted(RULES_DPATH.glob("*.smk"))
+             if re.search(rf"(?<![\w-]){key}(?![\w-])", re.sub(r"#.*", "", f.read_text()))]  # fmt: skip
+    schema = [SCHEMA_FPATH.name] if re.search(rf"(?m)^\s*{key}:", SCHEMA_FPATH.read_text()) else []
+    return schema + sorted(route) + rules
+
+
+@pytest.mark.parametrize("key", sorted(KEY_ROUTES))
+def test_a_config_key_reaches_its_bytes_through_at_most_5_files(key):
+    """Following `k`, `layers` or `shards_root` from config/config.yaml to the bytes it changes opens few files."""
+    route = key_route(key, *KEY_ROUTES[key])
+    assert KEY_ROUTES[key][0][0] in route and len(route) <= MAX_KEY_FILES, f"{key}: {len(route)} files: {route}"

@@ -15,7 +15,7 @@ from saeflow import cli, config
 from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
 from saeflow.extraction.specs import ShardsSpec
-from saeflow.planning import WorkflowPlan, expand_path, has_labels, read_planned
+from saeflow.planning import WorkflowPlan, expand_path, has_labels, read_planned, sae_subconfig
 from saeflow.store.layout import ShardLayout
 from workflow_helpers import REPO_ROOT, minilm_path
 
@@ -159,6 +159,17 @@ def test_what_training_would_refuse_is_refused_at_plan_time_naming_the_key(edit,
     edit(cfg)
     with pytest.raises(SaeflowError, match=message):
         WorkflowPlan.from_config(config.validate(cfg))
+
+
+def test_one_sae_is_planned_from_its_own_activations_only():
+    """`saeflow create-run --sae NAME` plans that SAE's runs, not the whole config: another SAE's activation that
+    cannot be planned (a missing model) does not stand in its way, and the runs are the ones the whole plan has."""
+    cfg = config.validate(copy.deepcopy(TEST_CONFIG))
+    whole = {r for r, p in WorkflowPlan.from_config(cfg).runs.items() if p.sae_name == "text-topk"}
+    cfg["activations"]["images"]["model"] = {"name": "/nonexistent/model"}
+    sub = sae_subconfig(cfg, "text-topk")
+    assert list(sub["activations"]) == ["text"] and list(sub["saes"]) == ["text-topk"] and sub["exports"] == {}
+    assert set(WorkflowPlan.from_config(sub).runs) == whole
 
 
 def test_extract_and_create_run_expand_vars_in_roots_as_the_planner_does(tmp_path, monkeypatch, capsys):

@@ -20,7 +20,7 @@ import pathlib
 from saeflow.analysis import stability
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, tokenization
+from saeflow.extraction import extract
 from saeflow.extraction.specs import ActivationSpec, ShardsSpec, activation_from_dict
 from saeflow.interop.spec import ExportSpec
 from saeflow.store import hashing, layout, shards
@@ -62,35 +62,20 @@ class WorkflowConfig:
         )  # fmt: skip
 
 
+def sae_subconfig(config: dict, sae_name: str) -> dict:
+    """The part of a validated config that plans the runs of SAE `sae_name` alone: its train and validation
+    activations (only those are planned), no other SAE, no export."""
+    sae = config["saes"][sae_name]
+    names = dict.fromkeys((sae["train"], sae.get("val") or sae["train"]))
+    activations = {name: config["activations"][name] for name in names if name in config["activations"]}
+    return {**config, "activations": activations, "saes": {sae_name: sae}, "exports": {}}
+
+
 def _typed(build, obj, key: str):
     try:
         return build(obj)
     except SaeflowError as err:
         raise SaeflowError(f"{key}: {err}") from None
-
-
-def check_run(plan: sweeps.RunPlan, train_md, val_md) -> None:
-    """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
-    a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
-    validation activations of different widths. The error names the key, as `saes.<name>[<sweep index>].<key>`."""
-    cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
-    for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
-        if cfg.layer not in md.layers:
-            raise SaeflowError(f"{where}.layer: layer {cfg.layer} is not extracted by the {role} activation "
-                               f"{name!r} (activations.{name}.layers resolve to {list(md.layers)})")  # fmt: skip
-        if cfg.tokens == "cls" and not md.cls_token:
-            raise SaeflowError(f"{where}.tokens: 'cls' asked for, but the {role} activation {name!r} has no CLS token")
-        if cfg.tokens == "no_special" and auto_tokens_of(md) != "no_special":
-            raise SaeflowError(f"{where}.tokens: 'no_special' (what auto means for text) needs the special ids of a "
-                               f"text packing, but the {role} activation {name!r} records none (not text saeflow "
-                               "extracted); set tokens: content")  # fmt: skip
-    if train_md.d_model != val_md.d_model:
-        raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
-                           f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
-    try:
-        cfg.sae_config(train_md.d_model)  # what training builds: k must fit d_sae
-    except SaeflowError as err:
-        raise SaeflowError(f"{where}.{err}") from None
 
 
 def has_labels(spec: ActivationSpec | ShardsSpec, shards: layout.ShardLayout) -> bool:
@@ -100,12 +85,6 @@ def has_labels(spec: ActivationSpec | ShardsSpec, shards: layout.ShardLayout) ->
     if isinstance(spec, ShardsSpec):
         return any(shards.file(fname).exists() for fname in label_fnames)
     return getattr(spec.dataset, "aux_fname", None) in label_fnames  # text datasets have none
-
-
-def auto_tokens_of(md) -> str:
-    """What `tokens: auto` means for a shard directory: `no_special` when its metadata records the special ids of
-    a text packing (text saeflow extracted), else `content`."""
-    return "content" if tokenization.recorded_packing(md) is None else "no_special"
 
 
 def _metadata(spec: ActivationSpec | ShardsSpec, shards_root: pathlib.Path):
@@ -165,10 +144,10 @@ class WorkflowPlan:
         n_parts = {h: parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)
                    for h, name in self.hash_activation.items()}  # fmt: skip
         self.shard_parts = {h: n for h, n in n_parts.items() if n > 1}
-        auto_tokens = {name: auto_tokens_of(md) for name, md in self.metadata.items()}
+        auto_tokens = {name: sweeps.auto_tokens_of(md) for name, md in self.metadata.items()}
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash, auto_tokens)}
         for plan in self.runs.values():
-            check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
+            sweeps.check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
 
     @classmethod
     def from_config(cls, config: dict, planned: dict[str, dict] | None = None) -> "WorkflowPlan":

@@ -88,10 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({"name": name, "hash": md.hash, "metadata": md.to_dict()}, indent=2, sort_keys=True))
         return 0
     print(f"activation {name}: {md.hash}")
-    print(
-        f"  {md.family} {md.ckpt}, layers {list(md.layers)}, {md.n_ex} examples x {md.tokens_per_ex} tokens x "
-        f"d={md.d_model} ({md.n_bytes / 2**20:,.1f} MiB in {len(md.shard_sizes)} shards)"
-    )
+    print(f"  {md.describe()}")
     print(json.dumps(md.to_dict(), indent=2, sort_keys=True))
     return 0
 

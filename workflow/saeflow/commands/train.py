@@ -54,17 +54,17 @@ def register(subparsers):
 
 
 def cmd_create_run(args: argparse.Namespace) -> int:
-    from saeflow.planning import WorkflowPlan
+    from saeflow.planning import WorkflowPlan, sae_subconfig
 
     cfg = config_mod.load(args.config)
-    planned = WorkflowPlan.from_config(cfg).runs
     if args.run_id is not None:
+        planned = WorkflowPlan.from_config(cfg).runs
         if args.run_id not in planned:
             raise SaeflowError(f"--run-id {args.run_id}: no sweep point of {args.config} has this run id")
         train_config = planned[args.run_id].train_config
     else:
         name, _ = config_mod.pick(cfg["saes"], args.sae, "SAE spec")
-        plans = [p for p in planned.values() if p.sae_name == name]
+        plans = list(WorkflowPlan.from_config(sae_subconfig(cfg, name)).runs.values())
         if not 0 <= args.index < len(plans):
             raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
         train_config = plans[args.index].train_config

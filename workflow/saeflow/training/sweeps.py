@@ -1,5 +1,6 @@
 """Sweep planning: the runs of the `saes` config entries, the training config of one run and the SAE it trains
-(`TrainConfig.sae_config`: d_sae and the check that k fits it live there). No torch, no data.
+(`TrainConfig.sae_config`: d_sae and the check that k fits it live there), and what training would refuse of the
+planned shard metadata (`check_run`). No torch, no data.
 
 Snakemake imports this at parse time (and in every Slurm job), so it stays cheap: `plan_runs` turns typed SAE specs
 and the shard hashes of the activations into `RunPlan`s, each with its `TrainConfig` and run id. The run id is the
@@ -16,6 +17,7 @@ import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
+from saeflow.extraction import tokenization
 from saeflow.store import runs
 
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
@@ -197,3 +199,33 @@ class SAEConfig:
     def prefixes(self) -> tuple[int, ...]:
         """The latent prefixes whose reconstructions are trained (always ends with d_sae)."""
         return (*self.matryoshka, self.d_sae)
+
+
+def check_run(plan: RunPlan, train_md, val_md) -> None:
+    """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
+    a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
+    validation activations of different widths. The error names the key, as `saes.<name>[<sweep index>].<key>`."""
+    cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
+    for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
+        if cfg.layer not in md.layers:
+            raise SaeflowError(f"{where}.layer: layer {cfg.layer} is not extracted by the {role} activation "
+                               f"{name!r} (activations.{name}.layers resolve to {list(md.layers)})")  # fmt: skip
+        if cfg.tokens == "cls" and not md.cls_token:
+            raise SaeflowError(f"{where}.tokens: 'cls' asked for, but the {role} activation {name!r} has no CLS token")
+        if cfg.tokens == "no_special" and auto_tokens_of(md) != "no_special":
+            raise SaeflowError(f"{where}.tokens: 'no_special' (what auto means for text) needs the special ids of a "
+                               f"text packing, but the {role} activation {name!r} records none (not text saeflow "
+                               "extracted); set tokens: content")  # fmt: skip
+    if train_md.d_model != val_md.d_model:
+        raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
+                           f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
+    try:
+        cfg.sae_config(train_md.d_model)  # what training builds: k must fit d_sae
+    except SaeflowError as err:
+        raise SaeflowError(f"{where}.{err}") from None
+
+
+def auto_tokens_of(md) -> str:
+    """What `tokens: auto` means for a shard directory: `no_special` when its metadata records the special ids of
+    a text packing (text saeflow extracted), else `content`."""
+    return "content" if tokenization.recorded_packing(md) is None else "no_special"

@@ -150,6 +150,11 @@ class Metadata:
     def n_bytes(self) -> int:
         return self.n_ex * self.bytes_per_ex
 
+    def describe(self) -> str:
+        """One line for a person: the model, layers and sizes."""
+        return (f"{self.family} {self.ckpt}, layers {list(self.layers)}, {self.n_ex} examples x {self.tokens_per_ex} "
+                f"tokens x d={self.d_model} ({self.n_bytes / 2**20:,.1f} MiB in {len(self.shard_sizes)} shards)")
+
     def layer_idx(self, layer: int) -> int:
         """Protocol 4.2: the index of a layer *value* in `layers`; an error if it was not recorded."""
         try:
