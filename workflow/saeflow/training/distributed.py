@@ -167,6 +167,20 @@ class Heartbeat:
             return None
         return [r for r in range(self.world_size) if r != self.rank and before[r] == after[r] and r not in left]
 
+    def await_others(self, gone: list[int], max_sec: float = 8 * HEARTBEAT_SEC) -> None:
+        """Rank 0 holds the rendezvous store (srun, forked ranks): before it exits on a dead peer, let every other
+        live rank finish asking the store who is gone and leave, so each names the dead rank rather than the store's
+        absence. Bounded: a rank that never leaves is waited for `max_sec` at most."""
+        deadline = time.monotonic() + max_sec
+        others = set(range(self.world_size)) - set(gone) - {self.rank}
+        while time.monotonic() < deadline:
+            try:
+                if others <= self.left():
+                    return
+            except Exception:  # noqa: BLE001 -- the store is gone already
+                return
+            time.sleep(HEARTBEAT_SEC / 5)
+
     def stop(self) -> None:
         self.stop_event.set()
         if self.thread is not threading.current_thread() and self.thread.is_alive():
@@ -340,6 +354,8 @@ class Comm(_TensorCollectives):
                 raise
             gone = self.heartbeat.gone()
             self.heartbeat.leave()
+            if gone and self.rank == 0:
+                self.heartbeat.await_others(gone)
             if gone is None:
                 gone_text = "the rendezvous store is unreachable (rank 0, which holds it under srun, is gone?)"
             elif gone:

@@ -34,7 +34,6 @@ from saeflow.training.loaders import DEFAULT_BUFFER_BYTES
 from saeflow.training.sharded import LEGACY_POOL, ShardedTrainer, resume_info
 from saeflow.training.sweeps import TrainConfig
 
-MODES = ("auto", "sweep", "data", "latents")
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this
 _SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.SIGNALS, start=1)}
 
