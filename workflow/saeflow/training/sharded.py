@@ -364,7 +364,7 @@ class ShardedTrainer(train.Trainer):
         self.comm, self.run, self.cfg, self.n_steps, self.device = comm, run, cfg, n_steps, device
         self.writes = comm.is_root
         self.checkpoint = train.Checkpoint(run)
-        sae_cfg = train.sae_config(cfg, d_model)
+        sae_cfg = cfg.sae_config(d_model)
         bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
         self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
