@@ -30,7 +30,7 @@ from saeflow.training import memory, train
 from saeflow.training.dataparallel import DataParallelTrainer
 from saeflow.training.distloader import DistributedShuffledLoader
 from saeflow.training.distributed import Comm
-from saeflow.training.loaders import DEFAULT_BUFFER_BYTES
+from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES
 from saeflow.training.sharded import LEGACY_POOL, ShardedTrainer, resume_info
 from saeflow.training.sweeps import TrainConfig
 
