@@ -32,7 +32,7 @@ from _ranks import run_ranks, start_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow import cli, config
 from saeflow.store.shards import ShardDir
-from saeflow.training import distributed, memory, objectives, parallel, sharded, sweeps, train
+from saeflow.training import distributed, memory, objectives, parallel, resume, sharded, sweeps, train
 from saeflow.training.dataparallel import global_batch_topk, rank_slice
 from saeflow.training.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
@@ -249,7 +249,7 @@ def _random_sae(arch: str, seed: int = 0) -> SAE:
 def _shard_of(sae: SAE, comm) -> sharded.LatentShard:
     bounds = sharded.latent_bounds(sae.d_sae, comm.world_size)
     shard = sharded.LatentShard(sae.cfg, bounds[comm.rank], bounds[comm.rank + 1])
-    shard.load_state_dict(sharded._latent_slices({"sae": sae.state_dict(), "opt": {"state": {}},
+    shard.load_state_dict(resume._latent_slices({"sae": sae.state_dict(), "opt": {"state": {}},
                                                   "since_fired_s": torch.zeros(sae.d_sae)}, shard.lo, shard.hi)["sae"])
     return shard
 
@@ -368,7 +368,7 @@ def test_resume_on_one_process_after_two_ranks(tmp_path, shards, mode):
     (run,) = _runs(tmp_path / "two", shards, arch="topk")
     assert run_ranks(2, _train, [run.root], mode, max_steps=20, checkpoint_every=7) == [[], []]
     assert run.resume_manifest_fpath.exists() == (mode == "latents")
-    assert sharded.resume_info(run)[0] == 20
+    assert resume.resume_info(run)[0] == 20
     _train([run.root], mode)
     (clean,) = _runs(tmp_path / "clean", shards, arch="topk")
     _train([clean.root], mode)
@@ -418,7 +418,7 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_nothing_is_published(t
     metrics.json; the last checkpoint resumes on one process to the end."""
     (run,) = _runs(tmp_path, shards, arch="topk", n_epochs=3)
     job = start_ranks(2, _cli_train, [run.root], "--parallel", mode, "--checkpoint-every", "40")
-    _wait_for(lambda: sharded.resume_info(run) is not None, job)
+    _wait_for(lambda: resume.resume_info(run) is not None, job)
     killed_at = time.monotonic()
     job.kill(1)
     codes = job.wait(60)
@@ -496,7 +496,7 @@ def test_four_ranks_match_one_process_resume_across_world_sizes_and_name_a_kille
             _assert_close(_state(alone[0]), _state(run))
     (run,) = _runs(tmp_path / "killed", shards, arch="topk", n_epochs=3)
     job = start_ranks(4, _cli_train, [run.root], "--parallel", mode, "--checkpoint-every", "40")
-    _wait_for(lambda: sharded.resume_info(run) is not None, job)
+    _wait_for(lambda: resume.resume_info(run) is not None, job)
     job.kill(2)
     codes = job.wait(90)
     assert codes[2] == -signal.SIGKILL and all(codes[r] == 0 and job.result(r) == 1 for r in (0, 1, 3)), codes
@@ -542,7 +542,7 @@ def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, 
     _train([run.root], "sweep", max_steps=5)
     group = [(run, sweeps.TrainConfig.from_dict(run.config(), "r"))]
     alone = distributed.Comm.alone(torch.device("cpu"))
-    assert sharded.resume_info(run) == (5, 300)  # POOL: 300 rows
+    assert resume.resume_info(run) == (5, 300)  # POOL: 300 rows
     assert parallel.pool_bytes(group, "auto", "sweep", shards, alone) == 300 * 64
     state = torch.load(run.resume_fpath, weights_only=True)
     del state["pool_rows"]

@@ -12,7 +12,7 @@ the result agrees within the fp32 tolerance of docs/distributed.md, not bitwise.
 
 import torch
 
-from saeflow.training import objectives, train
+from saeflow.training import objectives, resume, train
 from saeflow.training.distributed import Comm
 from saeflow.training.objectives import Codes, Loss
 from saeflow.training.sae import SAE
@@ -118,9 +118,7 @@ class DataParallelTrainer(train.Trainer):
             found = self.checkpoint.restore(self)
         found = self.comm.broadcast_object(found if self.comm.is_root else None)
         if found and not self.comm.is_root:
-            from saeflow.training import sharded
-
-            self.load_state_dict(sharded.read_resume(self.run, self.device))
+            self.load_state_dict(resume.read_resume(self.run, self.device))
         return found
 
     def save_resume(self) -> None:

@@ -31,7 +31,8 @@ from saeflow.training.dataparallel import DataParallelTrainer
 from saeflow.training.distloader import DistributedShuffledLoader
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES
-from saeflow.training.sharded import LEGACY_POOL, ShardedTrainer, resume_info
+from saeflow.training.resume import LEGACY_POOL, resume_info
+from saeflow.training.sharded import ShardedTrainer
 from saeflow.training.sweeps import TrainConfig
 
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this

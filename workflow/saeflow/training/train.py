@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 import typing
 
@@ -26,7 +25,7 @@ from saeflow import config, numerics, preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import localcopy, tracking
+from saeflow.training import localcopy, resume, tracking
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator, batch_nmse
 from saeflow.training.objectives import DeadLatents, Loss, Objective
@@ -87,11 +86,8 @@ class Checkpoint:
             stale.unlink()
         atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
         self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
-        from saeflow.training.sharded import (
-            read_resume,  # resume.pt, or the ranks' files of a latent-sharded checkpoint
-        )
-
-        state = read_resume(self.run, trainer.device, getattr(trainer, "latents", None))
+        # resume.pt, or the ranks' files of a latent-sharded checkpoint
+        state = resume.read_resume(self.run, trainer.device, getattr(trainer, "latents", None))
         if state is None:
             return False
         trainer.load_state_dict(state)
@@ -100,10 +96,8 @@ class Checkpoint:
         return True
 
     def save(self, state: dict) -> None:
-        from saeflow.training.sharded import remove_resume_shards
-
         save_atomic(state, self.run.resume_fpath)
-        remove_resume_shards(self.run)  # a latent-sharded checkpoint of an earlier attempt is older now
+        resume.remove_resume_shards(self.run)  # a latent-sharded checkpoint of an earlier attempt is older now
 
     def restart_log(self) -> None:
         """A fresh run starts a fresh metrics.jsonl (one left by a run that never reached a resume point)."""
@@ -181,7 +175,7 @@ class Checkpoint:
             return False
         atomic.remove_staging(staging)
         run.resume_fpath.unlink(missing_ok=True)
-        shutil.rmtree(run.resume_shards_dpath, ignore_errors=True)
+        resume.remove_resume_shards(run)
         return True
 
 
