@@ -32,7 +32,7 @@ from _ranks import run_ranks, start_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow import cli, config
 from saeflow.store.shards import ShardDir
-from saeflow.training import distributed, memory, objectives, parallel, resume, sharded, sweeps, train
+from saeflow.training import distributed, entry, memory, objectives, parallel, resume, sharded, sweeps
 from saeflow.training.dataparallel import global_batch_topk, rank_slice
 from saeflow.training.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
@@ -151,8 +151,8 @@ def _train_config(**spec) -> sweeps.TrainConfig:
 
 def test_auto_mode_shards_what_does_not_fit_and_sweeps_what_fills_the_ranks():
     h100 = 80 << 30
-    big = parallel.state_bytes(_train_config(expansion=256), 4096)  # 2^20 latents on d=4096: 100+ GiB of state
-    small = parallel.state_bytes(_train_config(expansion=16), 4096)  # 2^16 latents: about 12 GB
+    big = memory.state_bytes(_train_config(expansion=256), 4096)  # 2^20 latents on d=4096: 100+ GiB of state
+    small = memory.state_bytes(_train_config(expansion=16), 4096)  # 2^16 latents: about 12 GB
     assert big > h100 > 2 * small
     assert parallel.choose_mode("auto", 8, 4, big, h100) == "latents"
     assert parallel.choose_mode("auto", 4, 4, small, h100) == "sweep"
@@ -316,7 +316,7 @@ def test_latent_shards_select_what_the_whole_sae_selects_in_a_share_of_the_memor
 
 
 def _train(run_roots, mode: str, **kw):
-    return train.train_runs(run_roots, device="cpu", parallel=mode, buffer_bytes=POOL, **kw)
+    return entry.train_runs(run_roots, device="cpu", parallel=mode, buffer_bytes=POOL, **kw)
 
 
 def _cli_train(run_roots, *flags: str) -> int:
@@ -543,13 +543,13 @@ def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, 
     group = [(run, sweeps.TrainConfig.from_dict(run.config(), "r"))]
     alone = distributed.Comm.alone(torch.device("cpu"))
     assert resume.resume_info(run) == (5, 300)  # POOL: 300 rows
-    assert parallel.pool_bytes(group, "auto", "sweep", shards, alone) == 300 * 64
+    assert memory.pool_bytes(group, "auto", "sweep", shards, alone) == 300 * 64
     state = torch.load(run.resume_fpath, weights_only=True)
     del state["pool_rows"]
     torch.save(state, run.resume_fpath)
-    assert parallel.pool_bytes(group, "8M", "sweep", shards, alone) == 1 << 30
+    assert memory.pool_bytes(group, "8M", "sweep", shards, alone) == 1 << 30
     run.resume_fpath.unlink()
-    assert parallel.pool_bytes(group, "8M", "sweep", shards, alone) == 8 << 20
+    assert memory.pool_bytes(group, "8M", "sweep", shards, alone) == 8 << 20
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert cli.main(["train", "--run", str(run.root), "--nodes", "2"]) == 1
     assert "--nodes 2: ranks on several nodes are started with srun inside a Slurm" in capsys.readouterr().err

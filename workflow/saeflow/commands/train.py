@@ -93,7 +93,7 @@ def _dataset_of(shards: layout.ShardLayout) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from saeflow.training import distributed, launch, memory, tracking, train
+    from saeflow.training import distributed, entry, launch, memory, tracking
 
     if args.checkpoint_every < 1:
         raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     rdv = distributed.rendezvous_from_env()
     try:
-        results = train.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy,
+        results = entry.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy,
                                    args.runs_per_pass, settings, args.parallel, args.buffer_bytes)  # fmt: skip
     except SaeflowError as err:
         raise err if rdv is None else SaeflowError(f"rank {rdv.rank}: {err}") from None

@@ -5,7 +5,9 @@ the job's memory limit (its cgroup's, or what Slurm granted: SLURM_MEM_PER_NODE,
 SLURM_MEM_PER_GPU x GPUs; else the RAM available now), split between the ranks of the node, less each rank's room
 for its SAEs and RANK_OVERHEAD_BYTES, rounded down to 2^k or 1.5 x 2^k bytes (so a few MB more or less free RAM do
 not change the plan). The ranks' shares add up to the job's pool. An explicit size is the pool of the whole job, at
-any world size (each rank holds 1/N of it), so it gives the same batches on 1, 2 or 4 ranks.
+any world size (each rank holds 1/N of it), so it gives the same batches on 1, 2 or 4 ranks. A resumed pass keeps
+the pool its checkpoint recorded (`pool_bytes`). `state_bytes` (one SAE's training state) also picks the `auto`
+parallel mode (saeflow.training.parallel).
 """
 
 import os
@@ -13,7 +15,15 @@ import pathlib
 import re
 import typing
 
+import numpy as np
+
 from saeflow.errors import SaeflowError
+from saeflow.store import runs
+from saeflow.store.shards import ShardDir
+from saeflow.training.distributed import Comm
+from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES
+from saeflow.training.resume import LEGACY_POOL, resume_info
+from saeflow.training.sweeps import TrainConfig
 
 RANK_OVERHEAD_BYTES = 2 << 30  # python, torch (and a CUDA context), batch and staging buffers, per rank
 MIN_POOL_BYTES = 64 << 20
@@ -106,3 +116,46 @@ def round_pool(n_bytes: int) -> int:
 def auto_pool_share(limit_bytes: int, local_ranks: int, room_bytes: int) -> int:
     """One rank's share of the pool: its part of the node's memory less its SAEs' room and the fixed overhead."""
     return round_pool(limit_bytes // max(local_ranks, 1) - room_bytes - RANK_OVERHEAD_BYTES)
+
+
+def sae_params(cfg: TrainConfig, d_model: int) -> int:
+    """One SAE's parameters: W_enc, W_dec, b_enc, b_dec."""
+    d_sae = cfg.expansion * d_model
+    return 2 * d_model * d_sae + d_sae + d_model
+
+
+def state_bytes(cfg: TrainConfig, d_model: int) -> int:
+    """One SAE's training state: weights, gradients and two Adam moments (fp32), and the (batch, d_sae)
+    pre-activations, codes and their gradient."""
+    return 16 * sae_params(cfg, d_model) + 12 * cfg.batch_size * cfg.expansion * d_model
+
+
+def _room_bytes(mode: str, cfgs: list[TrainConfig], d_model: int, comm: Comm) -> int:
+    """RAM a rank keeps for its SAEs beside the pool: their training state on the CPU (and a checkpoint's copy of
+    the weights); on a GPU, a host copy of the weights when a checkpoint or sae.pt is written."""
+    n = comm.world_size
+    per_sae = [(state_bytes(c, d_model) if comm.device.type == "cpu" else 0) + 8 * sae_params(c, d_model)
+               for c in cfgs]  # fmt: skip
+    if mode == "sweep":
+        return sum(per_sae[comm.rank :: n])
+    return sum(per_sae) // (n if mode == "latents" else 1)
+
+
+def pool_bytes(group: list[tuple[runs.Run, TrainConfig]], setting: str | int, mode: str, train_dir: ShardDir,
+               comm: Comm) -> int:  # fmt: skip
+    """The job's shuffle pool for a pass: what a resumed member recorded (so a resumed epoch keeps its plan), else
+    `setting` (the whole job's pool), or for `auto` the ranks' shares of their memory added up."""
+    md = train_dir.metadata
+    row_bytes = md.d_model * np.dtype(md.dtype).itemsize
+    recorded = comm.on_root(lambda: next((info[1] for run, _ in group if (info := resume_info(run)) and info[1]),
+                                         None))  # fmt: skip
+    if recorded == LEGACY_POOL:  # resumed from a checkpoint of the fixed-pool loader: keep its plan
+        return DEFAULT_BUFFER_BYTES
+    if recorded:
+        return int(recorded) * row_bytes
+    explicit = parse_size(setting)
+    if explicit is not None:
+        return explicit
+    limit, _ = job_memory()
+    share = auto_pool_share(limit, comm.local_world_size, _room_bytes(mode, [c for _, c in group], md.d_model, comm))
+    return comm.min_int(share) * comm.world_size

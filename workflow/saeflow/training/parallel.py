@@ -18,7 +18,6 @@ end. Rank 0 takes the runs' locks, plans, and prints the results.
 import contextlib
 import typing
 
-import numpy as np
 import torch
 import tqdm
 
@@ -30,24 +29,11 @@ from saeflow.training import memory, train
 from saeflow.training.dataparallel import DataParallelTrainer
 from saeflow.training.distloader import DistributedShuffledLoader
 from saeflow.training.distributed import Comm
-from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES
-from saeflow.training.resume import LEGACY_POOL, resume_info
 from saeflow.training.sharded import ShardedTrainer
 from saeflow.training.sweeps import TrainConfig
 
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this
 _SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.SIGNALS, start=1)}
-
-
-def sae_params(cfg: TrainConfig, d_model: int) -> int:
-    d_sae = cfg.expansion * d_model
-    return 2 * d_model * d_sae + d_sae + d_model
-
-
-def state_bytes(cfg: TrainConfig, d_model: int) -> int:
-    """One SAE's training state: weights, gradients and two Adam moments (fp32), and the (batch, d_sae)
-    pre-activations, codes and their gradient."""
-    return 16 * sae_params(cfg, d_model) + 12 * cfg.batch_size * cfg.expansion * d_model
 
 
 def device_bytes(comm: Comm) -> int:
@@ -65,39 +51,6 @@ def choose_mode(setting: str, n_runs: int, world_size: int, sae_state_bytes: int
     return "sweep" if n_runs >= world_size else "data"
 
 
-def _room_bytes(mode: str, cfgs: list[TrainConfig], d_model: int, comm: Comm) -> int:
-    """RAM a rank keeps for its SAEs beside the pool: their training state on the CPU (and a checkpoint's copy of
-    the weights); on a GPU, a host copy of the weights when a checkpoint or sae.pt is written."""
-    n = comm.world_size
-    per_sae = [(state_bytes(c, d_model) if comm.device.type == "cpu" else 0) + 8 * sae_params(c, d_model)
-               for c in cfgs]  # fmt: skip
-    if mode == "sweep":
-        return sum(per_sae[comm.rank :: n])
-    return sum(per_sae) // (n if mode == "latents" else 1)
-
-
-def pool_bytes(group: list[tuple[runs.Run, TrainConfig]], setting: str | int, mode: str, train_dir: ShardDir,
-               comm: Comm) -> int:  # fmt: skip
-    """The job's shuffle pool for a pass: what a resumed member recorded (so a resumed epoch keeps its plan), else
-    `setting` (the whole job's pool), or for `auto` the ranks' shares of their memory (saeflow.training.memory) added
-    up."""
-    md = train_dir.metadata
-    row_bytes = md.d_model * np.dtype(md.dtype).itemsize
-    recorded = comm.on_root(lambda: next((info[1] for run, _ in group if (info := resume_info(run)) and info[1]),
-                                         None))  # fmt: skip
-    if recorded == LEGACY_POOL:  # resumed from a checkpoint of the fixed-pool loader: keep its plan
-        return DEFAULT_BUFFER_BYTES
-    if recorded:
-        return int(recorded) * row_bytes
-    explicit = memory.parse_size(setting)
-    if explicit is not None:
-        return explicit
-    limit, _ = memory.job_memory()
-    share = memory.auto_pool_share(limit, comm.local_world_size, _room_bytes(mode, [c for _, c in group],
-                                                                              md.d_model, comm))  # fmt: skip
-    return comm.min_int(share) * comm.world_size
-
-
 def join(device: str) -> Comm:
     """This process's Comm (saeflow.training.distributed.init): a rank of the job when a launcher made it one."""
     from saeflow.training import distributed
@@ -106,7 +59,7 @@ def join(device: str) -> Comm:
 
 
 def train_runs(comm: Comm, run_paths: typing.Sequence, settings: dict) -> list[dict]:
-    """saeflow.training.train.train_runs on the ranks of `comm` (every rank calls it with the same arguments); the
+    """train.train_runs on the ranks of `comm` (every rank calls it with the same arguments, through entry); the
     results of the runs published, on rank 0 (an empty list elsewhere). `settings`: checkpoint_every, max_steps,
     local_copy, runs_per_pass, tracking_settings, parallel, buffer_bytes."""
     try:
@@ -168,9 +121,9 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
     dev_bytes = device_bytes(comm)
     train_dir = train._open_shards(group[0][0], runs.Run.TRAIN_SHARDS)
     d_model = train_dir.metadata.d_model
-    biggest = max(state_bytes(cfg, d_model) for _, cfg in group)
+    biggest = max(memory.state_bytes(cfg, d_model) for _, cfg in group)
     mode = comm.on_root(lambda: choose_mode(settings["parallel"], len(group), comm.world_size, biggest, dev_bytes))
-    pool = pool_bytes(group, settings["buffer_bytes"], mode, train_dir, comm)
+    pool = memory.pool_bytes(group, settings["buffer_bytes"], mode, train_dir, comm)
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig):
         return DistributedShuffledLoader(comm, shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens,

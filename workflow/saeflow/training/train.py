@@ -21,11 +21,12 @@ import typing
 import torch
 import tqdm
 
-from saeflow import config, numerics, preempt
+from saeflow import config, devices, numerics, preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import localcopy, resume, tracking
+from saeflow.training import localcopy, memory, resume, tracking
+from saeflow.training.distributed import Comm
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator, batch_nmse
 from saeflow.training.objectives import DeadLatents, Loss, Objective
@@ -325,10 +326,10 @@ def train_runs(
     local_copy: str = "",
     runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"],
     tracking_settings: tracking.Settings | None = None,
-    parallel: str = TRAIN_DEFAULTS["parallel"],
     buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"],
 ) -> list[dict]:
-    """Train every run not yet done (checkpoint/sae.pt absent), sharing passes over the data where possible.
+    """Train every run not yet done (checkpoint/sae.pt absent) in this process, sharing passes over the data where
+    possible.
 
     Runs that read identical batches (`TrainConfig.loader_key`) train in one pass, at most `runs_per_pass` at a
     time, in the order given: each publishes its own sae.pt, in that order. `max_steps` stops after that many steps
@@ -336,19 +337,10 @@ def train_runs(
     shards from a node-local copy (saeflow.training.localcopy). `tracking_settings` mirrors the metrics to
     W&B/TensorBoard (saeflow.training.tracking). `buffer_bytes`: the shuffle pool (saeflow.training.memory; `auto` sizes
     it from the job's memory). Returns the final validation metrics of runs that finished. Each run's lock
-    (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then finds it done. A
-    process that a launcher made one rank of several trains with the others (saeflow.training.parallel, in the
-    `parallel` mode); the results are then rank 0's.
+    (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then finds it done.
+    The ranks of a launched job train together instead (saeflow.training.entry.train_runs chooses).
     """
-    from saeflow.training import parallel as parallel_mod
-
-    comm = parallel_mod.join(device)
-    if comm.distributed:
-        settings = dict(checkpoint_every=checkpoint_every, max_steps=max_steps, local_copy=local_copy,
-                        runs_per_pass=runs_per_pass, tracking_settings=tracking_settings, parallel=parallel,
-                        buffer_bytes=buffer_bytes)  # fmt: skip
-        return parallel_mod.train_runs(comm, run_paths, settings)
-    dev = comm.device
+    dev = devices.resolve_device(device)
     opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
     with contextlib.ExitStack() as locks:
         for key in sorted(opened):  # one order for every process: no deadlock between overlapping run lists
@@ -396,11 +388,9 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str, make_
 
 def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local_copy="", tracking_settings=None,
                  buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"]):  # fmt: skip
-    from saeflow.training.distributed import Comm
-    from saeflow.training.parallel import pool_bytes
-
     cfg0 = group[0][1]
-    pool = pool_bytes(group, buffer_bytes, "sweep", _open_shards(group[0][0], runs.Run.TRAIN_SHARDS), Comm.alone(dev))
+    train_dir = _open_shards(group[0][0], runs.Run.TRAIN_SHARDS)
+    pool = memory.pool_bytes(group, buffer_bytes, "sweep", train_dir, Comm.alone(dev))
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig) -> ShuffledLoader:
         return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool)
