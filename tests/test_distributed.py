@@ -279,7 +279,7 @@ def _selections():
     # BatchTopK over a batch split between the ranks (data-parallel) keeps what one process keeps.
     sae = _random_sae("batchtopk").train()
     part = rank_slice(32, comm)
-    out["data_batchtopk"] = torch.equal(global_batch_topk(sae.pre_acts_normed(x_bd[part]), 4, 32, comm),
+    out["data_batchtopk"] = torch.equal(global_batch_topk(sae.pre_acts_normed(x_bd[part]), sae.cfg.n_kept(32), comm),
                                         sae.activate(sae.pre_acts_normed(x_bd))[part])  # fmt: skip
     out["slice"] = (part.start, part.stop)
     # Memory: parameters and Adam moments of this rank's shard of a wide SAE, against the whole SAE's.

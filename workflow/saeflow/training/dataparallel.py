@@ -32,11 +32,11 @@ def global_kth_largest(vals_n: torch.Tensor, n_keep: int, comm: Comm) -> torch.T
     return comm.all_gather(padded).flatten().topk(n_keep, sorted=False).values.min()
 
 
-def global_batch_topk(pre_bs: torch.Tensor, k: int, batch_size: int, comm: Comm) -> torch.Tensor:
-    """BatchTopK over the global batch: activations at or above the (k x batch)-th largest of all ranks' (with a
-    tie exactly at that value, all of them: one process keeps an arbitrary subset of the tied)."""
+def global_batch_topk(pre_bs: torch.Tensor, n_keep: int, comm: Comm) -> torch.Tensor:
+    """BatchTopK over the global batch: activations at or above the `n_keep`-th largest of all ranks' (SAEConfig.n_kept
+    of the global batch; with a tie exactly at that value, all of them: one process keeps an arbitrary subset of the
+    tied)."""
     relu_bs = torch.relu(pre_bs)
-    n_keep = min(k * batch_size, batch_size * relu_bs.shape[1])
     threshold = global_kth_largest(relu_bs.detach().flatten(), n_keep, comm)
     return torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs))
 
@@ -53,10 +53,10 @@ def data_parallel_loss(
     dead_z, pick_bk = objectives.pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
     aux_ids_bk = None if pick_bk is None else dead_z[pick_bk]
     if cfg.arch == "batchtopk":
-        codes = Codes(pre_bs, global_batch_topk(pre_bs, cfg.k, batch_size, comm), None, None)
+        codes = Codes(pre_bs, global_batch_topk(pre_bs, sae.cfg.n_kept(batch_size), comm), None, None)
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
     else:
-        codes, aux_pre_bk = objectives.encode(sae, pre_bs, cfg.arch, cfg.k, aux_ids_bk)
+        codes, aux_pre_bk = objective.encode(sae, pre_bs, aux_ids_bk)
     if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
         if pick_bk is not None:
             comm.all_reduce(torch.zeros(1, device=x_bd.device))

@@ -153,12 +153,16 @@ class Objective:
     cfg: TrainConfig  # arch, k, l1_coeff, sparsity_warmup_frac, aux_k, aux_alpha
     n_steps: int  # of the whole run (the L1 warm-up is a fraction of it)
 
+    def encode(self, sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
+        """`encode` with this run's architecture and k."""
+        return encode(sae, pre_bs, self.cfg.arch, self.cfg.k, aux_ids_bk)
+
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
         cfg = self.cfg
         xn_bd = x_bd * sae.scale
         pre_bs = sae.pre_acts_normed(xn_bd)
         dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
-        codes, aux_pre_bk = encode(sae, pre_bs, cfg.arch, cfg.k, None if pick_bk is None else dead_z[pick_bk])
+        codes, aux_pre_bk = self.encode(sae, pre_bs, None if pick_bk is None else dead_z[pick_bk])
         mse, xn_hat_bd = reconstruction_loss(sae, codes, xn_bd)
         terms = {"mse": mse}
         if cfg.arch == "relu":

@@ -85,9 +85,9 @@ class SAE(torch.nn.Module):
         if arch == "topk" or (arch == "batchtopk" and self.training):
             relu_bs = torch.relu(pre_bs)
             if arch == "topk":
-                vals_bk, idx_bk = relu_bs.topk(self.cfg.k, dim=-1, sorted=False)
+                vals_bk, idx_bk = relu_bs.topk(self.cfg.n_kept(1), dim=-1, sorted=False)
                 return torch.zeros_like(relu_bs).scatter_(-1, idx_bk, vals_bk)
-            n_keep = min(self.cfg.k * relu_bs.shape[0], relu_bs.numel())
+            n_keep = self.cfg.n_kept(relu_bs.shape[0])
             flat = relu_bs.flatten()
             vals_n, idx_n = flat.topk(n_keep, sorted=False)
             return torch.zeros_like(flat).scatter_(0, idx_n, vals_n).view_as(relu_bs)

@@ -137,12 +137,12 @@ def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int
         if not training:
             return ShardCodes(torch.where(pre_bs > shard.threshold, pre_bs, torch.zeros_like(pre_bs)).clamp_min(0))
         relu_bs = torch.relu(pre_bs)
-        n_keep = min(cfg.k * batch_size, batch_size * cfg.d_sae)
-        threshold = global_kth_largest(relu_bs.detach().flatten(), n_keep, comm)
+        threshold = global_kth_largest(relu_bs.detach().flatten(), cfg.n_kept(batch_size), comm)
         return ShardCodes(torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs)))
+    k = cfg.n_kept(1)  # of the whole SAE: each rank offers its own best (at most its latents) for the global top k
     with torch.no_grad():
-        top = pre_bs.topk(min(cfg.k, shard.d_sae), dim=-1, sorted=False)
-        gids_bk = global_top(top.values, top.indices + shard.lo, cfg.k, comm)
+        top = pre_bs.topk(min(k, shard.d_sae), dim=-1, sorted=False)
+        gids_bk = global_top(top.values, top.indices + shard.lo, k, comm)
     mine_bk, local_bk = _mine(shard, gids_bk)
     return ShardCodes(None, gids_bk, local_bk, torch.relu(pre_bs.gather(1, local_bk)) * mine_bk)
 

@@ -195,6 +195,11 @@ class SAEConfig:
                 f"matryoshka: prefixes must be strictly ascending and inside (0, d_sae={self.d_sae}), got {prefixes}"
             )
 
+    def n_kept(self, n_vectors: int) -> int:
+        """The codes a batch of `n_vectors` keeps: topk each vector's k largest (`n_kept(1)` a vector), batchtopk
+        the batch's k x n_vectors largest (k a vector on average); never more than the batch holds."""
+        return min(self.k, self.d_sae) * n_vectors
+
     @property
     def prefixes(self) -> tuple[int, ...]:
         """The latent prefixes whose reconstructions are trained (always ends with d_sae)."""
