@@ -30,7 +30,7 @@ def make_run(tmp_path, k: int, metrics: dict | None, **config):
 
 def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
-    csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
+    csv_fpath, png_fpath = report.write_summary(run_dpaths, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
     assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
     assert list(rows[0])[:6] == ["name", "run_id", "shard_hash", "group", "l0", "nmse"] and "config.k" in rows[0]
@@ -50,10 +50,10 @@ def test_summary_labels_name_runs(tmp_path):
 def test_summary_errors_name_the_problem(tmp_path):
     bare = make_run(tmp_path, 4, None)
     with pytest.raises(SaeflowError, match="none of the 1 runs has inference metrics"):
-        summary.write_summary([bare], tmp_path / "out")
+        report.write_summary([bare], tmp_path / "out")
     no_l0 = make_run(tmp_path, 8, {"nmse": 0.5})
     with pytest.raises(SaeflowError, match="lack L0"):
-        summary.write_summary([no_l0], tmp_path / "out")
+        report.write_summary([no_l0], tmp_path / "out")
 
 
 def test_summary_carries_the_splice_evaluation(tmp_path):
@@ -61,7 +61,7 @@ def test_summary_carries_the_splice_evaluation(tmp_path):
     evaluation = runs.open_run(run_dpaths[1]).evaluation_fpath("b" * 64)
     evaluation.parent.mkdir()
     evaluation.write_text(json.dumps({"metrics": {"ce_loss_recovered": 0.75, "kl_score": None}}))
-    csv_fpath, png_fpath = summary.write_summary(run_dpaths, tmp_path / "out")
+    csv_fpath, png_fpath = report.write_summary(run_dpaths, tmp_path / "out")
     rows = {r["config.k"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
     assert rows["16"]["eval.ce_loss_recovered"] == "0.75" and rows["4"]["eval.ce_loss_recovered"] == ""
     assert rows["16"]["eval.kl_score"] == ""  # a null ratio is a blank cell
@@ -70,7 +70,7 @@ def test_summary_carries_the_splice_evaluation(tmp_path):
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
     evaluation.write_text("[]")
     with pytest.raises(SaeflowError, match="evaluation"):
-        summary.write_summary(run_dpaths, tmp_path / "out")
+        report.write_summary(run_dpaths, tmp_path / "out")
 
 
 def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
@@ -91,7 +91,7 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     for run in (default, explicit):
         assert run.root.name == runs.run_id(run.config())
         inference.run_inference(inference.Config(run.root, sd.dpath))
-    csv_fpath, _ = summary.write_summary([default.root, explicit.root], tmp_path / "out")
+    csv_fpath, _ = report.write_summary([default.root, explicit.root], tmp_path / "out")
     rows = {r["run_id"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
     assert rows[default.root.name]["config.lr"] == "" and rows[explicit.root.name]["config.lr"] == "0.003"
     assert float(rows[default.root.name]["train.peak_lr"]) == train.auto_lr(32)
@@ -145,7 +145,7 @@ def test_seed_groups_are_one_point_with_error_bars_and_one_grouped_row(tmp_path)
                                           "mmcs_std": 0.0, "n_runs": 3, "n_pairs": 3}}  # fmt: skip
     stability_fpath = tmp_path / "stability.json"
     stability_fpath.write_text(json.dumps(result))
-    summary.write_summary([*seeds, other], tmp_path / "out", stability_fpaths=(stability_fpath,))
+    report.write_summary([*seeds, other], tmp_path / "out", stability_fpaths=(stability_fpath,))
     grouped_text = (tmp_path / "out" / report.GROUPED_FNAME).read_text()
     grouped = {r["group"]: r for r in csv.DictReader(io.StringIO(grouped_text))}
     seeded = grouped[group]

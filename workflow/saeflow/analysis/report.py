@@ -1,5 +1,8 @@
-"""The summary's grouped table and its pages, one figure per metric (each a page of the Snakemake report, with its
-caption in workflow/report/<page>.rst):
+"""The summary directory (`write_summary`): saeflow.analysis.summary's table and Pareto plot, the grouped table and
+the pages, one figure per metric (each a page of the Snakemake report, with its caption in workflow/report/<page>.rst):
+
+    summary.csv          one row per (run, inference shard directory): saeflow.analysis.summary.collect
+    pareto.png           L0 against normalized MSE (and the splice score): saeflow.analysis.summary.plot_pareto
 
     summary_grouped.csv  one row per (seed group, shard directory): every numeric summary column's mean and sample
                          standard deviation over the group's runs (runs that differ only in seed/data_seed;
@@ -19,7 +22,8 @@ import io
 import pathlib
 
 from saeflow.analysis import summary
-from saeflow.store import atomic
+from saeflow.store import atomic, layout
+from saeflow.store.hashing import read_json_object
 
 GROUPED_FNAME = "summary_grouped.csv"
 PAGES = ("pareto_nmse", "pareto_splice", "probe", "stability")  # <page>.png in the summary directory
@@ -165,3 +169,19 @@ def write_pages(rows: list[dict], stability_results: list[dict], out_dpath: path
         pareto_page(rows, page, out_dpath / page_fname(page))
     probe_page(rows, out_dpath / page_fname("probe"))
     stability_page(rows, stability_results, out_dpath / page_fname("stability"))
+
+
+def write_summary(
+    run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path, names: dict[str, str] | None = None,
+    stability_fpaths: tuple[pathlib.Path, ...] = (),
+) -> tuple[pathlib.Path, pathlib.Path]:  # fmt: skip
+    """Write `summary.csv`, `pareto.png`, the grouped table and every page into `out_dpath` (each replaced
+    atomically; the seed groups' `saeflow stability` results from `stability_fpaths`). Returns the first two."""
+    rows = summary.collect(run_dpaths, names)
+    out_dpath.mkdir(parents=True, exist_ok=True)
+    out = layout.SummaryLayout(out_dpath)
+    csv_fpath, png_fpath = out.csv_fpath, out.pareto_fpath
+    atomic.write_file_atomic(csv_fpath, summary.to_csv(rows).encode("utf-8"))
+    summary.plot_pareto(rows, png_fpath)
+    write_pages(rows, [read_json_object(f, "stability JSON object") for f in stability_fpaths], out_dpath)
+    return csv_fpath, png_fpath

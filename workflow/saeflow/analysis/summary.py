@@ -7,8 +7,8 @@ seed/data_seed). The Pareto plot puts L0 (active latents per token) against norm
 shard directory, layer, architecture): lower-left is better, and the points no other on the same series beats on both
 are joined as the front. A point is a seed group: the mean of its runs, with error bars of one standard deviation. When
 runs have a splice evaluation (`saeflow evaluate`), a second panel puts L0 against its score: CE loss recovered for
-causal LMs, the pooled-embedding cosine recovered otherwise (upper-left is better). saeflow.analysis.report adds the
-grouped table and one page per metric.
+causal LMs, the pooled-embedding cosine recovered otherwise (upper-left is better). saeflow.analysis.report writes
+them (`write_summary`) with the grouped table and one page per metric.
 """
 
 import csv
@@ -21,7 +21,7 @@ import numpy as np
 
 from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
-from saeflow.store import atomic, layout
+from saeflow.store import atomic
 from saeflow.store.hashing import read_json_object
 from saeflow.store.runs import open_run
 
@@ -239,21 +239,3 @@ def save_figure(fig, out_fpath: pathlib.Path) -> None:
     fig.savefig(buf, format="png")
     plt.close(fig)
     atomic.write_file_atomic(out_fpath, buf.getvalue())
-
-
-def write_summary(
-    run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path, names: dict[str, str] | None = None,
-    stability_fpaths: tuple[pathlib.Path, ...] = (),
-) -> tuple[pathlib.Path, pathlib.Path]:  # fmt: skip
-    """Write `summary.csv` and `pareto.png` into `out_dpath` (each replaced atomically), and saeflow.analysis.report's
-    grouped table and per-metric pages (with the seed groups' `saeflow stability` results)."""
-    from saeflow.analysis import report
-
-    rows = collect(run_dpaths, names)
-    out_dpath.mkdir(parents=True, exist_ok=True)
-    out = layout.SummaryLayout(out_dpath)
-    csv_fpath, png_fpath = out.csv_fpath, out.pareto_fpath
-    atomic.write_file_atomic(csv_fpath, to_csv(rows).encode("utf-8"))
-    plot_pareto(rows, png_fpath)
-    report.write_pages(rows, [read_json_object(f, "stability JSON object") for f in stability_fpaths], out_dpath)
-    return csv_fpath, png_fpath

@@ -11,7 +11,7 @@ import sys
 
 import yaml
 
-from saeflow.analysis import summary
+from saeflow.analysis import report
 from saeflow.errors import SaeflowError, one_line
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -116,7 +116,7 @@ def cmd_summary(args: argparse.Namespace) -> int:
         if not sep or not run_id or not name:
             raise SaeflowError(f"--label {label!r}: expected RUN_ID=NAME")
         names[run_id] = name
-    csv_fpath, png_fpath = summary.write_summary(run_dpaths, args.out, names, tuple(args.stability))
+    csv_fpath, png_fpath = report.write_summary(run_dpaths, args.out, names, tuple(args.stability))
     print(csv_fpath)
     print(png_fpath)
     return 0
