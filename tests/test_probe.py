@@ -40,7 +40,8 @@ def planted(tmp_path, n_ex: int = 1500, seed: int = 0):
                       data={"classes": [f"c{c}" for c in range(N_CLASSES)]})  # fmt: skip
     latent_of = rng.permutation(n_dirs)  # direction a is latent latent_of[a]
     W_dec = torch.from_numpy(dirs_ad[np.argsort(latent_of)])
-    model = sae.SAE.from_weights(W_dec.T.contiguous(), torch.full((n_dirs,), -0.8), W_dec, torch.zeros(D))
+    model = sae.SAE.from_weights(W_dec.T.contiguous(), torch.full((n_dirs,), -0.8), W_dec, torch.zeros(D), arch="relu",
+                                 k=1)  # fmt: skip
     return sd, model, latent_of
 
 
@@ -49,8 +50,8 @@ def probed(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("probe")
     sd, model, latent_of = planted(tmp_path)
     run = run_around_sae(tmp_path / "runs", sd, model, 0, tokens="content")
-    inference.run_inference(inference.Config(run=run.root, shards=sd.dpath, device="cpu"))
-    visuals.make_visuals(visuals.Config(run=run.root, n_latents=4))
+    inference.run_inference(inference.InferenceConfig(run=run.root, shards=sd.dpath, device="cpu"))
+    visuals.make_visuals(visuals.VisualsConfig(run=run.root, n_latents=4))
     assert cli.main(["probe", "--run", str(run.root), "--ks", "1", "5"]) == 0
     result = json.loads(run.probe_fpath(sd.hash).read_text())
     return {"sd": sd, "model": model, "latent_of": latent_of, "run": run, "result": result}
@@ -163,7 +164,7 @@ def test_each_latent_page_lists_the_labels_it_predicts(probed, tmp_path):
     first = page["latents"][str(latent_of[0])][0]  # class c0's latent: c0 first, as its best single latent
     assert first[0] == "c0" and first[3] is True and first[1] > 0.9
     # Visuals drawn again read the probe result (same checkpoint), so the page keeps its labels.
-    visuals.make_visuals(visuals.Config(run=run.root, n_latents=4, force=True))
+    visuals.make_visuals(visuals.VisualsConfig(run=run.root, n_latents=4, force=True))
     assert run.dump(sd.hash).labels_js_fpath.read_text() == js
     exe = find_chromium()
     if exe is None:
@@ -193,8 +194,9 @@ def test_a_class_seen_in_one_split_only_is_counted_and_skipped(tmp_path):
     acts = rng.standard_normal((400, 1, 2, 8)).astype(np.float32)
     sd = write_shards(tmp_path / "shards", acts, layers=(0,), cls_token=True, aux={ShardLayout.CLASSES_FNAME: classes})
     run = run_around_sae(tmp_path / "runs", sd, sae.SAE.from_weights(torch.eye(8), torch.zeros(8), torch.eye(8),
-                                                                     torch.zeros(8)), 0, tokens="content")  # fmt: skip
-    inference.run_inference(inference.Config(run=run.root, shards=sd.dpath, device="cpu"))
+                                                                     torch.zeros(8), arch="relu", k=1), 0,
+                         tokens="content")  # fmt: skip
+    inference.run_inference(inference.InferenceConfig(run=run.root, shards=sd.dpath, device="cpu"))
     result = json.loads(probe.run_probe(probe.Config(run=run.root, ks=(1,))).read_text())
     by_value = {e["value"]: e for e in result["labels"]}
     assert sorted(by_value) == [0, 1, 3, 7] and by_value[7]["n_units"] == [20, 0] and by_value[3]["n_units"][0] == 0
@@ -208,8 +210,8 @@ def test_shards_without_labels_are_a_one_line_error(tmp_path, capsys):
     rng = np.random.default_rng(0)
     sd = write_shards(tmp_path / "shards", rng.standard_normal((8, 1, 2, 4)).astype(np.float32), layers=(0,))
     run = run_around_sae(tmp_path / "runs", sd, sae.SAE.from_weights(torch.eye(4), torch.zeros(4), torch.eye(4),
-                                                                     torch.zeros(4)), 0)  # fmt: skip
-    inference.run_inference(inference.Config(run=run.root, shards=sd.dpath, device="cpu"))
+                                                                     torch.zeros(4), arch="relu", k=1), 0)  # fmt: skip
+    inference.run_inference(inference.InferenceConfig(run=run.root, shards=sd.dpath, device="cpu"))
     assert cli.main(["probe", "--run", str(run.root)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nothing to probe" in err and "labels.bin" in err

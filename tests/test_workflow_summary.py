@@ -90,7 +90,7 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     assert sorted(r["peak_lr"] for r in results) == sorted([train.auto_lr(32), 3e-3])
     for run in (default, explicit):
         assert run.root.name == runs.run_id(run.config())
-        inference.run_inference(inference.Config(run.root, sd.dpath))
+        inference.run_inference(inference.InferenceConfig(run.root, sd.dpath))
     csv_fpath, _ = report.write_summary([default.root, explicit.root], tmp_path / "out")
     rows = {r["run_id"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
     assert rows[default.root.name]["config.lr"] == "" and rows[explicit.root.name]["config.lr"] == "0.003"

@@ -416,7 +416,7 @@ def open_dump(cfg: Config) -> tuple[runs.Run, layout.DumpLayout, dict, ShardDir]
     """The run, its dump (config.json read) and the dump's shard directory, cross-checked."""
     run = runs.open_run(cfg.run)
     if cfg.shards_hash is None:  # the run's only dump (visuals' rule; it imports torch, so only when asked)
-        from saeflow.analysis.visuals import find_dump
+        from saeflow.analysis.visuals.site import find_dump
 
         dump = layout.DumpLayout(find_dump(run, None))
     else:
