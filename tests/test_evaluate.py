@@ -11,7 +11,7 @@ import yaml
 
 from builders import run_from_sae_spec, text_spec, typed, vision_spec
 from saeflow import cli
-from saeflow.analysis import evaluate
+from saeflow.analysis import evaluate, scoring
 from saeflow.extraction import extract
 from saeflow.store import runs, shards
 from saeflow.training import loaders, sae, train
@@ -196,11 +196,11 @@ def test_an_evaluation_that_scores_no_spliced_position_warns_and_reports_nulls(t
     assert {"ce_loss_recovered", "ce_loss_recovered_vs_mean", "kl_score", "ce_mean_ablated"} <= got.keys()
     # Four examples scored with context 16 see their splice: the count is of scored tokens after a spliced one.
     mask_bt = torch.tensor([[False, True, True, False], [False, False, False, True]])
-    assert evaluate.n_spliced_scored(mask_bt, causal=True) == 2 and evaluate.n_spliced_scored(mask_bt, False) == 2
+    assert scoring.n_spliced_scored(mask_bt, causal=True) == 2 and scoring.n_spliced_scored(mask_bt, False) == 2
 
 
-def _scores(**means: float) -> evaluate.Scores:
-    scores = evaluate.Scores()
+def _scores(**means: float) -> scoring.Scores:
+    scores = scoring.Scores()
     for name, value in means.items():
         scores.add(name, torch.tensor([value], dtype=torch.float64))
     return scores
@@ -211,14 +211,14 @@ def test_a_ratio_over_float_noise_is_null_not_minus_zero():
     one_up = 1.0 + 2.0**-52
     noise = _scores(pooled_cos_spliced=one_up, pooled_cos_ablated=one_up, pooled_rel_err_spliced=0.0,
                     pooled_rel_err_ablated=1e-12)  # fmt: skip
-    got = evaluate.summarize(noise, causal=False)
+    got = scoring.summarize(noise, causal=False)
     assert got["pooled_cos_recovered"] is None and got["pooled_rel_err_recovered"] is None
     assert json.loads(json.dumps(got))["pooled_cos_recovered"] is None  # null in the JSON, not -0.0
-    lm = evaluate.summarize(_scores(ce_clean=3.0, ce_spliced=3.0, ce_ablated=3.0 + 1e-9, kl_spliced=0.0,
+    lm = scoring.summarize(_scores(ce_clean=3.0, ce_spliced=3.0, ce_ablated=3.0 + 1e-9, kl_spliced=0.0,
                                     kl_ablated=1e-10), causal=True)  # fmt: skip
     assert lm["ce_loss_recovered"] is None and lm["kl_score"] is None
     # A small but real change is a ratio.
-    real = evaluate.summarize(_scores(ce_clean=3.0, ce_spliced=3.01, ce_ablated=3.1, kl_spliced=0.01,
+    real = scoring.summarize(_scores(ce_clean=3.0, ce_spliced=3.01, ce_ablated=3.1, kl_spliced=0.01,
                                       kl_ablated=0.1), causal=True)  # fmt: skip
     assert real["ce_loss_recovered"] == pytest.approx(0.9) and real["kl_score"] == pytest.approx(0.9)
 
