@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from saeflow.training.distributed import Comm
-from saeflow.training.loaders import EpochPlan, ShuffledLoader, _ReservoirPipeline
+from saeflow.training.loaders import EpochPlan, ShuffledLoader
+from saeflow.training.loaders.shuffled import _ReservoirPipeline
 
 
 class RankStep(typing.NamedTuple):
