@@ -6,8 +6,8 @@
 """
 
 from saeflow.training.loaders.ordered import OrderedLoader
-from saeflow.training.loaders.shuffled import EpochPlan, ShuffledLoader
+from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES, EpochPlan, ShuffledLoader
 from saeflow.training.loaders.view import TOKENS, Block, IndexedReader, LayerView, TokenSelection
 
-__all__ = ["TOKENS", "Block", "EpochPlan", "IndexedReader", "LayerView", "OrderedLoader", "ShuffledLoader",
+__all__ = ["DEFAULT_BUFFER_BYTES", "TOKENS", "Block", "EpochPlan", "IndexedReader", "LayerView", "OrderedLoader", "ShuffledLoader",
            "TokenSelection"]
