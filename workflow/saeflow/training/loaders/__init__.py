@@ -9,5 +9,5 @@ from saeflow.training.loaders.ordered import OrderedLoader
 from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES, EpochPlan, ShuffledLoader
 from saeflow.training.loaders.view import TOKENS, Block, IndexedReader, LayerView, TokenSelection
 
-__all__ = ["DEFAULT_BUFFER_BYTES", "TOKENS", "Block", "EpochPlan", "IndexedReader", "LayerView", "OrderedLoader", "ShuffledLoader",
-           "TokenSelection"]
+__all__ = ["DEFAULT_BUFFER_BYTES", "TOKENS", "Block", "EpochPlan", "IndexedReader", "LayerView", "OrderedLoader",
+           "ShuffledLoader", "TokenSelection"]
