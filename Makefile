@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CORES ?= all
+# make test: pytest-xdist workers, one per core (at most 4: each runs Snakemake and model subprocesses of its own).
+TEST_WORKERS ?= auto --maxprocesses 4
 
 .PHONY: run test test-fast venv browser clean-results
 
@@ -34,7 +36,7 @@ run: venv $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/snakemake --cores $(CORES)
 
 test: venv browser $(MINILM)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: venv $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" --every-module
