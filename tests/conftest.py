@@ -25,6 +25,21 @@ for _name, _value in TEST_THREADS_ENV.items():
 numerics.apply()  # before any torch kernel runs in the test process: the CPU kernels the CLI's commands use
 
 
+# Modules whose tests take the longest (--durations on the 2-core VM: Snakemake end to end, ranks, full disks), run
+# first: under `make test`'s workers (pytest-xdist --dist worksteal) the long tests then start early and the short
+# ones fill the gaps, instead of one long test left running alone at the end. Each module stays in one piece.
+HEAVY_FIRST = (
+    "test_workflow_slurm", "test_default_workflow", "test_faults_concurrent", "test_faults_disk", "test_workflow",
+    "test_workflow_rerun", "test_workflow_probe", "test_distributed", "test_numerics", "test_workflow_passes",
+    "test_tracking",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(HEAVY_FIRST)))  # stable: order within a module
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fingerprint_cache(tmp_path_factory):
     """Dataset fingerprints are cached under the test session's temporary directory, never the user's home (the

@@ -296,6 +296,18 @@ def _selections():
     return out
 
 
+def test_one_rank_of_data_parallelism_keeps_the_batch_and_what_batchtopk_keeps():
+    """World size 1 (in process; the ranked tests fork): a rank's slice is the whole batch, and the global
+    BatchTopK over it keeps exactly what SAE.activate keeps."""
+    comm = distributed.Comm.alone(torch.device("cpu"))
+    sae = _random_sae("batchtopk").train()
+    x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    assert rank_slice(32, comm) == slice(0, 32)
+    kept_bs = global_batch_topk(sae.pre_acts_normed(x_bd), sae.cfg.n_kept(32), comm)
+    assert torch.equal(kept_bs, sae.activate(sae.pre_acts_normed(x_bd)))
+
+
+@pytest.mark.slow
 def test_latent_shards_select_what_the_whole_sae_selects_in_a_share_of_the_memory():
     """Same weights, same batch: the global TopK picks, the BatchTopK codes, the AuxK dead picks and the
     reconstruction of 2 latent shards equal the whole SAE's; BatchTopK over a batch split between 2 ranks keeps
@@ -328,6 +340,7 @@ def _runs(root: pathlib.Path, shards: ShardDir, seeds=(0,), **spec) -> list:
     return [run_from_sae_spec(root, shards, **{**SPEC, **spec, "seed": s}) for s in seeds]
 
 
+@pytest.mark.slow
 def test_sweep_on_two_ranks_publishes_the_bytes_of_each_run_trained_alone(tmp_path, shards):
     """3 runs of one pass on 2 ranks (rank 0 trains two, rank 1 one): every sae.pt and metrics.jsonl is the file a
     single process writes for that run alone; the results come back on rank 0."""
@@ -360,6 +373,7 @@ def test_data_and_latents_on_two_ranks_match_one_process(tmp_path, shards, mode,
     assert not split.resume_fpath.exists() and not split.resume_shards_dpath.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sweep", "data", "latents"])
 def test_resume_on_one_process_after_two_ranks(tmp_path, shards, mode):
     """2 ranks train 20 steps and stop (a resume checkpoint: whole tensors, or one file per rank and a manifest for
@@ -392,6 +406,7 @@ def _wait_for(path_fn, job, timeout: float = 120) -> None:
     assert path_fn(), "training ended (or failed) before the moment the test waits for"
 
 
+@pytest.mark.slow
 def test_usr1_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(tmp_path, shards):
     """Slurm's warning signal reaching rank 1 only: both ranks stop after the same step, each run (one per rank,
     sweep) saved there, one line each; resuming on one process gives the bytes of uninterrupted runs."""
@@ -412,6 +427,7 @@ def test_usr1_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(tmp_pat
         assert a.sae_fpath.read_bytes() == b.sae_fpath.read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["data", "latents"])
 def test_a_killed_rank_stops_the_others_with_one_line_and_nothing_is_published(tmp_path, shards, mode):
     """Rank 1 SIGKILLed mid-training: rank 0 stops within seconds with one line naming rank 1; no sae.pt, no
@@ -431,6 +447,7 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_nothing_is_published(t
     assert _cli_train([run.root], "--parallel", mode) == 0 and run.sae_fpath.exists()
 
 
+@pytest.mark.slow
 def test_the_launcher_reports_a_killed_rank_in_one_line(tmp_path, shards):
     """`saeflow train --nproc 2` starts its ranks through torch.distributed.run's launcher; SIGKILL one of them: the
     command ends within a bounded time, every line it prints is one line naming rank 1, nothing is published."""

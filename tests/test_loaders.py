@@ -74,6 +74,16 @@ def test_shuffled_deterministic_per_seed_and_resumable(shard_dir):
         assert np.array_equal(_rows(_loader(shard_dir, seed=1).iter_batches(0, start)), a[start * 10 :])
 
 
+def test_data_that_fit_the_pool_get_the_same_batches_from_any_larger_pool(shard_dir, acts_nltd):
+    """The README's reproducibility statement: `buffer_bytes: auto` gives machines with other memory other pools,
+    but the pool never holds more than the layer, so data that fit it are shuffled alike by every larger pool."""
+    n_rows = acts_nltd.shape[0] * (T - 1)  # content tokens of layer 7
+    fitting = _rows(_loader(shard_dir, seed=3, buffer_bytes=n_rows * D * 4).iter_batches(0))
+    for larger in (2 * n_rows * D * 4, 1 << 30):
+        assert np.array_equal(_rows(_loader(shard_dir, seed=3, buffer_bytes=larger).iter_batches(0)), fitting)
+    assert not np.array_equal(_rows(_loader(shard_dir, seed=3).iter_batches(0)), fitting)  # a smaller pool differs
+
+
 def test_shuffled_mixes_across_shards(shard_dir):
     first = _rows([next(iter(_loader(shard_dir, seed=3, batch_size=40)))])
     shards_seen = {int(ex) // 12 for ex in first[:, 0] // 1000}

@@ -25,6 +25,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_two_seeds_that_recover_the_planted_dictionary_match_and_random_saes_do_not(tmp_path, capsys):
     """A dictionary of as many atoms as latents (expansion 1), so "match 90% of the latents" asks both runs to find
     nearly every atom: orthonormal atoms, three per vector, which TopK recovers in a few hundred steps."""

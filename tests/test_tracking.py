@@ -59,6 +59,7 @@ def _train_killed_and_resumed(run, tracking_dpath, *backend, before_resume=lambd
     assert sorted(_logged(run)) == [10, 20, 30, 32]
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_metrics_and_a_killed_run_logs_each_step_once(tmp_path, shard_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

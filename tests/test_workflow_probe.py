@@ -15,6 +15,8 @@ from saeflow.planning import WorkflowPlan
 from test_workflow_rerun import planned_jobs
 from workflow_helpers import snakemake, write_config
 
+pytestmark = pytest.mark.slow  # every test here runs Snakemake end to end
+
 CFG = {
     "shards_root": "shards",
     "runs_root": "runs",
