@@ -36,7 +36,7 @@ run: venv $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/snakemake --cores $(CORES)
 
 test: venv browser $(MINILM)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: venv $(MINILM)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" --every-module

@@ -44,14 +44,6 @@ SPEC = dict(k=2, expansion=4, batch_size=32, n_epochs=1, dead_after_vectors=256)
 POOL = "19200"  # 300 rows of d=16: smaller than the 2,048 training vectors, so the pool really is split
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> ShardDir:
     x_nd, _ = planted_data(2048, d_model=16, n_atoms=32, k=2, seed=1)

@@ -6,7 +6,6 @@ import json
 import numpy as np
 import pytest
 import scipy.optimize
-import torch
 
 from builders import run_from_sae_spec, write_shards
 from saeflow import cli
@@ -14,15 +13,6 @@ from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
 from saeflow.training import train
 from saeflow.training.sae import load_sae
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is much faster than two on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -24,15 +24,6 @@ from saeflow.training.sae import SAE, load_sae
 from saeflow.training.sweeps import SAEConfig
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is ~50x faster than two on a busy 2-core machine (and numerics do not change)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     x_nd, atoms_ad = planted_data(8192, d_model=64, n_atoms=64, k=3)

@@ -128,20 +128,14 @@ class DataParallelTrainer(train.Trainer):
     def train_step(self, x_bd: torch.Tensor) -> None:
         """One step on the global batch `x_bd` (every rank holds it; this rank computes its slice)."""
         comm, sae = self.comm, self.sae
-        for group in self.opt.param_groups:
-            group["lr"] = train.lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+        self.set_lr()
         part = rank_slice(x_bd.shape[0], comm)
         loss = data_parallel_loss(self.objective, sae, x_bd[part], x_bd.shape[0], self.step, self.dead, comm)
         self.opt.zero_grad(set_to_none=True)
         loss.total.backward()
         for param in sae.parameters():
             comm.all_reduce(param.grad)
-        unit_rows = self.cfg.arch != "relu"  # see Trainer.init_from_data
-        if unit_rows:
-            sae.remove_parallel_grad()
-        self.opt.step()
-        if unit_rows:
-            sae.normalize_decoder()
+        train.adam_step(self.opt, sae, self.cfg.arch)
         with torch.no_grad():
             fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
             self.dead.update(fired_s)

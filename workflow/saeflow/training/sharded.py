@@ -284,18 +284,12 @@ class ShardedTrainer(train.Trainer):
 
     def train_step(self, x_bd: torch.Tensor) -> None:
         comm, shard = self.comm, self.sae
-        for group in self.opt.param_groups:
-            group["lr"] = train.lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+        self.set_lr()
         loss = sharded_loss(self, x_bd)
         self.opt.zero_grad(set_to_none=True)
         loss.total.backward()
         comm.all_reduce(shard.b_dec.grad)
-        unit_rows = self.cfg.arch != "relu"
-        if unit_rows:
-            shard.remove_parallel_grad()
-        self.opt.step()
-        if unit_rows:
-            shard.normalize_decoder()
+        train.adam_step(self.opt, shard, self.cfg.arch)
         with torch.no_grad():
             fired_s = loss.codes.fired_s(shard)
             self.dead.update(fired_s)

@@ -66,6 +66,17 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
     return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
+def adam_step(opt: torch.optim.Optimizer, sae, arch: str) -> None:
+    """The optimizer step. Decoder rows of unit norm (every arch but ReLU, see Trainer.init_from_data) lose the
+    gradient along themselves first and are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
+    unit_rows = arch != "relu"
+    if unit_rows:
+        sae.remove_parallel_grad()
+    opt.step()
+    if unit_rows:
+        sae.normalize_decoder()
+
+
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
     """Linear warm-up, then cosine decay to zero at the last step."""
     n_warm = int(warmup_frac * n_steps)
@@ -248,19 +259,18 @@ class Trainer:
             earlier.append(here)
         self.platforms = earlier or [here]
 
-    def train_step(self, x_bd: torch.Tensor) -> None:
-        sae = self.sae
+    def set_lr(self) -> None:
+        """This step's learning rate (warmup, then decay: lr_at) on every parameter group."""
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+
+    def train_step(self, x_bd: torch.Tensor) -> None:
+        sae = self.sae
+        self.set_lr()
         loss = self.objective(sae, x_bd, self.step, self.dead)
         self.opt.zero_grad(set_to_none=True)
         loss.total.backward()
-        unit_rows = self.cfg.arch != "relu"  # see init_from_data
-        if unit_rows:
-            sae.remove_parallel_grad()
-        self.opt.step()
-        if unit_rows:
-            sae.normalize_decoder()
+        adam_step(self.opt, sae, self.cfg.arch)
         with torch.no_grad():
             fired_s = loss.codes.fired_s()
             self.dead.update(fired_s)
