@@ -167,10 +167,11 @@ class Heartbeat:
             return None
         return [r for r in range(self.world_size) if r != self.rank and before[r] == after[r] and r not in left]
 
-    def await_others(self, gone: list[int], max_sec: float = 8 * HEARTBEAT_SEC) -> None:
+    def await_others(self, gone: list[int], max_sec: float = RANK_TIMEOUT_SEC / 4) -> None:
         """Rank 0 holds the rendezvous store (srun, forked ranks): before it exits on a dead peer, let every other
         live rank finish asking the store who is gone and leave, so each names the dead rank rather than the store's
-        absence. Bounded: a rank that never leaves is waited for `max_sec` at most."""
+        absence. They do within seconds, but a loaded machine can delay one by more than 4 s (seen with two test
+        suites on 2 cores). Bounded: a rank that never leaves is waited for `max_sec` (30 s by default) at most."""
         deadline = time.monotonic() + max_sec
         others = set(range(self.world_size)) - set(gone) - {self.rank}
         while time.monotonic() < deadline:
