@@ -31,6 +31,7 @@ import torch
 from _ranks import run_ranks, start_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow import cli, config
+from saeflow.errors import SaeflowError
 from saeflow.store.shards import ShardDir
 from saeflow.training import distributed, entry, memory, objectives, parallel, resume, sharded, sweeps
 from saeflow.training.dataparallel import global_batch_topk, rank_slice
@@ -437,6 +438,32 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_nothing_is_published(t
     assert "Traceback" not in job.stderr(0)
     assert not run.sae_fpath.exists() and not run.final_metrics_fpath.exists()
     assert _cli_train([run.root], "--parallel", mode) == 0 and run.sae_fpath.exists()
+
+
+def _blocked_on_rank_0_when_rank_2_dies() -> str:
+    """Rank 2 dies; ranks 0 and 1 fail in an all-reduce with it; rank 3 waits on a receive from rank 0 alone, which
+    fails only when rank 0 (the store's holder) leaves. Each rank's one error line."""
+    comm = distributed.init("cpu")
+    comm.barrier()
+    if comm.rank == 2:
+        os._exit(9)
+    try:
+        with comm.guard():
+            comm.recv(torch.zeros(1), 0) if comm.rank == 3 else comm.barrier()
+    except SaeflowError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_rank_blocked_on_the_store_holder_names_the_dead_rank():
+    """The race CI hit with two suites on 2 cores: rank 3 blocked on rank 0 alone learns who died only when rank 0
+    leaves and takes the store with it. The verdict written to the store, read by every heartbeat, names rank 2 on
+    every live rank, with no C++ store warnings on stderr."""
+    job = start_ranks(4, _blocked_on_rank_0_when_rank_2_dies)
+    assert job.wait(60) == [0, 0, 9, 0]
+    for r in (0, 1, 3):
+        assert job.result(r).startswith("rank 2 is gone ("), (r, job.result(r))
+        assert "frame #" not in job.stderr(r) and "Traceback" not in job.stderr(r), job.stderr(r)
 
 
 @pytest.mark.slow

@@ -8,8 +8,10 @@ SLURM_STEP_NODELIST). Otherwise it is alone: `Comm.alone`, whose collectives are
 training never touches torch.distributed. nccl on CUDA, gloo on the CPU (every test runs here).
 
 A dead rank. Every rank bumps a counter in the rendezvous store twice a second (`Heartbeat`). When a collective
-fails (gloo: the peer's socket closed), `Comm.guard` looks at whose counter stopped and raises one line naming that
-rank; a rank whose peer stops beating for `SAEFLOW_RANK_TIMEOUT_SEC` (default 120 s) while this one waits in a
+fails (gloo: the peer's socket closed), `Comm.guard` looks at whose counter stopped, writes that verdict to the store
+and raises one line naming that rank. Every rank's heartbeat reads the verdict as soon as it is written, so a rank
+still blocked on a live peer (rank 0, say, which under srun holds the store and leaves last) names the dead rank
+when that peer leaves, even though the store left with it. A rank whose peer stops beating for `SAEFLOW_RANK_TIMEOUT_SEC` (default 120 s) while this one waits in a
 collective that cannot fail by itself (nccl) prints that line and exits. Nothing is published by a pass whose ranks
 did not all reach its end (saeflow.training.parallel).
 """
@@ -36,6 +38,8 @@ HEARTBEAT_SEC = 0.5
 EXIT_PEER_GONE = 3  # the exit status of a rank that gave up on a silent peer
 _BEAT_KEY = "saeflow/beat/{}"
 _LEFT_KEY = "saeflow/left/{}"  # set by a rank that stops on its own (an error it reports): not a dead rank
+_GONE_KEY = "saeflow/gone"  # the dead ranks ("2" or "2,3"), written by the first rank that found them
+_SEEN_KEY = "saeflow/seen/{}"  # set by a rank's heartbeat once it has read the verdict
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
 
 
@@ -112,6 +116,7 @@ class Heartbeat:
         self.store, self.rank, self.world_size, self.timeout_sec = store, rank, world_size, timeout_sec
         self.stop_event = threading.Event()
         self.waiting = False  # the main thread is inside a collective (set by Comm)
+        self.verdict: list[int] | None = None  # the dead ranks, once some rank found them
         self.thread = threading.Thread(target=self._beat, name="saeflow-heartbeat", daemon=True)
         self.thread.start()
 
@@ -121,36 +126,52 @@ class Heartbeat:
     def left(self) -> set[int]:
         return {r for r in range(self.world_size) if self.store.add(_LEFT_KEY.format(r), 0)}
 
+    def seen(self) -> set[int]:
+        return {r for r in range(self.world_size) if self.store.add(_SEEN_KEY.format(r), 0)}
+
+    def _read_verdict(self) -> list[int] | None:
+        if self.verdict is None and self.store.check([_GONE_KEY]):
+            self.verdict = [int(r) for r in self.store.get(_GONE_KEY).decode().split(",")]
+            self.store.add(_SEEN_KEY.format(self.rank), 1)
+        return self.verdict
+
     def leave(self) -> None:
-        """Say this rank stops on purpose (so the others do not take it for dead), then stop beating."""
-        try:
-            self.store.add(_LEFT_KEY.format(self.rank), 1)
-        except Exception:  # noqa: BLE001 -- the store is gone: nobody is left to tell
-            pass
+        """Say this rank stops on purpose (so the others do not take it for dead), then stop beating. After a verdict
+        the others ask nothing more of this rank, and the store may have left with rank 0: it is not touched."""
+        if self.verdict is None:
+            try:
+                self.store.add(_LEFT_KEY.format(self.rank), 1)
+            except Exception:  # noqa: BLE001 -- the store is gone: nobody is left to tell
+                pass
         self.stop()
 
     def _beat(self) -> None:
         last, since = None, [time.monotonic()] * self.world_size
         while not self.stop_event.wait(HEARTBEAT_SEC):
-            try:
-                self.store.add(_BEAT_KEY.format(self.rank), 1)
-                now, counts = time.monotonic(), self.counts()
-            except Exception:  # noqa: BLE001 -- the store went away: the main thread's next collective says so
-                return
-            for r, count in enumerate(counts):
-                if last is None or count != last[r]:
-                    since[r] = now
-            last = counts
+            now = time.monotonic()
+            if self.verdict is None:  # after it, rank 0 may take the store away any moment: stop asking it
+                try:
+                    self.store.add(_BEAT_KEY.format(self.rank), 1)
+                    counts = self.counts()
+                    self._read_verdict()
+                except Exception:  # noqa: BLE001 -- the store went away: the main thread's next collective says so
+                    return
+                for r, count in enumerate(counts):
+                    if last is None or count != last[r]:
+                        since[r] = now
+                last = counts
             silent = [r for r in range(self.world_size) if r != self.rank and now - since[r] > self.timeout_sec]
             if silent and self.waiting:  # in a collective that cannot fail by itself (nccl), which would wait forever
                 self._give_up(silent)
 
     def _give_up(self, silent: list[int]) -> None:
-        try:
-            left = self.left()
-        except Exception:  # noqa: BLE001
-            left = set()
-        gone = [r for r in silent if r not in left]
+        gone = self.verdict
+        if gone is None:
+            try:
+                left = self.left()
+            except Exception:  # noqa: BLE001
+                left = set()
+            gone = [r for r in silent if r not in left]
         why = _gone(gone) if gone else f"rank {silent[0]} stopped (its own line says why)"
         line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, nothing was published"
         print(f"saeflow train: error: rank {self.rank}: {line}", file=sys.stderr)
@@ -158,25 +179,34 @@ class Heartbeat:
         os._exit(EXIT_PEER_GONE)
 
     def gone(self, wait_sec: float = 4 * HEARTBEAT_SEC) -> list[int] | None:
-        """The ranks whose counters did not move for `wait_sec`; None when the store itself is unreachable."""
+        """The dead ranks: the verdict another rank wrote, else the ranks whose counters did not move for `wait_sec`
+        (written as the verdict); None when the store is unreachable and no verdict was read before it went."""
         try:
-            before = self.counts()
-            time.sleep(wait_sec)
+            if self._read_verdict():
+                return self.verdict
+            before, deadline = self.counts(), time.monotonic() + wait_sec
+            while time.monotonic() < deadline:
+                time.sleep(HEARTBEAT_SEC / 5)
+                if self.verdict is not None:  # the heartbeat read it: the store may be leaving
+                    return self.verdict
             after, left = self.counts(), self.left()
-        except Exception:  # noqa: BLE001
-            return None
-        return [r for r in range(self.world_size) if r != self.rank and before[r] == after[r] and r not in left]
+            gone = [r for r in range(self.world_size) if r != self.rank and before[r] == after[r] and r not in left]
+            if gone and not self._read_verdict():
+                self.store.set(_GONE_KEY, ",".join(map(str, gone)))
+            return self.verdict or gone
+        except Exception:  # noqa: BLE001 -- the store is gone
+            return self.verdict
 
     def await_others(self, gone: list[int], max_sec: float = RANK_TIMEOUT_SEC / 4) -> None:
-        """Rank 0 holds the rendezvous store (srun, forked ranks): before it exits on a dead peer, let every other
-        live rank finish asking the store who is gone and leave, so each names the dead rank rather than the store's
-        absence. They do within seconds, but a loaded machine can delay one by more than 4 s (seen with two test
-        suites on 2 cores). Bounded: a rank that never leaves is waited for `max_sec` (30 s by default) at most."""
+        """Rank 0 holds the rendezvous store (srun, forked ranks): before it exits on a dead peer, wait until every
+        other live rank has read the verdict (its heartbeat does within a beat, even while its main thread is blocked
+        on rank 0 itself) or left, so each names the dead rank rather than the store's absence. Bounded: a rank that
+        never answers is waited for `max_sec` (30 s by default) at most."""
         deadline = time.monotonic() + max_sec
         others = set(range(self.world_size)) - set(gone) - {self.rank}
         while time.monotonic() < deadline:
             try:
-                if others <= self.left():
+                if others <= self.left() | self.seen():
                     return
             except Exception:  # noqa: BLE001 -- the store is gone already
                 return
