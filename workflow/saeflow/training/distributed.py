@@ -11,9 +11,10 @@ A dead rank. Every rank bumps a counter in the rendezvous store twice a second (
 fails (gloo: the peer's socket closed), `Comm.guard` looks at whose counter stopped, writes that verdict to the store
 and raises one line naming that rank. Every rank's heartbeat reads the verdict as soon as it is written, so a rank
 still blocked on a live peer (rank 0, say, which under srun holds the store and leaves last) names the dead rank
-when that peer leaves, even though the store left with it. A rank whose peer stops beating for `SAEFLOW_RANK_TIMEOUT_SEC` (default 120 s) while this one waits in a
-collective that cannot fail by itself (nccl) prints that line and exits. Nothing is published by a pass whose ranks
-did not all reach its end (saeflow.training.parallel).
+when that peer leaves, even though the store left with it. A rank whose peer stops beating for
+`SAEFLOW_RANK_TIMEOUT_SEC` (default 120 s) while this one waits in a collective that cannot fail by itself (nccl)
+prints that line and exits. Nothing is published by a pass whose ranks did not all reach its end
+(saeflow.training.parallel).
 """
 
 import collections
