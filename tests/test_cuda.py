@@ -74,13 +74,13 @@ def test_training_on_gpu_resumes_exactly(tmp_path, deterministic, arch):
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=100, tag="gpu")
     spec = dict(arch=arch, k=2, expansion=4, batch_size=32, n_epochs=1, matryoshka=[0.25], dead_after_vectors=512)
     resumed = run_from_sae_spec(tmp_path / "resumed", sd, **spec)
-    assert train.train_runs([resumed.root], device="cuda", checkpoint_every=20, max_steps=50) == []
+    assert train.train_runs([resumed.root], train.TrainSettings(device="cuda", checkpoint_every=20, max_steps=50)) == []
     state = torch.load(resumed.resume_fpath, weights_only=True)
     assert state["step"] == 50 and state["sae"]["W_dec"].is_cuda  # saved from the GPU, restored onto it
-    (result,) = train.train_runs([resumed.root], device="cuda", checkpoint_every=20)
+    (result,) = train.train_runs([resumed.root], train.TrainSettings(device="cuda", checkpoint_every=20))
     assert result["step"] == 128
     clean = run_from_sae_spec(tmp_path / "clean", sd, **spec)
-    train.train_runs([clean.root], device="cuda", checkpoint_every=10**6)
+    train.train_runs([clean.root], train.TrainSettings(device="cuda", checkpoint_every=10**6))
     resumed_state = sae.load_sae(resumed.sae_fpath).state_dict()
     for name, tensor in sae.load_sae(clean.sae_fpath).state_dict().items():
         assert torch.equal(tensor, resumed_state[name]), name

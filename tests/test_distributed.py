@@ -321,7 +321,7 @@ def test_latent_shards_select_what_the_whole_sae_selects_in_a_share_of_the_memor
 
 
 def _train(run_roots, mode: str, **kw):
-    return entry.train_runs(run_roots, device="cpu", parallel=mode, buffer_bytes=POOL, **kw)
+    return entry.train_runs(run_roots, entry.TrainSettings(device="cpu", parallel=mode, buffer_bytes=POOL, **kw))
 
 
 def _cli_train(run_roots, *flags: str) -> int:

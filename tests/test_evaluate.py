@@ -252,7 +252,7 @@ def test_evaluate_refuses_a_model_rewritten_in_place(tiny_lm_dpath, tmp_path, ca
     sd = _shards(tmp_path, spec)
     run = run_from_sae_spec(tmp_path / "runs", sd, layer=1, expansion=2, k=4, aux_k=8, batch_size=32)
     assert run.config()["tokens"] == "no_special"  # the text default
-    train.train_runs([run.root], device="cpu")
+    train.train_runs([run.root], train.TrainSettings(device="cpu"))
     argv = ["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--no-progress", "--device", "cpu"]
     assert cli.main(argv) == 0  # the model extraction ran: its clean pass matches the shards
     assert cli.main([*argv, "--compute-dtype", "bfloat16"]) == 0  # within bfloat16's tolerance

@@ -13,6 +13,7 @@ from saeflow.training import train
 
 SPEC = dict(arch="topk", k=2, expansion=4, batch_size=32, n_epochs=1)
 PUBLISHED = ("config.json", "metrics.json", "metrics.jsonl", "provenance.json", "sae.pt")
+CPU = train.TrainSettings(device="cpu")
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ class Crash(BaseException):
 @pytest.mark.parametrize("crash_after", ["metrics.jsonl", "metrics.json", "provenance.json"])
 def test_crash_between_metrics_and_sae_pt_is_finished_by_the_rerun(tmp_path, shard_dir, monkeypatch, crash_after):
     clean = run_from_sae_spec(tmp_path / "clean", shard_dir, **SPEC)
-    train.train_runs([clean.root], device="cpu")
+    train.train_runs([clean.root], CPU)
     run = run_from_sae_spec(tmp_path / "crashed", shard_dir, **SPEC)
     real_replace = os.replace
 
@@ -44,31 +45,31 @@ def test_crash_between_metrics_and_sae_pt_is_finished_by_the_rerun(tmp_path, sha
 
     monkeypatch.setattr(os, "replace", replace_then_crash)
     with pytest.raises(Crash):
-        train.train_runs([run.root], device="cpu")
+        train.train_runs([run.root], CPU)
     monkeypatch.setattr(os, "replace", real_replace)
     assert not run.sae_fpath.exists()  # not "done"; the sealed staging directory holds what is left
     assert (run.publish_dpath / "sae.pt").exists()
-    assert train.train_runs([run.root], device="cpu") == []  # finished by renaming, without training again
+    assert train.train_runs([run.root], CPU) == []  # finished by renaming, without training again
     assert checkpoint_files(run) == checkpoint_files(clean)
 
 
 def test_crash_while_staging_redoes_the_finish(tmp_path, shard_dir, monkeypatch):
     clean = run_from_sae_spec(tmp_path / "clean", shard_dir, **SPEC)
-    train.train_runs([clean.root], device="cpu")
+    train.train_runs([clean.root], CPU)
     run = run_from_sae_spec(tmp_path / "crashed", shard_dir, **SPEC)
     monkeypatch.setattr(train, "save_sae", lambda *a, **k: (_ for _ in ()).throw(Crash()))
     with pytest.raises(Crash):
-        train.train_runs([run.root], device="cpu")
+        train.train_runs([run.root], CPU)
     monkeypatch.undo()
     assert not run.sae_fpath.exists() and not run.final_metrics_fpath.exists()
-    (result,) = train.train_runs([run.root], device="cpu")
+    (result,) = train.train_runs([run.root], CPU)
     assert result["step"] == 32
     assert checkpoint_files(run) == checkpoint_files(clean)
 
 
 def test_published_run_files_are_read_only(tmp_path, shard_dir):
     run = run_from_sae_spec(tmp_path, shard_dir, **SPEC)
-    train.train_runs([run.root], device="cpu")
+    train.train_runs([run.root], CPU)
     assert sorted(p.name for p in run.checkpoint_dpath.iterdir()) == sorted(PUBLISHED)
     for fname in PUBLISHED:
         mode = stat.S_IMODE((run.checkpoint_dpath / fname).stat().st_mode)
@@ -79,11 +80,11 @@ def test_a_second_trainer_waits_for_the_run_lock_then_finds_it_done(tmp_path, sh
     run = run_from_sae_spec(tmp_path, shard_dir, **SPEC)
     results = []
     with atomic.exclusive_lock(run.lock_fpath):
-        waiter = threading.Thread(target=lambda: results.append(train.train_runs([run.root], device="cpu")))
+        waiter = threading.Thread(target=lambda: results.append(train.train_runs([run.root], CPU)))
         waiter.start()
         waiter.join(timeout=1.0)
         assert waiter.is_alive()  # blocked on the lock
         assert not run.sae_fpath.exists()
     waiter.join(timeout=60)
     assert len(results[0]) == 1 and run.sae_fpath.exists()
-    assert train.train_runs([run.root], device="cpu") == []  # the next one finds it done
+    assert train.train_runs([run.root], CPU) == []  # the next one finds it done

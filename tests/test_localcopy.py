@@ -20,11 +20,11 @@ def test_training_reads_the_checked_local_copy(tmp_path, monkeypatch):
     x_nd, _ = planted_data(512, d_model=16, n_atoms=32, k=2, seed=3)
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="lc")
     in_place = run_from_sae_spec(tmp_path / "a", sd, **SPEC)
-    train.train_runs([in_place.root], device="cpu")
+    train.train_runs([in_place.root], train.TrainSettings(device="cpu"))
 
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     copied = run_from_sae_spec(tmp_path / "b", sd, **SPEC)
-    train.train_runs([copied.root], device="cpu", local_copy="$TMPDIR")
+    train.train_runs([copied.root], train.TrainSettings(device="cpu", local_copy="$TMPDIR"))
     local = tmp_path / "node" / localcopy.LOCAL_DNAME / sd.dpath.name
     assert (local.parent / f".{sd.dpath.name}.complete").exists() and (local / "acts000000.bin").is_file()
     a, b = _weights(in_place), _weights(copied)
@@ -35,7 +35,7 @@ def test_training_reads_the_checked_local_copy(tmp_path, monkeypatch):
     for shard in sd.dpath.glob("acts*.bin"):
         shard.write_bytes(bytes(shard.stat().st_size))
     third = run_from_sae_spec(tmp_path / "c", sd, **SPEC)
-    train.train_runs([third.root], device="cpu", local_copy="$TMPDIR")
+    train.train_runs([third.root], train.TrainSettings(device="cpu", local_copy="$TMPDIR"))
     c = _weights(third)
     assert all(torch.equal(a[k], c[k]) for k in a)
 

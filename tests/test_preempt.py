@@ -34,7 +34,7 @@ def test_training_stopped_by_usr1_resumes_to_identical_weights(tmp_path, monkeyp
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=64, tag="p")
     spec = dict(arch="topk", k=2, expansion=4, batch_size=32, n_epochs=1)
     whole = run_from_sae_spec(tmp_path / "whole", sd, **spec)
-    train.train_runs([whole.root], device="cpu")
+    train.train_runs([whole.root], train.TrainSettings(device="cpu"))
     run = run_from_sae_spec(tmp_path / "stopped", sd, **spec)
 
     restore = _signal_self_at(monkeypatch, train.Trainer, "train_step", 11, signal.SIGUSR1)

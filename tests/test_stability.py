@@ -26,7 +26,7 @@ def test_two_seeds_that_recover_the_planted_dictionary_match_and_random_saes_do_
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 16, 64), layers=(0,), tag="planted")
     spec = {"arch": "topk", "k": 3, "expansion": 1, "batch_size": 128, "n_epochs": 6, "dead_after_vectors": 8192}
     runs = [run_from_sae_spec(tmp_path / "runs", sd, **spec, seed=seed, data_seed=seed) for seed in (0, 1)]
-    train.train_runs([run.root for run in runs], device="cpu")
+    train.train_runs([run.root for run in runs], train.TrainSettings(device="cpu"))
     for run in runs:  # both recover the planted dictionary
         cos_a = (atoms_ad @ load_sae(run.sae_fpath).W_dec.detach().double().numpy().T).max(1)
         assert (cos_a > 0.9).mean() >= 0.95, (cos_a > 0.9).mean()

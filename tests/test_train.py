@@ -49,7 +49,7 @@ def test_known_answer_planted_dictionary(tmp_path, planted, arch, spec):
     run = run_from_sae_spec(
         tmp_path, sd, arch=arch, expansion=2, batch_size=128, n_epochs=6, dead_after_vectors=8192, **spec
     )
-    (result,) = train.train_runs([run.root], device="cpu")
+    (result,) = train.train_runs([run.root], train.TrainSettings(device="cpu"))
     sae = load_sae(run.sae_fpath)
     cos_a = (atoms_ad @ sae.W_dec.detach().numpy().T).max(1)
     assert (cos_a > 0.9).mean() >= 0.9, f"{arch}: recovered {(cos_a > 0.9).mean():.0%} of planted directions"
@@ -119,7 +119,7 @@ def test_dead_relu_latents_come_back(tmp_path, planted, monkeypatch, aux_alpha, 
     sd, _ = planted
     run = run_from_sae_spec(tmp_path, sd, arch="relu", expansion=2, batch_size=128, n_epochs=2,
                             dead_after_vectors=2048, aux_alpha=aux_alpha)  # fmt: skip
-    train.train_runs([run.root], device="cpu")
+    train.train_runs([run.root], train.TrainSettings(device="cpu"))
     sae = load_sae(run.sae_fpath)
     x_nd = torch.from_numpy(sd.acts(0).reshape(-1, 64).copy())
     with torch.no_grad():
@@ -191,7 +191,7 @@ def _state(run):
 
 def _train_quietly(run_root):
     sys.stderr = open(os.devnull, "w")
-    train.train_runs([run_root], device="cpu", checkpoint_every=20)
+    train.train_runs([run_root], train.TrainSettings(device="cpu", checkpoint_every=20))
 
 
 @pytest.mark.slow
@@ -220,7 +220,7 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
 
     clean = run_from_sae_spec(tmp_path / "clean", sd, **spec)
     assert clean.root.name == killed.root.name  # same config, same run id
-    train.train_runs([clean.root], device="cpu", checkpoint_every=10**6)
+    train.train_runs([clean.root], train.TrainSettings(device="cpu", checkpoint_every=10**6))
     for name, tensor in _state(clean).items():
         assert torch.equal(tensor, _state(killed)[name]), name
     metrics_of = lambda run: run.metrics_log_fpath.read_text()  # noqa: E731
@@ -237,10 +237,10 @@ def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
     sd, spec = small_run
     spec = {**spec, "n_epochs": 1}
     together = [run_from_sae_spec(tmp_path / "together", sd, **{**spec, "seed": s}) for s in (0, 1)]
-    results = train.train_runs([r.root for r in together], device="cpu")
+    results = train.train_runs([r.root for r in together], train.TrainSettings(device="cpu"))
     assert {r["run"] for r in results} == {str(r.root) for r in together}
     alone = run_from_sae_spec(tmp_path / "alone", sd, **{**spec, "seed": 1})
-    train.train_runs([alone.root], device="cpu")
+    train.train_runs([alone.root], train.TrainSettings(device="cpu"))
     for name, tensor in _state(alone).items():
         assert torch.equal(tensor, _state(together[1])[name]), name
     assert not torch.equal(_state(together[0])["W_dec"], _state(together[1])["W_dec"])
@@ -249,9 +249,9 @@ def test_sweep_trains_in_one_pass_like_separately(tmp_path, small_run):
 def test_max_steps_then_resume(tmp_path, small_run):
     sd, spec = small_run
     run = run_from_sae_spec(tmp_path, sd, **{**spec, "n_epochs": 1})
-    assert train.train_runs([run.root], device="cpu", max_steps=50) == []
+    assert train.train_runs([run.root], train.TrainSettings(device="cpu", max_steps=50)) == []
     assert torch.load(run.resume_fpath, weights_only=True)["step"] == 50
-    (result,) = train.train_runs([run.root], device="cpu")
+    (result,) = train.train_runs([run.root], train.TrainSettings(device="cpu"))
     assert result["step"] == 128 and load_sae(run.sae_fpath).threshold > 0
     assert result["l0"] == pytest.approx(2, abs=0.5)  # BatchTopK's inference threshold keeps ~k latents per vector
 
@@ -269,7 +269,7 @@ def test_a_second_trainer_says_at_once_that_it_waits_and_who_holds_the_run(tmp_p
     run = run_from_sae_spec(tmp_path / "runs", sd, **spec)
     caplog.set_level("INFO", logger="saeflow.store.atomic")
     with atomic.exclusive_lock(run.lock_fpath):  # another trainer (this process: flock locks per open file)
-        trainer = threading.Thread(target=train.train_runs, args=([run.root],), kwargs={"device": "cpu"})
+        trainer = threading.Thread(target=train.train_runs, args=([run.root], train.TrainSettings(device="cpu")))
         trainer.start()
         deadline = time.monotonic() + 30
         while not any("waiting for the lock" in r.getMessage() for r in caplog.records):
@@ -291,7 +291,7 @@ def test_errors_name_the_problem(tmp_path, small_run):
         train.train_runs([tmp_path / "nowhere"])
     with pytest.raises(SaeflowError, match="CUDA is not available"):
         (
-            train.train_runs([run.root], device="cuda:0")
+            train.train_runs([run.root], train.TrainSettings(device="cuda:0"))
             if not torch.cuda.is_available()
             else (_ for _ in ()).throw(SaeflowError("CUDA is not available (skipped)"))
         )
@@ -299,7 +299,7 @@ def test_errors_name_the_problem(tmp_path, small_run):
     os.chmod(sd.dpath, 0o755)
     (sd.dpath / "acts000003.bin").unlink()
     with pytest.raises(SaeflowError, match="acts000003.bin: missing"):
-        train.train_runs([run.root], device="cpu")
+        train.train_runs([run.root], train.TrainSettings(device="cpu"))
     assert not run.sae_fpath.exists() and not run.metrics_log_fpath.exists()
 
 

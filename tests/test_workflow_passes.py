@@ -62,7 +62,7 @@ def test_a_four_run_sweep_trains_in_one_job_reading_the_data_once(tmp_path):
         alone = runs.create_run(tmp_path / "alone", plan.runs[run_id].train_config.to_dict(),
                                 train_shards=shards_dpath, val_shards=plan.activation_shards("held").dpath)  # fmt: skip
         with ReadCounter(shards_dpath) as counter:
-            train.train_runs([alone.root], device="cpu")
+            train.train_runs([alone.root], train.TrainSettings(device="cpu"))
         assert counter.n_bytes == job["n_bytes"] >= 2 * n_layer_bytes, (counter.n_bytes, job["n_bytes"])
         assert plan.run(run_id).sae_fpath.read_bytes() == alone.sae_fpath.read_bytes(), run_id
 

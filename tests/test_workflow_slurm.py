@@ -116,7 +116,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     alone = runs.create_run(tmp_path / "alone", json.loads((run_dpath / "checkpoint" / "config.json").read_text()),
                             train_shards=(run_dpath / "links" / "train-shards").resolve(),
                             val_shards=(run_dpath / "links" / "val-shards").resolve())  # fmt: skip
-    train.train_runs([alone.root], device="cpu")
+    train.train_runs([alone.root], train.TrainSettings(device="cpu"))
     assert (run_dpath / "checkpoint" / "sae.pt").read_bytes() == alone.sae_fpath.read_bytes()
 
     by_rule = {rule: lines[0] for rule, lines in lines_by_rule.items()}
@@ -443,5 +443,5 @@ def test_a_two_node_training_job_runs_its_ranks_through_srun_in_the_workflow(tmp
         alone = runs.create_run(tmp_path / "alone", json.loads((run_dpath / "checkpoint" / "config.json").read_text()),
                                 train_shards=(run_dpath / "links" / "train-shards").resolve(),
                                 val_shards=(run_dpath / "links" / "val-shards").resolve())  # fmt: skip
-        train.train_runs([alone.root], device="cpu")
+        train.train_runs([alone.root], train.TrainSettings(device="cpu"))
         assert (run_dpath / "checkpoint" / "sae.pt").read_bytes() == alone.sae_fpath.read_bytes()

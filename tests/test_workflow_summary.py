@@ -86,7 +86,7 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     spec = dict(arch="topk", k=2, expansion=2, batch_size=64, n_epochs=1)
     default = run_from_sae_spec(tmp_path / "runs", sd, **spec)
     explicit = run_from_sae_spec(tmp_path / "runs", sd, **spec, lr=3e-3)
-    results = train.train_runs([default.root, explicit.root], device="cpu")
+    results = train.train_runs([default.root, explicit.root], train.TrainSettings(device="cpu"))
     assert sorted(r["peak_lr"] for r in results) == sorted([train.auto_lr(32), 3e-3])
     for run in (default, explicit):
         assert run.root.name == runs.run_id(run.config())

@@ -100,13 +100,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     memory.parse_size(args.buffer_bytes, "--buffer-bytes")
     if (code := launch.start_ranks(args)) is not None:
         return code
-    settings = tracking.Settings.from_section(
+    tracking_settings = tracking.Settings.from_section(
         {"tracking": args.tracking, "tracking_dir": args.tracking_dir, "wandb_project": args.wandb_project}
     )
+    settings = entry.TrainSettings(
+        device=args.device, checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
+        local_copy=args.local_copy, runs_per_pass=args.runs_per_pass, tracking=tracking_settings,
+        parallel=args.parallel, buffer_bytes=args.buffer_bytes,
+    )  # fmt: skip
     rdv = distributed.rendezvous_from_env()
     try:
-        results = entry.train_runs(args.run, args.device, args.checkpoint_every, args.max_steps, args.local_copy,
-                                   args.runs_per_pass, settings, args.parallel, args.buffer_bytes)  # fmt: skip
+        results = entry.train_runs(args.run, settings)
     except SaeflowError as err:
         raise err if rdv is None else SaeflowError(f"rank {rdv.rank}: {err}") from None
     for result in results:

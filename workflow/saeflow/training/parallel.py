@@ -58,14 +58,13 @@ def join(device: str) -> Comm:
     return distributed.init(device)
 
 
-def train_runs(comm: Comm, run_paths: typing.Sequence, settings: dict) -> list[dict]:
+def train_runs(comm: Comm, run_paths: typing.Sequence, settings: train.TrainSettings) -> list[dict]:
     """train.train_runs on the ranks of `comm` (every rank calls it with the same arguments, through entry); the
-    results of the runs published, on rank 0 (an empty list elsewhere). `settings`: checkpoint_every, max_steps,
-    local_copy, runs_per_pass, tracking_settings, parallel, buffer_bytes."""
+    results of the runs published, on rank 0 (an empty list elsewhere)."""
     try:
         with comm.guard(), contextlib.ExitStack() as locks:
             opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
-            passes = comm.on_root(lambda: _plan_passes(opened, settings["runs_per_pass"], locks))
+            passes = comm.on_root(lambda: _plan_passes(opened, settings.runs_per_pass, locks))
             results = []
             for members in passes:
                 group = [(opened[root], TrainConfig.from_dict(cfg, root)) for root, cfg in members]
@@ -115,21 +114,21 @@ def _writes(t) -> bool:
     return getattr(t, "writes", True)
 
 
-def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings: dict) -> list[dict]:
+def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings: train.TrainSettings) -> list[dict]:
     """One pass on every rank: the same batches everywhere, each rank training its trainers; see the module doc."""
     cfg0 = group[0][1]
     dev_bytes = device_bytes(comm)
     train_dir = train._open_shards(group[0][0], runs.Run.TRAIN_SHARDS)
     d_model = train_dir.metadata.d_model
     biggest = max(memory.state_bytes(cfg, d_model) for _, cfg in group)
-    mode = comm.on_root(lambda: choose_mode(settings["parallel"], len(group), comm.world_size, biggest, dev_bytes))
-    pool = memory.pool_bytes(group, settings["buffer_bytes"], mode, train_dir, comm)
+    mode = comm.on_root(lambda: choose_mode(settings.parallel, len(group), comm.world_size, biggest, dev_bytes))
+    pool = memory.pool_bytes(group, settings.buffer_bytes, mode, train_dir, comm)
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig):
         return DistributedShuffledLoader(comm, shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens,
                                          buffer_bytes=pool)  # fmt: skip
 
-    loader, val_dirs = train._open_data(group, settings["local_copy"], make_loader)
+    loader, val_dirs = train._open_data(group, settings.local_copy, make_loader)
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     here = loader.rank_plan(0)
     train.logger.info("pass of %d run(s) on %d ranks: %s mode, pool of %d rows (%d here)", len(group),
@@ -145,13 +144,13 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
                 t.checkpoint.restart_log()
             t.init_from_data(init_nd)
     start = comm.min_int(min((t.step for t, _ in pairs), default=n_steps))
-    stop = n_steps if settings["max_steps"] is None else min(n_steps, start + settings["max_steps"])
+    stop = n_steps if settings.max_steps is None else min(n_steps, start + settings.max_steps)
     with contextlib.ExitStack() as trackers:
         for t, _ in pairs:
             if _writes(t):
-                t.tracker = train.tracking.open_tracker(settings["tracking_settings"], t.run, t.step)
+                t.tracker = train.tracking.open_tracker(settings.tracking, t.run, t.step)
                 trackers.callback(t.tracker.close)
-        stop, stopped_by = _run_steps(comm, [t for t, _ in pairs], loader, start, stop, settings["checkpoint_every"])
+        stop, stopped_by = _run_steps(comm, [t for t, _ in pairs], loader, start, stop, settings.checkpoint_every)
         loader.close()
         if stop < n_steps:
             for t, _ in pairs:

@@ -11,6 +11,7 @@ length) train in one pass: each batch is read once and fed to every SAE of the g
 """
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -40,6 +41,23 @@ DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see
 RELU_DECODER_INIT_NORM = 0.1  # ReLU decoder rows start this short and their norms train freely (see init_from_data)
 LOG_EVERY = 10
 TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """How one `saeflow train` process trains its runs (what each run trains is its own config.json)."""
+
+    device: str = TRAIN_DEFAULTS["device"]  # auto, cpu, cuda, cuda:N (devices.resolve_device)
+    checkpoint_every: int = TRAIN_DEFAULTS["checkpoint_every"]  # steps between resume checkpoints
+    max_steps: int | None = None  # stop after this many steps, with a resume checkpoint (tests, time-limited jobs)
+    local_copy: str = ""  # read the training shards from a node-local copy here, e.g. "$TMPDIR" (localcopy)
+    runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"]  # at most this many runs share one pass over the data
+    tracking: "tracking.Settings | None" = None  # mirror the metrics to W&B/TensorBoard (saeflow.training.tracking)
+    parallel: str = TRAIN_DEFAULTS["parallel"]  # how the ranks of a launched job share a pass (parallel.choose_mode)
+    buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"]  # the shuffle pool; `auto` sizes it from the job's memory
+
+
+DEFAULT_SETTINGS = TrainSettings()
 
 
 def auto_lr(d_sae: int) -> float:
@@ -328,29 +346,17 @@ def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: to
     return acc.result()
 
 
-def train_runs(
-    run_paths: typing.Sequence[str | os.PathLike],
-    device: str = TRAIN_DEFAULTS["device"],
-    checkpoint_every: int = TRAIN_DEFAULTS["checkpoint_every"],
-    max_steps: int | None = None,
-    local_copy: str = "",
-    runs_per_pass: int = TRAIN_DEFAULTS["runs_per_pass"],
-    tracking_settings: tracking.Settings | None = None,
-    buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"],
-) -> list[dict]:
+def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSettings = DEFAULT_SETTINGS) -> list[dict]:
     """Train every run not yet done (checkpoint/sae.pt absent) in this process, sharing passes over the data where
     possible.
 
     Runs that read identical batches (`TrainConfig.loader_key`) train in one pass, at most `runs_per_pass` at a
-    time, in the order given: each publishes its own sae.pt, in that order. `max_steps` stops after that many steps
-    (with a resume checkpoint), for tests and time-limited jobs. `local_copy` (e.g. "$TMPDIR") reads the training
-    shards from a node-local copy (saeflow.training.localcopy). `tracking_settings` mirrors the metrics to
-    W&B/TensorBoard (saeflow.training.tracking). `buffer_bytes`: the shuffle pool (saeflow.training.memory; `auto` sizes
-    it from the job's memory). Returns the final validation metrics of runs that finished. Each run's lock
-    (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same run waits and then finds it done.
+    time, in the order given: each publishes its own sae.pt, in that order. Returns the final validation metrics of
+    runs that finished. Each run's lock (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same
+    run waits and then finds it done.
     The ranks of a launched job train together instead (saeflow.training.entry.train_runs chooses).
     """
-    dev = devices.resolve_device(device)
+    dev = devices.resolve_device(settings.device)
     opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
     with contextlib.ExitStack() as locks:
         for key in sorted(opened):  # one order for every process: no deadlock between overlapping run lists
@@ -364,10 +370,8 @@ def train_runs(
             todo.setdefault(cfg.loader_key(), []).append((run, cfg))
         results = []
         for group in todo.values():
-            for first in range(0, len(group), runs_per_pass):
-                chunk = group[first : first + runs_per_pass]
-                results.extend(_train_group(chunk, dev, checkpoint_every, max_steps, local_copy, tracking_settings,
-                                            buffer_bytes))  # fmt: skip
+            for first in range(0, len(group), settings.runs_per_pass):
+                results.extend(_train_group(group[first : first + settings.runs_per_pass], dev, settings))
     return results
 
 
@@ -396,16 +400,15 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str, make_
     return loader, val_dirs
 
 
-def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local_copy="", tracking_settings=None,
-                 buffer_bytes: str | int = TRAIN_DEFAULTS["buffer_bytes"]):  # fmt: skip
+def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, settings: TrainSettings) -> list[dict]:
     cfg0 = group[0][1]
     train_dir = _open_shards(group[0][0], runs.Run.TRAIN_SHARDS)
-    pool = memory.pool_bytes(group, buffer_bytes, "sweep", train_dir, Comm.alone(dev))
+    pool = memory.pool_bytes(group, settings.buffer_bytes, "sweep", train_dir, Comm.alone(dev))
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig) -> ShuffledLoader:
         return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool)
 
-    loader, val_dirs = _open_data(group, local_copy, make_loader)
+    loader, val_dirs = _open_data(group, settings.local_copy, make_loader)
     d_model = loader.view.d_model
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]
@@ -418,12 +421,12 @@ def _train_group(group, dev, checkpoint_every: int, max_steps: int | None, local
             t.checkpoint.restart_log()
             t.init_from_data(init_nd)
     start = min(t.step for t in trainers)
-    stop = n_steps if max_steps is None else min(n_steps, start + max_steps)
+    stop = n_steps if settings.max_steps is None else min(n_steps, start + settings.max_steps)
     with contextlib.ExitStack() as trackers:
         for t in trainers:
-            t.tracker = tracking.open_tracker(tracking_settings, t.run, t.step)
+            t.tracker = tracking.open_tracker(settings.tracking, t.run, t.step)
             trackers.callback(t.tracker.close)  # stopped or failed: closed without a final record
-        stop = _run_steps(trainers, loader, start, stop, checkpoint_every)  # earlier when a stop signal came
+        stop = _run_steps(trainers, loader, start, stop, settings.checkpoint_every)  # earlier when a stop signal came
         loader.close()
         if stop < n_steps:
             for t in trainers:
