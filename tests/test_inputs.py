@@ -307,11 +307,38 @@ def _settle(root) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 3600 * 10**9))
 
 
+def test_auto_rechecks_a_big_folder_by_directory_and_extract_refuses_an_in_place_rewrite(tmp_path, monkeypatch, capsys):
+    """The default recheck (auto): a dataset of AUTO_DIRECTORIES_FILES files or more (the limit lowered to 6 here: 3
+    classes of 2 images) is re-planned by its directories, so an in-place rewrite keeps the planned hash; `saeflow
+    extract`, about to read the files, stats every one and refuses that plan in one line, before the model runs,
+    publishing nothing. Below the limit a re-plan stats every file and sees the rewrite."""
+    monkeypatch.setenv(fingerprints.RECHECK_ENV, "auto")
+    monkeypatch.setattr(fingerprints, "AUTO_DIRECTORIES_FILES", 6)
+    root = _image_folder(tmp_path / "imgs", n_classes=3, per_class=2)
+    spec = vision_spec(dataset={"kind": "image_folder", "root": str(root)})
+    _settle(root)
+    first = _plan_hash(spec["dataset"])
+    with monkeypatch.context() as patched:
+        patched.setattr(fingerprints, "listing", lambda *a, **k: pytest.fail("the folder was listed again"))
+        assert _plan_hash(spec["dataset"]) == first
+    Image.fromarray(np.zeros((8, 11, 3), np.uint8)).save(root / "n00000001" / "1.png")  # same name, same inode
+    assert _plan_hash(spec["dataset"]) == first  # the directories are unchanged
+    config_fpath = write_config(tmp_path, {"shards_root": str(tmp_path / "shards"), "activations": {"imgs": spec}})
+    monkeypatch.setattr(adapters, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli.main(["extract", str(config_fpath), "--expect-hash", first, "--no-progress"]) != 0
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"planned shard directory {first}, but this job plans " in line and "RECHECK=files once" in line, line
+    assert not (tmp_path / "shards").exists() or not any((tmp_path / "shards").iterdir())
+    monkeypatch.setenv(fingerprints.RECHECK_ENV, "auto")
+    monkeypatch.setattr(fingerprints, "AUTO_DIRECTORIES_FILES", 7)  # a small dataset now: every file is stat'ed
+    assert _plan_hash(spec["dataset"]) != first
+
+
 def test_the_directories_recheck_sees_files_added_removed_or_renamed_but_not_rewritten_in_place(tmp_path, monkeypatch):
     """SAEFLOW_FINGERPRINT_RECHECK=directories (datasets whose files are never rewritten in place): a re-plan stats
     the directories, not the files, so it lists nothing while they are unchanged; an added, removed or renamed file
     changes its directory and the folder is listed again. An in-place rewrite is the price: seen only by the
-    default recheck."""
+    `files` recheck."""
     monkeypatch.setenv(fingerprints.RECHECK_ENV, "directories")
     root = _image_folder(tmp_path / "imgs", n_classes=3, per_class=2)
     dataset = {"kind": "image_folder", "root": str(root)}

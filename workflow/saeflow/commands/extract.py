@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import pathlib
 
 from saeflow import config
@@ -111,11 +112,13 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
 def cmd_extract(args: argparse.Namespace) -> int:
     import sys
 
-    from saeflow.extraction import extract, specs
+    from saeflow.extraction import extract, fingerprints, specs
 
     cfg, name, spec = _spec(args)
     shards_root = config.root(cfg, "shards_root", args.shards_root, "--shards-root")
     spec = specs.ActivationSpec.from_dict(spec)
+    if args.seal is None and fingerprints.recheck_mode() == "auto":  # about to read the dataset: stat every file
+        os.environ[fingerprints.RECHECK_ENV] = "files"
     if args.seal is not None:
         result = extract.seal(spec, shards_root, args.seal, expect_hash=args.expect_hash)
     else:

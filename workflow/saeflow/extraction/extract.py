@@ -28,7 +28,7 @@ import numpy as np
 
 from saeflow import devices, preempt
 from saeflow.errors import SaeflowError
-from saeflow.extraction import adapters, datasets, models, specs, tokenization
+from saeflow.extraction import adapters, datasets, fingerprints, models, specs, tokenization
 from saeflow.store import layout, shards
 from saeflow.store.hashing import canonical_json
 from saeflow.store.shards import parts
@@ -292,7 +292,9 @@ def check_hash(md: shards.Metadata, expect_hash: str | None) -> None:
     if expect_hash is not None and md.hash != expect_hash:
         raise SaeflowError(
             f"the workflow planned shard directory {expect_hash}, but this job plans {md.hash} for the same "
-            "activation: it sees other software or inputs than the planning did (compare `saeflow plan --json` in both)"
+            "activation: it sees other software or inputs than the planning did (compare `saeflow plan --json` in "
+            "both; a dataset file rewritten in place is seen here, not by a re-plan that stats directories only: "
+            f"rerun snakemake with {fingerprints.RECHECK_ENV}=files once)"
         )
 
 

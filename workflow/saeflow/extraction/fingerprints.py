@@ -18,11 +18,15 @@ job's parse of the Snakefile takes what its Snakemake planned: saeflow.planning.
 Files modified in the last RACY_SEC seconds are never trusted by stat (git's "racy clean" rule): a same-size edit
 within the file system's timestamp granularity is still seen.
 
-A stat per file is the floor of that re-plan: 1.28M files cost ~2 s of kernel time alone. Where a dataset's files
-are added, removed or replaced but never rewritten in place (a read-only ImageNet copy on a cluster),
-`SAEFLOW_FINGERPRINT_RECHECK=directories` makes a re-plan stat only its directories (and start files): adding,
-removing or renaming an entry changes its directory's mtime, and then the files are listed as above. A file
-rewritten in place under the same name is not seen in that mode (the default, `files`, sees it).
+A stat per file is the floor of that re-plan: 1.28M files cost ~2 s of kernel time alone (and far more on a
+cluster's parallel file system). So a re-plan of a dataset of AUTO_DIRECTORIES_FILES files or more stats only its
+directories (and start files): adding, removing or renaming an entry changes its directory's mtime, and then the
+files are listed as above. A file rewritten in place under the same name keeps its directory's mtime; the re-plan
+does not see it, but `saeflow extract`, the job about to read the files, stats every one of them (it sets `files`)
+and refuses with one line when the dataset no longer has the fingerprint the workflow planned (--expect-hash).
+Shards extracted before such a rewrite stay as they are: named by the content they were made from.
+`SAEFLOW_FINGERPRINT_RECHECK` picks the recheck for every dataset: `auto` (the default, as above), `files` (every
+file, every time) or `directories` (directories only, whatever the size; extraction jobs too).
 
 Where: `$SAEFLOW_FINGERPRINT_CACHE`, else `$XDG_CACHE_HOME/saeflow/fingerprints`, else
 `~/.cache/saeflow/fingerprints` (on a cluster the home directory is seen by the login node and every compute node,
@@ -56,11 +60,12 @@ DIGEST_BYTES = 32
 RACY_SEC = 5.0
 _FIND_PRINTF = "%p\\t%s\\t%T@\\t%i\\0"  # path, size, mtime (s.ns), inode; NUL-terminated (names may hold newlines)
 _warned_unwritable: set[str] = set()
-# How a re-plan looks for changes: `files` stats every file (the default: any edit is seen); `directories`, for
-# datasets on storage where files are added, removed or replaced but never rewritten in place, stats only the
-# directories (and start files), so a re-plan no longer grows with the number of files (see the module docstring).
+# How a re-plan looks for changes: `files` stats every file (any edit is seen); `directories` stats only the
+# directories (and start files), so a re-plan no longer grows with the number of files; `auto` (the default) is
+# `directories` for a dataset of AUTO_DIRECTORIES_FILES files or more, else `files` (see the module docstring).
 RECHECK_ENV = "SAEFLOW_FINGERPRINT_RECHECK"
-RECHECKS = ("files", "directories")
+RECHECKS = ("auto", "files", "directories")
+AUTO_DIRECTORIES_FILES = 100_000  # ~0.2 s of stat calls on a local disk: below it, every re-plan stats every file
 DIGESTS = {"sha256": file_sha256, "git-sha1": file_git_sha1}  # file_digest's algorithms
 
 
@@ -217,8 +222,9 @@ def _hash_files(root: pathlib.Path, todo: list[_Entry], progress: bool) -> dict[
 
 
 def recheck_mode() -> str:
-    """How a re-plan looks for changes (RECHECK_ENV): `files` (default) or `directories`; one line for another."""
-    mode = os.environ.get(RECHECK_ENV, "files").strip().lower() or "files"
+    """How a re-plan looks for changes (RECHECK_ENV): `auto` (default), `files` or `directories`; one line for
+    another."""
+    mode = os.environ.get(RECHECK_ENV, "auto").strip().lower() or "auto"
     if mode not in RECHECKS:
         raise SaeflowError(f"{RECHECK_ENV}={mode!r}: not a recheck mode; choose one of {', '.join(RECHECKS)}")
     return mode
@@ -268,7 +274,11 @@ def of_files(
     header_fpath, entries_fpath = _cache_fpaths(key)
     header = _read_header(header_fpath, key)
     tracked = {}  # `directories` mode: the directories' stats, taken before the listing (a later change is seen)
-    if recheck_mode() == "directories":
+    mode = recheck_mode()
+    if mode == "auto":  # a dataset not seen yet is tracked by directory too, in case it turns out big
+        big = header is None or header["n_files"] >= AUTO_DIRECTORIES_FILES
+        mode = "directories" if big else "files"
+    if mode == "directories":
         if _unchanged_directories(header):
             return Fingerprint(header["sha256"], header["n_files"], header["n_bytes"])
         paths = _tracked(starts)
