@@ -103,7 +103,7 @@ def test_the_probes_match_scikit_learn_on_the_same_arrays(probed):
     with torch.no_grad():
         codes_ns = model.encode(torch.from_numpy(acts_ntd.reshape(-1, D))).numpy().reshape(sd.n_ex, T, -1)
     codes_ns = codes_ns[:, 1:].max(1)
-    cfg = probe.Config(run=probed["run"].root, ks=(1, 5))
+    cfg = probe.ProbeConfig(run=probed["run"].root, ks=(1, 5))
     classes = next(s for s in probe.label_sources(sd) if s.fname == "classes.bin")
     sample = probe.sample_units(sd, classes, cfg)
     test_ex = probe.is_test(np.arange(sd.n_ex), cfg.seed, cfg.test_frac)
@@ -142,10 +142,10 @@ def test_the_f1_threshold_is_the_best_firing_threshold_on_the_training_sample():
 def test_the_split_and_samples_are_a_function_of_the_seed(probed, tmp_path):
     sd = probed["sd"]
     source = next(s for s in probe.label_sources(sd) if s.fname == "labels.bin")
-    cfg = probe.Config(run=probed["run"].root, max_units=400)
+    cfg = probe.ProbeConfig(run=probed["run"].root, max_units=400)
     a, b = probe.sample_units(sd, source, cfg), probe.sample_units(sd, source, cfg)
     assert all(np.array_equal(a.positives[key], b.positives[key]) for key in a.positives)
-    other = probe.sample_units(sd, source, probe.Config(run=probed["run"].root, max_units=400, seed=1))
+    other = probe.sample_units(sd, source, probe.ProbeConfig(run=probed["run"].root, max_units=400, seed=1))
     assert not np.array_equal(a.units_n, other.units_n)
     assert len(a.units_n) <= 400  # the budget: 5 labels and the pool share max_units
     # The keys do not depend on how the units are read: one chunk or many.
@@ -197,7 +197,7 @@ def test_a_class_seen_in_one_split_only_is_counted_and_skipped(tmp_path):
                                                                      torch.zeros(8), arch="relu", k=1), 0,
                          tokens="content")  # fmt: skip
     inference.run_inference(inference.InferenceConfig(run=run.root, shards=sd.dpath, device="cpu"))
-    result = json.loads(probe.run_probe(probe.Config(run=run.root, ks=(1,))).read_text())
+    result = json.loads(probe.run_probe(probe.ProbeConfig(run=run.root, ks=(1,))).read_text())
     by_value = {e["value"]: e for e in result["labels"]}
     assert sorted(by_value) == [0, 1, 3, 7] and by_value[7]["n_units"] == [20, 0] and by_value[3]["n_units"][0] == 0
     assert "skipped" in by_value[7] and "skipped" in by_value[3]

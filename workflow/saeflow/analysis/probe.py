@@ -1,6 +1,6 @@
 """Sparse probing: which latents of an SAE predict the labels its validation shard directory carries.
 
-    cfg = probe.Config(run=RUN)                  # RUN/inference/<shard_hash>/ must exist (saeflow inference)
+    cfg = probe.ProbeConfig(run=RUN)                  # RUN/inference/<shard_hash>/ must exist (saeflow inference)
     fpath = probe.run_probe(cfg)                 # RUN/probe/<shard_hash>.json
 
 Labels come from the shard directory's side files: `labels.bin` (one uint8 label per patch: segmentation folders,
@@ -58,7 +58,7 @@ CHUNK_UNITS = 1 << 20  # labelled units (patches or examples) per chunk of the l
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class ProbeConfig:
     """One probe: which run and dump, how the data are split and sampled."""
 
     run: pathlib.Path
@@ -189,7 +189,7 @@ class Sample:
         return pos[:n], neg[:n]
 
 
-def _chunks(sd: ShardDir, source: LabelSource, cfg: Config):
+def _chunks(sd: ShardDir, source: LabelSource, cfg: ProbeConfig):
     """(unit ids, labels, split: 1 held out) of every labelled unit, about CHUNK_UNITS at a time."""
     chunk_ex = max(1, CHUNK_UNITS // source.units_per_ex)
     for lo in range(0, sd.n_ex, chunk_ex):
@@ -201,7 +201,7 @@ def _chunks(sd: ShardDir, source: LabelSource, cfg: Config):
         yield units_n[ok], labels_n[ok], split_n[ok]
 
 
-def sample_units(sd: ShardDir, source: LabelSource, cfg: Config) -> Sample:
+def sample_units(sd: ShardDir, source: LabelSource, cfg: ProbeConfig) -> Sample:
     """Two passes over the labels: count each value per split; then keep, per (split, value), the units of smallest
     key (the positives) and, per split, a uniform pool of as many (the negatives)."""
     counts_sv = np.zeros((2, 1), np.int64)
@@ -412,7 +412,7 @@ def summarize(labels: list[dict], ks: tuple[int, ...]) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def open_dump(cfg: Config) -> tuple[runs.Run, layout.DumpLayout, dict, ShardDir]:
+def open_dump(cfg: ProbeConfig) -> tuple[runs.Run, layout.DumpLayout, dict, ShardDir]:
     """The run, its dump (config.json read) and the dump's shard directory, cross-checked."""
     run = runs.open_run(cfg.run)
     if cfg.shards_hash is None:  # the run's only dump (visuals' rule; it imports torch, so only when asked)
@@ -431,7 +431,7 @@ def open_dump(cfg: Config) -> tuple[runs.Run, layout.DumpLayout, dict, ShardDir]
     return run, dump, dump_config, sd
 
 
-def run_probe(cfg: Config) -> pathlib.Path:
+def run_probe(cfg: ProbeConfig) -> pathlib.Path:
     """Probe every label of the dump's shard directory; write RUN/probe/<shard_hash>.json (atomically) and the
     labels each latent predicts onto the dump's latent pages (visuals/labels.js), when drawn."""
     run, dump, dump_config, sd = open_dump(cfg)
@@ -472,6 +472,6 @@ def run_probe(cfg: Config) -> pathlib.Path:
 SOLVER = "sklearn LogisticRegression(C=1, lbfgs) after StandardScaler"
 
 
-def _settings(cfg: Config) -> dict:
+def _settings(cfg: ProbeConfig) -> dict:
     keys = ("seed", "test_frac", "train_per_label", "test_per_label", "max_units", "ks")
     return {**{key: getattr(cfg, key) for key in keys}, "ks": list(cfg.ks), "sklearn": sklearn.__version__}

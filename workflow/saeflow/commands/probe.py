@@ -31,5 +31,5 @@ def register(subparsers):
 def cmd_probe(args: argparse.Namespace) -> int:
     from saeflow.analysis import probe
 
-    print(probe.run_probe(config.from_args(probe.Config, args)))
+    print(probe.run_probe(config.from_args(probe.ProbeConfig, args)))
     return 0
