@@ -8,6 +8,7 @@
 # Prints one line per run (clone, round, exit code, wall seconds) and exits non-zero if any run failed; each run's
 # output is kept in WORK_DIR/<clone>-<round>.log.
 set -uo pipefail
+trap 'trap - INT TERM; kill 0' INT TERM  # stopped: stop both suites too (pytest-xdist would restart killed workers)
 n_rounds=${1:-3}
 work_dpath=${2:-/tmp/saeflow-pair}
 repo_dpath=$(cd "$(dirname "$0")/.." && pwd)
