@@ -120,7 +120,13 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, caps
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))
     restore = _signal_self_at(monkeypatch, adapters.Adapter, "run", 4, signal.SIGINT)  # a real Ctrl-C
-    assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 130
+    # As in a terminal's foreground job: a suite started in the background by a script (no job control) inherits
+    # SIGINT ignored, and Python then keeps it ignored (issue 28's side-by-side runs).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     staging = tmp_path / "root" / f".{clean.dpath.name}.partial"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"saeflow extract: interrupted: 1 complete shard kept in {staging}; rerun the same command to resume"

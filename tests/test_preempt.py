@@ -1,8 +1,8 @@
 """Slurm's warning signal (USR1) or SIGTERM: training saves its resume checkpoint and extraction keeps its complete
 shards, the command stops with one line, and the retry resumes to the same result as an uninterrupted run."""
 
+import os
 import signal
-import threading
 
 import torch
 import yaml
@@ -16,16 +16,13 @@ from saeflow.training.sae import load_sae
 
 
 def _signal_self_at(monkeypatch, cls, name, call_no, signum):
-    """Patch `cls.name` so that its `call_no`-th call first sends `signum` to this thread (a real signal). Sent to
-    the process, a signal may reach another thread (an xdist worker has several), and the main thread then takes it
-    at some later bytecode, which may lie in a finalizer that swallows it (seen once in a loaded full run: a Ctrl-C
-    that never stopped the extraction)."""
+    """Patch `cls.name` so that its `call_no`-th call first sends `signum` to this process (a real signal)."""
     real, calls = getattr(cls, name), []
 
     def patched(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == call_no:
-            signal.pthread_kill(threading.get_ident(), signum)
+            os.kill(os.getpid(), signum)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(cls, name, patched)
