@@ -124,11 +124,14 @@ class Heartbeat:
     def counts(self) -> list[int]:
         return [self.store.add(_BEAT_KEY.format(r), 0) for r in range(self.world_size)]
 
+    def _flagged(self, key: str) -> set[int]:
+        return {r for r in range(self.world_size) if self.store.add(key.format(r), 0)}
+
     def left(self) -> set[int]:
-        return {r for r in range(self.world_size) if self.store.add(_LEFT_KEY.format(r), 0)}
+        return self._flagged(_LEFT_KEY)
 
     def seen(self) -> set[int]:
-        return {r for r in range(self.world_size) if self.store.add(_SEEN_KEY.format(r), 0)}
+        return self._flagged(_SEEN_KEY)
 
     def _read_verdict(self) -> list[int] | None:
         if self.verdict is None and self.store.check([_GONE_KEY]):
