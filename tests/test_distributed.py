@@ -34,6 +34,7 @@ from saeflow import cli, config
 from saeflow.errors import SaeflowError
 from saeflow.store.shards import ShardDir
 from saeflow.training import distributed, entry, memory, objectives, parallel, resume, sharded, sweeps
+from saeflow.training.adam import Adam
 from saeflow.training.dataparallel import global_batch_topk, rank_slice
 from saeflow.training.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
@@ -279,7 +280,7 @@ def _selections():
     wide = SAEConfig(d_model=16, d_sae=4096, arch="topk", k=4)
     bounds = sharded.latent_bounds(4096, comm.world_size)
     shard = sharded.LatentShard(wide, bounds[comm.rank], bounds[comm.rank + 1])
-    opt = torch.optim.Adam(shard.parameters())
+    opt = Adam(shard.parameters(), lr=1e-3)
     for param in shard.parameters():
         param.grad = torch.zeros_like(param)
     opt.step()

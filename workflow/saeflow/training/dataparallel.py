@@ -131,7 +131,7 @@ class DataParallelTrainer(train.Trainer):
         self.set_lr()
         part = rank_slice(x_bd.shape[0], comm)
         loss = data_parallel_loss(self.objective, sae, x_bd[part], x_bd.shape[0], self.step, self.dead, comm)
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         loss.total.backward()
         for param in sae.parameters():
             comm.all_reduce(param.grad)

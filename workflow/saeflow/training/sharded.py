@@ -24,6 +24,7 @@ import torch
 from saeflow.errors import SaeflowError
 from saeflow.store import provenance
 from saeflow.training import objectives, train
+from saeflow.training.adam import Adam
 from saeflow.training.dataparallel import global_kth_largest
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders import OrderedLoader
@@ -240,7 +241,7 @@ class ShardedTrainer(train.Trainer):
         bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
         self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
-        self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = objectives.Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None
         self.dead = objectives.DeadLatents(self.sae.d_sae, train.dead_after_steps(cfg, n_steps), device)
@@ -286,7 +287,7 @@ class ShardedTrainer(train.Trainer):
         comm, shard = self.comm, self.sae
         self.set_lr()
         loss = sharded_loss(self, x_bd)
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         loss.total.backward()
         comm.all_reduce(shard.b_dec.grad)
         train.adam_step(self.opt, shard, self.cfg.arch)

@@ -27,6 +27,7 @@ from saeflow.errors import SaeflowError
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
 from saeflow.training import localcopy, memory, resume, tracking
+from saeflow.training.adam import Adam
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator, batch_nmse
@@ -84,7 +85,7 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
     return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
-def adam_step(opt: torch.optim.Optimizer, sae, arch: str) -> None:
+def adam_step(opt: Adam, sae, arch: str) -> None:
     """The optimizer step. Decoder rows of unit norm (every arch but ReLU, see Trainer.init_from_data) lose the
     gradient along themselves first and are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
     unit_rows = arch != "relu"
@@ -217,7 +218,7 @@ class Trainer:
         self.checkpoint = Checkpoint(run)
         self.sae = SAE(cfg.sae_config(d_model)).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
-        self.opt = torch.optim.Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr)
         self.objective = Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
@@ -286,7 +287,7 @@ class Trainer:
         sae = self.sae
         self.set_lr()
         loss = self.objective(sae, x_bd, self.step, self.dead)
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         loss.total.backward()
         adam_step(self.opt, sae, self.cfg.arch)
         with torch.no_grad():
