@@ -1,6 +1,7 @@
 """`saeflow summary` (sweep table + Pareto plot) and `saeflow install-profile` (the OSC Slurm profile)."""
 
 import argparse
+import functools
 import getpass
 import json
 import pathlib
@@ -11,6 +12,7 @@ import sys
 
 import yaml
 
+from saeflow import config
 from saeflow.analysis import report
 from saeflow.errors import SaeflowError, one_line
 
@@ -24,9 +26,11 @@ DEFAULT_PROFILE_DPATH = pathlib.Path.home() / ".config" / "snakemake" / "osc"
 PARTITION_ANCHORS = {"gpu": "gpu_partition", "cpu": "cpu_partition"}
 
 
+@functools.cache
 def cluster_partitions(cluster: str) -> dict[str, str]:
     """The partition a cluster's GPU jobs and its CPU-only jobs name by default (its profile resources, cited there)."""
-    resources = yaml.safe_load((PROFILE_TEMPLATE_DPATH / "clusters" / f"{cluster}.yaml").read_text(encoding="utf-8"))
+    text = (PROFILE_TEMPLATE_DPATH / "clusters" / f"{cluster}.yaml").read_text(encoding="utf-8")
+    resources = yaml.load(text, Loader=config.SAFE_LOADER)  # noqa: S506 (a safe loader)
     return {
         "gpu": resources["set-resources"]["extract"]["slurm_partition"],
         "cpu": resources["set-resources"]["extract_seal"]["slurm_partition"],
