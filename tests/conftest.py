@@ -26,8 +26,8 @@ numerics.apply()  # before any torch kernel runs in the test process: the CPU ke
 
 
 # Modules whose tests take the longest (--durations on the 2-core VM: Snakemake end to end, ranks, full disks), run
-# first: under `make test`'s workers (pytest-xdist --dist worksteal) the long tests then start early and the short
-# ones fill the gaps, instead of one long test left running alone at the end. Each module stays in one piece.
+# first: `make test`'s workers (pytest-xdist --dist loadscope) take whole modules in this order, so the long ones start
+# early and the short ones fill the gaps, instead of one long module left running alone at the end.
 HEAVY_FIRST = (
     "test_workflow_slurm", "test_default_workflow", "test_faults_concurrent", "test_faults_disk", "test_workflow",
     "test_workflow_rerun", "test_workflow_probe", "test_distributed", "test_numerics", "test_workflow_passes",
