@@ -37,7 +37,10 @@ class Adam:
             return
         params = [self.params[i] for i in live]
         grads = [param.grad for param in params]
-        states = [self.state.setdefault(i, self._zero_state(self.params[i])) for i in live]
+        for i in live:
+            if i not in self.state:  # the moments are made at a parameter's first gradient, as torch does
+                self.state[i] = self._zero_state(self.params[i])
+        states = [self.state[i] for i in live]
         exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
         for s in states:
             s["step"] += 1  # a CPU scalar: read below without a device sync
