@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from hang import HANG_SEC
 from saeflow import config
 from saeflow.extraction.specs import ActivationSpec
 from saeflow.store import runs, shards
@@ -258,7 +259,7 @@ def pip_site(dname: str, requirements: list[str], probe: str) -> pathlib.Path:
         tmp = cache / f".{dname}.{os.getpid()}"
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), *requirements,
                "--retries", "1", "--timeout", "15"]  # an unreachable index fails within a minute: the test skips
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_SEC)
         if proc.returncode != 0:
             pytest.skip(f"cannot install {dname}: {proc.stderr[-500:]}")
         os.replace(tmp, site)

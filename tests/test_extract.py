@@ -12,6 +12,7 @@ import yaml
 from PIL import Image
 
 from builders import text_spec, typed, vision_spec
+from hang import HANG_SEC
 from saeflow import cli
 from saeflow.errors import SaeflowError
 from saeflow.extraction import adapters, extract
@@ -295,7 +296,7 @@ def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_SEC
         while time.monotonic() < deadline and child.poll() is None:
             try:
                 if json.loads((staging / "progress.json").read_text())["completed"]:

@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from builders import identity_sae, make_acts, make_md, run_around_sae, run_from_sae_spec, write_shards
+from hang import HANG_SEC
 from saeflow.analysis import inference
 from saeflow.store import atomic
 
@@ -57,7 +58,7 @@ def _unprivileged_preexec():
         probe = [sys.executable, "-c", f"open({str(secret)!r})"]
         for preexec in (_setuid_nobody, _drop_dac_capabilities):
             try:
-                proc = subprocess.run(probe, preexec_fn=preexec, capture_output=True, text=True, timeout=60)
+                proc = subprocess.run(probe, preexec_fn=preexec, capture_output=True, text=True, timeout=HANG_SEC)
             except (OSError, subprocess.SubprocessError):
                 continue
             if proc.returncode == 1 and "PermissionError" in proc.stderr:
@@ -71,7 +72,7 @@ def saeflow(*argv, unprivileged=False) -> subprocess.CompletedProcess:
     preexec = _unprivileged_preexec() if unprivileged else None
     return subprocess.run(
         [sys.executable, "-m", "saeflow", *map(str, argv)],
-        capture_output=True, text=True, env=env, preexec_fn=preexec, timeout=300, cwd=tempfile.gettempdir(),
+        capture_output=True, text=True, env=env, preexec_fn=preexec, timeout=HANG_SEC, cwd=tempfile.gettempdir(),
     )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ import subprocess
 import pytest
 import yaml
 
+from hang import HANG_SEC
 from saeflow.store.shards.validate import validate
 from saeflow.training.sae import load_sae
 from workflow_helpers import REPO_ROOT, env, snakemake_cmd, write_config
@@ -33,7 +34,7 @@ def test_two_nolock_workflows_on_the_same_roots(tmp_path):
         cfg_fpath = write_config(workdir, {**cfg, "summary_dir": str(workdir / "summary")})
         cmd = snakemake_cmd(workdir, cfg_fpath, "--nolock", "--cores", "1")
         procs.append(subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    outputs = [proc.communicate(timeout=HANG_SEC)[0] for proc in procs]
     for proc, out in zip(procs, outputs):
         assert proc.returncode == 0, out[-4000:]
 

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from builders import planted_data, run_from_sae_spec, write_shards
+from hang import HANG_SEC
 from saeflow.store import atomic
 from saeflow.training import train
 
@@ -85,6 +86,6 @@ def test_a_second_trainer_waits_for_the_run_lock_then_finds_it_done(tmp_path, sh
         waiter.join(timeout=1.0)
         assert waiter.is_alive()  # blocked on the lock
         assert not run.sae_fpath.exists()
-    waiter.join(timeout=60)
+    waiter.join(timeout=HANG_SEC)
     assert len(results[0]) == 1 and run.sae_fpath.exists()
     assert train.train_runs([run.root], CPU) == []  # the next one finds it done

@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 import pytest
 
+from hang import HANG_SEC
 from saeflow.interop import lmprobe, pickle_shards, zarr_store
 from saeflow.interop.records import Record
 
@@ -299,7 +300,7 @@ def run_measured(argv: list[str], cwd: pathlib.Path) -> tuple[int, str, str, int
     env = {**os.environ, "PYTHONPATH": str(WORKFLOW_DPATH)}
     rss_fpath = cwd / "peak_rss_bytes"
     wrapped = [sys.executable, "-S", "-c", RSS_WRAPPER, str(rss_fpath), *argv]
-    proc = subprocess.run(wrapped, cwd=cwd, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(wrapped, cwd=cwd, capture_output=True, text=True, env=env, timeout=HANG_SEC)
     peak_bytes = int(rss_fpath.read_text())
     rss_fpath.unlink()
     return proc.returncode, proc.stdout, proc.stderr, peak_bytes

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from hang import HANG_SEC
+
 pytestmark = pytest.mark.slow  # both run benchmarks/gpu/check.py in a subprocess
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,7 +37,7 @@ def test_cpu_dry_run_prints_the_table(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "workflow"), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, str(CHECK_FPATH), "--cpu", "--dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=HANG_SEC,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -57,7 +59,7 @@ def test_cpu_dry_run_prints_the_table(tmp_path):
 def test_help_explains(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "workflow")}
     proc = subprocess.run([sys.executable, str(CHECK_FPATH), "--help"], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
+                          timeout=HANG_SEC)  # fmt: skip
     assert proc.returncode == 0
     for words in ("--cpu", "pytest -m cuda", "bare forward", "nvidia-smi", "srun"):
         assert words in proc.stdout, words

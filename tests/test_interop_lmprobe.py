@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from builders import PROMPTS, pip_site
+from hang import HANG_SEC
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, lmprobe
 from saeflow.interop.records import Record, read_prompts
@@ -48,7 +49,7 @@ def test_lmprobe_reads_our_exports_exactly(exports, records, lmprobe_site, tmp_p
     env = {**os.environ, "PYTHONPATH": str(lmprobe_site), "HF_HUB_OFFLINE": "1", "LMPROBE_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, str(pathlib.Path(__file__).parent / "_lmprobe_reader.py"), str(exports), *lmprobe.STORAGES],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True, text=True, env=env, timeout=HANG_SEC,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])

@@ -7,6 +7,8 @@ import sys
 import pytest
 import yaml
 
+from hang import HANG_SEC
+
 pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,7 +27,7 @@ def test_dry_run_plans_one_job_per_export(tmp_path):
     exports = {"a": {**spec, "format": "lmprobe"}, "b": {**spec, "format": "zarr", "out": "elsewhere/b"}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"activations": {}, "exports": exports}))
     cmd = [sys.executable, "-m", "snakemake", "--configfile", "config.yaml", "-n", "--cores", "1", "-p"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_SEC)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "export_a" in out and "export_b" in out

@@ -14,6 +14,7 @@ import zarr
 import _zarr_other_version as other
 import saeflow
 from builders import PROMPTS, pip_site
+from hang import HANG_SEC
 from saeflow.errors import SaeflowError
 from saeflow.interop import engine, zarr_store
 from saeflow.interop.records import Record
@@ -141,7 +142,7 @@ def run_other_zarr(site: pathlib.Path, *args) -> None:
     """_zarr_other_version.py in a subprocess with `site` first on its path (then this saeflow)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(pathlib.Path(saeflow.__file__).parents[1])])}
     proc = subprocess.run([sys.executable, other.__file__, *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+                          env=env, timeout=HANG_SEC)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

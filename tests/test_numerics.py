@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from builders import file_bytes, identity_sae, run_around_sae, vision_spec, write_shards
+from hang import HANG_SEC
 from saeflow import cli, numerics
 from saeflow.store import provenance
 from saeflow.store.shards import parts
@@ -33,7 +34,7 @@ def _extract(tmp_path, name: str, extra_env: dict):
     clean = {k: v for k, v in env().items() if k not in inherited}
     cmd = [sys.executable, "-m", "saeflow", "extract", str(config_fpath), "--shards-root", str(tmp_path / name),
            "--no-progress"]  # fmt: skip
-    proc = subprocess.run(cmd, env={**clean, **extra_env}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env={**clean, **extra_env}, capture_output=True, text=True, timeout=HANG_SEC)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (dpath,) = (tmp_path / name).iterdir()
     return dpath

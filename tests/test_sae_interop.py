@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from builders import pip_site, run_around_sae, typed
+from hang import HANG_SEC
 from saeflow import cli
 from saeflow.errors import SaeflowError
 from saeflow.extraction import extract
@@ -202,7 +203,7 @@ def loaded_by_the_libraries(peers_site, shards_dpath, tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(peers_site), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     script = pathlib.Path(__file__).parent / "_sae_peers.py"
     proc = subprocess.run([sys.executable, str(script), str(root / "job.json")], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+                          env=env, timeout=HANG_SEC)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(root / "results.npz") as npz:
         results = {name: npz[name] for name in npz.files}

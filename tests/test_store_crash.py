@@ -14,6 +14,7 @@ import time
 import pytest
 
 from builders import file_bytes, make_md, write_all
+from hang import HANG_SEC
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, shards
 
@@ -35,7 +36,7 @@ def run_in_child(fn) -> int:
     return pid
 
 
-def wait_child(pid, timeout_s=60.0) -> int:
+def wait_child(pid, timeout_s=HANG_SEC) -> int:
     """waitpid with a deadline (a hung child is killed and fails the test instead of hanging the suite)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -152,7 +153,7 @@ def test_two_processes_publish_the_same_hash(tmp_path):
     ]
     results = []
     for proc in procs:
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=HANG_SEC)
         assert proc.returncode == 0, err.decode()
         results.append(json.loads(out))
     assert sorted(r["result"] for r in results) == ["published", "reused"]

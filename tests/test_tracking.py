@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from builders import planted_data, run_from_sae_spec, write_shards
+from hang import HANG_SEC
 from saeflow import cli
 
 pytest.importorskip("tensorboard")
@@ -33,7 +34,7 @@ def _train(run, tracking_dpath, *extra) -> int:
     """One training attempt in its own process, as each job of the workflow is: W&B's service is per process, and
     starting one run id three times in one process races its teardown against the next start."""
     cmd = [sys.executable, "-m", "saeflow", *_argv(run, tracking_dpath, *extra)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_SEC)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.returncode
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from builders import planted_data, run_from_sae_spec, write_shards
+from hang import HANG_SEC
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
 from saeflow.store import shards
@@ -172,7 +173,7 @@ def test_sweep_planning_does_not_import_torch():
     package_root = str(pathlib.Path(sweeps.__file__).parents[1])  # the child imports the saeflow this test does
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     code = "import saeflow.training.sweeps, sys; assert 'torch' not in sys.modules, 'sweeps imports torch'"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=HANG_SEC)
 
 
 @pytest.fixture
@@ -202,7 +203,7 @@ def test_resume_after_sigkill_gives_identical_weights(tmp_path, small_run):
     proc = multiprocessing.get_context("fork").Process(target=_train_quietly, args=(killed.root,))
     proc.start()
     resume_fpath = killed.resume_fpath
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_SEC
     while not resume_fpath.exists() and proc.is_alive() and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.05)
@@ -271,12 +272,12 @@ def test_a_second_trainer_says_at_once_that_it_waits_and_who_holds_the_run(tmp_p
     with atomic.exclusive_lock(run.lock_fpath):  # another trainer (this process: flock locks per open file)
         trainer = threading.Thread(target=train.train_runs, args=([run.root], train.TrainSettings(device="cpu")))
         trainer.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_SEC
         while not any("waiting for the lock" in r.getMessage() for r in caplog.records):
             assert trainer.is_alive() and time.monotonic() < deadline, "the second trainer never said it waits"
             time.sleep(0.05)
         assert not run.sae_fpath.exists()
-    trainer.join(timeout=120)
+    trainer.join(timeout=HANG_SEC)
     (waiting,) = [r.getMessage() for r in caplog.records if "waiting for the lock" in r.getMessage()]
     assert waiting.startswith(f"waiting for the lock {run.lock_fpath} (held by pid {os.getpid()} on "
                               f"{socket.gethostname()} since 20")  # fmt: skip

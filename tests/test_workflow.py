@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from builders import typed
+from hang import HANG_SEC
 from saeflow import config
 from saeflow.analysis import report
 from saeflow.extraction.extract import plan_activation
@@ -217,7 +218,7 @@ def test_killed_extraction_publishes_nothing_and_the_next_run_completes(tmp_path
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + HANG_SEC
         while not completed_shards(staging):
             assert proc.poll() is None, "the extraction finished before it could be killed"
             assert time.monotonic() < deadline, "no shard was ever written"
