@@ -1,6 +1,7 @@
 """Inference dumps: exact codes in patch_acts.npz, streaming top-k equal to brute force, clear errors."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from saeflow import cli
 from saeflow.analysis import inference
 from saeflow.analysis.csr import CsrWriter
 from saeflow.errors import SaeflowError
+from saeflow.store import atomic
 from saeflow.store.layout import DumpLayout
 
 
@@ -138,3 +140,22 @@ def test_clear_errors(tmp_path, capsys):
     assert not wrong_d.dump(sd.hash).dpath.exists()
     assert cli.main(["inference", "--run", str(tmp_path / "nope"), "--shards", str(sd.dpath)]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_same_inference_twice_writes_the_same_bytes(dumped, monkeypatch):
+    """Every file of a dump but provenance.json (times, host: docs/store.md) is a function of its inputs: the zip
+    headers inside the .npz files carry no write time."""
+    _, sd, run, out = dumped
+
+    def dump_bytes():
+        return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+                if p.is_file() and p.name != "provenance.json"}  # fmt: skip
+
+    first = dump_bytes()
+    atomic.remove_staging(out)
+    later = time.time() + 3 * 86400  # another day: a zip header stamped with the write time would differ
+    monkeypatch.setattr(time, "time", lambda: later)
+    argv = ["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "4", "--batch-size", "7"]
+    assert cli.main(argv) == 0
+    assert set(first) == {"config.json", "latents.npz", "metrics.json", "patch_acts.npz"}
+    assert dump_bytes() == first
