@@ -37,6 +37,22 @@ def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_headline_metrics_are_the_trained_tokens_and_say_so(tmp_path):
+    """metrics.json's top level (the tokens the SAE trained on, named by `tokens`) is the headline: the columns after
+    `group`, and the Pareto plot's y axis; every stored token's metrics follow as all_tokens.*."""
+    metrics = {"tokens": "content", "l0": 4.0, "nmse": 0.2, "all_tokens": {"tokens": "all", "l0": 4.1, "nmse": 0.3}}
+    rows = summary.collect([make_run(tmp_path, 4, metrics)])
+    columns = summary.to_csv(rows).splitlines()[0].split(",")
+    assert columns[4:10] == ["l0", "nmse", "tokens", "all_tokens.l0", "all_tokens.nmse", "all_tokens.tokens"]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    summary.nmse_panel(ax, rows)
+    assert ax.get_ylabel() == "normalized MSE (on the tokens the SAE trained on)"
+    assert [float(y) for y in ax.get_lines()[0].get_ydata()] == [0.2]
+    plt.close(fig)
+
+
 def test_summary_labels_name_runs(tmp_path):
     run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
     labels = [f"--label={d.name}=topk[{i}]" for i, d in enumerate(run_dpaths)]

@@ -1,8 +1,9 @@
 """One table of every run's metrics and the sparsity/reconstruction Pareto plot across a sweep.
 
-Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json`; the row also
-carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read as a
-table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
+Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json` (its headline
+metrics are over the tokens the SAE trained on, named in the `tokens` column; `all_tokens.*` over every stored token);
+the row also carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read
+as a table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
 seed/data_seed). The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per (evaluation
 shard directory, layer, architecture): lower-left is better, and the points no other on the same series beats on both
 are joined as the front. A point is a seed group: the mean of its runs, with error bars of one standard deviation. When
@@ -30,6 +31,7 @@ L0_KEYS = ("l0", "L0")
 NMSE_KEYS = ("nmse", "normalized_mse")
 # Splice evaluation (saeflow.analysis.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
 SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
+NMSE_LABEL = "normalized MSE (on the tokens the SAE trained on)"  # inference's headline metrics (`tokens`)
 
 
 def flatten(obj: dict, prefix: str = "") -> dict:
@@ -111,12 +113,13 @@ def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None)
 
 
 def to_csv(rows: list[dict]) -> str:
-    """Columns: name, run_id, shard_hash, group, inference metrics, eval.*, probe.*, train.*, config.* (union over
-    rows, sorted)."""
+    """Columns: name, run_id, shard_hash, group, the inference metrics on the tokens each SAE trained on (`tokens`
+    names them), all_tokens.* (the same over every stored token), eval.*, probe.*, train.*, config.* (union over rows,
+    sorted)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
-    head, groups = ["name", "run_id", "shard_hash", "group"], ("eval.", "probe.", "train.", "config.")
+    head, groups = ["name", "run_id", "shard_hash", "group"], ("all_tokens.", "eval.", "probe.", "train.", "config.")
     metric_cols = sorted(c for c in columns if c not in head and not c.startswith(groups))
     buf = io.StringIO()
     fieldnames = head + metric_cols + [c for group in groups for c in sorted(c for c in columns if c.startswith(group))]
@@ -203,7 +206,7 @@ def pareto_panel(ax, rows: list[dict], y_of, ylabel: str, higher_better: bool) -
 
 
 def nmse_panel(ax, rows: list[dict]) -> None:
-    pareto_panel(ax, rows, lambda r: metric(r, NMSE_KEYS, "normalized MSE"), "normalized MSE", False)
+    pareto_panel(ax, rows, lambda r: metric(r, NMSE_KEYS, "normalized MSE"), NMSE_LABEL, False)
     ax.set_title(f"sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
 
 
