@@ -128,6 +128,9 @@ def test_index_html_in_headless_chromium(text_visuals, tmp_path):
     try:
         session = browser.open_page((out / DumpLayout.INDEX_FNAME).as_uri())
         assert browser.evaluate(session, "document.querySelectorAll('#rows .row').length") == 8
+        # The header's metrics say which tokens they cover: the run's (tokens: content; 12 examples of 16 tokens).
+        meta = browser.evaluate(session, "document.getElementById('meta').textContent")
+        assert "on the 192 tokens it trained on (tokens: content): NMSE " in meta, meta
         browser.evaluate(session, f"document.querySelector('#row-{drawn[0]}').click()")
         browser.evaluate(session, "new Promise(r => setTimeout(r, 200))")
         assert browser.evaluate(session, "document.querySelector('#latent h2').textContent") == f"latent {drawn[0]}"
