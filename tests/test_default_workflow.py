@@ -36,3 +36,25 @@ def test_default_workflow_matches_its_reference(tmp_path, monkeypatch, kernels):
     for prov_fpath in [*results.glob("shards/*/provenance.json"), *results.glob("runs/*/checkpoint/provenance.json")]:
         assert json.loads(prov_fpath.read_text())["platform"]["numerics"] == kernels.get(numerics.ENV_VAR, "portable")
     assert check(results) == []
+
+
+@pytest.mark.slow
+def test_default_vision_pages_show_nine_distinct_images_and_trained_token_metrics(tmp_path, monkeypatch):
+    """The default workflow's ViT run: every drawn latent's page shows visuals.top_k (9) different images, and the
+    dump's headline metrics are over the 64 patches of each image the SAE trained on (tokens: content), not CLS."""
+    model_link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    model_link.parent.mkdir(parents=True)
+    model_link.symlink_to(minilm_path())
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(REPO_ROOT / "config" / "config.yaml")
+    plan = WorkflowPlan.from_config(cfg)
+    ((run_id, shard_hash),) = [(r, h) for r, h in plan.dumps() if plan.runs[r].sae_name == "vit-relu"]
+    dump = plan.run(run_id).dump(shard_hash)
+    snakemake(tmp_path, REPO_ROOT / "config" / "config.yaml", str(dump.index_fpath))  # the ViT's jobs alone
+    data = json.loads(dump.visuals.data_fpath.read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+    distinct = [len({ex for ex, _, _ in page["top"]}) for page in data["drawn"].values()]
+    assert len(distinct) == cfg["visuals"]["n_latents"] and set(distinct) == {cfg["visuals"]["top_k"]}
+    metrics = json.loads(dump.metrics_fpath.read_text())
+    md = plan.metadata["vit-shapes"]
+    assert metrics["tokens"] == "content" and metrics["n_vectors"] == md.n_ex * (md.tokens_per_ex - 1)
+    assert metrics["all_tokens"]["n_vectors"] == md.n_ex * md.tokens_per_ex

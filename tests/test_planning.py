@@ -41,6 +41,29 @@ def test_every_sweep_point_is_a_run_with_a_dump_on_its_validation_shards():
     )
 
 
+def test_sweep_points_are_named_by_what_varies(tmp_path, capsys):
+    """A point's name holds the values of its swept keys (alphabetically, seeds last: not the config's key order), not
+    its index; its seed group's name drops the seeds; an unswept spec is its own name. `saeflow plan` and the
+    summary's labels use these names."""
+    swept = {**TEST_CONFIG["saes"]["text-topk"], "seed": [0, 1], "matryoshka": [[0.25], []]}
+    cfg = smallest_config(saes={**TEST_CONFIG["saes"], "text-topk": swept})
+    plan = WorkflowPlan.from_config(cfg)
+    names = {p.name: p.group_name for p in plan.runs.values()}
+    assert names == {
+        "images-relu": "images-relu",
+        **{f"text-topk[k={k},matryoshka={m},seed={seed}]": f"text-topk[k={k},matryoshka={m}]"
+           for k in (4, 8) for m in ("[0.25]", "[]") for seed in (0, 1)},
+    }  # fmt: skip
+    summary_config = plan.cli_configs()[plan.cli_config("stages", "summary")]
+    assert summary_config["labels"] == {run_id: p.name for run_id, p in plan.runs.items()}
+    assert summary_config["group_labels"] == {run_id: p.group_name for run_id, p in plan.runs.items()}
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["plan", str(config_fpath)]) == 0
+    printed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("run ")]
+    assert sorted(printed) == sorted(f"run {name}" for name in names)
+
+
 def test_identical_activation_specs_share_one_shard_directory_named_for_the_first():
     cfg = smallest_config()
     cfg["activations"]["text-again"] = copy.deepcopy(cfg["activations"]["text"])

@@ -130,7 +130,8 @@ def test_library_checkpoints_import_with_the_librarys_outputs(library, name, sha
         np.testing.assert_allclose(x_hat.numpy(), want["recon"], rtol=1e-5, atol=1e-5)
     assert cli.main(["inference", "--run", str(run_dpath), "--shards", str(shards_dpath), "--top-k", "4"]) == 0
     dump = DumpLayout(run_dpath / "inference" / ShardDir(shards_dpath).hash)
-    assert json.loads(dump.metrics_fpath.read_text())["n_vectors"] == 6 * 17
+    metrics = json.loads(dump.metrics_fpath.read_text())  # an imported run trained on tokens: content (no CLS)
+    assert (metrics["tokens"], metrics["n_vectors"], metrics["all_tokens"]["n_vectors"]) == ("content", 6 * 16, 6 * 17)
     if (library, name) == ("saelens", "topk"):
         argv = ["visuals", "--run", str(run_dpath), "--selection", "list", "--latents", "0", "1", "--tile-px", "32"]
         assert cli.main(argv) == 0 and dump.index_fpath.exists()

@@ -5,6 +5,7 @@ import shlex
 
 import numpy as np
 import pytest
+import scipy.sparse
 import torch
 from PIL import Image
 
@@ -75,16 +76,23 @@ def test_vision_visuals_with_patch_labels(tmp_path):
     dump_dpath = inference.run_inference(inference.InferenceConfig(run.root, sd_dpath, top_k=32))
     out = visuals.make_visuals(visuals.VisualsConfig(run.root, selection="list", latents=(0, 5), top_k=4, tile_px=64))
     lat = inference.load_dump(dump_dpath).latents
+    codes = scipy.sparse.load_npz(DumpLayout(dump_dpath).acts_fpath).toarray().reshape(6, 17, 64)[:, 1:]  # no CLS
+    data = json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
     for latent in (0, 5):
-        top = visuals.top_rows(lat, latent, 4, one_per_example=True)
-        assert len({ex for ex, _, _ in top}) == len(top) > 0  # each image once, at its best patch
+        top = visuals.top_rows(lat, latent, 4)
+        fires_n = (codes[:, :, latent] > 0).any(1)  # the images where the latent fires on a patch
+        # top_k different images (as many as it fires in, when fewer), each at its best patch, strongest first
+        assert [ex for ex, _, _ in data["drawn"][str(latent)]["top"]] == [ex for ex, _, _ in top]
+        assert len({ex for ex, _, _ in top}) == len(top) == min(4, fires_n.sum()) > 0
+        assert [v for _, _, v in top] == pytest.approx(sorted(codes[fires_n, :, latent].max(1), reverse=True)[:4])
+        # the histogram counts the patches it fires on (the tokens it trained on), not CLS
+        assert sum(data["drawn"][str(latent)]["hist"]["counts"]) == (codes[:, :, latent] > 0).sum()
         cols = int(np.ceil(np.sqrt(len(top))))
         rows = int(np.ceil(len(top) / cols))
         img = Image.open(out / "latents" / f"{latent}.png")
         # tiles of a 64 px image over 64 px of patch labels (GeneratedImages writes labels.bin)
         assert img.size == (cols * 64, rows * 128) and img.mode == "RGB"
         assert np.asarray(img).std() > 5  # not blank
-    data = json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
     bands = data["drawn"]["0"]["quantiles"]
     assert [b["q"] for b in bands] == [[75, 100], [50, 75], [25, 50], [0, 25]]
     assert all((out / b["png"]).is_file() for b in bands if b["rows"]) and bands[0]["rows"]
@@ -120,6 +128,9 @@ def test_index_html_in_headless_chromium(text_visuals, tmp_path):
     try:
         session = browser.open_page((out / DumpLayout.INDEX_FNAME).as_uri())
         assert browser.evaluate(session, "document.querySelectorAll('#rows .row').length") == 8
+        # The header's metrics say which tokens they cover: the run's (tokens: content; 12 examples of 16 tokens).
+        meta = browser.evaluate(session, "document.getElementById('meta').textContent")
+        assert "on the 192 tokens it trained on (tokens: content): NMSE " in meta, meta
         browser.evaluate(session, f"document.querySelector('#row-{drawn[0]}').click()")
         browser.evaluate(session, "new Promise(r => setTimeout(r, 200))")
         assert browser.evaluate(session, "document.querySelector('#latent h2').textContent") == f"latent {drawn[0]}"

@@ -33,17 +33,38 @@ def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     csv_fpath, png_fpath = report.write_summary(run_dpaths, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
     assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
-    assert list(rows[0])[:6] == ["name", "run_id", "shard_hash", "group", "l0", "nmse"] and "config.k" in rows[0]
+    assert list(rows[0])[:7] == ["name", "run_id", "shard_hash", "group", "group_name", "l0", "nmse"]
+    assert "config.k" in rows[0]
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_headline_metrics_are_the_trained_tokens_and_say_so(tmp_path):
+    """metrics.json's top level (the tokens the SAE trained on, named by `tokens`) is the headline: the columns after
+    `group`, and the Pareto plot's y axis; every stored token's metrics follow as all_tokens.*."""
+    metrics = {"tokens": "content", "l0": 4.0, "nmse": 0.2, "all_tokens": {"tokens": "all", "l0": 4.1, "nmse": 0.3}}
+    rows = summary.collect([make_run(tmp_path, 4, metrics)])
+    columns = summary.to_csv(rows).splitlines()[0].split(",")
+    assert columns[5:11] == ["l0", "nmse", "tokens", "all_tokens.l0", "all_tokens.nmse", "all_tokens.tokens"]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    summary.nmse_panel(ax, rows)
+    assert ax.get_ylabel() == "normalized MSE\n(on the tokens the SAE trained on)"
+    assert [float(y) for y in ax.get_lines()[0].get_ydata()] == [0.2]
+    plt.close(fig)
 
 
 def test_summary_labels_name_runs(tmp_path):
     run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
-    labels = [f"--label={d.name}=topk[{i}]" for i, d in enumerate(run_dpaths)]
+    labels = [f"--label={d.name}=topk[k={k},seed=0]" for k, d in zip((4, 16), run_dpaths)]
+    labels += [f"--group-label={d.name}=topk[k={k}]" for k, d in zip((4, 16), run_dpaths)]
     argv = ["summary", *[f"--run={d}" for d in run_dpaths], *labels, "--out", str(tmp_path / "out")]
     assert cli.main(argv) == 0
     rows = list(csv.DictReader(io.StringIO((tmp_path / "out" / "summary.csv").read_text())))
-    assert {r["run_id"]: r["name"] for r in rows} == {d.name: f"topk[{i}]" for i, d in enumerate(run_dpaths)}
+    assert {r["run_id"]: (r["name"], r["group_name"]) for r in rows} == {
+        d.name: (f"topk[k={k},seed=0]", f"topk[k={k}]") for k, d in zip((4, 16), run_dpaths)}
+    grouped = list(csv.DictReader(io.StringIO((tmp_path / "out" / report.GROUPED_FNAME).read_text())))
+    assert sorted(r["name"] for r in grouped) == ["topk[k=16]", "topk[k=4]"]
     assert cli.main(["summary", f"--run={run_dpaths[0]}", "--label=nonsense", "--out", str(tmp_path / "o2")]) == 1
 
 
@@ -157,3 +178,41 @@ def test_seed_groups_are_one_point_with_error_bars_and_one_grouped_row(tmp_path)
     assert single["n_runs"] == "1" and single["nmse.std"] == "" and single["stability.n_pairs"] == ""
     for page in report.PAGES:
         assert (tmp_path / "out" / report.page_fname(page)).read_bytes()[:4] == b"\x89PNG", page
+
+
+def test_point_labels_and_legends_cover_nothing(tmp_path):
+    """Seed groups and runs at equal L0 (TopK k=32 on four layers) and equal or almost equal NMSE and splice score,
+    with long names: every point label lies inside its axes and overlaps no other, and each legend lies outside its
+    axes, over no label (geometry of the laid-out figure, in pixels)."""
+    run_dpaths, names = [], {}
+    for layer in (3, 5, 7, 9):
+        for seed in (0, 1) if layer == 3 else (0,):
+            # NMSE: layer 3's seeds average 0.301, layer 5's too, layer 7 0.3012; the splice score equal but layer 9
+            nmse = {3: 0.3 + 0.002 * seed, 5: 0.301, 7: 0.3012, 9: 0.35}[layer]
+            dpath = make_run(tmp_path, 32, {"l0": 32.0, "nmse": nmse}, layer=layer, seed=seed)
+            evaluation = {"metrics": {"ce_loss_recovered": 0.95 if layer == 9 else 0.9}}
+            runs.open_run(dpath).evaluation_fpath("b" * 64).parent.mkdir(exist_ok=True)
+            runs.open_run(dpath).evaluation_fpath("b" * 64).write_text(json.dumps(evaluation))
+            run_dpaths.append(dpath)
+            names[dpath.name] = f"clip-vit-b16-l{layer}-topk-imagenet[k=32,seed={seed}]"
+    group_names = {run_id: name.replace(",seed=0", "").replace(",seed=1", "") for run_id, name in names.items()}
+    rows = summary.collect(run_dpaths, names, group_names)
+    fig = summary.pareto_figure(rows)
+    summary.lay_out(fig)
+    renderer = fig.canvas.get_renderer()
+    assert len(fig.axes) == 2
+    for ax in fig.axes:
+        labels = [t for t in ax.texts if t.get_gid() == summary.POINT_LABEL_GID]
+        assert sorted(t.get_text() for t in labels) == [
+            "clip-vit-b16-l3-topk-imagenet[k=32] (2 seeds)", *(f"clip-vit-b16-l{layer}-topk-imagenet[k=32]"
+                                                                for layer in (5, 7, 9))]  # fmt: skip
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        ax_box, legend_box = ax.get_window_extent(renderer), ax.get_legend().get_window_extent(renderer)
+        assert all(ax_box.x0 <= b.x0 and b.x1 <= ax_box.x1 and ax_box.y0 <= b.y0 and b.y1 <= ax_box.y1 for b in boxes)
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+        assert not legend_box.overlaps(ax_box) and not any(legend_box.overlaps(b) for b in boxes)
+        assert fig.bbox.x0 <= legend_box.x0 and legend_box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= legend_box.y0
+        assert not legend_box.overlaps(ax.xaxis.label.get_window_extent(renderer))
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -2,7 +2,8 @@
 # means and standard deviations (with their stability) in another, the L0 vs normalized-MSE (and splice score) Pareto
 # plot across the sweep, and one report page per metric (saeflow.analysis.report; a caption each, workflow/report/<page>.rst).
 # Cheap, so it follows every metrics file (no ancient()) and .snakemake/saeflow/stages/summary.json, the runs and
-# names it shows (rewritten only when they change: removing, reordering or renaming).
+# names it shows (rewritten only when they change: removing or renaming; a point is named by its values, so
+# reordering a sweep changes nothing).
 REPORT_CATEGORIES = {
     "pareto_nmse": "Reconstruction",
     "pareto_splice": "Splice evaluation",
@@ -49,10 +50,14 @@ rule summary:
     params:
         runs=[f"--run={PLAN.run(run_id).root}" for run_id in sorted(PLAN.runs)],
         labels=[
-            f"--label={run_id}={plan.sae_name}[{plan.index}]"
+            f"--label={run_id}={plan.name}"
+            for run_id, plan in sorted(PLAN.runs.items())
+        ],
+        group_labels=[
+            f"--group-label={run_id}={plan.group_name}"
             for run_id, plan in sorted(PLAN.runs.items())
         ],
         stability=[f"--stability={fpath}" for fpath in get_stability_results()],
         out=PLAN.cfg.summary_dir,
     shell:
-        "saeflow summary {params.runs:q} {params.labels:q} {params.stability:q} --out {params.out:q} >{log:q} 2>&1"
+        "saeflow summary {params.runs:q} {params.labels:q} {params.group_labels:q} {params.stability:q} --out {params.out:q} >{log:q} 2>&1"

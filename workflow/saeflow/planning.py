@@ -365,6 +365,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         configs[plan.cli_config("stability", group)] = {"runs": run_ids}  # the group's members: its rerun trigger
     configs[plan.cli_config("stages", "summary")] = {
         "runs": sorted(str(plan.run(run_id).root) for run_id in plan.runs),
-        "labels": {run_id: f"{p.sae_name}[{p.index}]" for run_id, p in sorted(plan.runs.items())},
+        "labels": {run_id: p.name for run_id, p in sorted(plan.runs.items())},
+        "group_labels": {run_id: p.group_name for run_id, p in sorted(plan.runs.items())},
     }
     return configs

@@ -3,7 +3,8 @@
 Rows arrive in order, a batch at a time; the three CSR arrays are appended to raw side files, so memory is bounded
 by one batch whatever the number of rows. `finish` streams the side files into an uncompressed `.npz` (a zip of
 `.npy` files: `format`, `shape`, `data`, `indices`, `indptr`) and removes them. Index arrays are int32 when they
-fit, as scipy itself writes them, else int64.
+fit, as scipy itself writes them, else int64. Every zip entry is dated `ZIP_DATE_TIME` (scipy and `zipfile.writestr`
+stamp the write time), so the same matrix is the same bytes.
 """
 
 import io
@@ -14,6 +15,7 @@ import numpy as np
 
 COPY_ELEMS = 1 << 22  # elements per chunk when streaming a side file into the zip
 INT32_MAX = np.iinfo(np.int32).max
+ZIP_DATE_TIME = (1980, 1, 1, 0, 0, 0)  # the earliest a zip header holds; numpy's own savez entries carry it too
 
 
 class CsrWriter:
@@ -71,13 +73,18 @@ class CsrWriter:
 def _write_small(zf: zipfile.ZipFile, name: str, arr: np.ndarray) -> None:
     buf = io.BytesIO()
     np.lib.format.write_array(buf, arr, allow_pickle=False)
-    zf.writestr(f"{name}.npy", buf.getvalue())
+    zf.writestr(_entry(name), buf.getvalue())
+
+
+def _entry(name: str) -> zipfile.ZipInfo:
+    """The zip entry of `<name>.npy`, dated ZIP_DATE_TIME (not the write time)."""
+    return zipfile.ZipInfo(f"{name}.npy", date_time=ZIP_DATE_TIME)
 
 
 def _write_streamed(zf, name, src_fpath, src_dtype, dst_dtype, n: int) -> None:
     """Copy a raw array file into `<name>.npy` inside the zip, converting dtype chunk by chunk."""
     header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dst_dtype)), "fortran_order": False, "shape": (n,)}
-    with zf.open(f"{name}.npy", "w", force_zip64=True) as out, open(src_fpath, "rb") as src:
+    with zf.open(_entry(name), "w", force_zip64=True) as out, open(src_fpath, "rb") as src:
         np.lib.format.write_array_header_2_0(out, header)
         item_bytes = np.dtype(src_dtype).itemsize
         while chunk := src.read(COPY_ELEMS * item_bytes):

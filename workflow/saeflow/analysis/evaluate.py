@@ -333,7 +333,7 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     shards_dpath = (cfg.shards or run.link(run.VAL_SHARDS)).resolve()  # messages name the directory, not a link
     shard_hash = check_spec(run, plan, model, layer, shards_dpath)
     sd = open_val_shards(shards_dpath, shard_hash)
-    tokens = run.config().get("tokens", "content")
+    tokens = run.tokens()
     view = loaders.LayerView(sd, layer, tokens)
     T = plan.metadata.tokens_per_ex
     n_ex = min(plan.metadata.n_ex, math.ceil(cfg.n_tokens / T))

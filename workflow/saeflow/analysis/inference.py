@@ -4,11 +4,14 @@
     patch_acts.npz     scipy CSR (n_ex * tokens_per_ex, d_sae) float32: `scipy.sparse.load_npz` reads it.
                        Row r is example r // tokens_per_ex, token r % tokens_per_ex (example-major, token-minor,
                        the protocol's token axis: CLS first when the shards have one).
-    latents.npz        per latent: n_fires, freq (fraction of rows where it fires), mean_act (mean value when
-                       firing, 0 when it never fires), max_act; top-k rows per latent, best first:
-                       topk_values (d_sae, k) float32, topk_example (d_sae, k) int64, topk_token (d_sae, k) int64
-                       (-1 / 0.0 pad latents that fired on fewer than k rows); l0_hist[n] = rows with n active latents
-    metrics.json       NMSE, L0, explained variance, dead/dense counts on this data (training.metrics definitions)
+    latents.npz        per latent, over the rows of the tokens the SAE trained on: n_fires, freq (fraction of those
+                       rows where it fires), mean_act (mean value when firing, 0 when it never fires), max_act; its
+                       top-k *examples*, best first, each at its strongest token: topk_values (d_sae, k) float32,
+                       topk_example (d_sae, k) int64, topk_token (d_sae, k) int64 (-1 / 0.0 pad latents that fired in
+                       fewer than k examples); l0_hist[n] = those rows with n active latents
+    metrics.json       NMSE, L0, explained variance, dead/dense counts (training.metrics definitions) on the tokens the
+                       SAE trained on (`tokens`, the run's config: the headline), and the same over every stored token
+                       under `all_tokens`
     provenance.json    versions, host, times (not part of the result)
 
 The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.store.atomic), under
@@ -39,7 +42,8 @@ from saeflow.training import loaders, metrics, sae
 logger = logging.getLogger(__name__)
 
 # config.json keys that change the result; an existing dump must agree on them to be reused.
-RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k")
+RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k", "tokens", "top_k_of")
+TOP_K_OF = "examples"  # what inference.top_k counts: distinct examples per latent (an older dump counted rows)
 DEFAULTS = config.section_defaults("inference")
 
 
@@ -65,14 +69,16 @@ class InferenceConfig:
 
 
 class TopK:
-    """The k largest values per latent and their row ids (ties: earlier row first), merged batch by batch.
+    """Per latent, the k examples where it fires most, merged batch by batch: each example at its largest value (its
+    earliest row among equal values), the examples by that value, ties to the earlier row. Rows are numbered
+    example-major (row = example * tokens_per_ex + token), so a latent page can show k different images or documents.
 
     Only entries above a latent's current k-th value are candidates, so after the first batches a merge sorts a
     few thousand entries, not the batch. Memory is O(d_sae * k).
     """
 
-    def __init__(self, d_sae: int, k: int):
-        self.k = k
+    def __init__(self, d_sae: int, k: int, tokens_per_ex: int):
+        self.k, self.tokens_per_ex = k, tokens_per_ex
         self.values_sk = np.zeros((d_sae, k), dtype=np.float32)
         self.rows_sk = np.full((d_sae, k), -1, dtype=np.int64)
         self._latent_sk = np.repeat(np.arange(d_sae), k).reshape(d_sae, k)
@@ -82,13 +88,23 @@ class TopK:
         cand_n = vals_n > self.values_sk[cols_n, -1]
         if not cand_n.any():
             return
-        cols_m = np.concatenate([self._latent_sk.ravel(), cols_n[cand_n]])
-        vals_m = np.concatenate([self.values_sk.ravel(), vals_n[cand_n]])
-        rows_m = np.concatenate([self.rows_sk.ravel(), rows_n[cand_n] + first_row])
+        held_sk = self.rows_sk >= 0
+        cols_m = np.concatenate([self._latent_sk[held_sk], cols_n[cand_n]])
+        vals_m = np.concatenate([self.values_sk[held_sk], vals_n[cand_n]])
+        rows_m = np.concatenate([self.rows_sk[held_sk], rows_n[cand_n] + first_row])
+        # One entry per (latent, example): its largest value, the earliest row among equals.
+        ex_m = rows_m // self.tokens_per_ex
+        order = np.lexsort((rows_m, -vals_m, ex_m, cols_m))
+        cols_m, vals_m, rows_m, ex_m = cols_m[order], vals_m[order], rows_m[order], ex_m[order]
+        first_m = np.ones(cols_m.size, dtype=bool)
+        first_m[1:] = (cols_m[1:] != cols_m[:-1]) | (ex_m[1:] != ex_m[:-1])
+        cols_m, vals_m, rows_m = cols_m[first_m], vals_m[first_m], rows_m[first_m]
         order = np.lexsort((rows_m, -vals_m, cols_m))  # by latent, then value descending, then row
         cols_m, vals_m, rows_m = cols_m[order], vals_m[order], rows_m[order]
         rank_m = np.arange(cols_m.size) - np.searchsorted(cols_m, cols_m, side="left")
-        keep = rank_m < self.k  # every latent has its k old entries, so each keeps exactly k
+        keep = rank_m < self.k
+        touched = np.unique(cols_m)  # every latent holding an entry: rewritten whole (it may hold fewer than k)
+        self.values_sk[touched], self.rows_sk[touched] = 0.0, -1
         self.values_sk[cols_m[keep], rank_m[keep]] = vals_m[keep]
         self.rows_sk[cols_m[keep], rank_m[keep]] = rows_m[keep]
 
@@ -133,6 +149,8 @@ def run_inference(cfg: InferenceConfig) -> pathlib.Path:
         "shard_hash": sd.hash,
         "layer": layer,
         "top_k": cfg.top_k,
+        "top_k_of": TOP_K_OF,
+        "tokens": run.tokens(),
         "batch_size": cfg.batch_size,
         "dense_freq": cfg.dense_freq,
         "d_model": model.d_model,
@@ -160,7 +178,7 @@ def run_inference(cfg: InferenceConfig) -> pathlib.Path:
                 staging = layout.DumpLayout(staging_dpath)
                 started_at = provenance.utc_now()
                 atomic.write_json(staging.config_fpath, dump_config)
-                _dump(model, sd, layer, cfg, staging)
+                _dump(model, sd, layer, dump_config["tokens"], cfg, staging)
                 atomic.write_json(
                     staging.provenance_fpath,
                     {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
@@ -198,23 +216,67 @@ def check_reusable(dump: layout.DumpLayout, dump_config: dict) -> None:
         )
 
 
+class LatentStats:
+    """Per-latent statistics, top-k examples and metrics of the rows the SAE trained on (`tokens`), and the metrics of
+    every stored row, accumulated batch by batch (rows in dump order)."""
+
+    def __init__(self, sd: ShardDir, tokens: str, d_model: int, d_sae: int, cfg: InferenceConfig):
+        self.selection = loaders.TokenSelection(sd, tokens)
+        self.topk = TopK(d_sae, cfg.top_k, sd.metadata.tokens_per_ex)
+        self.sum_act_s = np.zeros(d_sae)
+        self.max_act_s = np.zeros(d_sae, dtype=np.float32)
+        self.l0_hist = np.zeros(d_sae + 1, dtype=np.int64)
+        self.trained = metrics.MetricsAccumulator(d_model, d_sae, dense_freq=cfg.dense_freq)
+        self.all_rows = metrics.MetricsAccumulator(d_model, d_sae, dense_freq=cfg.dense_freq)
+        self.first_row = 0
+
+    def update(self, x_bd, x_hat_bd, f_bs, rows_n, cols_n, vals_n) -> None:
+        """One batch: its vectors, reconstructions and codes, and the codes' non-zero entries (row-major)."""
+        n_rows = x_bd.shape[0]
+        keep_b = self.selection.keeps(np.arange(self.first_row, self.first_row + n_rows))
+        kept_n = keep_b[rows_n]
+        rows_n, cols_n, vals_n = rows_n[kept_n], cols_n[kept_n], vals_n[kept_n]
+        self.topk.update(rows_n, cols_n, vals_n, self.first_row)
+        self.sum_act_s += np.bincount(cols_n, weights=vals_n, minlength=len(self.sum_act_s))
+        np.maximum.at(self.max_act_s, cols_n, vals_n)
+        self.l0_hist += np.bincount(np.bincount(rows_n, minlength=n_rows)[keep_b], minlength=len(self.l0_hist))
+        keep_t = torch.from_numpy(keep_b).to(x_bd.device)
+        self.trained.update(x_bd[keep_t], x_hat_bd[keep_t], f_bs[keep_t])
+        self.all_rows.update(x_bd, x_hat_bd, f_bs)
+        self.first_row += n_rows
+
+    def latents(self) -> dict[str, np.ndarray]:
+        """latents.npz's arrays."""
+        T, rows_sk = self.selection.md.tokens_per_ex, self.topk.rows_sk
+        n_fires = self.trained.fires_s.numpy()
+        return {
+            "n_fires": n_fires,
+            "freq": n_fires / max(self.trained.n_vectors, 1),
+            "mean_act": np.divide(self.sum_act_s, n_fires, out=np.zeros(len(n_fires)), where=n_fires > 0),
+            "max_act": self.max_act_s,
+            "topk_values": self.topk.values_sk,
+            "topk_example": np.where(rows_sk >= 0, rows_sk // T, -1),
+            "topk_token": np.where(rows_sk >= 0, rows_sk % T, 0),
+            "l0_hist": self.l0_hist,
+        }
+
+    def metrics(self) -> dict:
+        """metrics.json: the trained tokens' metrics (named by `tokens`), every stored token's under all_tokens."""
+        return {"tokens": self.selection.tokens, **self.trained.result(),
+                "all_tokens": {"tokens": "all", **self.all_rows.result()}}  # fmt: skip
+
+
 @torch.no_grad()
-def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: InferenceConfig, out: layout.DumpLayout) -> None:
-    """One streaming pass: CSR rows, per-latent statistics, top-k and metrics."""
-    T, d_sae = sd.metadata.tokens_per_ex, model.d_sae
-    n_rows = sd.n_ex * T
-    csr = CsrWriter(out.acts_fpath, d_sae)
-    topk = TopK(d_sae, cfg.top_k)
-    sum_act_s = np.zeros(d_sae)
-    max_act_s = np.zeros(d_sae, dtype=np.float32)
-    l0_hist = np.zeros(d_sae + 1, dtype=np.int64)
-    acc = metrics.MetricsAccumulator(model.d_model, d_sae, dense_freq=cfg.dense_freq)
+def _dump(model: sae.SAE, sd: ShardDir, layer: int, tokens: str, cfg: InferenceConfig, out: layout.DumpLayout) -> None:
+    """One streaming pass over every stored token: CSR rows, per-latent statistics, top-k and metrics."""
+    n_rows = sd.n_ex * sd.metadata.tokens_per_ex
+    csr = CsrWriter(out.acts_fpath, model.d_sae)
+    stats = LatentStats(sd, tokens, model.d_model, model.d_sae, cfg)
     device = resolve_device(cfg.device)
     model = model.to(device)
     # pread into reused buffers (training.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
     loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all")
-    first_row = 0
     try:
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
             for x_bd in loader.iter_batches():
@@ -224,31 +286,14 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: InferenceConfig, out: l
                 rows_n, cols_n = np.nonzero(f_np)  # row-major: the CSR order
                 vals_n = f_np[rows_n, cols_n]
                 csr.append_nonzero(rows_n, cols_n, vals_n, n_rows=f_np.shape[0])
-                topk.update(rows_n, cols_n, vals_n, first_row)
-                sum_act_s += np.bincount(cols_n, weights=vals_n, minlength=d_sae)
-                np.maximum.at(max_act_s, cols_n, vals_n)
-                l0_hist += np.bincount(np.bincount(rows_n, minlength=f_np.shape[0]), minlength=d_sae + 1)
-                acc.update(x_bd, x_hat_bd, f_bs)
-                first_row += x_bd.shape[0]
+                stats.update(x_bd, x_hat_bd, f_bs, rows_n, cols_n, vals_n)
                 bar.update(x_bd.shape[0])
         csr.finish()
     except BaseException:
         csr.abort()
         raise
-    rows_sk = topk.rows_sk
-    n_fires = acc.fires_s.numpy()
-    np.savez(
-        out.latents_fpath,
-        n_fires=n_fires,
-        freq=n_fires / n_rows,
-        mean_act=np.divide(sum_act_s, n_fires, out=np.zeros(d_sae), where=n_fires > 0),
-        max_act=max_act_s,
-        topk_values=topk.values_sk,
-        topk_example=np.where(rows_sk >= 0, rows_sk // T, -1),
-        topk_token=np.where(rows_sk >= 0, rows_sk % T, 0),
-        l0_hist=l0_hist,
-    )
-    atomic.write_json(out.metrics_fpath, acc.result())
+    np.savez(out.latents_fpath, **stats.latents())
+    atomic.write_json(out.metrics_fpath, stats.metrics())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -440,7 +440,7 @@ def run_probe(cfg: ProbeConfig) -> pathlib.Path:
         raise SaeflowError(f"{sd.dpath}: no {ShardLayout.LABELS_FNAME} or {ShardLayout.CLASSES_FNAME}: nothing to "
                            "probe (labels come from segmentation folders, generated images, image folders and "
                            "hf_dataset label columns)")  # fmt: skip
-    tokens, layer = run.config().get("tokens", "content"), int(dump_config["layer"])
+    tokens, layer = run.tokens(), int(dump_config["layer"])
     started_at, labels = provenance.utc_now(), []
     # Every fit is small: BLAS threads would only wait on each other (10x slower on a busy 2-core machine).
     with CsrFile(dump.acts_fpath) as dump_csr, threadpoolctl.threadpool_limits(1):

@@ -28,7 +28,6 @@ from saeflow.store.hashing import read_json_object
 GROUPED_FNAME = "summary_grouped.csv"
 PAGES = ("pareto_nmse", "pareto_splice", "probe", "stability")  # <page>.png in the summary directory
 STABILITY_METRICS = ("frac_matched_0.7", "frac_matched_0.9", "mmcs")
-HEAD = ("name", "run_id", "shard_hash", "group")
 
 
 def page_fname(page: str) -> str:
@@ -45,9 +44,9 @@ def grouped_rows(rows: list[dict], stability_results: list[dict]) -> list[dict]:
     out = []
     for group, shard_hash in sorted({(r["group"], r["shard_hash"]) for r in rows}):
         members = [r for r in rows if (r["group"], r["shard_hash"]) == (group, shard_hash)]
-        row = {"group": group, "shard_hash": shard_hash, "n_runs": len(members),
+        row = {"group": group, "name": summary.group_name(members), "shard_hash": shard_hash, "n_runs": len(members),
                "names": " ".join(sorted(r["name"] or r["run_id"][:12] for r in members))}  # fmt: skip
-        keys = dict.fromkeys(k for r in members for k in r if k not in HEAD)
+        keys = dict.fromkeys(k for r in members for k in r if k not in summary.HEAD)
         for key in keys:
             values = [r.get(key) for r in members]
             if key.startswith("config."):
@@ -67,9 +66,10 @@ def grouped_rows(rows: list[dict], stability_results: list[dict]) -> list[dict]:
 
 
 def grouped_csv(grouped: list[dict]) -> str:
-    """Columns: group, shard_hash, n_runs, names, the metrics' means and stds, stability.*, config.*."""
+    """Columns: group, name (the seed group's), shard_hash, n_runs, names (its runs'), the metrics' means and stds,
+    stability.*, config.*."""
     columns = list(dict.fromkeys(k for row in grouped for k in row))
-    head = ["group", "shard_hash", "n_runs", "names"]
+    head = ["group", "name", "shard_hash", "n_runs", "names"]
     stab = sorted(c for c in columns if c.startswith("stability."))
     config = sorted(c for c in columns if c.startswith("config."))
     metrics = sorted(c for c in columns if c not in head and c not in stab and c not in config)
@@ -123,9 +123,8 @@ def probe_page(rows: list[dict], out_fpath: pathlib.Path) -> None:
         stats = [summary.mean_std([r[f"probe.sparse_k{k}_accuracy"] for r in members]) for k in ks]
         dense, _ = summary.mean_std([r["probe.dense_accuracy"] for r in members])
         auroc, _ = summary.mean_std([r["probe.best_latent_auroc"] for r in members])
-        label = members[0]["name"] or members[0]["run_id"][:8]
         ax.errorbar(ks, [m for m, _ in stats], yerr=[s or 0.0 for _, s in stats], color=f"C{i % 10}", marker="o",
-                    capsize=3, label=f"{label} ({len(members)} runs; best latent AUROC {auroc:.2f})")  # fmt: skip
+                    capsize=3, label=f"{summary.group_label(members)}; best latent AUROC {auroc:.2f}")  # fmt: skip
         ax.axhline(dense, color=f"C{i % 10}", linestyle="--", linewidth=1)
     ax.set_xscale("log")
     ax.set_xlabel("k (latents in the probe, largest mean difference)")
@@ -143,7 +142,10 @@ def stability_page(rows: list[dict], stability_results: list[dict], out_fpath: p
         _nothing(ax, "no seed group: no runs that differ only in seed/data_seed")
         summary.save_figure(fig, out_fpath)
         return
-    names = {r["group"]: r["name"] or r["run_id"][:8] for r in sorted(rows, key=lambda r: r["name"], reverse=True)}
+    members: dict[str, list[dict]] = {}
+    for row in rows:
+        members.setdefault(row["group"], []).append(row)
+    names = {group: summary.group_name(group_rows) for group, group_rows in members.items()}
     for j, threshold in enumerate((0.7, 0.9)):
         key = f"frac_matched_{threshold}"
         xs = [i + 0.4 * j for i in range(len(stability_results))]
@@ -173,11 +175,12 @@ def write_pages(rows: list[dict], stability_results: list[dict], out_dpath: path
 
 def write_summary(
     run_dpaths: list[pathlib.Path], out_dpath: pathlib.Path, names: dict[str, str] | None = None,
-    stability_fpaths: tuple[pathlib.Path, ...] = (),
+    stability_fpaths: tuple[pathlib.Path, ...] = (), group_names: dict[str, str] | None = None,
 ) -> tuple[pathlib.Path, pathlib.Path]:  # fmt: skip
     """Write `summary.csv`, `pareto.png`, the grouped table and every page into `out_dpath` (each replaced
-    atomically; the seed groups' `saeflow stability` results from `stability_fpaths`). Returns the first two."""
-    rows = summary.collect(run_dpaths, names)
+    atomically; the seed groups' `saeflow stability` results from `stability_fpaths`; `names` and `group_names` map
+    run ids to the names of their sweep points and seed groups). Returns the first two."""
+    rows = summary.collect(run_dpaths, names, group_names)
     out_dpath.mkdir(parents=True, exist_ok=True)
     out = layout.SummaryLayout(out_dpath)
     csv_fpath, png_fpath = out.csv_fpath, out.pareto_fpath

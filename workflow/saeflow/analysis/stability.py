@@ -26,10 +26,10 @@ import numpy as np
 
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, hashing, provenance, runs
+from saeflow.training.sweeps import SEED_KEYS  # what may differ inside a group
 
 logger = logging.getLogger(__name__)
 
-SEED_KEYS = ("seed", "data_seed")  # what may differ inside a group
 MATCH_FLOOR = 0.7  # a cosine below this is no match (the assignment counts it as 0)
 THRESHOLDS = (0.7, 0.9)
 BLOCK_ROWS = 1024  # decoder rows of one run per block of the cosine matrix (memory: BLOCK_ROWS x d_sae x 4 bytes)

@@ -1,8 +1,9 @@
 """One table of every run's metrics and the sparsity/reconstruction Pareto plot across a sweep.
 
-Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json`; the row also
-carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read as a
-table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
+Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json` (its headline
+metrics are over the tokens the SAE trained on, named in the `tokens` column; `all_tokens.*` over every stored token);
+the row also carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read
+as a table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
 seed/data_seed). The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per (evaluation
 shard directory, layer, architecture): lower-left is better, and the points no other on the same series beats on both
 are joined as the front. A point is a seed group: the mean of its runs, with error bars of one standard deviation. When
@@ -30,6 +31,13 @@ L0_KEYS = ("l0", "L0")
 NMSE_KEYS = ("nmse", "normalized_mse")
 # Splice evaluation (saeflow.analysis.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
 SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
+HEAD = ("name", "run_id", "shard_hash", "group", "group_name")  # summary.csv's first columns: which run, which group
+POINT_LABEL_GID = "saeflow-point-label"  # the Pareto points' labels (place_point_labels moves them apart)
+LABEL_OFFSET = (4, 4)  # a point label's place beside its point, in points
+# Where a label may go, in order: right of its point, then left, then a line (9 points) lower, higher, ...
+LABEL_PLACES = tuple(((dx * LABEL_OFFSET[0], LABEL_OFFSET[1] + 9 * line), "left" if dx > 0 else "right")
+                     for line in (0, -1, 1, -2, 2, -3, 3, -4, 4, -5, 5, -6, 6) for dx in (1, -1))  # fmt: skip
+NMSE_LABEL = "normalized MSE\n(on the tokens the SAE trained on)"  # inference's headline metrics (`tokens`)
 
 
 def flatten(obj: dict, prefix: str = "") -> dict:
@@ -50,10 +58,11 @@ def read_metrics(fpath: pathlib.Path) -> dict:
     return read_json_object(fpath, "JSON object of metrics")
 
 
-def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
+def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> list[dict]:
     """One row per inference directory of the run (a run without inference yet gives no row).
 
-    Columns: `name` (a label such as the SAE spec and sweep index; run ids are content hashes), the inference
+    Columns: `name` (a label such as the sweep point's name, saeflow.training.sweeps.point_name; run ids are content
+    hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), the inference
     metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
     `config.*` (the run's training config), and `eval.*` (the splice evaluation of the SAE on the same
     activations, `<run>/evaluation/<shard_hash>.json`, when present).
@@ -69,6 +78,7 @@ def run_rows(run_dpath: pathlib.Path, name: str = "") -> list[dict]:
             "run_id": run.root.name,
             "shard_hash": dump_dpath.name,
             "group": group,
+            "group_name": group_name or name,
             **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
             **train,
             **_evaluation(run, dump_dpath.name),
@@ -101,22 +111,28 @@ def _probe(run, shard_hash: str) -> dict:
     return flatten(metrics, "probe.")
 
 
-def collect(run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None) -> list[dict]:
-    """Rows of every run; `names` maps run ids to labels for the `name` column and the plot."""
-    names = names or {}
-    rows = [row for dpath in sorted(run_dpaths) for row in run_rows(dpath, names.get(pathlib.Path(dpath).name, ""))]
+def collect(
+    run_dpaths: list[pathlib.Path], names: dict[str, str] | None = None, group_names: dict[str, str] | None = None
+) -> list[dict]:
+    """Rows of every run; `names` maps run ids to labels for the `name` column, `group_names` to the names of their
+    seed groups (the plots' points)."""
+    names, group_names = names or {}, group_names or {}
+    ids = [pathlib.Path(dpath).name for dpath in sorted(run_dpaths)]
+    rows = [row for dpath, run_id in zip(sorted(run_dpaths), ids)
+            for row in run_rows(dpath, names.get(run_id, ""), group_names.get(run_id, ""))]  # fmt: skip
     if not rows:
         raise SaeflowError(f"none of the {len(run_dpaths)} runs has inference metrics (inference/*/metrics.json)")
     return rows
 
 
 def to_csv(rows: list[dict]) -> str:
-    """Columns: name, run_id, shard_hash, group, inference metrics, eval.*, probe.*, train.*, config.* (union over
-    rows, sorted)."""
+    """Columns: name, run_id, shard_hash, group, group_name, the inference metrics on the tokens each SAE trained on
+    (`tokens` names them), all_tokens.* (the same over every stored token), eval.*, probe.*, train.*, config.* (union
+    over rows, sorted)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
-    head, groups = ["name", "run_id", "shard_hash", "group"], ("eval.", "probe.", "train.", "config.")
+    head, groups = list(HEAD), ("all_tokens.", "eval.", "probe.", "train.", "config.")
     metric_cols = sorted(c for c in columns if c not in head and not c.startswith(groups))
     buf = io.StringIO()
     fieldnames = head + metric_cols + [c for group in groups for c in sorted(c for c in columns if c.startswith(group))]
@@ -163,17 +179,28 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
     return float(arr.mean()), (float(arr.std(ddof=1)) if arr.size > 1 else None)
 
 
+def group_name(members: list[dict]) -> str:
+    """A seed group's name: its runs' `group_name` (the sweep point's name without its seeds), else its first run's
+    name or run id."""
+    first = min(members, key=lambda r: r["name"] or r["run_id"])
+    return first.get("group_name") or first["name"] or first["run_id"][:8]
+
+
+def group_label(members: list[dict]) -> str:
+    """A seed group's name and its number of seeds, `clip-topk[k=32] (3 seeds)`: its point's label in the plots."""
+    return group_name(members) + (f" ({len(members)} seeds)" if len(members) > 1 else "")
+
+
 def group_points(rows: list[dict], y_of) -> list[dict]:
     """One point per seed group of `rows` (rows of one series): the mean L0 and y of its runs and their standard
-    deviations (error bars), with a label (the first run's name and the number of seeds)."""
+    deviations (error bars), with its group_label."""
     points = []
     for group in sorted({r["group"] for r in rows}):
         members = sorted((r for r in rows if r["group"] == group), key=lambda r: r["name"] or r["run_id"])
         x, xerr = mean_std([metric(r, L0_KEYS, "L0") for r in members])
         y, yerr = mean_std([y_of(r) for r in members])
-        label = members[0]["name"] or members[0]["run_id"][:8]
         points.append({"x": x, "y": y, "xerr": xerr or 0.0, "yerr": yerr or 0.0, "n": len(members),
-                       "label": label + (f" ({len(members)} seeds)" if len(members) > 1 else "")})  # fmt: skip
+                       "label": group_label(members)})  # fmt: skip
     return points
 
 
@@ -195,15 +222,17 @@ def pareto_panel(ax, rows: list[dict], y_of, ylabel: str, higher_better: bool) -
             label=f"shards {shard_hash[:8]} layer {layer} {arch} ({len(members)} runs)",
         )  # fmt: skip
         for p in points:
-            ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=LABEL_OFFSET, fontsize=7,
+                        gid=POINT_LABEL_GID)  # fmt: skip
     ax.set_xlabel("L0 (active latents per token)")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # Below the axes, where it covers no point and no label (inside, matplotlib's "best" place ignores the labels).
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
 
 
 def nmse_panel(ax, rows: list[dict]) -> None:
-    pareto_panel(ax, rows, lambda r: metric(r, NMSE_KEYS, "normalized MSE"), "normalized MSE", False)
+    pareto_panel(ax, rows, lambda r: metric(r, NMSE_KEYS, "normalized MSE"), NMSE_LABEL, False)
     ax.set_title(f"sparsity vs reconstruction ({len(rows)} runs); lines join each Pareto front", fontsize=9)
 
 
@@ -215,7 +244,7 @@ def splice_panel(ax, rows: list[dict]) -> None:
     ax.set_title("SAE spliced into the model: fraction of the ablation's damage avoided", fontsize=9)
 
 
-def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
+def pareto_figure(rows: list[dict]):
     """L0 vs normalized MSE; beside it L0 vs the splice score (saeflow.analysis.evaluate) of the runs that have one."""
     import matplotlib
 
@@ -227,14 +256,59 @@ def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
     nmse_panel(axes[0, 0], rows)
     if spliced:
         splice_panel(axes[0, 1], rows)
-    save_figure(fig, out_fpath)
+    return fig
+
+
+def plot_pareto(rows: list[dict], out_fpath: pathlib.Path) -> None:
+    """pareto.png: `pareto_figure`."""
+    save_figure(pareto_figure(rows), out_fpath)
+
+
+def _room_for_labels(ax, labels: list, renderer) -> None:
+    """Widen the x axis to the right (never narrow it) so that the widest label fits right of the rightmost point."""
+    ax_box = ax.get_window_extent(renderer)
+    need_px = max(t.get_window_extent(renderer).width for t in labels) + LABEL_OFFSET[0] * ax.figure.dpi / 72 + 2
+    if need_px >= ax_box.width:
+        return  # it cannot fit: place_point_labels does what it can
+    x0, x1 = ax.get_xlim()
+    x1_needed = x0 + (max(t.xy[0] for t in labels) - x0) * ax_box.width / (ax_box.width - need_px)
+    if x1_needed > x1:
+        ax.set_xlim(x0, x1_needed)
+
+
+def place_point_labels(fig) -> None:
+    """Move the point labels (POINT_LABEL_GID) of every axes of a laid-out figure so that none overlaps another and
+    each stays inside its axes (widened to the right when the labels need it): the first free place of
+    LABEL_PLACES, else the first place."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        labels = sorted((t for t in ax.texts if t.get_gid() == POINT_LABEL_GID), key=lambda t: (t.xy[0], -t.xy[1]))
+        if labels:
+            _room_for_labels(ax, labels, renderer)
+        ax_box = ax.get_window_extent(renderer)
+        placed = []
+        for label in labels:
+            for offset, ha in (*LABEL_PLACES, LABEL_PLACES[0]):  # the last one: nowhere free
+                label.xyann = offset
+                label.set_horizontalalignment(ha)
+                box = label.get_window_extent(renderer)
+                inside = ax_box.x0 <= box.x0 and box.x1 <= ax_box.x1 and ax_box.y0 <= box.y0 and box.y1 <= ax_box.y1
+                if inside and not any(box.overlaps(other) for other in placed):
+                    break
+            placed.append(box)
+
+
+def lay_out(fig) -> None:
+    """Fit the figure's parts (matplotlib's tight layout), then move the point labels apart."""
+    fig.tight_layout()
+    place_point_labels(fig)
 
 
 def save_figure(fig, out_fpath: pathlib.Path) -> None:
     """A matplotlib figure as a PNG, replaced atomically; the figure is closed."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    lay_out(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)

@@ -13,10 +13,11 @@ def register(subparsers):
         "plan",
         help="list every activation (shard hash) and run of CONFIG, or one activation's metadata (no model run)",
         description="Without --activation, list every `activations` entry of CONFIG with its shard hash and every "
-        "run its SAE sweeps plan (run id, `<sae>[<sweep index>]`, train/validation activations), as the workflow "
-        "would. With --activation NAME (or --json), resolve that entry into the saev protocol 2.0 metadata that "
-        "names its shard directory: model revision, absolute layers, dataset size, preprocessing/tokenization. "
-        "Reads the model's config.json only, never its weights; text corpora are tokenized to count examples.",
+        "run its SAE sweeps plan (run id, its name `<sae>[<swept key>=<value>,...]`, train/validation activations), "
+        "as the workflow would. With --activation NAME (or --json), resolve that entry into the saev protocol 2.0 "
+        "metadata that names its shard directory: model revision, absolute layers, dataset size, "
+        "preprocessing/tokenization. Reads the model's config.json only, never its weights; text corpora are tokenized "
+        "to count examples.",
     )
     _common_args(p)
     p.add_argument("--json", action="store_true", help='print {"name", "hash", "metadata"} as one JSON object')
@@ -105,7 +106,7 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     for name, shard_hash in plan.shard_hash.items():
         print(f"activation {name}: {shard_hash}")
     for run_id, run in plan.runs.items():
-        print(f"run {run.sae_name}[{run.index}]: {run_id} (train {run.train_activation}, val {run.val_activation})")
+        print(f"run {run.name}: {run_id} (train {run.train_activation}, val {run.val_activation})")
     return 0
 
 

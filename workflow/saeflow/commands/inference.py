@@ -15,8 +15,9 @@ def register(subparsers):
         help="run a trained SAE over a shard directory: RUN/inference/<shard_hash>/",
         description="Encode every stored token of the run's layer with the run's SAE, streaming, and publish "
         "RUN/inference/<shard_hash>/ atomically: patch_acts.npz (scipy CSR, row = example * tokens_per_ex + token, "
-        "one column per latent), latents.npz (firing frequency, mean activation when firing, top-k rows per "
-        "latent, L0 histogram), metrics.json (NMSE, L0, explained variance, dead/dense counts) and config.json. "
+        "one column per latent), latents.npz (firing frequency, mean activation when firing, the top-k examples "
+        "per latent, L0 histogram) and metrics.json (NMSE, L0, explained variance, dead/dense counts), both over the "
+        "tokens the SAE trained on (the run's `tokens`; metrics.json's all_tokens: over every token), and config.json. "
         "An existing dump with the same checkpoint and settings is reused. Memory is bounded by --batch-size and "
         "--top-k.",
     )

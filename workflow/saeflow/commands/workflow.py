@@ -54,7 +54,13 @@ def register(subparsers):
     p.add_argument("--out", type=pathlib.Path, required=True, metavar="DIR", help="where summary.csv and pareto.png go")
     p.add_argument(
         "--label", action="append", default=[], metavar="RUN_ID=NAME",
-        help="a readable name for a run (the `name` column and the plot labels); the workflow passes <sae>[<index>]",
+        help="a readable name for a run (the `name` column); the workflow passes the sweep point's name, "
+        "<sae>[<swept key>=<value>,...]",
+    )  # fmt: skip
+    p.add_argument(
+        "--group-label", action="append", default=[], metavar="RUN_ID=NAME",
+        help="the name of a run's seed group (the plots' points, the grouped table; default the run's --label); the "
+        "workflow passes the point's name without its seeds",
     )  # fmt: skip
     p.add_argument("--stability", type=pathlib.Path, action="append", default=[], metavar="FILE",
                    help="a seed group's `saeflow stability` result, for summary_grouped.csv and stability.png")
@@ -114,16 +120,22 @@ def cmd_summary(args: argparse.Namespace) -> int:
         run_dpaths = [d for d in args.runs_root.iterdir() if d.is_dir() and not d.name.startswith(".")]
     else:
         run_dpaths = args.run
-    names = {}
-    for label in args.label:
-        run_id, sep, name = label.partition("=")
-        if not sep or not run_id or not name:
-            raise SaeflowError(f"--label {label!r}: expected RUN_ID=NAME")
-        names[run_id] = name
-    csv_fpath, png_fpath = report.write_summary(run_dpaths, args.out, names, tuple(args.stability))
+    names, group_names = _labels(args.label, "--label"), _labels(args.group_label, "--group-label")
+    csv_fpath, png_fpath = report.write_summary(run_dpaths, args.out, names, tuple(args.stability), group_names)
     print(csv_fpath)
     print(png_fpath)
     return 0
+
+
+def _labels(labels: list[str], option: str) -> dict[str, str]:
+    """RUN_ID=NAME arguments as {run id: name} (a name may hold "=")."""
+    names = {}
+    for label in labels:
+        run_id, sep, name = label.partition("=")
+        if not sep or not run_id or not name:
+            raise SaeflowError(f"{option} {label!r}: expected RUN_ID=NAME")
+        names[run_id] = name
+    return names
 
 
 def install_profile(

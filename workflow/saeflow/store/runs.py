@@ -28,6 +28,12 @@ class Run(layout.RunLayout):
             raise SaeflowError(f"{self.config_fpath}: missing; is {self.root} a run directory?")
         return read_json_object(self.config_fpath, "training config object")
 
+    def tokens(self) -> str:
+        """The positions of each example the SAE trained on (`tokens` in checkpoint/config.json, `auto` resolved when
+        planned): what inference, evaluation and probing count as its data. A run around an imported checkpoint
+        records none: `content` (every patch or token but CLS)."""
+        return self.config().get("tokens", "content")
+
     def require_checkpoint(self) -> pathlib.Path:
         if not self.sae_fpath.exists():
             raise SaeflowError(

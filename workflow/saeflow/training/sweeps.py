@@ -13,6 +13,7 @@ hyper-parameter exactly as the config spells it, so the same config and data alw
 
 import dataclasses
 import itertools
+import json
 import typing
 
 from saeflow import config
@@ -23,6 +24,7 @@ from saeflow.store import runs
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val")
+SEED_KEYS = ("seed", "data_seed")  # what may differ between the runs of one seed group (saeflow.analysis.stability)
 
 
 def _is_sweep(key: str, value) -> bool:
@@ -31,11 +33,29 @@ def _is_sweep(key: str, value) -> bool:
     return key != "matryoshka" or (bool(value) and all(isinstance(v, list) for v in value))
 
 
+def swept_keys(spec: dict) -> list[str]:
+    """The keys of a spec that are swept (list-valued), in its key order."""
+    return [key for key, value in spec.items() if _is_sweep(key, value)]
+
+
 def expand_sweep(spec: dict) -> list[dict]:
     """The cartesian product of every list-valued key (in the spec's key order; the last key varies fastest)."""
-    keys = [key for key, value in spec.items() if _is_sweep(key, value)]
+    keys = swept_keys(spec)
     combos = itertools.product(*(spec[key] for key in keys))
     return [{**spec, **dict(zip(keys, combo))} for combo in combos]
+
+
+def point_name(sae_name: str, varying: typing.Mapping[str, typing.Any]) -> str:
+    """A sweep point's readable name: its SAE spec's name and the values of the swept keys, alphabetically with the
+    seeds last (whatever the config's key order), `clip-topk[k=32,seed=1]`; `clip-topk` when nothing is swept. The one
+    naming of runs for people (`saeflow plan`, the summary, its plots and the report); nothing hashes it: the run id
+    stays the identity."""
+    if not varying:
+        return sae_name
+    keys = [*sorted(key for key in varying if key not in SEED_KEYS), *(key for key in SEED_KEYS if key in varying)]
+    text = {key: varying[key] if isinstance(varying[key], str) else json.dumps(varying[key], separators=(",", ":"))
+            for key in keys}  # fmt: skip
+    return f"{sae_name}[{','.join(f'{key}={value}' for key, value in text.items())}]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +80,10 @@ class SAESpec:
     def points(self) -> list[dict]:
         """The hyper-parameters of each run of the sweep, in run-index order."""
         return expand_sweep(self.hyper)
+
+    def varying(self, point: dict) -> dict:
+        """What names a point of the sweep: its values of the swept keys."""
+        return {key: point[key] for key in swept_keys(self.hyper)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +163,17 @@ class RunPlan:
     train_config: TrainConfig
     train_activation: str  # activation name trained on
     val_activation: str  # activation name validated on
+    varying: dict = dataclasses.field(default_factory=dict)  # the point's values of the swept keys (its name)
+
+    @property
+    def name(self) -> str:
+        """The point's readable name (`point_name`): `clip-topk[k=32,seed=1]`."""
+        return point_name(self.sae_name, self.varying)
+
+    @property
+    def group_name(self) -> str:
+        """The name of its seed group (the runs that differ from it only in SEED_KEYS): its name without the seeds."""
+        return point_name(self.sae_name, {k: v for k, v in self.varying.items() if k not in SEED_KEYS})
 
 
 def plan_runs(
@@ -165,7 +200,8 @@ def plan_runs(
                 obj["tokens"] = auto_tokens[spec.train]
             train_config = TrainConfig.from_dict(obj, f"saes.{sae_name}[{index}]")
             run_id = runs.run_id(train_config.to_dict())
-            plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation))
+            plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation,
+                                 spec.varying(hyper)))  # fmt: skip
     return plans
 
 

@@ -10,17 +10,10 @@ from saeflow.store import layout
 HIST_BINS = 24
 
 
-def top_rows(lat: dict[str, np.ndarray], latent: int, k: int, one_per_example: bool) -> list[tuple[int, int, float]]:
-    """The latent's best (example, token, value) rows; an image appears once (its best patch) when asked."""
-    top, seen = [], set()
-    for ex, tok, value in zip(lat["topk_example"][latent], lat["topk_token"][latent], lat["topk_values"][latent]):
-        if ex < 0 or len(top) == k:
-            break
-        if one_per_example and ex in seen:
-            continue
-        seen.add(ex)
-        top.append((int(ex), int(tok), float(value)))
-    return top
+def top_rows(lat: dict[str, np.ndarray], latent: int, k: int) -> list[tuple[int, int, float]]:
+    """The latent's k best examples as (example, strongest token, value): inference keeps distinct examples."""
+    ex_k, tok_k, val_k = lat["topk_example"][latent][:k], lat["topk_token"][latent][:k], lat["topk_values"][latent][:k]
+    return [(int(ex), int(tok), float(value)) for ex, tok, value in zip(ex_k, tok_k, val_k) if ex >= 0]
 
 
 @torch.no_grad()
@@ -31,13 +24,18 @@ def _latent_acts(model, sd, layer: int, examples_k: list[int], latent: int) -> n
     return model.encode(torch.from_numpy(x_ktd.reshape(k * T, d)))[:, latent].reshape(k, T).numpy()
 
 
-def latent_values(dump, chosen: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """{latent: (rows, values)} of every row where each chosen latent fires, from patch_acts.npz (memory: the CSR)."""
+def latent_values(dump, chosen: list[int], selection) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{latent: (rows, values)} of every row where each chosen latent fires among the rows `selection` (the tokens
+    the SAE trained on, a loaders.TokenSelection) keeps, from patch_acts.npz (memory: the CSR)."""
     import scipy.sparse
 
     csc = scipy.sparse.load_npz(layout.DumpLayout(dump.dpath).acts_fpath)[:, chosen].tocsc()
-    spans = [slice(csc.indptr[j], csc.indptr[j + 1]) for j in range(len(chosen))]
-    return {latent: (csc.indices[sp].astype(np.int64), csc.data[sp]) for latent, sp in zip(chosen, spans)}
+    out = {}
+    for j, latent in enumerate(chosen):
+        rows_n = csc.indices[csc.indptr[j] : csc.indptr[j + 1]].astype(np.int64)
+        kept_n = selection.keeps(rows_n)
+        out[latent] = (rows_n[kept_n], csc.data[csc.indptr[j] : csc.indptr[j + 1]][kept_n])
+    return out
 
 
 def histogram(vals_n: np.ndarray, n_bins: int = HIST_BINS) -> dict:
@@ -80,7 +78,7 @@ class _Pen:
 
     def latent(self, lat, latent: int, rows_n: np.ndarray, vals_n: np.ndarray) -> dict:
         image = self.examples.kind == "image"
-        top = top_rows(lat, latent, self.cfg.top_k, one_per_example=image)
+        top = top_rows(lat, latent, self.cfg.top_k)
         entry = {"top": [[e, t, round(v, 4)] for e, t, v in top], "hist": histogram(vals_n), "quantiles": []}
         if not top or self.examples.kind == "none":
             return entry

@@ -21,6 +21,7 @@ from saeflow.analysis.visuals.settings import DEFAULTS, VisualsConfig
 from saeflow.analysis.visuals.vocab import token_index, vocab_effects
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, layout, runs
+from saeflow.training import loaders
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
     lat = dump.latents
     show_labels = examples.kind == "image" and examples.patch_labels and sd.has_aux(layout.ShardLayout.LABELS_FNAME)
     labels = sd.aux(layout.ShardLayout.LABELS_FNAME) if show_labels else None
-    values = latent_values(dump, chosen)
+    tokens = runs.open_run(cfg.run).tokens()
+    values = latent_values(dump, chosen, loaders.TokenSelection(sd, tokens))
     vocab, vocab_note = vocab_effects(cfg, examples, md.family, model, chosen)
     drawn = {}
     for latent in tqdm.tqdm(chosen, desc="visuals", unit="latent", disable=None):
@@ -135,6 +137,7 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
             "kind": examples.kind,
             "d_sae": dump.d_sae,
             "n_rows": dump.metrics.get("n_vectors"),
+            "tokens": tokens,
             "tokens_per_ex": md.tokens_per_ex,
             "metrics": dump.metrics,
             "vocab_note": vocab_note,

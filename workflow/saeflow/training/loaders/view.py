@@ -91,6 +91,13 @@ class TokenSelection:
         keep_nt[:, self.t_lo : self.t_hi] = True
         return keep_nt
 
+    def keeps(self, rows_n: np.ndarray) -> np.ndarray:
+        """bool: whether each stored row (example * T + token, an inference dump's row order) is selected."""
+        if self.keep_nt is not None:
+            return self.keep_nt.reshape(-1)[rows_n]
+        tok_n = rows_n % self.md.tokens_per_ex
+        return (tok_n >= self.t_lo) & (tok_n < self.t_hi)
+
     def first_vector(self, ex):
         """The global index of example `ex`'s first vector (an int or an array of them; `n_ex`: the count)."""
         return first_vectors(ex, self.n_tok, self.ex_starts)

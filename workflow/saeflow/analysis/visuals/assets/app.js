@@ -11,8 +11,10 @@
 
   function renderMeta() {
     const m = D.meta.metrics || {};
-    $("meta").textContent = `layer ${D.meta.layer} | ${nLatents} latents | ${D.meta.n_rows} tokens | ` +
-      `NMSE ${fmt(m.nmse)} | L0 ${fmt(m.l0)} | dead ${m.n_dead} | dense ${m.n_dense} | shards ${D.meta.shard_hash.slice(0, 12)}`;
+    // The metrics and frequencies are over the tokens the SAE trained on (tokens: content, no_special, ...).
+    $("meta").textContent = `layer ${D.meta.layer} | ${nLatents} latents | on the ${D.meta.n_rows} tokens it ` +
+      `trained on (tokens: ${D.meta.tokens}): NMSE ${fmt(m.nmse)} | L0 ${fmt(m.l0)} | dead ${m.n_dead} | ` +
+      `dense ${m.n_dense} | shards ${D.meta.shard_hash.slice(0, 12)}`;
   }
 
   function computeOrder() {
