@@ -118,6 +118,7 @@ class Heartbeat:
         self.stop_event = threading.Event()
         self.waiting = False  # the main thread is inside a collective (set by Comm)
         self.verdict: list[int] | None = None  # the dead ranks, once some rank found them
+        self.published: typing.Callable[[], list[str]] = list  # the runs this job published (set by Comm.guard)
         self.thread = threading.Thread(target=self._beat, name="saeflow-heartbeat", daemon=True)
         self.thread.start()
 
@@ -177,7 +178,7 @@ class Heartbeat:
                 left = set()
             gone = [r for r in silent if r not in left]
         why = _gone(gone) if gone else f"rank {silent[0]} stopped (its own line says why)"
-        line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, nothing was published"
+        line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, {publish_note(self.published())}"
         print(f"saeflow train: error: rank {self.rank}: {line}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(EXIT_PEER_GONE)
@@ -226,6 +227,21 @@ def _short(err: BaseException) -> str:
     """A backend's error in a few words: "Connection reset by peer", not gloo's file, line and advice."""
     text = re.sub(r"^\[[^\]]*\] ", "", one_line(err))
     return text.split(". ")[0][:120]
+
+
+def publish_note(published: typing.Sequence[str]) -> str:
+    """What a failed job published: "nothing was published", or the runs whose sae.pt is complete (a rerun finds
+    them trained and skips them)."""
+    if not published:
+        return "nothing was published"
+    return f"published {', '.join(published)} (complete: a rerun skips {'it' if len(published) == 1 else 'them'})"
+
+
+def store_holder(rdv: Rendezvous) -> str:
+    """Who holds the rendezvous store: rank 0 under srun and the plain env:// rendezvous (forked ranks), torchrun's
+    agent (the launcher) when the ranks use its store."""
+    agent = rdv.source == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return "the launcher (torchrun's agent)" if agent else "rank 0"
 
 
 def _gone(ranks: list[int]) -> str:
@@ -377,8 +393,11 @@ class Comm(_TensorCollectives):
         return out
 
     @contextlib.contextmanager
-    def guard(self) -> typing.Iterator[None]:
-        """Turn a failed collective into one line naming the rank that is gone (when one is)."""
+    def guard(self, published: typing.Callable[[], list[str]] = list) -> typing.Iterator[None]:
+        """Turn a failed collective into one line naming the rank that is gone (when one is), and what the job
+        published before (`published()`: the runs whose sae.pt it wrote)."""
+        if self.heartbeat is not None:
+            self.heartbeat.published = published
         try:
             yield
         except Exception as err:
@@ -391,15 +410,18 @@ class Comm(_TensorCollectives):
             self.heartbeat.leave()
             if gone and self.rank == 0:
                 self.heartbeat.await_others(gone)
-            if gone is None:
-                gone_text = "the rendezvous store is unreachable (rank 0, which holds it under srun, is gone?)"
+            holder = store_holder(self.rdv)
+            if gone is None and holder == "rank 0" and self.rank != 0:
+                gone_text = "rank 0 is gone (the rendezvous store it held is unreachable)"
+            elif gone is None:
+                gone_text = f"the rendezvous store is unreachable ({holder}, which holds it, is gone)"
             elif gone:
                 gone_text = _gone(gone)
             else:
                 raise
             raise SaeflowError(
-                f"{gone_text} ({_short(err)}); this rank stops too, nothing was published; rerun to resume from the "
-                "last checkpoint"
+                f"{gone_text} ({_short(err)}); this rank stops too, {publish_note(published())}; rerun to resume "
+                "from the last checkpoint"
             ) from None
 
     def close(self) -> None:

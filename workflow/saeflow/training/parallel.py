@@ -33,7 +33,7 @@ from saeflow.training.sharded import ShardedTrainer
 from saeflow.training.sweeps import TrainConfig
 
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this
-_SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.SIGNALS, start=1)}
+_SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.RANK_SIGNALS, start=1)}
 
 
 def device_bytes(comm: Comm) -> int:
@@ -61,10 +61,17 @@ def join(device: str) -> Comm:
 def train_runs(comm: Comm, run_paths: typing.Sequence, settings: train.TrainSettings) -> list[dict]:
     """train.train_runs on the ranks of `comm` (every rank calls it with the same arguments, through entry); the
     results of the runs published, on rank 0 (an empty list elsewhere)."""
+    opened: dict[str, runs.Run] = {}
+    planned: list[str] = []  # the runs this job trains: those of them with a sae.pt are published
+
+    def published() -> list[str]:
+        return [root for root in planned if opened[root].sae_fpath.exists()]
+
     try:
-        with comm.guard(), contextlib.ExitStack() as locks:
-            opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
+        with preempt.as_rank(), comm.guard(published), contextlib.ExitStack() as locks:
+            opened.update((str(run.root), run) for run in map(runs.open_run, run_paths))
             passes = comm.on_root(lambda: _plan_passes(opened, settings.runs_per_pass, locks))
+            planned += [root for members in passes for root, _ in members]
             results = []
             for members in passes:
                 group = [(opened[root], TrainConfig.from_dict(cfg, root)) for root, cfg in members]
