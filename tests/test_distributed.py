@@ -227,6 +227,47 @@ def test_loader_on_two_ranks_gives_each_the_one_process_batches(shards):
     alone.close()
 
 
+def _loader_slices(sd_dpath, pool_bytes: int):
+    comm = distributed.init("cpu")
+    loader = DistributedShuffledLoader(comm, ShardDir(sd_dpath), 0, 24, seed=3, block_bytes=3 * 8 * 64,
+                                       buffer_bytes=pool_bytes)  # fmt: skip
+    parts = [(x_nd.clone().numpy(), n) for x_nd, n in loader.iter_slices(1)]
+    sent = comm.sent_bytes["all_to_all"]
+    comm.sent_bytes.clear()
+    for _ in loader.iter_batches(1):
+        pass
+    loader.close()
+    comm.close()
+    return parts, sent, comm.sent_bytes["all_to_all"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_data_parallel_ranks_receive_only_the_rows_they_train_on(shards, world_size):
+    """iter_slices: rank r gets rows [B r/N, B (r+1)/N) of each one-process batch, and sends only the rows of its part
+    that other ranks train on: over an epoch, about 1/N of what the whole batches cost it (exactly (N-1) x its part's
+    rows for whole batches: no padding)."""
+    pool_bytes = 100 * 64
+    alone = ShuffledLoader(shards, 0, 24, seed=3, block_bytes=3 * 8 * 64, buffer_bytes=pool_bytes)
+    want = [x_bd.clone().numpy() for x_bd in alone.iter_batches(1)]
+    alone.close()
+    results = run_ranks(world_size, _loader_slices, shards.dpath, pool_bytes)
+    for rank, (parts, sent_slices, sent_whole) in enumerate(results):
+        assert len(parts) == len(want)
+        for (got, n), expected in zip(parts, want):
+            assert n == len(expected)
+            np.testing.assert_array_equal(got, expected[rank_slice(n, _comm_stub(rank, world_size))])
+        assert sent_slices < 1.5 * sent_whole / world_size, (sent_slices, sent_whole)
+    row_bytes = 16 * 4
+    assert sum(whole for _, _, whole in results) == (world_size - 1) * 2048 * row_bytes  # each row to N-1 ranks
+
+
+def _comm_stub(rank: int, world_size: int):
+    """A stand-in for a Comm: what rank_slice reads."""
+    import types
+
+    return types.SimpleNamespace(rank=rank, world_size=world_size)
+
+
 # --- latent sharding and data parallelism, piece by piece ---------------------------------------------------------
 
 

@@ -252,8 +252,8 @@ class _TensorCollectives:
     """This rank's view of the job: rank, world size, device, and the collectives (identity when alone).
 
     `sent_bytes[kind]` counts what each collective costs a rank on a ring (the cost model of docs/distributed.md):
-    an all-reduce of S bytes sends 2 (N-1)/N S, an all-gather of s bytes per rank (N-1) s, a broadcast or a
-    point-to-point send its size. `calls[kind]` counts the calls.
+    an all-reduce of S bytes sends 2 (N-1)/N S, an all-gather of s bytes per rank (N-1) s, an all-to-all the rows
+    it sends to the other ranks, a broadcast or a point-to-point send its size. `calls[kind]` counts the calls.
     """
 
     def __init__(self, device: torch.device, rdv: Rendezvous | None = None, heartbeat: Heartbeat | None = None):
@@ -311,15 +311,30 @@ class _TensorCollectives:
             dist.all_gather(list(out.unbind(0)), t.contiguous())
         return out
 
-    def all_gather_rows(self, rows_nd: torch.Tensor, counts: typing.Sequence[int]) -> torch.Tensor:
-        """Every rank's rows (rank r gives `counts[r]` of them), concatenated in rank order."""
+    def exchange_rows(self, rows_nd: torch.Tensor, send_counts: typing.Sequence[int],
+                      recv_counts: typing.Sequence[int]) -> torch.Tensor:  # fmt: skip
+        """Rows to each rank (an all-to-all): the first `send_counts[0]` rows of `rows_nd` go to rank 0, the next
+        `send_counts[1]` to rank 1, ...; returns the rows this rank receives (`recv_counts[r]` from rank r), in rank
+        order. Each rank sends exactly the rows others receive: no padding. Counted as what leaves this rank."""
         if not self.distributed:
             return rows_nd
-        width = max(max(counts), 1)
-        padded = rows_nd.new_zeros((width, *rows_nd.shape[1:]))
-        padded[: rows_nd.shape[0]] = rows_nd
-        gathered = self.all_gather(padded)
-        return torch.cat([gathered[r, :c] for r, c in enumerate(counts)])
+        import torch.distributed as dist
+
+        row_bytes = rows_nd[0].numel() * rows_nd.element_size() if rows_nd.ndim else 0
+        self._count("all_to_all", (sum(send_counts) - send_counts[self.rank]) * row_bytes)
+        out = rows_nd.new_empty((sum(recv_counts), *rows_nd.shape[1:]))
+        with self._waiting():
+            dist.all_to_all_single(out, rows_nd.contiguous(), list(map(int, recv_counts)),
+                                   list(map(int, send_counts)))  # fmt: skip
+        return out
+
+    def all_gather_rows(self, rows_nd: torch.Tensor, counts: typing.Sequence[int]) -> torch.Tensor:
+        """Every rank's rows (rank r gives `counts[r]` of them), concatenated in rank order: an all-to-all that sends
+        this rank's rows to every other rank, (N-1) counts[rank] rows (an all-gather would pad to the largest)."""
+        if not self.distributed:
+            return rows_nd
+        n = self.world_size
+        return self.exchange_rows(rows_nd.repeat(n, *([1] * (rows_nd.ndim - 1))), [rows_nd.shape[0]] * n, counts)
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         import torch.distributed as dist

@@ -157,7 +157,8 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
             if _writes(t):
                 t.tracker = train.tracking.open_tracker(settings.tracking, t.run, t.step)
                 trackers.callback(t.tracker.close)
-        stop, stopped_by = _run_steps(comm, [t for t, _ in pairs], loader, start, stop, settings.checkpoint_every)
+        stop, stopped_by = _run_steps(comm, [t for t, _ in pairs], loader, start, stop, settings.checkpoint_every,
+                                      mode == "data")  # fmt: skip
         loader.close()
         if stop < n_steps:
             for t, _ in pairs:
@@ -182,9 +183,10 @@ def _stop_requested(comm: Comm) -> str | None:
     return f"{names[code]} on rank {rank - 1}" if comm.distributed else names[code]
 
 
-def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkpoint_every: int):
-    """Steps `start..stop-1` on every rank (train._run_steps, with the stop signal agreed on after each step).
-    Returns (the step reached, the stop signal that ended the pass early, or None)."""
+def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkpoint_every: int, slices: bool):
+    """Steps `start..stop-1` on every rank (train._run_steps, with the stop signal agreed on after each step), on
+    whole batches, or on each rank's slice of them (`slices`: data parallelism). Returns (the step reached, the stop
+    signal that ended the pass early, or None)."""
     per_epoch = len(loader)
     bar = tqdm.tqdm(total=(stop - start) * loader.batch_size, unit="vec", unit_scale=True,
                     desc=f"train x{len(trainers)} on {comm.world_size} ranks", disable=not comm.is_root)  # fmt: skip
@@ -192,15 +194,19 @@ def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkp
     try:
         while step < stop:
             epoch, batch_idx = divmod(step, per_epoch)
-            for x_bd in loader.iter_batches(epoch, batch_idx):
-                x_bd = x_bd.to(comm.device, torch.float32)
+            if slices:  # data parallelism: each rank receives only the rows it trains on
+                batches = loader.iter_slices(epoch, batch_idx)
+            else:
+                batches = ((x_bd, x_bd.shape[0]) for x_bd in loader.iter_batches(epoch, batch_idx))
+            for x_nd, batch_size in batches:
+                x_nd = x_nd.to(comm.device, torch.float32)
                 for t in trainers:
                     if t.step == step:
-                        t.train_step(x_bd)
+                        t.train_slice(x_nd, batch_size) if slices else t.train_step(x_nd)
                         if t.step % checkpoint_every == 0 and t.step < t.n_steps:
                             _save(t)
                 step += 1
-                bar.update(x_bd.shape[0])
+                bar.update(batch_size)
                 if trainers and trainers[0].last and step % train.LOG_EVERY == 0:
                     last = trainers[0].last
                     bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
