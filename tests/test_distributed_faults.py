@@ -118,6 +118,35 @@ def test_a_rank_killed_while_rank_0_publishes_is_reported_with_what_was_publishe
     assert run.sae_fpath.read_bytes() == sae_bytes and capsys.readouterr().out == ""  # no result: nothing trained
 
 
+DIE_WHEN_PUBLISHING = """
+import os, signal
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RUN_ID"):  # rank 1 of the launcher's ranks only
+    from saeflow.training.dataparallel import DataParallelTrainer
+    DataParallelTrainer.finish = lambda self, val_dir: os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_the_launcher_reports_what_was_published_when_a_rank_dies_while_rank_0_publishes(tmp_path, shards, capsys):
+    """`saeflow train --nproc 2`, rank 1 SIGKILLed as the last step ends (a sitecustomize in the ranks' path): the
+    launcher's line names the killed rank and the run rank 0 published; a rerun trains nothing."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(DIE_WHEN_PUBLISHING)
+    run = run_from_sae_spec(tmp_path / "runs", shards, **SPEC)
+    env = {**_env(), "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO_ROOT / 'workflow'}"}
+    proc = subprocess.run([sys.executable, "-m", "saeflow", "train", "--run", str(run.root), "--device", "cpu",
+                           "--nproc", "2", "--parallel", "data", "--buffer-bytes", POOL], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = _error_lines(proc.stderr)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "rank 1 (pid " in lines[-1] and "was killed by SIGKILL" in lines[-1], lines
+    assert f"published {run.root} (complete: a rerun skips it)" in lines[-1], lines
+    assert not any("nothing was published" in line for line in lines), lines
+    sae_bytes = run.sae_fpath.read_bytes()
+    assert _cli_train([run.root], "--parallel", "data") == 0
+    assert run.sae_fpath.read_bytes() == sae_bytes and capsys.readouterr().out == ""
+
+
 def _children(pid: int) -> list[int]:
     tasks = pathlib.Path(f"/proc/{pid}/task").iterdir()
     return [int(child) for task in tasks for child in (task / "children").read_text().split()]
