@@ -20,7 +20,7 @@ import pytest
 
 from _ranks import free_port, start_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow import cli
+from saeflow import cli, preempt
 from saeflow.store.shards import ShardDir
 from saeflow.training import launch, resume
 from saeflow.training.dataparallel import DataParallelTrainer
@@ -145,6 +145,22 @@ def test_the_launcher_reports_what_was_published_when_a_rank_dies_while_rank_0_p
     sae_bytes = run.sae_fpath.read_bytes()
     assert _cli_train([run.root], "--parallel", "data") == 0
     assert run.sae_fpath.read_bytes() == sae_bytes and capsys.readouterr().out == ""
+
+
+def _signalled_twice_then_interrupted() -> str | None:
+    """In a rank's signal handling: SIGTERM twice (Slurm's, then the one its launcher passes on), then SIGINT."""
+    with preempt.handling(), preempt.as_rank():
+        for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):
+            os.kill(os.getpid(), sig)
+            time.sleep(0.05)
+        return preempt.received()
+
+
+def test_a_rank_survives_a_repeated_stop_signal_and_takes_sigint_as_one():
+    """A rank records the first stop signal and survives the repeats and a SIGINT, so it can save; one process keeps
+    the old rule (a second signal terminates: a user's second Ctrl-C or kill means it)."""
+    job = start_ranks(1, _signalled_twice_then_interrupted)
+    assert job.wait(60) == [0] and job.result(0) == "SIGTERM", job.stderr(0)[-2000:]
 
 
 def _children(pid: int) -> list[int]:
