@@ -261,6 +261,25 @@ def test_data_parallel_ranks_receive_only_the_rows_they_train_on(shards, world_s
     assert sum(whole for _, _, whole in results) == (world_size - 1) * 2048 * row_bytes  # each row to N-1 ranks
 
 
+def _rows_with_an_empty_part():
+    comm = distributed.init("cpu")
+    counts = [0, 3]  # rank 0 holds no row of this batch
+    rows_nd = torch.arange(counts[comm.rank] * 2, dtype=torch.float32).reshape(-1, 2)
+    whole_nd = comm.all_gather_rows(rows_nd, counts)
+    sent = comm.sent_bytes["all_to_all"]
+    mine_nd = comm.exchange_rows(rows_nd, [1, 2] if comm.rank else [0, 0], [0, 1] if comm.rank == 0 else [0, 2])
+    comm.close()
+    return whole_nd.tolist(), mine_nd.tolist(), sent
+
+
+def test_batch_exchanges_count_exact_rows_and_allow_a_rank_with_none():
+    """A rank may hold no row of a batch: the all-to-all still runs, and each rank counts exactly the bytes it sends
+    (rank 1: its 3 rows of 2 floats to rank 0; then 1 row to rank 0 in the routed exchange)."""
+    (whole0, mine0, sent0), (whole1, mine1, sent1) = run_ranks(2, _rows_with_an_empty_part)
+    assert whole0 == whole1 == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] and (sent0, sent1) == (0, 3 * 2 * 4)
+    assert mine0 == [[0.0, 1.0]] and mine1 == [[2.0, 3.0], [4.0, 5.0]]
+
+
 def _comm_stub(rank: int, world_size: int):
     """A stand-in for a Comm: what rank_slice reads."""
     import types

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import re
 import sys
@@ -320,7 +321,7 @@ class _TensorCollectives:
             return rows_nd
         import torch.distributed as dist
 
-        row_bytes = rows_nd[0].numel() * rows_nd.element_size() if rows_nd.ndim else 0
+        row_bytes = math.prod(rows_nd.shape[1:]) * rows_nd.element_size()
         self._count("all_to_all", (sum(send_counts) - send_counts[self.rank]) * row_bytes)
         out = rows_nd.new_empty((sum(recv_counts), *rows_nd.shape[1:]))
         with self._waiting():
