@@ -30,8 +30,8 @@ numerics.apply()  # before any torch kernel runs in the test process: the CPU ke
 # early and the short ones fill the gaps, instead of one long module left running alone at the end.
 HEAVY_FIRST = (
     "test_workflow_slurm", "test_default_workflow", "test_faults_concurrent", "test_faults_disk", "test_workflow",
-    "test_workflow_rerun", "test_workflow_probe", "test_distributed", "test_numerics", "test_workflow_passes",
-    "test_tracking",
+    "test_workflow_rerun", "test_workflow_probe", "test_distributed", "test_distributed_faults",
+    "test_distributed_width", "test_numerics", "test_workflow_passes", "test_tracking",
 )
 
 

@@ -227,6 +227,66 @@ def test_loader_on_two_ranks_gives_each_the_one_process_batches(shards):
     alone.close()
 
 
+def _loader_slices(sd_dpath, pool_bytes: int):
+    comm = distributed.init("cpu")
+    loader = DistributedShuffledLoader(comm, ShardDir(sd_dpath), 0, 24, seed=3, block_bytes=3 * 8 * 64,
+                                       buffer_bytes=pool_bytes)  # fmt: skip
+    parts = [(x_nd.clone().numpy(), n) for x_nd, n in loader.iter_slices(1)]
+    sent = comm.sent_bytes["all_to_all"]
+    comm.sent_bytes.clear()
+    for _ in loader.iter_batches(1):
+        pass
+    loader.close()
+    comm.close()
+    return parts, sent, comm.sent_bytes["all_to_all"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_data_parallel_ranks_receive_only_the_rows_they_train_on(shards, world_size):
+    """iter_slices: rank r gets rows [B r/N, B (r+1)/N) of each one-process batch, and sends only the rows of its part
+    that other ranks train on: over an epoch, about 1/N of what the whole batches cost it (exactly (N-1) x its part's
+    rows for whole batches: no padding)."""
+    pool_bytes = 100 * 64
+    alone = ShuffledLoader(shards, 0, 24, seed=3, block_bytes=3 * 8 * 64, buffer_bytes=pool_bytes)
+    want = [x_bd.clone().numpy() for x_bd in alone.iter_batches(1)]
+    alone.close()
+    results = run_ranks(world_size, _loader_slices, shards.dpath, pool_bytes)
+    for rank, (parts, sent_slices, sent_whole) in enumerate(results):
+        assert len(parts) == len(want)
+        for (got, n), expected in zip(parts, want):
+            assert n == len(expected)
+            np.testing.assert_array_equal(got, expected[rank_slice(n, _comm_stub(rank, world_size))])
+        assert sent_slices < 1.5 * sent_whole / world_size, (sent_slices, sent_whole)
+    row_bytes = 16 * 4
+    assert sum(whole for _, _, whole in results) == (world_size - 1) * 2048 * row_bytes  # each row to N-1 ranks
+
+
+def _rows_with_an_empty_part():
+    comm = distributed.init("cpu")
+    counts = [0, 3]  # rank 0 holds no row of this batch
+    rows_nd = torch.arange(counts[comm.rank] * 2, dtype=torch.float32).reshape(-1, 2)
+    whole_nd = comm.all_gather_rows(rows_nd, counts)
+    sent = comm.sent_bytes["all_to_all"]
+    mine_nd = comm.exchange_rows(rows_nd, [1, 2] if comm.rank else [0, 0], [0, 1] if comm.rank == 0 else [0, 2])
+    comm.close()
+    return whole_nd.tolist(), mine_nd.tolist(), sent
+
+
+def test_batch_exchanges_count_exact_rows_and_allow_a_rank_with_none():
+    """A rank may hold no row of a batch: the all-to-all still runs, and each rank counts exactly the bytes it sends
+    (rank 1: its 3 rows of 2 floats to rank 0; then 1 row to rank 0 in the routed exchange)."""
+    (whole0, mine0, sent0), (whole1, mine1, sent1) = run_ranks(2, _rows_with_an_empty_part)
+    assert whole0 == whole1 == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]] and (sent0, sent1) == (0, 3 * 2 * 4)
+    assert mine0 == [[0.0, 1.0]] and mine1 == [[2.0, 3.0], [4.0, 5.0]]
+
+
+def _comm_stub(rank: int, world_size: int):
+    """A stand-in for a Comm: what rank_slice reads."""
+    import types
+
+    return types.SimpleNamespace(rank=rank, world_size=world_size)
+
+
 # --- latent sharding and data parallelism, piece by piece ---------------------------------------------------------
 
 

@@ -16,13 +16,36 @@ import typing
 from saeflow.errors import SaeflowError
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+RANK_SIGNALS = (*SIGNALS, signal.SIGINT)  # a rank's launcher passes its own SIGINT (Ctrl-C) on to it (as_rank)
 _received: list[str] = []
+_as_rank: list[bool] = []
 
 
 def _handle(signum, frame):
     _received.append(signal.Signals(signum).name)
+    if _as_rank:  # a rank: the same stop may come twice (from Slurm, then passed on by its launcher)
+        return
     for sig in SIGNALS:  # the next one is not ours to soften
         signal.signal(sig, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def as_rank() -> typing.Iterator[None]:
+    """Inside `handling()`, for a rank of a launched job: SIGINT stops it as SIGTERM does (the launcher passes its
+    Ctrl-C on to its ranks, which run in sessions of their own), and a repeated signal changes nothing: Slurm signals
+    every process of a step, and the launcher then passes the same signal on, which must not kill a rank before it
+    has saved (the launcher, or Slurm, kills a rank that does not stop in time)."""
+    try:
+        previous = signal.signal(signal.SIGINT, _handle)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    _as_rank.append(True)
+    try:
+        yield
+    finally:
+        _as_rank.clear()
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

@@ -92,11 +92,27 @@ def _dataset_of(shards: layout.ShardLayout) -> str | None:
     return dataset if isinstance(dataset, str) and pathlib.Path(dataset).is_dir() else None
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every count of `saeflow train` at least its schema minimum (--gpus/--nproc, --nodes, --runs-per-pass,
+    --checkpoint-every), --max-steps positive, and one device per rank: checked before any rank starts."""
+    for key, prop in config_mod.section_properties("train").items():
+        value, low = getattr(args, key), prop.get("minimum")
+        if low is not None and value < low:
+            flag = config_mod.option_flag(key) + (" (--nproc)" if key == "gpus" else "")
+            raise SaeflowError(f"{flag} must be at least {low}, got {value}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise SaeflowError(f"--max-steps must be at least 1, got {args.max_steps}")
+    if args.gpus > 1 and args.device.startswith("cuda:"):
+        raise SaeflowError(
+            f"--device {args.device} with --gpus {args.gpus}: each rank takes its own GPU (cuda:LOCAL_RANK); "
+            "write --device cuda, or choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from saeflow.training import distributed, entry, launch, memory, tracking
 
-    if args.checkpoint_every < 1:
-        raise SaeflowError(f"--checkpoint-every must be positive, got {args.checkpoint_every}")
+    _check_args(args)
     memory.parse_size(args.buffer_bytes, "--buffer-bytes")
     if (code := launch.start_ranks(args)) is not None:
         return code

@@ -1,26 +1,28 @@
 """Data-parallel training: every rank holds the whole SAE and trains on its slice of each global batch.
 
-Each rank computes its slice's share of the global batch's loss (a mean over the slice, weighted by slice / batch),
-so the sum over ranks is the one-process loss and the all-reduced gradient sums are its gradient. What depends on
-the whole batch is computed over it: BatchTopK keeps the top k x batch activations of the global batch (each rank's
-top candidates are all-gathered), AuxK divides by the global residual energy, a latent fired if it fired on any
-rank (dead-latent counters), the BatchTopK inference threshold takes the global minimum kept activation, and the
-decoder bias starts at the mean of the global sample (every rank holds the whole batch). The replicas therefore stay
-identical, bit for bit, and rank 0 writes the run's files. Against one process the sums are taken in another order:
-the result agrees within the fp32 tolerance of docs/distributed.md, not bitwise.
+Each rank receives only its slice of each batch (`DistributedShuffledLoader.iter_slices`) and computes its share of
+the global batch's loss (a mean over the slice, weighted by slice / batch), so the sum over ranks is the one-process
+loss and the all-reduced gradient sums are its gradient. What depends on the whole batch is computed over it:
+BatchTopK keeps the top k x batch activations of the global batch (each rank's top candidates are all-gathered), AuxK
+divides by the global residual energy, a latent fired if it fired on any rank (dead-latent counters), the BatchTopK
+inference threshold takes the global minimum kept activation, the logged NMSE divides by the global batch's variance
+(from summed moments), and the decoder bias starts at the mean of the global initialization sample (which every rank
+holds whole). The replicas therefore stay identical, bit for bit, and rank 0 writes the run's files. Against one
+process the sums are taken in another order: not bitwise, see docs/distributed.md for what holds.
 """
 
 import torch
 
 from saeflow.training import objectives, resume, train
+from saeflow.training.distloader import slice_bounds
 from saeflow.training.distributed import Comm
 from saeflow.training.objectives import Codes, Loss
 from saeflow.training.sae import SAE
 
 
 def rank_slice(batch_size: int, comm: Comm) -> slice:
-    """Rank r's rows of a global batch: [B r/N, B (r+1)/N)."""
-    return slice(batch_size * comm.rank // comm.world_size, batch_size * (comm.rank + 1) // comm.world_size)
+    """Rank r's rows of a global batch: [B r/N, B (r+1)/N) (the rows `DistributedShuffledLoader.iter_slices` gives)."""
+    return slice(*slice_bounds(batch_size, comm.rank, comm.world_size))
 
 
 @torch.no_grad()
@@ -79,24 +81,28 @@ def data_parallel_loss(
 
 
 @torch.no_grad()
-def global_record(trainer, x_bd: torch.Tensor, xn_hat_part: torch.Tensor, part: slice, loss: Loss, n_active) -> dict:
-    """A metrics.jsonl record over the global batch: loss terms and counts summed over the ranks (each holds its
-    share), NMSE from the summed squared error against the global batch's variance (every rank holds the batch)."""
+def global_record(trainer, x_part: torch.Tensor, batch_size: int, xn_hat_part: torch.Tensor, loss: Loss,
+                  n_active) -> dict:  # fmt: skip
+    """A metrics.jsonl record over the global batch: loss terms, counts, the squared error and the batch's sums
+    (of x and of |x|^2, for its variance) summed over the ranks in one all-reduce (each rank holds its slice)."""
     comm, sae = trainer.comm, trainer.sae
-    xn_bd = (x_bd * sae.scale).double()
-    err = (xn_bd[part] - xn_hat_part.double()).square().sum()
-    sums = torch.stack([loss.total.double(), *(t.double() for t in loss.terms.values()),
-                        torch.as_tensor(n_active, dtype=torch.float64, device=x_bd.device), err])  # fmt: skip
+    xn_bd = (x_part * sae.scale).double()
+    err = (xn_bd - xn_hat_part.double()).square().sum()
+    sums = torch.cat([torch.stack([loss.total.double(), *(t.double() for t in loss.terms.values()),
+                                   torch.as_tensor(n_active, dtype=torch.float64, device=x_part.device), err,
+                                   xn_bd.square().sum()]), xn_bd.sum(0)])  # fmt: skip
     sums = comm.all_reduce(sums)
-    var = (xn_bd - xn_bd.mean(0)).square().sum()
+    n_terms = len(loss.terms)
+    n_active, err, sq = sums[1 + n_terms], sums[2 + n_terms], sums[3 + n_terms]
+    var = sq - sums[4 + n_terms :].square().sum() / batch_size
     return {
         "step": trainer.step,
         "n_vectors": trainer.step * trainer.cfg.batch_size,
         "lr": trainer.opt.param_groups[0]["lr"],
         "loss": float(sums[0]),
-        **{name: float(value) for name, value in zip(loss.terms, sums[1:-2])},
-        "nmse": float(sums[-1] / var) if var > 0 else float("nan"),
-        "l0": float(sums[-2]) / x_bd.shape[0],
+        **{name: float(value) for name, value in zip(loss.terms, sums[1 : 1 + n_terms])},
+        "nmse": float(err / var) if var > 0 else float("nan"),
+        "l0": float(n_active) / batch_size,
         "n_dead": trainer.n_dead(),
     }
 
@@ -126,11 +132,14 @@ class DataParallelTrainer(train.Trainer):
             self.checkpoint.save(self.state_dict())
 
     def train_step(self, x_bd: torch.Tensor) -> None:
-        """One step on the global batch `x_bd` (every rank holds it; this rank computes its slice)."""
+        """One step on the global batch `x_bd` held whole by every rank (`train_slice` on this rank's rows)."""
+        self.train_slice(x_bd[rank_slice(x_bd.shape[0], self.comm)], x_bd.shape[0])
+
+    def train_slice(self, x_part: torch.Tensor, batch_size: int) -> None:
+        """One step on a global batch of `batch_size` rows, of which this rank holds and computes `x_part`."""
         comm, sae = self.comm, self.sae
         self.set_lr()
-        part = rank_slice(x_bd.shape[0], comm)
-        loss = data_parallel_loss(self.objective, sae, x_bd[part], x_bd.shape[0], self.step, self.dead, comm)
+        loss = data_parallel_loss(self.objective, sae, x_part, batch_size, self.step, self.dead, comm)
         self.opt.zero_grad()
         loss.total.backward()
         for param in sae.parameters():
@@ -144,7 +153,7 @@ class DataParallelTrainer(train.Trainer):
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             n_active = (loss.codes.f_bs > 0).sum() if loss.codes.idx_bk is None else (loss.codes.vals_bk > 0).sum()
-            self.last = global_record(self, x_bd, loss.xn_hat_bd, part, loss, n_active)
+            self.last = global_record(self, x_part, batch_size, loss.xn_hat_bd, loss, n_active)
             if self.writes:
                 self.checkpoint.log(self.last)
                 self.tracker.log(self.last)

@@ -75,24 +75,55 @@ class DistributedShuffledLoader(ShuffledLoader):
         """This rank's part of `plan(epoch)` (the global plan, which `batches()` and the mixing figures read)."""
         return RankPlan(self.plan(epoch), self.comm.rank, self.comm.world_size)
 
-    def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
-        """Batches (batch_size, D) on `comm.device` (the last one may be smaller), identical on every rank."""
+    def _parts(self, epoch: int, start_batch: int) -> typing.Iterator[tuple[torch.Tensor, np.ndarray]]:
+        """This rank's part of each batch (its rows, in batch order) and which rank holds each row of the batch."""
         if self._current is not None:
             self._current.close()
         rank_plan = self.rank_plan(epoch)
         self._current = _ReservoirPipeline(self, rank_plan, start_batch)  # reads this rank's part of each batch
         for part_nd in self._current:
-            owner_b = rank_plan.owners.popleft()
+            yield part_nd, rank_plan.owners.popleft()
+
+    def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
+        """Batches (batch_size, D) on `comm.device` (the last one may be smaller), identical on every rank."""
+        for part_nd, owner_b in self._parts(epoch, start_batch):
             yield self._assemble(part_nd, owner_b)
 
     __iter__ = iter_batches
+
+    def iter_slices(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[tuple[torch.Tensor, int]]:
+        """(rows [B r/N, B (r+1)/N) of each batch, B) on `comm.device`: rank r receives only the rows of the batch
+        it trains on in data parallelism (`rank_slice`), about 1/N of what `iter_batches` moves."""
+        for part_nd, owner_b in self._parts(epoch, start_batch):
+            yield self._route(part_nd, owner_b), owner_b.size
 
     def _assemble(self, part_nd: torch.Tensor, owner_b: np.ndarray) -> torch.Tensor:
         """The whole batch from every rank's part (each in batch order), rows back at their places."""
         comm = self.comm
         counts = np.bincount(owner_b, minlength=comm.world_size).tolist()
         gathered_nd = comm.all_gather_rows(part_nd.to(comm.device), counts)  # rank 0's rows, then rank 1's, ...
-        batch_nd = torch.empty_like(gathered_nd)
-        order = torch.from_numpy(np.argsort(owner_b, kind="stable")).to(comm.device)
-        batch_nd[order] = gathered_nd
-        return batch_nd
+        return _in_batch_order(gathered_nd, owner_b)
+
+    def _route(self, part_nd: torch.Tensor, owner_b: np.ndarray) -> torch.Tensor:
+        """This rank's slice of the batch: each rank sends every other rank the rows of its part in that rank's slice
+        (contiguous in the part, which is in batch order), then the slice's rows are put back in place."""
+        comm, n = self.comm, self.comm.world_size
+        bounds = [slice_bounds(owner_b.size, r, n) for r in range(n)]
+        dest_b = np.concatenate([np.full(hi - lo, r) for r, (lo, hi) in enumerate(bounds)]).astype(np.int64)
+        send = np.bincount(dest_b[owner_b == comm.rank], minlength=n).tolist()
+        lo, hi = bounds[comm.rank]
+        recv = np.bincount(owner_b[lo:hi], minlength=n).tolist()
+        return _in_batch_order(comm.exchange_rows(part_nd.to(comm.device), send, recv), owner_b[lo:hi])
+
+
+def slice_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank r's rows of a batch in data parallelism: [B r/N, B (r+1)/N)."""
+    return batch_size * rank // world_size, batch_size * (rank + 1) // world_size
+
+
+def _in_batch_order(gathered_nd: torch.Tensor, owner_b: np.ndarray) -> torch.Tensor:
+    """Rows received in rank order (each rank's in batch order) put back at their places (`owner_b`: whose each is)."""
+    out_nd = torch.empty_like(gathered_nd)
+    order = torch.from_numpy(np.argsort(owner_b, kind="stable")).to(gathered_nd.device)
+    out_nd[order] = gathered_nd
+    return out_nd

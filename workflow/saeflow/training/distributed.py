@@ -21,6 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
 import re
 import sys
@@ -118,6 +119,7 @@ class Heartbeat:
         self.stop_event = threading.Event()
         self.waiting = False  # the main thread is inside a collective (set by Comm)
         self.verdict: list[int] | None = None  # the dead ranks, once some rank found them
+        self.published: typing.Callable[[], list[str]] = list  # the runs this job published (set by Comm.guard)
         self.thread = threading.Thread(target=self._beat, name="saeflow-heartbeat", daemon=True)
         self.thread.start()
 
@@ -177,7 +179,7 @@ class Heartbeat:
                 left = set()
             gone = [r for r in silent if r not in left]
         why = _gone(gone) if gone else f"rank {silent[0]} stopped (its own line says why)"
-        line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, nothing was published"
+        line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, {publish_note(self.published())}"
         print(f"saeflow train: error: rank {self.rank}: {line}", file=sys.stderr)
         sys.stderr.flush()
         os._exit(EXIT_PEER_GONE)
@@ -228,6 +230,21 @@ def _short(err: BaseException) -> str:
     return text.split(". ")[0][:120]
 
 
+def publish_note(published: typing.Sequence[str]) -> str:
+    """What a failed job published: "nothing was published", or the runs whose sae.pt is complete (a rerun finds
+    them trained and skips them)."""
+    if not published:
+        return "nothing was published"
+    return f"published {', '.join(published)} (complete: a rerun skips {'it' if len(published) == 1 else 'them'})"
+
+
+def store_holder(rdv: Rendezvous) -> str:
+    """Who holds the rendezvous store: rank 0 under srun and the plain env:// rendezvous (forked ranks), torchrun's
+    agent (the launcher) when the ranks use its store."""
+    agent = rdv.source == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return "the launcher (torchrun's agent)" if agent else "rank 0"
+
+
 def _gone(ranks: list[int]) -> str:
     return f"rank {ranks[0]} is gone" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are gone"
 
@@ -236,8 +253,8 @@ class _TensorCollectives:
     """This rank's view of the job: rank, world size, device, and the collectives (identity when alone).
 
     `sent_bytes[kind]` counts what each collective costs a rank on a ring (the cost model of docs/distributed.md):
-    an all-reduce of S bytes sends 2 (N-1)/N S, an all-gather of s bytes per rank (N-1) s, a broadcast or a
-    point-to-point send its size. `calls[kind]` counts the calls.
+    an all-reduce of S bytes sends 2 (N-1)/N S, an all-gather of s bytes per rank (N-1) s, an all-to-all the rows
+    it sends to the other ranks, a broadcast or a point-to-point send its size. `calls[kind]` counts the calls.
     """
 
     def __init__(self, device: torch.device, rdv: Rendezvous | None = None, heartbeat: Heartbeat | None = None):
@@ -295,15 +312,30 @@ class _TensorCollectives:
             dist.all_gather(list(out.unbind(0)), t.contiguous())
         return out
 
-    def all_gather_rows(self, rows_nd: torch.Tensor, counts: typing.Sequence[int]) -> torch.Tensor:
-        """Every rank's rows (rank r gives `counts[r]` of them), concatenated in rank order."""
+    def exchange_rows(self, rows_nd: torch.Tensor, send_counts: typing.Sequence[int],
+                      recv_counts: typing.Sequence[int]) -> torch.Tensor:  # fmt: skip
+        """Rows to each rank (an all-to-all): the first `send_counts[0]` rows of `rows_nd` go to rank 0, the next
+        `send_counts[1]` to rank 1, ...; returns the rows this rank receives (`recv_counts[r]` from rank r), in rank
+        order. Each rank sends exactly the rows others receive: no padding. Counted as what leaves this rank."""
         if not self.distributed:
             return rows_nd
-        width = max(max(counts), 1)
-        padded = rows_nd.new_zeros((width, *rows_nd.shape[1:]))
-        padded[: rows_nd.shape[0]] = rows_nd
-        gathered = self.all_gather(padded)
-        return torch.cat([gathered[r, :c] for r, c in enumerate(counts)])
+        import torch.distributed as dist
+
+        row_bytes = math.prod(rows_nd.shape[1:]) * rows_nd.element_size()
+        self._count("all_to_all", (sum(send_counts) - send_counts[self.rank]) * row_bytes)
+        out = rows_nd.new_empty((sum(recv_counts), *rows_nd.shape[1:]))
+        with self._waiting():
+            dist.all_to_all_single(out, rows_nd.contiguous(), list(map(int, recv_counts)),
+                                   list(map(int, send_counts)))  # fmt: skip
+        return out
+
+    def all_gather_rows(self, rows_nd: torch.Tensor, counts: typing.Sequence[int]) -> torch.Tensor:
+        """Every rank's rows (rank r gives `counts[r]` of them), concatenated in rank order: an all-to-all that sends
+        this rank's rows to every other rank, (N-1) counts[rank] rows (an all-gather would pad to the largest)."""
+        if not self.distributed:
+            return rows_nd
+        n = self.world_size
+        return self.exchange_rows(rows_nd.repeat(n, *([1] * (rows_nd.ndim - 1))), [rows_nd.shape[0]] * n, counts)
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         import torch.distributed as dist
@@ -377,8 +409,11 @@ class Comm(_TensorCollectives):
         return out
 
     @contextlib.contextmanager
-    def guard(self) -> typing.Iterator[None]:
-        """Turn a failed collective into one line naming the rank that is gone (when one is)."""
+    def guard(self, published: typing.Callable[[], list[str]] = list) -> typing.Iterator[None]:
+        """Turn a failed collective into one line naming the rank that is gone (when one is), and what the job
+        published before (`published()`: the runs whose sae.pt it wrote)."""
+        if self.heartbeat is not None:
+            self.heartbeat.published = published
         try:
             yield
         except Exception as err:
@@ -391,15 +426,18 @@ class Comm(_TensorCollectives):
             self.heartbeat.leave()
             if gone and self.rank == 0:
                 self.heartbeat.await_others(gone)
-            if gone is None:
-                gone_text = "the rendezvous store is unreachable (rank 0, which holds it under srun, is gone?)"
+            holder = store_holder(self.rdv)
+            if gone is None and holder == "rank 0" and self.rank != 0:
+                gone_text = "rank 0 is gone (the rendezvous store it held is unreachable)"
+            elif gone is None:
+                gone_text = f"the rendezvous store is unreachable ({holder}, which holds it, is gone)"
             elif gone:
                 gone_text = _gone(gone)
             else:
                 raise
             raise SaeflowError(
-                f"{gone_text} ({_short(err)}); this rank stops too, nothing was published; rerun to resume from the "
-                "last checkpoint"
+                f"{gone_text} ({_short(err)}); this rank stops too, {publish_note(published())}; rerun to resume "
+                "from the last checkpoint"
             ) from None
 
     def close(self) -> None:

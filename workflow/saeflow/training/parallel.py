@@ -33,7 +33,7 @@ from saeflow.training.sharded import ShardedTrainer
 from saeflow.training.sweeps import TrainConfig
 
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this
-_SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.SIGNALS, start=1)}
+_SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.RANK_SIGNALS, start=1)}
 
 
 def device_bytes(comm: Comm) -> int:
@@ -61,10 +61,17 @@ def join(device: str) -> Comm:
 def train_runs(comm: Comm, run_paths: typing.Sequence, settings: train.TrainSettings) -> list[dict]:
     """train.train_runs on the ranks of `comm` (every rank calls it with the same arguments, through entry); the
     results of the runs published, on rank 0 (an empty list elsewhere)."""
+    opened: dict[str, runs.Run] = {}
+    planned: list[str] = []  # the runs this job trains: those of them with a sae.pt are published
+
+    def published() -> list[str]:
+        return [root for root in planned if opened[root].sae_fpath.exists()]
+
     try:
-        with comm.guard(), contextlib.ExitStack() as locks:
-            opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
+        with preempt.as_rank(), comm.guard(published), contextlib.ExitStack() as locks:
+            opened.update((str(run.root), run) for run in map(runs.open_run, run_paths))
             passes = comm.on_root(lambda: _plan_passes(opened, settings.runs_per_pass, locks))
+            planned += [root for members in passes for root, _ in members]
             results = []
             for members in passes:
                 group = [(opened[root], TrainConfig.from_dict(cfg, root)) for root, cfg in members]
@@ -150,7 +157,8 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
             if _writes(t):
                 t.tracker = train.tracking.open_tracker(settings.tracking, t.run, t.step)
                 trackers.callback(t.tracker.close)
-        stop, stopped_by = _run_steps(comm, [t for t, _ in pairs], loader, start, stop, settings.checkpoint_every)
+        stop, stopped_by = _run_steps(comm, [t for t, _ in pairs], loader, start, stop, settings.checkpoint_every,
+                                      mode == "data")  # fmt: skip
         loader.close()
         if stop < n_steps:
             for t, _ in pairs:
@@ -175,9 +183,10 @@ def _stop_requested(comm: Comm) -> str | None:
     return f"{names[code]} on rank {rank - 1}" if comm.distributed else names[code]
 
 
-def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkpoint_every: int):
-    """Steps `start..stop-1` on every rank (train._run_steps, with the stop signal agreed on after each step).
-    Returns (the step reached, the stop signal that ended the pass early, or None)."""
+def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkpoint_every: int, slices: bool):
+    """Steps `start..stop-1` on every rank (train._run_steps, with the stop signal agreed on after each step), on
+    whole batches, or on each rank's slice of them (`slices`: data parallelism). Returns (the step reached, the stop
+    signal that ended the pass early, or None)."""
     per_epoch = len(loader)
     bar = tqdm.tqdm(total=(stop - start) * loader.batch_size, unit="vec", unit_scale=True,
                     desc=f"train x{len(trainers)} on {comm.world_size} ranks", disable=not comm.is_root)  # fmt: skip
@@ -185,15 +194,19 @@ def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkp
     try:
         while step < stop:
             epoch, batch_idx = divmod(step, per_epoch)
-            for x_bd in loader.iter_batches(epoch, batch_idx):
-                x_bd = x_bd.to(comm.device, torch.float32)
+            if slices:  # data parallelism: each rank receives only the rows it trains on
+                batches = loader.iter_slices(epoch, batch_idx)
+            else:
+                batches = ((x_bd, x_bd.shape[0]) for x_bd in loader.iter_batches(epoch, batch_idx))
+            for x_nd, batch_size in batches:
+                x_nd = x_nd.to(comm.device, torch.float32)
                 for t in trainers:
                     if t.step == step:
-                        t.train_step(x_bd)
+                        t.train_slice(x_nd, batch_size) if slices else t.train_step(x_nd)
                         if t.step % checkpoint_every == 0 and t.step < t.n_steps:
                             _save(t)
                 step += 1
-                bar.update(x_bd.shape[0])
+                bar.update(batch_size)
                 if trainers and trainers[0].last and step % train.LOG_EVERY == 0:
                     last = trainers[0].last
                     bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
