@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from hang import HANG_SEC
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -58,7 +60,7 @@ class Job:
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         os.kill(self.procs[rank].pid, sig)
 
-    def wait(self, timeout: float = 300) -> list[int]:
+    def wait(self, timeout: float = HANG_SEC) -> list[int]:
         """The ranks' exit codes (-signal when killed); ranks still running at the timeout are killed (None)."""
         deadline = time.monotonic() + timeout
         for proc in self.procs:
@@ -91,7 +93,7 @@ def start_ranks(world_size: int, target, *args, **kwargs) -> Job:
     return Job(procs, out_dpath)
 
 
-def run_ranks(world_size: int, target, *args, timeout: float = 300, **kwargs) -> list:
+def run_ranks(world_size: int, target, *args, timeout: float = HANG_SEC, **kwargs) -> list:
     """`target(*args, **kwargs)` on `world_size` ranks; their results in rank order (a failed rank raises)."""
     job = start_ranks(world_size, target, *args, **kwargs)
     codes = job.wait(timeout)

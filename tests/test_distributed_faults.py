@@ -20,6 +20,7 @@ import pytest
 
 from _ranks import free_port, start_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
+from hang import HANG_SEC
 from saeflow import cli, preempt
 from saeflow.store.shards import ShardDir
 from saeflow.training import launch, resume
@@ -72,12 +73,11 @@ def test_a_bad_launch_argument_is_one_line_before_any_rank_starts(tmp_path, caps
 
 
 def test_the_fake_srun_kills_the_other_tasks_when_one_fails():
-    """`--kill-on-bad-exit`: task 1 fails at once while task 0 would sleep 60 s: srun kills task 0 and exits with
-    task 1's status (it used to poll task 0 alone, so it waited for it)."""
-    script = 'if [ "$SLURM_PROCID" = 1 ]; then exit 3; fi; sleep 60'
-    started = time.monotonic()
-    proc = subprocess.run([str(FAKE_SRUN), "-n", "2", "--kill-on-bad-exit=1", "sh", "-c", script], timeout=120)
-    assert proc.returncode == 3 and time.monotonic() - started < 30
+    """`--kill-on-bad-exit`: task 1 fails at once while task 0 would sleep as long as the hang guard: srun kills task
+    0 and exits with task 1's status (it used to poll task 0 alone, so it waited for it: this run would time out)."""
+    script = f'if [ "$SLURM_PROCID" = 1 ]; then exit 3; fi; exec sleep {HANG_SEC:.0f}'
+    proc = subprocess.run([str(FAKE_SRUN), "-n", "2", "--kill-on-bad-exit=1", "sh", "-c", script], timeout=HANG_SEC / 2)
+    assert proc.returncode == 3
 
 
 def test_the_srun_line_gives_each_rank_its_cpus_and_one_gpu():
@@ -109,7 +109,7 @@ def test_a_rank_killed_while_rank_0_publishes_is_reported_with_what_was_publishe
     published (not "nothing was published"), and a rerun finds the run trained and trains nothing."""
     run = run_from_sae_spec(tmp_path, shards, **SPEC)
     job = start_ranks(2, _die_when_publishing, [run.root])
-    assert job.wait(120) == [0, 9] and job.result(0) == 1, job.stderr(0)
+    assert job.wait(HANG_SEC) == [0, 9] and job.result(0) == 1, job.stderr(0)
     (line,) = _error_lines(job.stderr(0))
     assert line.startswith("saeflow train: error: rank 0: rank 1 is gone (") and "nothing was published" not in line
     assert f"published {run.root} (complete: a rerun skips it)" in line
@@ -160,7 +160,7 @@ def test_a_rank_survives_a_repeated_stop_signal_and_takes_sigint_as_one():
     """A rank records the first stop signal and survives the repeats and a SIGINT, so it can save; one process keeps
     the old rule (a second signal terminates: a user's second Ctrl-C or kill means it)."""
     job = start_ranks(1, _signalled_twice_then_interrupted)
-    assert job.wait(60) == [0] and job.result(0) == "SIGTERM", job.stderr(0)[-2000:]
+    assert job.wait(HANG_SEC) == [0] and job.result(0) == "SIGTERM", job.stderr(0)[-2000:]
 
 
 def _children(pid: int) -> list[int]:
@@ -185,11 +185,11 @@ def test_rank_0s_death_under_srun_is_named_in_one_line(tmp_path, shards):
     proc = subprocess.Popen([str(FAKE_SRUN), "-n", "2", sys.executable, "-m", "saeflow", "train", "--run",
                              str(run.root), "--device", "cpu", "--parallel", "data", "--buffer-bytes", POOL,
                              "--checkpoint-every", "20"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + HANG_SEC
     while resume.resume_info(run) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(_task_pid(proc.pid, 0), signal.SIGKILL)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=HANG_SEC)
     assert proc.returncode != 0
     assert "frame #" not in err and "Traceback" not in err, err[-3000:]
     (line,) = _error_lines(err)  # rank 0's progress bar may end without a newline where rank 1's line starts
@@ -212,11 +212,11 @@ def test_sigterm_and_sigint_to_the_launcher_save_and_stop_in_saeflows_own_line(t
     last_step = 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         proc = _launch(run, "--parallel", "data")
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + HANG_SEC
         while (resume.resume_info(run) or (0,))[0] <= last_step and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=180)
+        _, err = proc.communicate(timeout=HANG_SEC)
         assert proc.returncode == 1 and "SignalException" not in err and "Traceback" not in err, err[-3000:]
         lines = _error_lines(err)
         step = resume.resume_info(run)[0]
