@@ -244,7 +244,8 @@ def test_malformed_config_fails_validation_naming_the_key(prepared, tmp_path):
 
 def test_a_mistyped_config_key_stops_snakemake_with_one_line_naming_the_file_and_key(tmp_path):
     """Issue 25: Snakemake's own `validate` printed the whole schema (~435 lines) for one typo, the key's place only
-    near the end; saeflow's validator runs first and says it in one line, as `saeflow plan` does."""
+    near the end; saeflow's validator runs first and says it in one line, as `saeflow plan` does, with the key it
+    nearly spells (issue 33)."""
     cfg = tiny_config()
     cfg["saes"]["topk"]["expanson"] = cfg["saes"]["topk"].pop("expansion")
     config_fpath = write_config(tmp_path, cfg)
@@ -252,8 +253,8 @@ def test_a_mistyped_config_key_stops_snakemake_with_one_line_naming_the_file_and
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("Using workflow specific profile")]
     assert lines == [
-        f"saeflow: config file {config_fpath}: config does not match the schema: saes.topk: Additional properties "
-        "are not allowed ('expanson' was unexpected)"
+        f"saeflow: config file {config_fpath}: config does not match the schema: saes.topk.expanson: unknown key "
+        "'expanson'; did you mean 'expansion'?"
     ], proc.stderr
     assert "Failed validating" not in proc.stdout + proc.stderr
 
