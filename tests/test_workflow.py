@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from builders import typed
-from saeflow import config
+from saeflow import cli, config
 from saeflow.analysis import report
 from saeflow.extraction.extract import plan_activation
 from saeflow.store import shards
@@ -290,6 +290,17 @@ def test_default_and_example_configs_validate():
     assert len(cfg["saes"]) >= 1 and any(
         isinstance(v, list) for spec in cfg["saes"].values() for v in spec.values()
     ), "the default config must hold a sweep"
+
+
+def test_the_example_configs_headers_give_commands_saeflow_accepts():
+    """Issue 33: clip-imagenet-osc.yaml's header gave `install-profile` without its required --cluster."""
+    parser = cli.build_parser()
+    commands = [line.split("saeflow ", 1)[1].split()
+                for fpath in sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))
+                for line in fpath.read_text().splitlines() if line.startswith("#   saeflow ")]  # fmt: skip
+    assert ["install-profile", "--account", "PAS1234", "--cluster", "cardinal"] == commands[0][:5], commands
+    for argv in commands:
+        parser.parse_args(argv)  # argparse exits on a missing required option
 
 
 @pytest.mark.slow
