@@ -247,6 +247,18 @@ def enum(where: str, *path: str) -> tuple:
     return tuple(node["enum"])
 
 
+def by_enum(table: dict, where: str, *path: str) -> dict:
+    """`table`, whose keys are every value of the enum `enum(where, *path)` and no other, checked when the module that
+    holds it is imported: the schema stays the one list of a key's values (a value added there without an entry here,
+    or an entry the schema lacks, fails every command at once), and code maps each value to its behaviour."""
+    values = enum(where, *path)
+    if set(table) != set(values):
+        missing, extra = sorted(set(values) - set(table)), sorted(set(table) - set(values))
+        raise SaeflowError(f"saeflow's table for {'.'.join((where, *path))} does not match the schema's enum: "
+                           f"missing {missing}, not in the schema {extra}")  # fmt: skip
+    return table
+
+
 def _dataset_branch(node: dict, kind: str) -> dict:
     """The `then` of the dataset schema's branch for one kind (each kind's own keys live there)."""
     return next(b["then"] for b in node["allOf"] if b["if"]["properties"]["kind"]["const"] == kind)

@@ -29,6 +29,7 @@ import pathlib
 
 import torch
 
+from saeflow import config
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 CFG_FNAME = "cfg.json"  # both libraries
 WEIGHTS_FNAMES = {"saelens": "sae_weights.safetensors", "sparsify": "sae.safetensors"}
-SAELENS_ARCHS = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}
+SAELENS_ARCHS = config.by_enum({"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}, "sae_spec", "arch")
 IMPORT_VERSION = 1
 
 
