@@ -227,7 +227,7 @@ def probe_label(sample: Sample, vi: int, codes_us, raw_ud: np.ndarray, ks: tuple
     (train, test), (y_train, y_test) = rows, ys
     out = {"n_train": int(len(train)), "n_test": int(len(test))}
     if y_train.sum() < 2 or y_test.sum() < 1:
-        return {**out, "skipped": "too few positives or negatives in the train or held-out sample"}
+        return {**out, "skipped": skip_reason(sample, vi)}
     x_train, x_test = codes_us[train], codes_us[test]
     diff_s = np.asarray(x_train[y_train].mean(0) - x_train[~y_train].mean(0)).ravel()
     by_diff = np.argsort(-diff_s, kind="stable")[:N_CANDIDATES]  # latents firing more on the label
@@ -243,6 +243,25 @@ def probe_label(sample: Sample, vi: int, codes_us, raw_ud: np.ndarray, ks: tuple
         out["sparse"][str(k)] = {"latents": [int(s) for s in cols], **fit}
     out["dense"] = logistic_probe(raw_ud[train], y_train, raw_ud[test], y_test)
     return out
+
+
+def skip_reason(sample: Sample, vi: int) -> str:
+    """Why a label cannot be probed: a probe needs 2 training pairs (a positive and a negative each) and 1 held out."""
+    n_pairs = [len(sample.task(split, vi)[0]) for split in (0, 1)]
+    mine_s, all_s = sample.counts_sv[:, vi], sample.counts_sv.sum(1)
+    return (f"{n_pairs[0]} training and {n_pairs[1]} held-out pairs (a probe needs 2 and 1): the label has "
+            f"{mine_s[0]} of {all_s[0]} training units and {mine_s[1]} of {all_s[1]} held-out ones, and every "
+            "other unit is a negative")  # fmt: skip
+
+
+def skip_warnings(result: dict) -> list[str]:
+    """The lines `saeflow probe` writes to stderr when no label could be probed: why, per label."""
+    if result["metrics"]["n_probed"]:
+        return []
+    if not result["labels"]:
+        return [f"no label was probed: every unit of {' and '.join(result['config']['label_files'])} is unlabelled "
+                "(a negative class id, -1, marks an unlabelled example)"]  # fmt: skip
+    return ["no label was probed:"] + [f"  {e['name']} ({e['file']}): {e['skipped']}" for e in result["labels"]]
 
 
 def summarize(labels: list[dict], ks: tuple[int, ...]) -> dict:
@@ -299,6 +318,9 @@ def run_probe(cfg: ProbeConfig) -> pathlib.Path:
         if dump_csr.shape[0] != sd.n_ex * sd.metadata.tokens_per_ex:
             raise SaeflowError(f"{dump.acts_fpath}: {dump_csr.shape[0]} rows, but {sd.dpath} has "
                                f"{sd.n_ex} x {sd.metadata.tokens_per_ex} tokens")  # fmt: skip
+        if max(cfg.ks) > dump_csr.shape[1]:
+            raise SaeflowError(f"probe ks: k {max(cfg.ks)} exceeds the SAE's {dump_csr.shape[1]} latents (d_sae); "
+                               f"give ks of at most {dump_csr.shape[1]}")  # fmt: skip
         for source in sources:
             sample = sample_units(sd, source, cfg)
             codes_us, raw_ud = unit_features(sample, source, sd, dump_csr, layer, tokens)
@@ -309,6 +331,7 @@ def run_probe(cfg: ProbeConfig) -> pathlib.Path:
     result = {
         "config": {"run": str(run.root.resolve()), "sae_sha256": dump_config["sae_sha256"], "shard_hash": sd.hash,
                    "layer": layer, "tokens": tokens, **_settings(cfg), "solver": SOLVER,
+                   "label_files": [source.fname for source in sources],
                    "pooling": "per example: codes max-pooled, raw activations mean-pooled over the SAE's tokens"},
         "metrics": summarize(labels, cfg.ks),
         "labels": labels,

@@ -128,28 +128,52 @@ def _chunks(sd: ShardDir, source: LabelSource, cfg):
         yield units_n[ok], labels_n[ok], split_n[ok]
 
 
+def count_values(sd: ShardDir, source: LabelSource, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """The label values present (sorted) and each one's units per split, (2, n_values): merged chunk by chunk
+    through np.unique, so memory follows the number of distinct values, never the largest id (a class id of
+    2^31 - 1 is one value like any other)."""
+    values, counts_sv = np.empty(0, np.int64), np.zeros((2, 0), np.int64)
+    for _, labels_n, split_n in _chunks(sd, source, cfg):
+        grown = np.union1d(values, labels_n)
+        merged_sv = np.zeros((2, len(grown)), np.int64)
+        merged_sv[:, np.searchsorted(grown, values)] = counts_sv
+        index_n = np.searchsorted(grown, labels_n)
+        merged_sv += np.stack([np.bincount(index_n[split_n == s], minlength=len(grown)) for s in (0, 1)])
+        values, counts_sv = grown, merged_sv
+    return values, counts_sv
+
+
+def caps(counts_sv: np.ndarray, cfg) -> tuple[np.ndarray, np.ndarray]:
+    """(positives kept per label, pool size) per split. The pool, a uniform sample of the split, is where every
+    label's negatives come from: it is sized so that the most common label's other units in it are, in expectation
+    with a margin of 4 standard deviations, as many as its positives; the positives' cap shrinks so positives and
+    pool fit `max_units` (the pool takes at most half of it)."""
+    per_label = np.array([cfg.train_per_label, cfg.test_per_label])
+    budget_s = cfg.max_units * per_label // per_label.sum()  # units held per split
+    n_values = counts_sv.shape[1]
+    cap_s, pool_s = np.ones(2, np.int64), np.ones(2, np.int64)
+    for s in (0, 1):
+        n_units = int(counts_sv[s].sum())
+        first = max(1, min(per_label[s], budget_s[s] // (n_values + 1)))
+        other_frac = 1 - counts_sv[s].max(initial=0) / max(n_units, 1)  # the most common label's negatives
+        want = (first + 4 * np.sqrt(first) + 4) / other_frac if other_frac > 0 else first
+        pool_s[s] = max(1, min(int(np.ceil(want)), n_units, max(first, budget_s[s] // 2)))
+        cap_s[s] = max(1, min(per_label[s], (budget_s[s] - pool_s[s]) // max(n_values, 1)))
+    return cap_s, pool_s
+
+
 def sample_units(sd: ShardDir, source: LabelSource, cfg) -> Sample:
     """Two passes over the labels: count each value per split; then keep, per (split, value), the units of smallest
-    key (the positives) and, per split, a uniform pool of as many (the negatives)."""
-    counts_sv = np.zeros((2, 1), np.int64)
-    for _, labels_n, split_n in _chunks(sd, source, cfg):
-        width = max(counts_sv.shape[1], int(labels_n.max(initial=-1)) + 1)  # both splits counted to the same width
-        got_sv = np.stack([np.bincount(labels_n[split_n == s], minlength=width) for s in (0, 1)])
-        if got_sv.shape[1] > counts_sv.shape[1]:
-            counts_sv = np.pad(counts_sv, ((0, 0), (0, got_sv.shape[1] - counts_sv.shape[1])))
-        counts_sv[:, : got_sv.shape[1]] += got_sv
-    values = np.flatnonzero(counts_sv.sum(0))
+    key (the positives) and, per split, a uniform pool (`caps`) that every label's negatives come from."""
+    values, counts_sv = count_values(sd, source, cfg)
     n_values = len(values)
-    index_of = np.full(counts_sv.shape[1], -1, np.int64)
-    index_of[values] = np.arange(n_values)
-    per_label = np.array([cfg.train_per_label, cfg.test_per_label])
-    budget = cfg.max_units * per_label // per_label.sum()  # units held per split
-    cap_s = np.maximum(1, np.minimum(per_label, budget // (n_values + 1)))
-    bottom = BottomK(np.repeat(cap_s, n_values + 1))  # group split * (n_values + 1) + value index; the last: pool
+    cap_s, pool_s = caps(counts_sv, cfg)
+    # group split * (n_values + 1) + value index; the last of each split: the pool
+    bottom = BottomK(np.concatenate([np.r_[np.repeat(cap_s[s], n_values), pool_s[s]] for s in (0, 1)]))
     for units_n, labels_n, split_n in _chunks(sd, source, cfg):
         base_n = split_n * (n_values + 1)
-        bottom.update(base_n + index_of[labels_n], uniform(units_n, cfg.seed, 1), units_n, labels_n)
+        bottom.update(base_n + np.searchsorted(values, labels_n), uniform(units_n, cfg.seed, 1), units_n, labels_n)
         bottom.update(base_n + n_values, uniform(units_n, cfg.seed, 2), units_n, labels_n)
     positives = {(s, vi): bottom.members(s * (n_values + 1) + vi)[0] for s in (0, 1) for vi in range(n_values)}
     pool = {s: bottom.members(s * (n_values + 1) + n_values) for s in (0, 1)}
-    return Sample(values, counts_sv[:, values], positives, pool, np.unique(bottom.units))
+    return Sample(values, counts_sv, positives, pool, np.unique(bottom.units))
