@@ -29,6 +29,7 @@ class Source:
     dataset: str
     family: str  # for saev metadata: the architecture when the source says it
     identity: dict  # for saev metadata `data`: changes exactly when the source bytes do
+    pooling: str = "last_token"  # which token a one-vector record holds (an lmprobe dataset may pool the first)
 
 
 def detect(dpath: pathlib.Path) -> str:
@@ -58,7 +59,8 @@ def open_source(dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_B
         ds = lmprobe.LmprobeDataset(dpath, memory_budget)
         model = ds.info["model"]
         ident = {"__class__": "LmprobeDataset", "info": ds.info["tensors"], "model": model}
-        return Source(ds.records, ds.n_prompts, model["name"], model.get("revision"), dpath.name, "text", ident)
+        return Source(ds.records, ds.n_prompts, model["name"], model.get("revision"), dpath.name, "text", ident,
+                      ds.pooling)
     if fmt == "zarr":
         reader = zarr_store.ZarrReader(dpath, memory_budget)
         keys = [row["sample_key"] for row in reader.text("prompt")]
@@ -91,7 +93,7 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> path
         top_k = 0 if first.topk_values is None else min(spec.lmprobe.top_k, len(first.topk_values))  # what it has
         opts = dataclasses.replace(spec.lmprobe, top_k=top_k,
                                    perplexity=spec.lmprobe.perplexity and first.token_nll is not None)
-        return lmprobe.write(records, out, source.model_name, source.model_revision, opts)
+        return lmprobe.write(records, out, source.model_name, source.model_revision, opts, source.pooling)
     if fmt == "pickle":
         ec = {"model_name": source.model_name, "model_revision": source.model_revision, "dataset_name": source.dataset}
         return pickle_shards.write(records, out, ec, spec.pickle)
