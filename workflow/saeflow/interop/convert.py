@@ -37,6 +37,7 @@ def detect(dpath: pathlib.Path) -> str:
         return "lmprobe"
     if (dpath / zarr_store.MANIFEST_FNAME).exists() or (dpath / ".zmetadata").exists():
         return "zarr"
+    zarr_store.refuse_format_3(dpath)
     if saev_import.looks_like_saev(dpath):
         raise SaeflowError(f"{dpath}: a saev shard directory (protocol 2.1), not an interop format; import it into "
                            "the shard store with `saeflow import saev DIR --shards-root ROOT`")
