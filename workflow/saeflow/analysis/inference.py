@@ -213,7 +213,7 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, cfg: InferenceConfig, out: l
     model = model.to(device)
     # pread into reused buffers (training.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
-    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all")
+    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all", borrowed=True)  # each batch used at once
     first_row = 0
     try:
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
