@@ -245,9 +245,8 @@ class LmprobeDataset:
             raise SaeflowError(f"{self.dpath}: pooled at the {self.pooling.split('_')[0]} token, not the last")
 
     def _require_one_token(self) -> None:
-        """Each stored vector is one token's activations: the last's, or token 0's (lmprobe's `first_token`
-        pooling takes position 0 of the prompt, no padding before it: tests/fixtures/lmprobe checks it against the
-        model run on each prompt alone)."""
+        """Each stored vector is one token's: the last's, or token 0's (lmprobe's `first_token`, checked against the
+        model run on each prompt alone in tests/fixtures/lmprobe)."""
         if self.pooling not in ONE_TOKEN_POOLINGS:
             raise SaeflowError(f"{self.dpath}: pooled by {self.pooling!r} over each prompt's tokens, so its vectors "
                                "are no token's activations (read them with LmprobeDataset.pooled)")
