@@ -216,7 +216,10 @@ def get_group_dumps(wildcards):
     """The dump (its metrics file) of each member of a seed group on its validation shards: stability counts only
     the latents that fired there (saeflow.analysis.stability.live_latents)."""
     val = dict(PLAN.dumps())
-    return [PLAN.run(r).dump(val[r]).metrics_fpath for r in STABILITY_GROUPS[wildcards.group]]
+    return [
+        PLAN.run(r).dump(val[r]).metrics_fpath
+        for r in STABILITY_GROUPS[wildcards.group]
+    ]
 
 
 def get_group_saes(wildcards):
