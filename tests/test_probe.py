@@ -13,7 +13,7 @@ import torch
 from _cdp import Browser, find_chromium
 from builders import run_around_sae, write_shards
 from saeflow import cli
-from saeflow.analysis import inference, probe, visuals
+from saeflow.analysis import inference, probe, probe_samples, visuals
 from saeflow.store.layout import ShardLayout
 from saeflow.training import sae
 
@@ -108,7 +108,7 @@ def test_the_probes_match_scikit_learn_on_the_same_arrays(probed):
     cfg = probe.ProbeConfig(run=probed["run"].root, ks=(1, 5))
     classes = next(s for s in probe.label_sources(sd) if s.fname == "classes.bin")
     sample = probe.sample_units(sd, classes, cfg)
-    test_ex = probe.is_test(np.arange(sd.n_ex), cfg.seed, cfg.test_frac)
+    test_ex = probe_samples.is_test(np.arange(sd.n_ex), cfg.seed, cfg.test_frac)
     for vi, value in enumerate(sample.values[:8]):
         entry = next(e for e in result["labels"] if e["file"] == "classes.bin" and e["value"] == value)
         (pos, neg), (pos_t, neg_t) = sample.task(0, vi), sample.task(1, vi)
@@ -152,9 +152,9 @@ def test_the_split_and_samples_are_a_function_of_the_seed(probed, tmp_path):
     assert len(a.units_n) <= 400  # the budget: 5 labels and the pool share max_units
     # The keys do not depend on how the units are read: one chunk or many.
     ids = np.arange(10_000)
-    assert np.array_equal(probe.uniform(ids, 3, 1), np.concatenate([probe.uniform(ids[:77], 3, 1),
-                                                                    probe.uniform(ids[77:], 3, 1)]))  # fmt: skip
-    assert abs(probe.is_test(ids, 0, 0.2).mean() - 0.2) < 0.02
+    assert np.array_equal(probe_samples.uniform(ids, 3, 1), np.concatenate([probe_samples.uniform(ids[:77], 3, 1),
+                                                                    probe_samples.uniform(ids[77:], 3, 1)]))  # fmt: skip
+    assert abs(probe_samples.is_test(ids, 0, 0.2).mean() - 0.2) < 0.02
 
 
 def test_each_latent_page_lists_the_labels_it_predicts(probed, tmp_path):
@@ -188,7 +188,7 @@ def test_a_class_seen_in_one_split_only_is_counted_and_skipped(tmp_path):
     probed where both splits hold it, skipped with a reason elsewhere; unlabelled examples (-1) are left out."""
     rng = np.random.default_rng(0)
     ex = np.arange(400)
-    test_n = probe.is_test(ex, 0, 0.2)
+    test_n = probe_samples.is_test(ex, 0, 0.2)
     classes = rng.integers(0, 2, 400).astype(np.int32)
     classes[np.flatnonzero(~test_n)[:20]] = 7  # class 7: training split only
     classes[np.flatnonzero(test_n)[:5]] = 3  # class 3: held-out split only

@@ -41,7 +41,7 @@ from sklearn.preprocessing import StandardScaler
 from saeflow import config
 from saeflow.analysis import latent_labels
 from saeflow.analysis.csr_stream import CsrFile
-from saeflow.analysis.probe_samples import LabelSource, Sample, is_test, label_sources, sample_units, uniform  # noqa: F401 (the probe's face: tests, benchmarks)
+from saeflow.analysis.probe_samples import LabelSource, Sample, label_sources, sample_units
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, layout, provenance, runs
 from saeflow.store.hashing import read_json_object
