@@ -152,8 +152,8 @@ def test_the_split_and_samples_are_a_function_of_the_seed(probed, tmp_path):
     assert len(a.units_n) <= 400  # the budget: 5 labels and the pool share max_units
     # The keys do not depend on how the units are read: one chunk or many.
     ids = np.arange(10_000)
-    assert np.array_equal(probe_samples.uniform(ids, 3, 1), np.concatenate([probe_samples.uniform(ids[:77], 3, 1),
-                                                                    probe_samples.uniform(ids[77:], 3, 1)]))  # fmt: skip
+    halves = [probe_samples.uniform(ids[:77], 3, 1), probe_samples.uniform(ids[77:], 3, 1)]
+    assert np.array_equal(probe_samples.uniform(ids, 3, 1), np.concatenate(halves))
     assert abs(probe_samples.is_test(ids, 0, 0.2).mean() - 0.2) < 0.02
 
 
