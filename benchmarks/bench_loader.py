@@ -2,6 +2,11 @@
 
     python benchmarks/bench_loader.py [--gib 2.0] [--d-model 768] [--buffer-gib 1.0] [--dir /tmp]
     python benchmarks/bench_loader.py --plan-only [--data-gib 20 1024] [--pool-gib 1 8 32] [--job-mem-mb 96000]
+    python benchmarks/bench_loader.py --ownership-only [--gib 2.0] [--warm-epochs 5]
+
+--ownership-only: warm epochs of the shuffled and the ordered loader handing out owned batches (their default: each
+batch copied out of the reused buffers) against borrowed views (`borrowed=True`, what the trainer, inference and
+evaluation read), interleaved on the same files. The main run measures the shuffled loader borrowed, as trained.
 
 --plan-only reads and writes nothing: the mixing of the loader's index-space plan for data of --data-gib per layer
 (d=768, CLS + 196 tokens, content tokens, ~16 MiB blocks) and pools of --pool-gib, and of the pool `buffer_bytes:
@@ -35,7 +40,7 @@ import torch
 
 from saeflow.store.shards import Metadata, ShardDir, ShardWriter
 from saeflow.training import memory
-from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
+from saeflow.training.loaders import Block, EpochPlan, OrderedLoader, ShuffledLoader
 
 PATCHES, CHUNK_BYTES = 196, 16 << 20
 
@@ -83,6 +88,38 @@ def loader_epoch(loader: ShuffledLoader, epoch: int) -> tuple[float, int]:
     for x_bd in loader.iter_batches(epoch):
         n += x_bd.shape[0]
     return time.perf_counter() - t0, n
+
+
+def ownership_cost(sd: ShardDir, batch_size: int, buffer_bytes: int, n_epochs: int) -> None:
+    """Warm epochs (files in the page cache) of both loaders, handing out owned batches (the default: each batch
+    copied out of the reused buffers) against borrowed views (`borrowed=True`, the trainer's and inference's)."""
+    def median_sec(make, epoch_batches) -> tuple[float, int]:
+        loader = make()
+        n = sum(x_bd.shape[0] for x_bd in epoch_batches(loader, 0))  # allocates the buffers and the pool
+        times = []
+        for e in range(n_epochs):
+            t0 = time.perf_counter()
+            for _ in epoch_batches(loader, 1 + e):
+                pass
+            times.append(time.perf_counter() - t0)
+        loader.close()
+        return float(np.median(times)), n
+
+    seq_read(sd)  # into the page cache
+    for name, make, batches in (
+        ("shuffled", lambda borrowed: ShuffledLoader(sd, 0, batch_size, seed=0, buffer_bytes=buffer_bytes,
+                                                      borrowed=borrowed), lambda ld, e: ld.iter_batches(e)),
+        ("ordered", lambda borrowed: OrderedLoader(sd, 0, batch_size, borrowed=borrowed),
+         lambda ld, e: ld.iter_batches()),
+    ):  # fmt: skip
+        sec = {}
+        for borrowed in (True, False, True, False):  # interleaved: the machine's load hits both alike
+            t, n = median_sec(lambda b=borrowed, make=make: make(b), batches)
+            sec.setdefault(borrowed, []).append(t)
+        gb = n * sd.metadata.d_model * 4 / 1e9
+        owned, views = min(sec[False]), min(sec[True])
+        print(f"{name:9s} warm: owned {gb / owned:5.2f} GB/s, borrowed {gb / views:5.2f} GB/s; "
+              f"ratio owned / borrowed time {owned / views:.2f} (best of 2 x median of {n_epochs} epochs)")
 
 
 def distinct_read(loader: ShuffledLoader, epoch: int) -> np.ndarray:
@@ -204,9 +241,17 @@ def main():
     parser.add_argument("--gather-seconds", type=float, default=3.0, help="time spent on the memmap gather (3)")
     parser.add_argument("--warm-epochs", type=int, default=5, help="page-cache epochs timed; the median counts (5)")
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="where to write the shards (a temp dir)")
+    parser.add_argument("--ownership-only", action="store_true",
+                        help="only what owned batches (the loaders' default) cost against borrowed views")
     args = parser.parse_args()
     if args.plan_only:
         return plan_only(args.data_gib, args.pool_gib, args.job_mem_mb, args.d_model, args.batch_size, args.every)
+    if args.ownership_only:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            sd = make_shards(pathlib.Path(tmp), args.gib, args.d_model)
+            ownership_cost(sd, args.batch_size, int(args.buffer_gib * (1 << 30)), args.warm_epochs)
+            os.system(f"chmod -R u+w {tmp}")
+        return None
 
     row_bytes = args.d_model * 4
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -219,7 +264,8 @@ def main():
         t_seq_cold, n_bytes = seq_read(sd)
         t_seq_warm, _ = seq_read(sd)
         buffer_bytes = int(args.buffer_gib * (1 << 30))
-        loader = ShuffledLoader(sd, 0, batch_size=args.batch_size, seed=0, buffer_bytes=buffer_bytes)
+        loader = ShuffledLoader(sd, 0, batch_size=args.batch_size, seed=0, buffer_bytes=buffer_bytes,
+                                borrowed=True)  # what the trainer reads
         loader_epoch(loader, 0)  # allocates the loader's pool (as any training run's first batches do)
         warm = [loader_epoch(loader, 1 + e) for e in range(args.warm_epochs)]  # files in the page cache: just read
         n_vec = warm[0][1]

@@ -282,7 +282,7 @@ GOOD_SPEC = {"model": {"random": {"arch": "vit", "config": {"hidden_size": 32}}}
 CONFIG_FAULTS = {
     "yaml_syntax": ("activations:\n  a: {model: [1\nsaes: {}\n", "line 3"),
     "duplicate_key": ("activations: {}\nsaes: {}\nshards_root: a\nshards_root: b\n", "duplicate key 'shards_root'"),
-    "unknown_key": ("activations: {}\nsaes: {}\nshard_root: x\n", "'shard_root' was unexpected"),
+    "unknown_key": ("activations: {}\nsaes: {}\nshard_root: x\n", "key 'shard_root'; did you mean 'shards_root'?"),
     "wrong_type": ("activations: []\nsaes: {}\n", "activations: [] is not of type 'object'"),
     "not_a_mapping": ("- 1\n- 2\n", "must hold a mapping"),
     "not_utf8": (b"activations: {}\nsaes: {}\n# \xff\xfe\n", "not UTF-8"),

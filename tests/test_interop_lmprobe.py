@@ -128,7 +128,7 @@ def test_validator_catches_damage(exports, tmp_path):
 
 
 LMPROBE_FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "lmprobe"  # fixtures/lmprobe/make_lmprobe_datasets.py
-VARIANTS = ("pooled-last-token", "full-sequence", "pooled-mean")
+VARIANTS = ("pooled-last-token", "full-sequence", "pooled-mean", "pooled-first-token")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -138,7 +138,7 @@ def test_reads_datasets_lmprobe_wrote_as_lmprobe_reads_them(variant):
     ds = lmprobe.LmprobeDataset(LMPROBE_FIXTURES / variant / "dataset")
     assert ds.info["provenance"]["lmprobe_version"] == LMPROBE_VERSION and ds.info["prompt_ordering"] == "random"
     assert ds.index["text"] == list(want["prompts"]) and ds.index["label"] == want["labels"].tolist()
-    assert ds.pooling == ("mean" if variant == "pooled-mean" else "last_token")
+    assert ds.pooling == {"pooled-mean": "mean", "pooled-first-token": "first_token"}.get(variant, "last_token")
     for layer in (0, 1):
         np.testing.assert_array_equal(ds.pooled(layer), want[f"pooled.{layer}"])
         if variant == "full-sequence":
@@ -177,6 +177,32 @@ def test_mean_pooled_datasets_are_no_token_activations():
         ds.last_token(0)
     with pytest.raises(SaeflowError, match="pooled by 'mean'"):
         next(ds.records())
+
+
+def test_first_token_pooled_datasets_convert_as_token_0(tmp_path, capsys):
+    """Issue 33: a dataset lmprobe pooled at the first token was refused as "no token's activations"; its vectors
+    are token 0's (the fixture checks lmprobe's against the model run on each prompt alone: `token0.<layer>`). They
+    convert to saev shards (one token per prompt) and back to an lmprobe dataset that still says `first_token`."""
+    from saeflow import cli
+    from saeflow.store.shards import ShardDir
+
+    src = LMPROBE_FIXTURES / "pooled-first-token"
+    want = np.load(src / "lmprobe.npz")
+    for layer in (0, 1):
+        np.testing.assert_allclose(want[f"pooled.{layer}"], want[f"token0.{layer}"], rtol=0, atol=1e-6)
+    assert cli.main(["convert", str(src / "dataset"), "--to", "saev", str(tmp_path / "shards")]) == 0
+    sd = ShardDir(capsys.readouterr().out.split()[-1])
+    assert sd.metadata.layers == (0, 1) and sd.metadata.tokens_per_ex == 1 and sd.n_ex == 6
+    assert sd.metadata.data["info"]["hidden_layers"]["pooling"] == "first_token"  # hashed: not a last-token dataset
+    for layer in (0, 1):
+        acts_nd = np.stack([sd.example(i, layer)[0] for i in range(sd.n_ex)])
+        np.testing.assert_array_equal(acts_nd, want[f"pooled.{layer}"])
+    assert cli.main(["convert", str(src / "dataset"), "--to", "lmprobe", str(tmp_path / "again")]) == 0
+    back = lmprobe.LmprobeDataset(tmp_path / "again")
+    assert back.pooling == "first_token" and back.index["text"] == list(want["prompts"])
+    np.testing.assert_array_equal(back.pooled(1), want["pooled.1"])
+    with pytest.raises(SaeflowError, match="pooled at the first token, not the last"):
+        back.last_token(0)
 
 
 def test_convert_lmprobe_written_datasets(tmp_path, capsys):

@@ -187,6 +187,21 @@ def test_zarr_2_18_and_installed_zarr_read_each_others_stores(zarr2_site, tmp_pa
 ZARR_FIXTURES_DPATH = pathlib.Path(__file__).parent / "fixtures" / "zarr"  # made by fixtures/zarr/make_zarr_stores.py
 
 
+def test_a_format_3_store_is_refused_naming_format_3(tmp_path, capsys):
+    """Issue 33: the store zarr-python 3.1.6 writes when not told zarr_format=2 (fixtures/zarr/make_zarr_stores.py
+    --default-format) was refused as "not an lmprobe dataset, Zarr store or gzip-pickle shard directory"."""
+    from saeflow import cli
+
+    store_dpath = ZARR_FIXTURES_DPATH / "zarr-3.1.6-format3" / "activations.zarr"
+    assert json.loads((store_dpath / "zarr.json").read_text())["zarr_format"] == 3
+    with pytest.raises(SaeflowError, match=r"a Zarr format 3 store \(zarr.json; zarr-python 3 writes format 3"):
+        zarr_store.ZarrReader(store_dpath)
+    assert cli.main(["convert", str(store_dpath), "--to", "saev", str(tmp_path / "shards")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "saeflow reads Zarr format 2 stores (.zmetadata)" in err, err
+    assert "zarr_format=2" in err and not (tmp_path / "shards").exists()
+
+
 @pytest.mark.parametrize("version", ["2.18.7", "3.1.6"])
 def test_reads_stores_zarr_python_wrote_by_the_spec(version):
     """A store another logger wrote with plain zarr-python calls (spec names, no saeflow attrs; under 3.x the

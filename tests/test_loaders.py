@@ -95,6 +95,23 @@ def test_ordered_is_storage_order_across_shards(shard_dir, acts_nltd):
     np.testing.assert_array_equal(rows, acts_nltd[:, 0, 1:].reshape(-1, D))
 
 
+def test_batches_are_the_callers_own_unless_borrowed(shard_dir, acts_nltd):
+    """Issue 33: batches were views into 3 reused buffers, so `torch.cat(list(loader))` returned overwritten rows once
+    a layer spanned more than 3 blocks (here 10 blocks of 4 examples). Owned by default; `borrowed=True` (for
+    callers that finish with a batch before asking for the one after next) keeps the views, and list() shows it."""
+    block_bytes = 4 * T * D * 4
+    ordered = OrderedLoader(shard_dir, 3, batch_size=7, block_bytes=block_bytes)
+    assert len(ordered.block_list) == 10
+    np.testing.assert_array_equal(torch.cat(list(ordered)).numpy(), acts_nltd[:, 0, 1:].reshape(-1, D))
+    shuffled = _loader(shard_dir)
+    assert len(shuffled.block_list) > 3
+    rows = torch.cat(list(shuffled)).numpy()
+    np.testing.assert_array_equal(_sorted(rows), _sorted(acts_nltd[:, 1, 1:].reshape(-1, D)))
+    borrowed = OrderedLoader(shard_dir, 3, batch_size=7, block_bytes=block_bytes, borrowed=True)
+    assert not np.array_equal(torch.cat(list(borrowed)).numpy(), acts_nltd[:, 0, 1:].reshape(-1, D))
+    np.testing.assert_array_equal(_rows(borrowed), acts_nltd[:, 0, 1:].reshape(-1, D))  # each copied in time
+
+
 def test_indexed_random_access(shard_dir, acts_nltd):
     reader = IndexedReader(shard_dir, 7, tokens="all")
     idx = [0, 184, 59, 60, 61, 5]  # crosses shard boundaries (12 ex x 5 tokens = 60 vectors per shard)

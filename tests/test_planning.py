@@ -228,6 +228,37 @@ def test_extract_and_create_run_expand_vars_in_roots_as_the_planner_does(tmp_pat
     )
 
 
+SCHEMA_ERRORS = [  # issue 33: (key of saes.text-topk, value, the line `saeflow plan` prints after the file's name)
+    ("arch", "top-k", "saes.text-topk.arch: 'top-k' is not valid: expected one of 'relu', 'topk', 'batchtopk', or a "
+    "non-empty list of them; did you mean 'topk'?"),
+    ("arch", ["topk", "relu2"], "saes.text-topk.arch[1]: 'relu2' is not one of 'relu', 'topk', 'batchtopk'; did you "
+    "mean 'relu'? (the key takes one of 'relu', 'topk', 'batchtopk', or a non-empty list of them)"),
+    ("k", [4, 8, "sixteen"], "saes.text-topk.k[2]: 'sixteen' is not an integer >= 1 (the key takes an integer >= 1, "
+    "or a non-empty list of them)"),
+    ("lr_warmup_frac", 2.0, "saes.text-topk.lr_warmup_frac: 2.0 is not valid: expected a number in [0, 1], or a "
+    "non-empty list of them"),
+    ("matryoshka", [[0.5, 2]], "saes.text-topk.matryoshka[0][1]: 2 is not a number in (0, 1) (the key takes a list "
+    "of (a number in (0, 1)), or a non-empty list of them)"),
+    ("expanson", 4, "saes.text-topk.expanson: unknown key 'expanson'; did you mean 'expansion'?"),
+    ("zzz", 4, "saes.text-topk.zzz: unknown key 'zzz'; the keys here are "),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "line"), SCHEMA_ERRORS, ids=[f"{k}={v}" for k, v, _ in SCHEMA_ERRORS])
+def test_a_schema_error_says_in_one_line_what_is_valid(tmp_path, capsys, key, value, line):
+    """Every enum error lists the valid values, a swept list names its bad element and the expected type, an unknown
+    key gets the nearest known key (the Snakefile validates through the same config.check; tests/test_workflow.py)."""
+    cfg = copy.deepcopy(TEST_CONFIG)
+    cfg["saes"]["text-topk"][key] = value
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["plan", str(config_fpath)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    prefix = f"saeflow plan: error: config file {config_fpath}: config does not match the schema: "
+    assert err.startswith(prefix + line), err
+
+
 def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
     cfg = copy.deepcopy(TEST_CONFIG)
     del cfg["runs_root"], cfg["summary_dir"]

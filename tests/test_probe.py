@@ -3,6 +3,8 @@ latent of an SAE that recovered the directions is the latent aligned with it; th
 fitted on the same arrays, computed here from the shards and the SAE themselves."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 from _cdp import Browser, find_chromium
 from builders import run_around_sae, write_shards
 from saeflow import cli
-from saeflow.analysis import inference, probe, visuals
+from saeflow.analysis import inference, probe, probe_samples, visuals
 from saeflow.store.layout import ShardLayout
 from saeflow.training import sae
 
@@ -106,7 +108,7 @@ def test_the_probes_match_scikit_learn_on_the_same_arrays(probed):
     cfg = probe.ProbeConfig(run=probed["run"].root, ks=(1, 5))
     classes = next(s for s in probe.label_sources(sd) if s.fname == "classes.bin")
     sample = probe.sample_units(sd, classes, cfg)
-    test_ex = probe.is_test(np.arange(sd.n_ex), cfg.seed, cfg.test_frac)
+    test_ex = probe_samples.is_test(np.arange(sd.n_ex), cfg.seed, cfg.test_frac)
     for vi, value in enumerate(sample.values[:8]):
         entry = next(e for e in result["labels"] if e["file"] == "classes.bin" and e["value"] == value)
         (pos, neg), (pos_t, neg_t) = sample.task(0, vi), sample.task(1, vi)
@@ -150,9 +152,9 @@ def test_the_split_and_samples_are_a_function_of_the_seed(probed, tmp_path):
     assert len(a.units_n) <= 400  # the budget: 5 labels and the pool share max_units
     # The keys do not depend on how the units are read: one chunk or many.
     ids = np.arange(10_000)
-    assert np.array_equal(probe.uniform(ids, 3, 1), np.concatenate([probe.uniform(ids[:77], 3, 1),
-                                                                    probe.uniform(ids[77:], 3, 1)]))  # fmt: skip
-    assert abs(probe.is_test(ids, 0, 0.2).mean() - 0.2) < 0.02
+    halves = [probe_samples.uniform(ids[:77], 3, 1), probe_samples.uniform(ids[77:], 3, 1)]
+    assert np.array_equal(probe_samples.uniform(ids, 3, 1), np.concatenate(halves))
+    assert abs(probe_samples.is_test(ids, 0, 0.2).mean() - 0.2) < 0.02
 
 
 def test_each_latent_page_lists_the_labels_it_predicts(probed, tmp_path):
@@ -186,7 +188,7 @@ def test_a_class_seen_in_one_split_only_is_counted_and_skipped(tmp_path):
     probed where both splits hold it, skipped with a reason elsewhere; unlabelled examples (-1) are left out."""
     rng = np.random.default_rng(0)
     ex = np.arange(400)
-    test_n = probe.is_test(ex, 0, 0.2)
+    test_n = probe_samples.is_test(ex, 0, 0.2)
     classes = rng.integers(0, 2, 400).astype(np.int32)
     classes[np.flatnonzero(~test_n)[:20]] = 7  # class 7: training split only
     classes[np.flatnonzero(test_n)[:5]] = 3  # class 3: held-out split only
@@ -216,3 +218,76 @@ def test_shards_without_labels_are_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nothing to probe" in err and "labels.bin" in err
     assert not run.probe_fpath(sd.hash).exists()
+
+
+def labelled_run(tmp_path, labels_np=None, classes_n=None, n_ex=None):
+    """A run of an 8-latent identity SAE with a dump on random shards (4 patches and CLS) carrying the given
+    labels.bin and/or classes.bin."""
+    n_ex = n_ex or len(labels_np if labels_np is not None else classes_n)
+    aux = {ShardLayout.LABELS_FNAME: labels_np, ShardLayout.CLASSES_FNAME: classes_n}
+    acts = np.random.default_rng(0).standard_normal((n_ex, 1, 5, 8)).astype(np.float32)
+    sd = write_shards(tmp_path / "shards", acts, layers=(0,), cls_token=True,
+                      aux={k: v for k, v in aux.items() if v is not None})  # fmt: skip
+    model = sae.SAE.from_weights(torch.eye(8), torch.zeros(8), torch.eye(8), torch.zeros(8), arch="relu", k=1)
+    run = run_around_sae(tmp_path / "runs", sd, model, 0, tokens="content")
+    inference.run_inference(inference.InferenceConfig(run=run.root, shards=sd.dpath, device="cpu"))
+    return run, sd
+
+
+def test_a_common_label_gets_as_many_negatives_as_positives(tmp_path):
+    """Issue 33: negatives came from one uniform pool of train_per_label units, so a label on 97% of the patches got
+    a few pairs. A patch label on 97% and a class on 55% of the data both get their 64 training and 16 held-out
+    pairs, which the data hold (3% of 3,200 training patches is 96)."""
+    rng = np.random.default_rng(1)
+    labels_np = np.where(rng.random((1000, 4)) < 0.03, 0, 1).astype(np.uint8)
+    classes_n = np.where(rng.random(1000) < 0.55, 0, 1).astype(np.int32)
+    run, sd = labelled_run(tmp_path, labels_np, classes_n)
+    result = json.loads(probe.run_probe(probe.ProbeConfig(run=run.root, train_per_label=64, test_per_label=16,
+                                                          ks=(1,))).read_text())  # fmt: skip
+    assert [(e["file"], e["value"], e["n_train"], e["n_test"]) for e in result["labels"]] == [
+        ("labels.bin", 0, 128, 32), ("labels.bin", 1, 128, 32), ("classes.bin", 0, 128, 32),
+        ("classes.bin", 1, 128, 32)]  # fmt: skip
+
+
+def test_a_run_where_every_label_is_skipped_says_why_per_label(tmp_path, capsys):
+    """Issue 33: one class, or every example unlabelled (-1), exited 0 with nothing on stderr."""
+    run, sd = labelled_run(tmp_path / "one", classes_n=np.zeros(40, np.int32))
+    assert cli.main(["probe", "--run", str(run.root), "--ks", "1"]) == 0
+    n_train, n_test = json.loads(run.probe_fpath(sd.hash).read_text())["labels"][0]["n_units"]
+    assert capsys.readouterr().err.splitlines() == [
+        "saeflow probe: warning: no label was probed:",
+        "saeflow probe: warning:   class 0 (classes.bin): 0 training and 0 held-out pairs (a probe needs 2 and 1): "
+        f"the label has {n_train} of {n_train} training units and {n_test} of {n_test} held-out ones, and every other "
+        "unit is a negative",
+    ]
+    run, _ = labelled_run(tmp_path / "none", classes_n=np.full(40, -1, np.int32))
+    assert cli.main(["probe", "--run", str(run.root), "--ks", "1"]) == 0
+    assert capsys.readouterr().err == ("saeflow probe: warning: no label was probed: every unit of classes.bin is "
+                                       "unlabelled (a negative class id, -1, marks an unlabelled example)\n")
+
+
+def test_a_k_above_d_sae_is_refused_in_one_line(tmp_path, capsys):
+    """Issue 33: `--ks 300` on 256 latents fitted all of them and reported it as k300."""
+    run, _ = labelled_run(tmp_path, classes_n=np.arange(40, dtype=np.int32) % 2)
+    assert cli.main(["probe", "--run", str(run.root), "--ks", "1", "9"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "probe ks: k 9 exceeds the SAE's 8 latents (d_sae); give ks of at most 8" in err
+
+
+def test_class_ids_are_remapped_so_a_huge_id_costs_no_memory(tmp_path):
+    """Issue 33: a class id of 2^31 - 1 was an index (np.bincount): 16 GiB per split. The sampling runs under a 3 GiB
+    address-space limit (the import of numpy, scipy and scikit-learn takes about 1)."""
+    classes_n = np.array([0, 2**31 - 1] * 20, np.int32)
+    run, sd = labelled_run(tmp_path, classes_n=classes_n)
+    code = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from saeflow.analysis import probe
+from saeflow.store.shards import ShardDir
+sd = ShardDir({str(sd.dpath)!r})
+(source,) = probe.label_sources(sd)
+sample = probe.sample_units(sd, source, probe.ProbeConfig(run=None))
+print(sample.values.tolist(), sample.counts_sv.sum(0).tolist())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split("\n")[0] == f"{[0, 2**31 - 1]} [20, 20]", proc.stderr[-2000:]

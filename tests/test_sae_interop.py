@@ -7,6 +7,7 @@ own loaders load them and compute saeflow's outputs."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -244,3 +245,22 @@ def test_refusals(tmp_path):
         sae_checkpoints.export_sae(saeflow_sae("topk"), "saelens", out)
     with pytest.raises(SaeflowError, match="not a SAELens"):
         sae_checkpoints.read_checkpoint(tmp_path)
+
+
+def test_a_run_root_is_refused_naming_the_sae_directories_it_holds(tmp_path, capsys):
+    """Issue 33: a sparsify Trainer run's root (its own cfg.json beside one directory per hookpoint, each as
+    `save_to_disk` wrote it) was hinted "SAE subdirectories ['cfg.json', 'cfg.json']", and a root of several seeds
+    (one level further down) got no hint at all."""
+    run_root = tmp_path / "sparsify-run"
+    for hookpoint in ("layers.0", "layers.1"):
+        shutil.copytree(FIXTURES / "sparsify" / "accepted" / "topk", run_root / hookpoint)
+    (run_root / "cfg.json").write_text(json.dumps({"hookpoints": ["layers.0", "layers.1"]}))
+    argv = ["import-checkpoint", str(run_root), "--runs-root", str(tmp_path / "runs"), "--shards", str(tmp_path)]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it holds SAE directories layers.0, layers.1: give one of them" in err, err
+    seeds_root = tmp_path / "seeds"
+    for seed in ("seed0", "seed1"):
+        shutil.copytree(run_root, seeds_root / seed)
+    with pytest.raises(SaeflowError, match="holds SAE directories seed0/layers.0, seed0/layers.1, seed1/layers.0, "):
+        sae_checkpoints.read_checkpoint(seeds_root)

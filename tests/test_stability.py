@@ -6,12 +6,13 @@ import json
 import numpy as np
 import pytest
 import scipy.optimize
+import torch
 
-from builders import run_from_sae_spec, write_shards
+from builders import run_around_sae, run_from_sae_spec, write_shards
 from saeflow import cli
-from saeflow.analysis import stability
+from saeflow.analysis import inference, stability
 from saeflow.errors import SaeflowError
-from saeflow.training import train
+from saeflow.training import sae, train
 from saeflow.training.sae import load_sae
 
 
@@ -75,3 +76,36 @@ def test_groups_are_runs_that_differ_only_in_their_seeds(tmp_path):
     assert sorted(groups.values()) == [["a", "b", "c"], ["d", "e"]]  # f has no other seed: no group
     with pytest.raises(SaeflowError, match="differ only in seed and data_seed"):
         stability.compare_runs([tmp_path])
+
+
+def test_the_matched_mean_is_one_to_one_and_the_mmcs_is_not():
+    """Issue 33: `mmcs` is each latent's best cosine (two latents may share a partner); `matched_mean_cos` is the
+    one-to-one assignment's summed cosine over the smaller run, here 0.5 where mmcs is about 0.75."""
+    a_sd = np.array([[1.0, 0, 0], [1.0, 0.1, 0]])
+    b_sd = np.array([[1.0, 0, 0], [0, 0, 1.0]])
+    a_sd /= np.linalg.norm(a_sd, axis=1, keepdims=True)
+    out = stability.compare_pair(a_sd, b_sd)
+    assert out["matched_mean_cos"] == pytest.approx(0.5) and out["frac_matched_0.9"] == 0.5
+    assert out["mmcs"] == pytest.approx((1 + a_sd[1, 0] + 1 + 0) / 4)
+
+
+def test_only_latents_that_fired_in_the_dump_are_matched(tmp_path):
+    """Issue 33: the fractions counted dead latents. Two seeds share 4 live latents (permuted); their 4 dead latents
+    (bias far below any input) keep unrelated decoder rows. Over live latents every one is matched; the nonzero-
+    decoder rule (no dump) counts all 8."""
+    rng = np.random.default_rng(0)
+    sd = write_shards(tmp_path / "shards", rng.standard_normal((64, 1, 2, 8)).astype(np.float32), layers=(0,))
+    runs = []
+    for seed, order in ((0, [0, 1, 2, 3]), (1, [2, 0, 3, 1])):
+        W_dec = np.r_[np.eye(8)[order], rng.standard_normal((4, 8))].astype(np.float32)
+        b_enc = torch.tensor([0.0] * 4 + [-1e4] * 4)
+        model = sae.SAE.from_weights(torch.from_numpy(W_dec.T.copy()), b_enc, torch.from_numpy(W_dec),
+                                     torch.zeros(8), arch="relu", k=1)  # fmt: skip
+        runs.append(run_around_sae(tmp_path / "runs", sd, model, 0, val_shards=sd.hash, seed=seed))
+    undumped = stability.compare_runs([run.root for run in runs])
+    assert undumped["metrics"]["frac_matched_0.9"] == 0.5 and undumped["live"][runs[0].root.name]["n_live"] == 8
+    for run in runs:
+        inference.run_inference(inference.InferenceConfig(run=run.root, shards=sd.dpath, device="cpu"))
+    result = stability.compare_runs([run.root for run in runs])
+    assert result["live"][runs[1].root.name] == {"n_live": 4, "d_sae": 8, "live": f"fired in the dump on {sd.hash}"}
+    assert result["metrics"]["frac_matched_0.9"] == 1.0 and result["metrics"]["matched_mean_cos"] == pytest.approx(1)

@@ -18,7 +18,7 @@ import yaml
 
 from builders import typed
 from hang import HANG_SEC
-from saeflow import config
+from saeflow import cli, config
 from saeflow.analysis import report
 from saeflow.extraction.extract import plan_activation
 from saeflow.store import shards
@@ -245,7 +245,8 @@ def test_malformed_config_fails_validation_naming_the_key(prepared, tmp_path):
 
 def test_a_mistyped_config_key_stops_snakemake_with_one_line_naming_the_file_and_key(tmp_path):
     """Issue 25: Snakemake's own `validate` printed the whole schema (~435 lines) for one typo, the key's place only
-    near the end; saeflow's validator runs first and says it in one line, as `saeflow plan` does."""
+    near the end; saeflow's validator runs first and says it in one line, as `saeflow plan` does, with the key it
+    nearly spells (issue 33)."""
     cfg = tiny_config()
     cfg["saes"]["topk"]["expanson"] = cfg["saes"]["topk"].pop("expansion")
     config_fpath = write_config(tmp_path, cfg)
@@ -253,8 +254,8 @@ def test_a_mistyped_config_key_stops_snakemake_with_one_line_naming_the_file_and
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("Using workflow specific profile")]
     assert lines == [
-        f"saeflow: config file {config_fpath}: config does not match the schema: saes.topk: Additional properties "
-        "are not allowed ('expanson' was unexpected)"
+        f"saeflow: config file {config_fpath}: config does not match the schema: saes.topk.expanson: unknown key "
+        "'expanson'; did you mean 'expansion'?"
     ], proc.stderr
     assert "Failed validating" not in proc.stdout + proc.stderr
 
@@ -290,6 +291,17 @@ def test_default_and_example_configs_validate():
     assert len(cfg["saes"]) >= 1 and any(
         isinstance(v, list) for spec in cfg["saes"].values() for v in spec.values()
     ), "the default config must hold a sweep"
+
+
+def test_the_example_configs_headers_give_commands_saeflow_accepts():
+    """Issue 33: clip-imagenet-osc.yaml's header gave `install-profile` without its required --cluster."""
+    parser = cli.build_parser()
+    commands = [line.split("saeflow ", 1)[1].split()
+                for fpath in sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))
+                for line in fpath.read_text().splitlines() if line.startswith("#   saeflow ")]  # fmt: skip
+    assert ["install-profile", "--account", "PAS1234", "--cluster", "cardinal"] == commands[0][:5], commands
+    for argv in commands:
+        parser.parse_args(argv)  # argparse exits on a missing required option
 
 
 @pytest.mark.slow

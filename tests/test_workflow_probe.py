@@ -13,7 +13,7 @@ from saeflow import config
 from saeflow.analysis import report, stability
 from saeflow.planning import WorkflowPlan
 from test_workflow_rerun import planned_jobs
-from workflow_helpers import snakemake, write_config
+from workflow_helpers import REPO_ROOT, snakemake, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs Snakemake end to end
 
@@ -90,3 +90,18 @@ def test_probe_settings_rerun_only_the_probes_and_a_new_seed_only_its_jobs(tree)
     jobs = _dry_run(tree, more, "three-seeds.yaml")
     assert jobs == {"summary", "all", f"create_run:{new}", f"train:{new}", f"inference:{new}/{shard_hash}",
                     f"evaluate:{new}/{shard_hash}", f"probe:{new}/{shard_hash}", f"stability:{group}"}  # fmt: skip
+
+
+def test_inference_settings_rerun_inference_the_probes_and_the_summary_as_the_readme_says(tree):
+    """Issue 33: the README said an inference setting reruns "inference (and the summary) only"; a dump's probe reads
+    it, and so does the seed group's stability (it matches the latents that fired in the dumps)."""
+    plan = _plan(CFG)
+    shard_hash = plan.shard_hash["images"]
+    (group,) = stability.seed_groups({r: p.train_config.to_dict() for r, p in plan.runs.items()})
+    changed = {**CFG, "inference": {"top_k": 8}}
+    assert _dry_run(tree, changed, "inference-top-k.yaml") == {"summary", "all", f"stability:{group}"} | {
+        f"{rule}:{run_id}/{shard_hash}" for run_id in plan.runs for rule in ("inference", "probe")
+    }
+    readme = " ".join((REPO_ROOT / "README.md").read_text().split())
+    assert "changing it reruns inference (with its visuals), what reads the dumps it remakes (the probes" in readme
+

@@ -359,7 +359,7 @@ def ours_train(arch, sd, prof, dev, root: pathlib.Path, windows: list) -> tuple[
     """(seconds per step, peak bytes, the SAE) of saeflow's training loop from the shards, after warm-up steps."""
     run = runs.Run(root / f"run-{arch}")
     run.checkpoint_dpath.mkdir(parents=True)
-    loader = loaders.ShuffledLoader(sd, 0, prof.train_batch, seed=0)
+    loader = loaders.ShuffledLoader(sd, 0, prof.train_batch, seed=0, borrowed=True)  # as the trainer reads
     n_steps = prof.n_warm_steps + prof.n_steps
     trainer = train.Trainer(run, train_config(arch, prof), prof.d_model, n_steps, dev)
     trainer.init_from_data(train._first_vectors(loader, train.N_INIT_VECTORS))
@@ -410,7 +410,7 @@ def run_inference(model: sae.SAE, prof: Profile, dev: torch.device, root: pathli
     inference.run_inference(cfg)
     ours_sec = time.perf_counter() - t0
     loader = loaders.OrderedLoader(sd, 0, prof.infer_batch)
-    batches = [x_bd.clone() for x_bd in loader]
+    batches = list(loader)  # owned batches (the loader's default)
     loader.close()
     model = sae.load_sae(run.sae_fpath).to(dev)
     with torch.no_grad():

@@ -212,6 +212,16 @@ def get_stability_results():
     ]
 
 
+def get_group_dumps(wildcards):
+    """The dump (its metrics file) of each member of a seed group on its validation shards: stability counts only
+    the latents that fired there (saeflow.analysis.stability.live_latents)."""
+    val = dict(PLAN.dumps())
+    return [
+        PLAN.run(r).dump(val[r]).metrics_fpath
+        for r in STABILITY_GROUPS[wildcards.group]
+    ]
+
+
 def get_group_saes(wildcards):
     """The sae.pt of each member of a seed group (its pass representative's while untrained)."""
     members = STABILITY_GROUPS[wildcards.group]

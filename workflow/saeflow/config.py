@@ -19,6 +19,7 @@ import jsonschema
 import yaml
 
 from saeflow.errors import SaeflowError, one_line, read_problem
+from saeflow.schema_errors import explain
 
 SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 ROOT_KEYS = ("shards_root", "runs_root", "summary_dir")  # where the workflow writes; `default_roots` may fill them
@@ -56,14 +57,15 @@ _Validator = _extend_with_defaults(jsonschema.Draft202012Validator)
 
 
 def validate(config: dict, schema: dict | None = None) -> dict:
-    """Validate in place, fill defaults, return the config; the error names the offending key path."""
+    """Validate in place, fill defaults, return the config; the error names the offending key path and what is
+    valid there (schema_errors.explain)."""
     schema = schema or load_schema()
-    errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
+    errors = sorted(_Validator(schema).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         lines = []
         for err in errors[:10]:
-            where = ".".join(str(p) for p in err.absolute_path) or "(top level)"
-            lines.append(f"  {where}: {err.message}")
+            where, message = explain(err)
+            lines.append(f"  {where}: {message}")
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
         raise SaeflowError("config does not match the schema:\n" + "\n".join(lines) + more)
     return config
@@ -243,6 +245,18 @@ def enum(where: str, *path: str) -> tuple:
     while "enum" not in node:
         node = node["items"] if "items" in node else next(sub for sub in node["oneOf"] if "enum" in sub)
     return tuple(node["enum"])
+
+
+def by_enum(table: dict, where: str, *path: str) -> dict:
+    """`table`, whose keys are every value of the enum `enum(where, *path)` and no other, checked when the module that
+    holds it is imported: the schema stays the one list of a key's values (a value added there without an entry here,
+    or an entry the schema lacks, fails every command at once), and code maps each value to its behaviour."""
+    values = enum(where, *path)
+    if set(table) != set(values):
+        missing, extra = sorted(set(values) - set(table)), sorted(set(table) - set(values))
+        raise SaeflowError(f"saeflow's table for {'.'.join((where, *path))} does not match the schema's enum: "
+                           f"missing {missing}, not in the schema {extra}")  # fmt: skip
+    return table
 
 
 def _dataset_branch(node: dict, kind: str) -> dict:

@@ -220,7 +220,7 @@ def spliced_forward(
 def mean_activation(view: loaders.LayerView, batch_size: int = 4096) -> tuple[torch.Tensor, int]:
     """The mean (float64, D) of every vector the view selects (the SAE's tokens of the validation shards, in one
     streamed pass: memory one batch) and how many vectors it averages: what mean ablation writes."""
-    loader = loaders.OrderedLoader(view.sd, view.layer, batch_size, tokens=view.tokens)
+    loader = loaders.OrderedLoader(view.sd, view.layer, batch_size, tokens=view.tokens, borrowed=True)
     sum_d, n = torch.zeros(view.d_model, dtype=torch.float64), 0
     try:
         for x_bd in loader.iter_batches():

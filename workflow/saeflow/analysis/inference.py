@@ -276,7 +276,7 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, tokens: str, cfg: InferenceC
     model = model.to(device)
     # pread into reused buffers (training.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
-    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all")
+    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all", borrowed=True)  # each batch used at once
     try:
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
             for x_bd in loader.iter_batches():

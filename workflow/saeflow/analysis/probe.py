@@ -41,8 +41,8 @@ from sklearn.preprocessing import StandardScaler
 from saeflow import config
 from saeflow.analysis import latent_labels
 from saeflow.analysis.csr_stream import CsrFile
+from saeflow.analysis.probe_samples import LabelSource, Sample, label_sources, sample_units
 from saeflow.errors import SaeflowError
-from saeflow.extraction import datasets
 from saeflow.store import atomic, layout, provenance, runs
 from saeflow.store.hashing import read_json_object
 from saeflow.store.layout import ShardLayout
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 DEFAULTS = config.section_defaults("probe")
 N_CANDIDATES = 20  # latents of largest mean difference considered for the best single latent (and shown per latent)
 CHUNK_EX = 4096  # examples per read of codes and raw activations
-CHUNK_UNITS = 1 << 20  # labelled units (patches or examples) per chunk of the label passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,153 +78,6 @@ class ProbeConfig:
             raise SaeflowError("probe train_per_label and test_per_label must be at least 2, max_units at least 16, "
                                f"every k at least 1; got {self.train_per_label}, {self.test_per_label}, "
                                f"{self.max_units}, {list(self.ks)}")  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Labels and samples
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def uniform(ids_n: np.ndarray, seed: int, salt: int) -> np.ndarray:
-    """A uniform number in [0, 1) per id, a pure function of (id, seed, salt) (splitmix64): the same in any
-    chunking and on any machine."""
-    gamma, mix = 0x9E3779B97F4A7C15, (seed * 0x632BE59BD9B4E019 + salt * 0xD6E8FEB86659FD93 + 1) % 2**64
-    with np.errstate(over="ignore"):
-        z = ids_n.astype(np.uint64) * np.uint64(gamma) + np.uint64(mix)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return (z >> np.uint64(11)).astype(np.float64) / 2.0**53
-
-
-def is_test(ex_n: np.ndarray, seed: int, test_frac: float) -> np.ndarray:
-    """Whether each example is held out (the split is by example: all its patches go with it)."""
-    return uniform(ex_n, seed, salt=0) < test_frac
-
-
-@dataclasses.dataclass(frozen=True)
-class LabelSource:
-    """One side file of labels: `labels.bin` (per patch) or `classes.bin` (per example), and its names."""
-
-    fname: str
-    scope: str  # "patch" or "example"
-    units_per_ex: int  # patches per example, or 1
-    names: tuple[str, ...]  # names of the label values that have one (ImageFolder classes, generated shapes)
-
-    def name(self, value: int) -> str:
-        if 0 <= value < len(self.names):
-            return self.names[value]
-        return f"{'label' if self.scope == 'patch' else 'class'} {value}"
-
-    def read(self, sd: ShardDir, lo: int, hi: int) -> np.ndarray:
-        """The labels of examples lo..hi-1, one per unit (example-major), int64; read with one pread (a memory
-        map would keep every page it touched resident)."""
-        dtype = np.dtype("uint8" if self.scope == "patch" else "int32")
-        count = (hi - lo) * self.units_per_ex
-        return np.fromfile(sd.layout.file(self.fname), dtype, count, offset=lo * self.units_per_ex * dtype.itemsize
-                           ).astype(np.int64)  # fmt: skip
-
-
-def label_sources(sd: ShardDir) -> list[LabelSource]:
-    """The label files of a shard directory, with the names its metadata gives their values."""
-    data, sources = sd.metadata.data, []
-    if sd.has_aux(ShardLayout.LABELS_FNAME):
-        shapes = data.get("__class__") == datasets.GeneratedImages.__name__
-        names = datasets.GeneratedImages.LABEL_NAMES if shapes else ()
-        sources.append(LabelSource(ShardLayout.LABELS_FNAME, "patch", sd.metadata.patches_per_ex, names))
-    if sd.has_aux(ShardLayout.CLASSES_FNAME):
-        names = tuple(data.get("classes") or ())  # ImageFolder's sorted sub-folder names
-        sources.append(LabelSource(ShardLayout.CLASSES_FNAME, "example", 1, names))
-    return sources
-
-
-class BottomK:
-    """Per group, the `caps_g[g]` units with the smallest keys seen so far (ties: the smaller unit), each with a
-    label, merged chunk by chunk: memory is the caps, whatever the number of units."""
-
-    def __init__(self, caps_g: np.ndarray):
-        self.caps_g = np.asarray(caps_g, dtype=np.int64)
-        self.groups, self.keys = np.empty(0, np.int64), np.empty(0)
-        self.units, self.labels = np.empty(0, np.int64), np.empty(0, np.int64)
-        self._bar_g = np.full(len(self.caps_g), np.inf)  # a full group's largest kept key: larger ones cannot enter
-
-    def update(self, groups_n: np.ndarray, keys_n: np.ndarray, units_n: np.ndarray, labels_n: np.ndarray) -> None:
-        cand = keys_n < self._bar_g[groups_n]
-        if not cand.any():
-            return
-        g, k = np.concatenate([self.groups, groups_n[cand]]), np.concatenate([self.keys, keys_n[cand]])
-        u, y = np.concatenate([self.units, units_n[cand]]), np.concatenate([self.labels, labels_n[cand]])
-        order = np.lexsort((u, k, g))
-        g, k, u, y = g[order], k[order], u[order], y[order]
-        rank = np.arange(g.size) - np.searchsorted(g, g, side="left")
-        keep = rank < self.caps_g[g]
-        self.groups, self.keys, self.units, self.labels = g[keep], k[keep], u[keep], y[keep]
-        full = np.flatnonzero(np.bincount(self.groups, minlength=len(self.caps_g)) >= self.caps_g)
-        self._bar_g[full] = self.keys[np.searchsorted(self.groups, full, side="right") - 1]
-
-    def members(self, group: int) -> tuple[np.ndarray, np.ndarray]:
-        """The group's units and their labels, smallest key first."""
-        mine = self.groups == group
-        return self.units[mine], self.labels[mine]
-
-
-@dataclasses.dataclass
-class Sample:
-    """The units one label source's tasks use: per (split, value index) its positives, per split a uniform pool
-    (where negatives come from) with the pool's labels, each in key order; `units_n`: all of them, sorted."""
-
-    values: np.ndarray  # the label values present
-    counts_sv: np.ndarray  # units per (split: 0 train, 1 test; value index)
-    positives: dict[tuple[int, int], np.ndarray]
-    pool: dict[int, tuple[np.ndarray, np.ndarray]]
-    units_n: np.ndarray
-
-    def task(self, split: int, vi: int) -> tuple[np.ndarray, np.ndarray]:
-        """Balanced (positives, negatives) of value index `vi` in one split: as many of each, in key order."""
-        pos = self.positives[(split, vi)]
-        pool_units, pool_labels = self.pool[split]
-        neg = pool_units[pool_labels != self.values[vi]]
-        n = min(len(pos), len(neg))
-        return pos[:n], neg[:n]
-
-
-def _chunks(sd: ShardDir, source: LabelSource, cfg: ProbeConfig):
-    """(unit ids, labels, split: 1 held out) of every labelled unit, about CHUNK_UNITS at a time."""
-    chunk_ex = max(1, CHUNK_UNITS // source.units_per_ex)
-    for lo in range(0, sd.n_ex, chunk_ex):
-        hi = min(lo + chunk_ex, sd.n_ex)
-        units_n = np.arange(lo * source.units_per_ex, hi * source.units_per_ex, dtype=np.int64)
-        labels_n = source.read(sd, lo, hi)
-        split_n = is_test(units_n // source.units_per_ex, cfg.seed, cfg.test_frac).astype(np.int64)
-        ok = labels_n >= 0  # a negative class id: unlabelled
-        yield units_n[ok], labels_n[ok], split_n[ok]
-
-
-def sample_units(sd: ShardDir, source: LabelSource, cfg: ProbeConfig) -> Sample:
-    """Two passes over the labels: count each value per split; then keep, per (split, value), the units of smallest
-    key (the positives) and, per split, a uniform pool of as many (the negatives)."""
-    counts_sv = np.zeros((2, 1), np.int64)
-    for _, labels_n, split_n in _chunks(sd, source, cfg):
-        width = max(counts_sv.shape[1], int(labels_n.max(initial=-1)) + 1)  # both splits counted to the same width
-        got_sv = np.stack([np.bincount(labels_n[split_n == s], minlength=width) for s in (0, 1)])
-        if got_sv.shape[1] > counts_sv.shape[1]:
-            counts_sv = np.pad(counts_sv, ((0, 0), (0, got_sv.shape[1] - counts_sv.shape[1])))
-        counts_sv[:, : got_sv.shape[1]] += got_sv
-    values = np.flatnonzero(counts_sv.sum(0))
-    n_values = len(values)
-    index_of = np.full(counts_sv.shape[1], -1, np.int64)
-    index_of[values] = np.arange(n_values)
-    per_label = np.array([cfg.train_per_label, cfg.test_per_label])
-    budget = cfg.max_units * per_label // per_label.sum()  # units held per split
-    cap_s = np.maximum(1, np.minimum(per_label, budget // (n_values + 1)))
-    bottom = BottomK(np.repeat(cap_s, n_values + 1))  # group split * (n_values + 1) + value index; the last: pool
-    for units_n, labels_n, split_n in _chunks(sd, source, cfg):
-        base_n = split_n * (n_values + 1)
-        bottom.update(base_n + index_of[labels_n], uniform(units_n, cfg.seed, 1), units_n, labels_n)
-        bottom.update(base_n + n_values, uniform(units_n, cfg.seed, 2), units_n, labels_n)
-    positives = {(s, vi): bottom.members(s * (n_values + 1) + vi)[0] for s in (0, 1) for vi in range(n_values)}
-    pool = {s: bottom.members(s * (n_values + 1) + n_values) for s in (0, 1)}
-    return Sample(values, counts_sv[:, values], positives, pool, np.unique(bottom.units))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,7 +227,7 @@ def probe_label(sample: Sample, vi: int, codes_us, raw_ud: np.ndarray, ks: tuple
     (train, test), (y_train, y_test) = rows, ys
     out = {"n_train": int(len(train)), "n_test": int(len(test))}
     if y_train.sum() < 2 or y_test.sum() < 1:
-        return {**out, "skipped": "too few positives or negatives in the train or held-out sample"}
+        return {**out, "skipped": skip_reason(sample, vi)}
     x_train, x_test = codes_us[train], codes_us[test]
     diff_s = np.asarray(x_train[y_train].mean(0) - x_train[~y_train].mean(0)).ravel()
     by_diff = np.argsort(-diff_s, kind="stable")[:N_CANDIDATES]  # latents firing more on the label
@@ -391,6 +243,25 @@ def probe_label(sample: Sample, vi: int, codes_us, raw_ud: np.ndarray, ks: tuple
         out["sparse"][str(k)] = {"latents": [int(s) for s in cols], **fit}
     out["dense"] = logistic_probe(raw_ud[train], y_train, raw_ud[test], y_test)
     return out
+
+
+def skip_reason(sample: Sample, vi: int) -> str:
+    """Why a label cannot be probed: a probe needs 2 training pairs (a positive and a negative each) and 1 held out."""
+    n_pairs = [len(sample.task(split, vi)[0]) for split in (0, 1)]
+    mine_s, all_s = sample.counts_sv[:, vi], sample.counts_sv.sum(1)
+    return (f"{n_pairs[0]} training and {n_pairs[1]} held-out pairs (a probe needs 2 and 1): the label has "
+            f"{mine_s[0]} of {all_s[0]} training units and {mine_s[1]} of {all_s[1]} held-out ones, and every "
+            "other unit is a negative")  # fmt: skip
+
+
+def skip_warnings(result: dict) -> list[str]:
+    """The lines `saeflow probe` writes to stderr when no label could be probed: why, per label."""
+    if result["metrics"]["n_probed"]:
+        return []
+    if not result["labels"]:
+        return [f"no label was probed: every unit of {' and '.join(result['config']['label_files'])} is unlabelled "
+                "(a negative class id, -1, marks an unlabelled example)"]  # fmt: skip
+    return ["no label was probed:"] + [f"  {e['name']} ({e['file']}): {e['skipped']}" for e in result["labels"]]
 
 
 def summarize(labels: list[dict], ks: tuple[int, ...]) -> dict:
@@ -447,6 +318,9 @@ def run_probe(cfg: ProbeConfig) -> pathlib.Path:
         if dump_csr.shape[0] != sd.n_ex * sd.metadata.tokens_per_ex:
             raise SaeflowError(f"{dump.acts_fpath}: {dump_csr.shape[0]} rows, but {sd.dpath} has "
                                f"{sd.n_ex} x {sd.metadata.tokens_per_ex} tokens")  # fmt: skip
+        if max(cfg.ks) > dump_csr.shape[1]:
+            raise SaeflowError(f"probe ks: k {max(cfg.ks)} exceeds the SAE's {dump_csr.shape[1]} latents (d_sae); "
+                               f"give ks of at most {dump_csr.shape[1]}")  # fmt: skip
         for source in sources:
             sample = sample_units(sd, source, cfg)
             codes_us, raw_ud = unit_features(sample, source, sd, dump_csr, layer, tokens)
@@ -457,6 +331,7 @@ def run_probe(cfg: ProbeConfig) -> pathlib.Path:
     result = {
         "config": {"run": str(run.root.resolve()), "sae_sha256": dump_config["sae_sha256"], "shard_hash": sd.hash,
                    "layer": layer, "tokens": tokens, **_settings(cfg), "solver": SOLVER,
+                   "label_files": [source.fname for source in sources],
                    "pooling": "per example: codes max-pooled, raw activations mean-pooled over the SAE's tokens"},
         "metrics": summarize(labels, cfg.ks),
         "labels": labels,

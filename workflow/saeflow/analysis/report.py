@@ -7,8 +7,9 @@ the pages, one figure per metric (each a page of the Snakemake report, with its 
     summary_grouped.csv  one row per (seed group, shard directory): every numeric summary column's mean and sample
                          standard deviation over the group's runs (runs that differ only in seed/data_seed;
                          `<column>.mean`, `<column>.std`, blank for one run), the hyper-parameters they share
-                         (`config.*`), and the group's seed stability (`stability.*`: fractions of latents matched
-                         above cosine 0.7 and 0.9 and the MMCS, mean and std over the pairs of runs)
+                         (`config.*`), and the group's seed stability (`stability.*`: fractions of live latents
+                         matched above cosine 0.7 and 0.9, the one-to-one matched mean cosine and the MMCS, mean
+                         and std over the pairs of runs)
     pareto_nmse.png      L0 against normalized MSE, a front per (shard directory, layer, architecture)
     pareto_splice.png    L0 against the splice score (CE loss recovered, or pooled cosine recovered)
     probe.png            sparse probing: held-out accuracy against k, the dense probe dashed, per seed group
@@ -21,13 +22,13 @@ import csv
 import io
 import pathlib
 
-from saeflow.analysis import summary
+from saeflow.analysis import stability, summary
 from saeflow.store import atomic, layout
 from saeflow.store.hashing import read_json_object
 
 GROUPED_FNAME = "summary_grouped.csv"
 PAGES = ("pareto_nmse", "pareto_splice", "probe", "stability")  # <page>.png in the summary directory
-STABILITY_METRICS = ("frac_matched_0.7", "frac_matched_0.9", "mmcs")
+STABILITY_METRICS = stability.METRICS
 
 
 def page_fname(page: str) -> str:
@@ -57,6 +58,8 @@ def grouped_rows(rows: list[dict], stability_results: list[dict]) -> list[dict]:
             if numbers:
                 row[f"{key}.mean"], row[f"{key}.std"] = summary.mean_std(numbers)
         for name in STABILITY_METRICS if group in by_group else ():
+            if name not in by_group[group]:  # a result written before the metric existed (matched_mean_cos)
+                continue
             row[f"stability.{name}.mean"] = by_group[group][name]
             row[f"stability.{name}.std"] = by_group[group][f"{name}_std"]
         if group in by_group:

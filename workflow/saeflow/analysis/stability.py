@@ -9,11 +9,21 @@ decoder directions: the cosine of every pair of decoder rows (in blocks of rows:
 d_sae x d_sae matrix), and the optimal one-to-one assignment maximizing the summed cosine
 (`scipy.optimize.linear_sum_assignment`), where a cosine below MATCH_FLOOR (0.7, the lowest threshold reported)
 counts as 0: such a pair is never a match. Pairs above the floor form small connected components (a latent's few
-near-copies in the other run), and the assignment is solved exactly on each. Per pair of runs:
+near-copies in the other run), and the assignment is solved exactly on each.
 
-    frac_matched_0.7, frac_matched_0.9   matched latents with cosine >= 0.7 / >= 0.9, over the smaller d_sae
-    mmcs                                 mean over both runs' latents of their best cosine in the other run
-                                         (mean max cosine similarity; exact, from the same blocks)
+Only live latents take part. A latent is live when it fired at least once in the run's inference dump on its
+validation shards (latents.npz `n_fires`; the workflow's stability job waits for those dumps); for a run without
+that dump (`saeflow stability` on runs never dumped), when its decoder row is nonzero. A dead TopK latent keeps its
+initial decoder row, so only the dump tells it from a live one. Per pair of runs:
+
+    frac_matched_0.7, frac_matched_0.9   matched latents with cosine >= 0.7 / >= 0.9, over the smaller number of
+                                         live latents
+    matched_mean_cos                     the one-to-one matched mean: the summed cosine of the assignment over the
+                                         smaller number of live latents (a latent left without a partner at or
+                                         above 0.7 counts 0, as in the assignment)
+    mmcs                                 mean max cosine similarity: the mean over both runs' live latents of their
+                                         best cosine in the other run (not one-to-one: two latents may share a
+                                         best partner, so it is at least matched_mean_cos)
 
 and per group, the mean and standard deviation of each over its pairs. The summary adds them to the grouped table.
 """
@@ -33,6 +43,7 @@ logger = logging.getLogger(__name__)
 MATCH_FLOOR = 0.7  # a cosine below this is no match (the assignment counts it as 0)
 THRESHOLDS = (0.7, 0.9)
 BLOCK_ROWS = 1024  # decoder rows of one run per block of the cosine matrix (memory: BLOCK_ROWS x d_sae x 4 bytes)
+METRICS = (*(f"frac_matched_{t}" for t in THRESHOLDS), "matched_mean_cos", "mmcs")  # per pair; mean, std per group
 STABILITY_DNAME = "stability"  # <summary_dir>/stability/<group id>.json
 
 
@@ -111,14 +122,32 @@ def match(rows_n: np.ndarray, cols_n: np.ndarray, cos_n: np.ndarray, n_a: int, n
 
 
 def compare_pair(a_sd: np.ndarray, b_sd: np.ndarray) -> dict:
-    """Two runs' decoder directions matched: the fractions matched above each threshold and the MMCS."""
+    """Two runs' (live) decoder directions matched: the fractions matched above each threshold, the one-to-one
+    matched mean and the MMCS."""
+    n = min(len(a_sd), len(b_sd))
+    if n == 0:
+        raise SaeflowError("stability: a run of the pair has no live latent; nothing to match")
     rows, cols, cos, best_a, best_b = cosine_pairs(a_sd, b_sd)
     _, _, matched = match(rows, cols, cos, len(a_sd), len(b_sd))
-    n = min(len(a_sd), len(b_sd))
     out = {f"frac_matched_{t}": float((matched >= t).sum() / n) for t in THRESHOLDS}
+    out["matched_mean_cos"] = float(matched.sum() / n)
     out["mmcs"] = float(np.r_[best_a, best_b].mean())
     out["n_pairs_above_floor"] = int(len(cos))
     return out
+
+
+def live_latents(run: runs.Run, directions_sd: np.ndarray) -> tuple[np.ndarray, str]:
+    """(mask of live latents, how liveness was read): fired in the dump on the run's validation shards, else a
+    nonzero decoder row."""
+    val_shards = run.config().get("val_shards")
+    dump = run.dump(val_shards) if val_shards else None
+    if dump is not None and dump.latents_fpath.is_file():
+        with np.load(dump.latents_fpath, allow_pickle=False) as npz:
+            n_fires_s = npz["n_fires"]
+        if len(n_fires_s) != len(directions_sd):
+            raise SaeflowError(f"{dump.latents_fpath}: {len(n_fires_s)} latents, the SAE has {len(directions_sd)}")
+        return n_fires_s > 0, f"fired in the dump on {val_shards}"
+    return np.abs(directions_sd).sum(1) > 0, "nonzero decoder row (no dump on the validation shards)"
 
 
 def compare_runs(run_dpaths: list[pathlib.Path]) -> dict:
@@ -134,14 +163,18 @@ def compare_runs(run_dpaths: list[pathlib.Path]) -> dict:
                          if k not in SEED_KEYS and any(other.get(k) != v for other in configs.values())})
         raise SaeflowError(f"stability compares runs that differ only in {' and '.join(SEED_KEYS)}; these also "
                            f"differ in {', '.join(differ)}")  # fmt: skip
-    directions = {run.root.name: decoder_directions(run.require_checkpoint()) for run in opened}
+    directions, live = {}, {}
+    for run in opened:
+        directions_sd = decoder_directions(run.require_checkpoint())
+        live_s, how = live_latents(run, directions_sd)
+        directions[run.root.name] = directions_sd[live_s]
+        live[run.root.name] = {"n_live": int(live_s.sum()), "d_sae": len(live_s), "live": how}
     pairs = []
     for a, b in itertools.combinations(sorted(directions), 2):
         pairs.append({"a": a, "b": b, **compare_pair(directions[a], directions[b])})
         logger.info("%s vs %s: %s", a[:12], b[:12], pairs[-1])
-    names = [f"frac_matched_{t}" for t in THRESHOLDS] + ["mmcs"]
     metrics = {}
-    for name in names:
+    for name in METRICS:
         values = np.array([pair[name] for pair in pairs])
         metrics[name] = float(values.mean())
         metrics[f"{name}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
@@ -150,6 +183,7 @@ def compare_runs(run_dpaths: list[pathlib.Path]) -> dict:
         "runs": sorted(configs),
         "seeds": {run_id: {k: cfg.get(k) for k in SEED_KEYS} for run_id, cfg in sorted(configs.items())},
         "match_floor": MATCH_FLOOR,
+        "live": live,
         "metrics": {**metrics, "n_runs": len(opened), "n_pairs": len(pairs)},
         "pairs": pairs,
     }

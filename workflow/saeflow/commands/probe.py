@@ -13,12 +13,16 @@ def register(subparsers):
         "probe",
         help="sparse probing: which latents predict the labels of the dump's shards (labels.bin, classes.bin)",
         description="For every label of the dump's shard directory (labels.bin: per patch; classes.bin: per "
-        "example, codes max-pooled over the SAE's tokens), on a seeded split by example and balanced samples: the "
+        "example, codes max-pooled over the SAE's tokens; a negative class id, -1, marks an unlabelled example, "
+        "left out), on a seeded split by example and balanced samples (per label as many negatives as positives "
+        "where the data hold them): the "
         "best single latent (its held-out AUROC and F1), k-sparse probes (the k latents of largest mean difference, "
         "then scikit-learn's logistic regression) and a dense logistic-regression probe on the raw activations. "
         "Reads the inference dump and the shards in chunks (memory bounded by --max-units). Writes "
         "RUN/probe/<shard_hash>.json (the summary reads it) and puts the labels each latent predicts on the dump's "
-        "latent pages (visuals/labels.js); prints the JSON's path.",
+        "latent pages (visuals/labels.js); prints the JSON's path. When no label can be probed (one class, every "
+        "unit unlabelled, too few positives), it says why per label on stderr and still writes the JSON. A k of "
+        "--ks above the SAE's d_sae is refused.",
     )
     p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory (holds an inference dump)")
     p.add_argument("--shards-hash", metavar="HASH", help="which inference dump (optional when the run has one)")
@@ -29,7 +33,13 @@ def register(subparsers):
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
     from saeflow.analysis import probe
 
-    print(probe.run_probe(config.from_args(probe.ProbeConfig, args)))
+    out_fpath = probe.run_probe(config.from_args(probe.ProbeConfig, args))
+    for line in probe.skip_warnings(json.loads(out_fpath.read_text())):
+        print(f"saeflow probe: warning: {line}", file=sys.stderr)
+    print(out_fpath)
     return 0

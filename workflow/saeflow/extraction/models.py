@@ -38,8 +38,9 @@ from saeflow.store.hashing import canonical_json
 
 logger = logging.getLogger(__name__)
 
-# model_type -> (family stored in metadata, modality, has a CLS token at position 0)
-MODEL_TYPES: dict[str, tuple[str, str, bool]] = {
+# model_type -> (family stored in metadata, modality, has a CLS token at position 0); the model types are the schema's
+# `model.random.arch` enum (config.by_enum checks the two agree)
+MODEL_TYPES: dict[str, tuple[str, str, bool]] = config.by_enum({
     "vit": ("vit", "vision", True),
     "clip_vision_model": ("clip", "vision", True),
     "siglip_vision_model": ("siglip", "vision", False),
@@ -52,7 +53,7 @@ MODEL_TYPES: dict[str, tuple[str, str, bool]] = {
     "mistral": ("mistral", "text", False),
     "bert": ("bert", "text", False),
     "roberta": ("roberta", "text", False),
-}
+}, "activation_spec", "model", "random", "arch")  # every arch the schema allows, no other
 # Families of bidirectional encoders: text examples are [CLS] ... [SEP], and they have no next-token logits.
 ENCODER_FAMILIES = ("bert", "roberta")
 _FAMILY_MODALITY = {family: modality for family, modality, _ in MODEL_TYPES.values()}
@@ -60,7 +61,7 @@ _FAMILY_MODALITY = {family: modality for family, modality, _ in MODEL_TYPES.valu
 VISION_TOWERS = {"clip": "clip_vision_model", "siglip": "siglip_vision_model"}
 # transformers' config-class defaults of the fields planning reads, so planning never imports transformers
 # (a 3 s import). tests/test_models.py checks this table against transformers; `build` checks every loaded model.
-CONFIG_DEFAULTS: dict[str, dict] = {
+CONFIG_DEFAULTS: dict[str, dict] = config.by_enum({
     "vit": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 16},
     "clip_vision_model": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 32},
     "siglip_vision_model": {"num_hidden_layers": 12, "hidden_size": 768, "image_size": 224, "patch_size": 16},
@@ -75,7 +76,7 @@ CONFIG_DEFAULTS: dict[str, dict] = {
     "mistral": {"num_hidden_layers": 32, "hidden_size": 4096, "max_position_embeddings": 131072, "vocab_size": 32000},
     "bert": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 512, "vocab_size": 30522},
     "roberta": {"num_hidden_layers": 12, "hidden_size": 768, "max_position_embeddings": 512, "vocab_size": 50265},
-}
+}, "activation_spec", "model", "random", "arch")  # every arch the schema allows, no other
 CONFIG_ALIASES = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_positions": "max_position_embeddings"}
 # The files of a checkpoint directory that change its activations, hence its identity (docs/extraction.md): the
 # config, the image processor's and the tokenizer's files by name, and the weights transformers' PyTorch loading

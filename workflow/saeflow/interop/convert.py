@@ -29,6 +29,7 @@ class Source:
     dataset: str
     family: str  # for saev metadata: the architecture when the source says it
     identity: dict  # for saev metadata `data`: changes exactly when the source bytes do
+    pooling: str = "last_token"  # which token a one-vector record holds (an lmprobe dataset may pool the first)
 
 
 def detect(dpath: pathlib.Path) -> str:
@@ -36,6 +37,7 @@ def detect(dpath: pathlib.Path) -> str:
         return "lmprobe"
     if (dpath / zarr_store.MANIFEST_FNAME).exists() or (dpath / ".zmetadata").exists():
         return "zarr"
+    zarr_store.refuse_format_3(dpath)
     if saev_import.looks_like_saev(dpath):
         raise SaeflowError(f"{dpath}: a saev shard directory (protocol 2.1), not an interop format; import it into "
                            "the shard store with `saeflow import saev DIR --shards-root ROOT`")
@@ -58,7 +60,8 @@ def open_source(dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_B
         ds = lmprobe.LmprobeDataset(dpath, memory_budget)
         model = ds.info["model"]
         ident = {"__class__": "LmprobeDataset", "info": ds.info["tensors"], "model": model}
-        return Source(ds.records, ds.n_prompts, model["name"], model.get("revision"), dpath.name, "text", ident)
+        return Source(ds.records, ds.n_prompts, model["name"], model.get("revision"), dpath.name, "text", ident,
+                      ds.pooling)
     if fmt == "zarr":
         reader = zarr_store.ZarrReader(dpath, memory_budget)
         keys = [row["sample_key"] for row in reader.text("prompt")]
@@ -91,7 +94,7 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> path
         top_k = 0 if first.topk_values is None else min(spec.lmprobe.top_k, len(first.topk_values))  # what it has
         opts = dataclasses.replace(spec.lmprobe, top_k=top_k,
                                    perplexity=spec.lmprobe.perplexity and first.token_nll is not None)
-        return lmprobe.write(records, out, source.model_name, source.model_revision, opts)
+        return lmprobe.write(records, out, source.model_name, source.model_revision, opts, source.pooling)
     if fmt == "pickle":
         ec = {"model_name": source.model_name, "model_revision": source.model_revision, "dataset_name": source.dataset}
         return pickle_shards.write(records, out, ec, spec.pickle)

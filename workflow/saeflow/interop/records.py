@@ -20,7 +20,8 @@ from saeflow.errors import SaeflowError
 class Record:
     """One prompt (and optionally the model's greedy response) with its activations.
 
-    acts: {layer: (T, D) float32} for the T prompt tokens; pooled formats carry only the last token (T = 1).
+    acts: {layer: (T, D) float32} for the T prompt tokens; pooled formats carry one token (T = 1): the last, or
+    token 0 for an lmprobe dataset pooled at its first token (`Source.pooling` says which).
     topk_values/topk_indices: (k,) logits at the last prompt token, largest first.
     token_nll: (T - 1,) negative log-likelihood of tokens 1..T-1 given their prefix (natural log).
     response_*: the greedy continuation (R tokens) and its activations {layer: (R, D)}.

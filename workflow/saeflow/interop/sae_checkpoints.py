@@ -29,6 +29,7 @@ import pathlib
 
 import torch
 
+from saeflow import config
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 CFG_FNAME = "cfg.json"  # both libraries
 WEIGHTS_FNAMES = {"saelens": "sae_weights.safetensors", "sparsify": "sae.safetensors"}
-SAELENS_ARCHS = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}
+SAELENS_ARCHS = config.by_enum({"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}, "sae_spec", "arch")
 IMPORT_VERSION = 1
 
 
@@ -183,13 +184,28 @@ class Imported:
         return from_raw(self.weights, self.arch, self.k)
 
 
+def sae_subdirs(src_dpath: pathlib.Path, max_depth: int = 3) -> list[str]:
+    """The SAE directories (cfg.json beside a weights file) below SRC, up to `max_depth` levels down, as paths
+    relative to it: a sparsify Trainer run's root holds one per hookpoint (`layers.6/`, beside the run's own cfg.json),
+    a root of several seeds or runs one more level down (`seed0/layers.6/`)."""
+    if not src_dpath.is_dir():
+        return []
+    found = set()
+    for depth in range(1, max_depth + 1):
+        for cfg_fpath in src_dpath.glob("/".join(["*"] * depth + [CFG_FNAME])):
+            if any((cfg_fpath.parent / fname).is_file() for fname in WEIGHTS_FNAMES.values()):
+                found.add(cfg_fpath.parent.relative_to(src_dpath).as_posix())
+    return sorted(found)
+
+
 def detect_format(src_dpath: pathlib.Path) -> str:
     """saelens or sparsify, from the weights file in SRC."""
     found = [fmt for fmt in SAE_FORMATS if (src_dpath / WEIGHTS_FNAMES[fmt]).is_file()]
     if len(found) == 1:
         return found[0]
-    subdirs = sorted(p.name for p in src_dpath.glob(f"*/{CFG_FNAME}")) if src_dpath.is_dir() else []
-    hint = f"; it has SAE subdirectories {subdirs[:8]}: give one of them" if subdirs else ""
+    subdirs = sae_subdirs(src_dpath)
+    more = f" and {len(subdirs) - 8} more" if len(subdirs) > 8 else ""
+    hint = f"; it holds SAE directories {', '.join(subdirs[:8])}{more}: give one of them" if subdirs else ""
     raise SaeflowError(
         f"{src_dpath}: not a SAELens ({WEIGHTS_FNAMES['saelens']}) or sparsify ({WEIGHTS_FNAMES['sparsify']}) "
         f"SAE directory{hint}"

@@ -97,8 +97,12 @@ class ExportSpec:
         from saeflow.interop.pickle_shards import METADATA_FNAME
         from saeflow.interop.zarr_store.format import MANIFEST_FNAME
 
-        return {
-            "lmprobe": PARQUET_PATH,
-            "zarr": MANIFEST_FNAME,  # written once every shard store exists
-            "pickle": METADATA_FNAME,
-        }[self.format]
+        markers = config.by_enum(
+            {
+                "lmprobe": PARQUET_PATH,
+                "zarr": MANIFEST_FNAME,  # written once every shard store exists
+                "pickle": METADATA_FNAME,
+            },
+            "export_spec", "format",
+        )  # fmt: skip
+        return markers[self.format]

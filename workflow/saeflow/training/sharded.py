@@ -353,7 +353,7 @@ def sharded_validation(trainer: ShardedTrainer, val_dir) -> dict:
     """train.validation_metrics with the latents spread over the ranks (every rank reads the same vectors)."""
     shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
     acc = MetricsAccumulator(shard.d_model, shard.d_sae)  # this rank's latents' firing counts
-    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens)
+    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens, borrowed=True)  # used at once
     n_max = cfg.n_val_vectors or loader.n_vectors
     for x_bd in loader:
         x_bd = x_bd[: n_max - acc.n_vectors].to(trainer.device, torch.float32)

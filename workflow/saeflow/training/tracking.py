@@ -52,7 +52,7 @@ class Settings:
 
 
 def _require(name: str):
-    module = {"wandb": "wandb", "tensorboard": "torch.utils.tensorboard"}[name]
+    module = config.by_enum({"wandb": "wandb", "tensorboard": "torch.utils.tensorboard"}, "train", "tracking")[name]
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -148,5 +148,5 @@ class Tracker:
 
 def open_tracker(settings: Settings | None, run: runs.Run, start_step: int) -> Tracker:
     """The run's trackers, opened at `start_step` (0, or the resume point)."""
-    kinds = {"wandb": _WandB, "tensorboard": _TensorBoard}
+    kinds = config.by_enum({"wandb": _WandB, "tensorboard": _TensorBoard}, "train", "tracking")
     return Tracker([kinds[name](settings, run, start_step) for name in (settings.backends if settings else ())])

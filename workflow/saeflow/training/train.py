@@ -335,7 +335,7 @@ class Trainer:
 def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device) -> dict:
     """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order."""
     acc = MetricsAccumulator(sae.d_model, sae.d_sae)
-    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens)
+    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens, borrowed=True)  # used at once
     n_max = cfg.n_val_vectors or loader.n_vectors
     for x_bd in loader:
         x_bd = x_bd[: n_max - acc.n_vectors].to(device, torch.float32)
@@ -407,7 +407,8 @@ def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, s
     pool = memory.pool_bytes(group, settings.buffer_bytes, "sweep", train_dir, Comm.alone(dev))
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig) -> ShuffledLoader:
-        return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool)
+        return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool,
+                              borrowed=True)  # each batch is used before the next is asked for (train_pass)
 
     loader, val_dirs = _open_data(group, settings.local_copy, make_loader)
     d_model = loader.view.d_model

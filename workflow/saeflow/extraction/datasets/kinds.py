@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction.datasets.hf import HFDataset
 from saeflow.extraction.datasets.images import GeneratedImages, ImageFolder, SegFolder
@@ -17,14 +18,17 @@ def is_text(dataset) -> bool:
 
 def from_config(obj: dict):
     """The dataset object of one `dataset:` config entry (already validated by the schema)."""
-    kinds = {
-        "image_folder": ImageFolder,
-        "segmentation_folder": SegFolder,
-        "generated_images": GeneratedImages,
-        "text": TextCorpus,
-        "builtin_text": BuiltinCorpus,
-        "hf_dataset": HFDataset,
-    }
+    kinds = config.by_enum(
+        {
+            "image_folder": ImageFolder,
+            "segmentation_folder": SegFolder,
+            "generated_images": GeneratedImages,
+            "text": TextCorpus,
+            "builtin_text": BuiltinCorpus,
+            "hf_dataset": HFDataset,
+        },
+        "activation_spec", "dataset", "kind",
+    )  # fmt: skip
     obj = dict(obj)
     kind = obj.pop("kind", None)
     if kind not in kinds:

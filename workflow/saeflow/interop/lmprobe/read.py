@@ -23,6 +23,7 @@ from saeflow.interop.lmprobe.format import (
 )
 from saeflow.interop.records import Record
 
+ONE_TOKEN_POOLINGS = ("last_token", "first_token")  # lmprobe poolings whose vector is one token's activations
 MAX_PROBLEMS = 100  # validate stops listing missing or mismatched shards after this many
 SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
                       "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?"}
@@ -240,6 +241,13 @@ class LmprobeDataset:
 
     def _require_last_token(self) -> None:
         if self.pooling != "last_token":
+            self._require_one_token()
+            raise SaeflowError(f"{self.dpath}: pooled at the {self.pooling.split('_')[0]} token, not the last")
+
+    def _require_one_token(self) -> None:
+        """Each stored vector is one token's: the last's, or token 0's (lmprobe's `first_token`, checked against the
+        model run on each prompt alone in tests/fixtures/lmprobe)."""
+        if self.pooling not in ONE_TOKEN_POOLINGS:
             raise SaeflowError(f"{self.dpath}: pooled by {self.pooling!r} over each prompt's tokens, so its vectors "
                                "are no token's activations (read them with LmprobeDataset.pooled)")
 
@@ -279,8 +287,9 @@ class LmprobeDataset:
                                f"({_one_line(err)})") from None
 
     def records(self) -> typing.Iterator[Record]:
-        """One record per prompt, reading shards through a cache bounded by half the memory budget."""
-        self._require_last_token()
+        """One record per prompt, reading shards through a cache bounded by half the memory budget. A pooled
+        dataset's record holds its one token: the last, or token 0 (`pooling`)."""
+        self._require_one_token()
         has_logits = self.info["tensors"].get("logits_topk") is not None
         extra_cols = [c for c in self.index if c not in CORE_COLUMNS]
         for i in range(self.n_prompts):

@@ -59,12 +59,16 @@ def write(
     model_name: str,
     model_revision: str | None,
     opts: LmprobeOptions,
+    pooling: str = "last_token",
 ) -> pathlib.Path:
-    """Write an lmprobe 2.0 dataset to `out_dpath` (staged in a sibling, validated, then renamed into place)."""
+    """Write an lmprobe 2.0 dataset to `out_dpath` (staged in a sibling, validated, then renamed into place).
+    `pooling`: which token a pooled record's one vector is (`first_token` from an lmprobe dataset pooled there)."""
     out_dpath = pathlib.Path(out_dpath)
     if out_dpath.exists():
         raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output directory")
     full = opts.storage == "full_sequence"
+    if full and pooling != "last_token":
+        raise SaeflowError(f"lmprobe export: the source holds one vector per prompt ({pooling}), not full sequences")
     rows: list[dict] = []
     last_nld: list[np.ndarray] = []  # per prompt: (L, D) last-token vectors
     rest_ntd: list[np.ndarray] = []  # full sequence: per prompt (L, T-1, D)
@@ -116,7 +120,7 @@ def write(
         if full:
             hidden["last_token_shards"] = len(bounds)
         else:
-            hidden.update(pooling="last_token", row_bytes=int(d_model) * 4)
+            hidden.update(pooling=pooling, row_bytes=int(d_model) * 4)
         tensors = {"hidden_layers": hidden}
         if opts.top_k:
             tensors["logits_topk"] = _write_logits(staging, np.stack(topk_v), np.stack(topk_i), bounds, rows)

@@ -17,8 +17,8 @@ compat.py writes format 2 under zarr-python 2.18 and 3.
 """
 
 from saeflow.interop.zarr_store.format import MANIFEST_FNAME, PROMPT, RESPONSE, ZarrOptions, sample_key, shard_dname
-from saeflow.interop.zarr_store.read import ZarrReader
+from saeflow.interop.zarr_store.read import V3_METADATA_FNAME, ZarrReader, refuse_format_3
 from saeflow.interop.zarr_store.write import merge, shard_bounds, write_manifest, write_store
 
-__all__ = ["MANIFEST_FNAME", "PROMPT", "RESPONSE", "ZarrOptions", "ZarrReader", "merge", "sample_key", "shard_bounds",
-           "shard_dname", "write_manifest", "write_store"]
+__all__ = ["MANIFEST_FNAME", "PROMPT", "RESPONSE", "V3_METADATA_FNAME", "ZarrOptions", "ZarrReader", "merge",
+           "refuse_format_3", "sample_key", "shard_bounds", "shard_dname", "write_manifest", "write_store"]

@@ -40,6 +40,7 @@ class _Store:
 
     def __init__(self, dpath: pathlib.Path, memory_budget: int = DEFAULT_MEMORY_BUDGET):
         self.dpath, self.memory_budget = dpath, memory_budget
+        refuse_format_3(dpath)  # a manifest's shard store, too
         zmeta_fpath = dpath / ".zmetadata"
         zmeta = read_json(zmeta_fpath, memory_budget, "consolidated zarr metadata")
         self.meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
@@ -240,6 +241,20 @@ def _manifest_stores(root: pathlib.Path, memory_budget: int) -> list[pathlib.Pat
     return dpaths
 
 
+V3_METADATA_FNAME = "zarr.json"  # every node of a Zarr format 3 store
+
+
+def refuse_format_3(dpath: pathlib.Path) -> None:
+    """A Zarr format 3 store (zarr-python 3's default when not told `zarr_format=2`) is refused in one line that
+    says so: saeflow reads format 2, the activation-store spec's (its direct chunk reads follow format 2's layout)."""
+    if (dpath / V3_METADATA_FNAME).is_file() and not (dpath / ".zmetadata").exists():
+        raise SaeflowError(
+            f"{dpath}: a Zarr format 3 store ({V3_METADATA_FNAME}; zarr-python 3 writes format 3 unless told), and "
+            "saeflow reads Zarr format 2 stores (.zmetadata), the activation-store spec's format: rewrite it with "
+            "zarr.open_group(path, mode='w', zarr_format=2)"
+        )
+
+
 class ZarrReader:
     """Global-index reads over one store or a manifest of shard stores. Safe in DataLoader workers: it holds
     no open files (every read opens its chunk files), so it can be pickled into worker processes."""
@@ -251,6 +266,7 @@ class ZarrReader:
         elif (path / ".zmetadata").exists():
             self.stores = [_Store(path, memory_budget)]
         else:
+            refuse_format_3(path)
             raise SaeflowError(f"{path}: neither a zarr store (.zmetadata) nor a sharded root ({MANIFEST_FNAME})")
         self.path = path
         self.attrs = self.stores[0].attrs

@@ -153,12 +153,12 @@ class _Pipeline(_Stoppable):
 
 
 def _cut_batches(
-    windows_rows: typing.Iterable[torch.Tensor], batch_size: int, skip: int
+    windows_rows: typing.Iterable[torch.Tensor], batch_size: int, skip: int, borrowed: bool = False
 ) -> typing.Iterator[torch.Tensor]:
     """Batches of `batch_size` rows (the last one may be smaller) across window boundaries, after `skip` rows.
 
-    Batches inside a window are views of it; a batch spanning windows is copied together (the window may be recycled
-    before the batch is full).
+    Batches inside a window are copied out of it, or with `borrowed` are views of it; a batch spanning windows is
+    copied together either way (the window may be recycled before the batch is full).
     """
     carry: list[torch.Tensor] = []
     n_carry = 0
@@ -175,7 +175,7 @@ def _cut_batches(
             carry, n_carry = [], 0
         n_full = rows.shape[0] // batch_size * batch_size
         for i in range(0, n_full, batch_size):
-            yield rows[i : i + batch_size]
+            yield rows[i : i + batch_size] if borrowed else rows[i : i + batch_size].clone()
         if n_full < rows.shape[0]:
             carry, n_carry = [rows[n_full:].clone()], rows.shape[0] - n_full
     if n_carry:
@@ -183,14 +183,19 @@ def _cut_batches(
 
 
 class _StreamLoader:
-    """Batches cut from windows of blocks (the subclass lists them), read by a `_Pipeline` into reused buffers."""
+    """Batches cut from windows of blocks (the subclass lists them), read by a `_Pipeline` into reused buffers.
+
+    Each batch is the caller's own tensor unless `borrowed`: then it is a view into one of 3 reused buffers, valid
+    only until the second next batch is requested (`torch.cat(list(loader))` would then hold overwritten rows). Only
+    callers that finish with a batch before asking for the one after next borrow (inference, evaluation,
+    validation); the copy costs what `benchmarks/bench_loader.py --ordered` measures."""
 
     N_RAW, N_OUT = 2, 3  # raw and output buffers in rotation (see `_Pipeline`)
 
-    def __init__(self, view: LayerView, batch_size: int, block_bytes: int):
+    def __init__(self, view: LayerView, batch_size: int, block_bytes: int, borrowed: bool = False):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
-        self.view, self.batch_size = view, batch_size
+        self.view, self.batch_size, self.borrowed = view, batch_size, borrowed
         self.block_list = view.blocks(block_bytes)
         max_ex = max(b.n_ex for b in self.block_list)  # a window is one block
         self.max_window_ex = max_ex
@@ -222,16 +227,15 @@ class _StreamLoader:
         yield from _Pipeline(self.view, windows, self._raw, self._out)
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
-        """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
-
-        A batch is a view into a reused buffer: it stays valid until the second next batch is requested.
+        """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`: the caller's own
+        tensors, or views into reused buffers when `borrowed` (valid until the second next batch is requested).
         """
         windows = self._windows(epoch)
         skip = start_batch * self.batch_size
         while windows and skip >= windows[0].n_rows:
             skip -= windows[0].n_rows
             windows = windows[1:]
-        yield from _cut_batches(self.iter_windows(windows), self.batch_size, skip)
+        yield from _cut_batches(self.iter_windows(windows), self.batch_size, skip, self.borrowed)
 
     __iter__ = iter_batches
 
@@ -249,8 +253,9 @@ class OrderedLoader(_StreamLoader):
         batch_size: int,
         tokens: str = "content",
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        borrowed: bool = False,
     ):
-        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes)
+        super().__init__(LayerView(shard_dir, layer, tokens), batch_size, block_bytes, borrowed)
 
     def _windows(self, epoch: int) -> list[Window]:
         return [Window((b,), self.view.n_rows(b)) for b in self.block_list]

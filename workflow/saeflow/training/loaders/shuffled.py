@@ -387,11 +387,12 @@ class ShuffledLoader:
         tokens: str = "content",
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        borrowed: bool = False,
     ):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
         self.view = LayerView(shard_dir, layer, tokens)
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.borrowed = batch_size, seed, borrowed
         self.block_list = self.view.blocks(block_bytes)
         self.n_pool = max(1, buffer_bytes // self.view.row_bytes)  # rows (EpochPlan keeps >= 2 batches)
         self._pool: _Pool | None = None
@@ -425,13 +426,14 @@ class ShuffledLoader:
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
         """Batches (batch_size, D) (the last one may be smaller) from `start_batch` of `epoch`.
 
-        A batch is a view into a reused buffer: it stays valid until the second next batch is requested. Reading
-        runs ahead in background threads; starting a new pass stops an unfinished earlier one of this loader.
+        A batch is the caller's own tensor, or with `borrowed` (the trainer) a view into a reused buffer that stays
+        valid until the second next batch is requested. Reading runs ahead in background threads; starting a new pass
+        stops an unfinished earlier one of this loader.
         """
         if self._current is not None:
             self._current.close()
         self._current = _ReservoirPipeline(self, self.plan(epoch), start_batch)
-        return iter(self._current)
+        return iter(self._current) if self.borrowed else (x_bd.clone() for x_bd in self._current)
 
     __iter__ = iter_batches
 
