@@ -136,7 +136,7 @@ def test_the_launcher_reports_what_was_published_when_a_rank_dies_while_rank_0_p
     env = {**_env(), "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO_ROOT / 'workflow'}"}
     proc = subprocess.run([sys.executable, "-m", "saeflow", "train", "--run", str(run.root), "--device", "cpu",
                            "--nproc", "2", "--parallel", "data", "--buffer-bytes", POOL], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=HANG_SEC)  # fmt: skip
     lines = _error_lines(proc.stderr)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "rank 1 (pid " in lines[-1] and "was killed by SIGKILL" in lines[-1], lines

@@ -12,6 +12,8 @@ import sys
 import pytest
 import yaml
 
+from hang import HANG_SEC
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE_DPATH = REPO_ROOT / "workflow" / "saeflow"
 RULES_DPATH = REPO_ROOT / "workflow" / "rules"
@@ -113,7 +115,7 @@ def test_no_class_or_function_is_longer_than_a_screenful():
 def test_sweep_planning_imports_no_torch():
     """Snakemake plans at parse time, inside every Slurm job: planning must not pay torch's import."""
     code = "import sys, saeflow.planning; assert 'torch' not in sys.modules, [m for m in sys.modules if 'torch' in m]"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=HANG_SEC)
 
 
 def test_every_module_counts_a_module_by_its_functions():

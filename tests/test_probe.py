@@ -12,6 +12,7 @@ import torch
 
 from _cdp import Browser, find_chromium
 from builders import run_around_sae, write_shards
+from hang import HANG_SEC
 from saeflow import cli
 from saeflow.analysis import inference, probe, probe_samples, visuals
 from saeflow.store.layout import ShardLayout
@@ -289,5 +290,5 @@ sd = ShardDir({str(sd.dpath)!r})
 sample = probe.sample_units(sd, source, probe.ProbeConfig(run=None))
 print(sample.values.tolist(), sample.counts_sv.sum(0).tolist())
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_SEC)
     assert proc.returncode == 0 and proc.stdout.split("\n")[0] == f"{[0, 2**31 - 1]} [20, 20]", proc.stderr[-2000:]
