@@ -4,6 +4,7 @@ The fake sbatch (tests/fake_slurm/) records every call and runs the job script h
 would be asked of Slurm (account, partition, GPUs, time, memory) and that the workflow completes through it.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -25,10 +26,15 @@ GPU_RULES = {"extract", "extract_part", "train", "inference", "evaluate"}
 
 
 def fixture_gpus(cluster: str) -> dict[str, int]:
-    """Partition -> GPUs (its TRES gres/gpu) in what `scontrol show partition` prints on `cluster` (the fixture)."""
-    text = (SLURM_FIXTURES_DPATH / cluster / "scontrol-show-partition.txt").read_text()
-    blocks = [b for b in text.split("PartitionName=") if b.strip()]
-    return {b.split()[0]: int(m.group(1)) if (m := re.search(r"gres/gpu=(\d+)", b)) else 0 for b in blocks}
+    """Partition -> GPUs on `cluster` as its fixture prints them (tests/fixtures/slurm/<cluster>/: the partitions'
+    TRES where the cluster accounts GPUs, else their nodes' GRES), read by the fake Slurm's own module."""
+    spec = importlib.util.spec_from_file_location("_cluster", FAKE_SLURM_DPATH / "_cluster.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FAKE_SLURM_CLUSTER", cluster)
+        mp.delenv("FAKE_SLURM_DEFAULT_PARTITION", raising=False)
+        return {partition: fake.n_gpus(partition) for partition in fake.scontrol_blocks()}
 
 
 def fake_slurm_env(state, cluster: str = "cardinal", **extra) -> dict:
@@ -345,7 +351,7 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
         mp.setenv("FAKE_SLURM_CLUSTER", cluster)
         profile = install_profile("PAS1234", tmp_path / "osc", cluster=cluster, allow_cpu_torch=True,
                                   report=checked.append)  # fmt: skip
-    assert checked[0].startswith(f"partitions checked against scontrol on {cluster}"), checked
+    assert checked[0].startswith(f"partitions checked against scontrol and sinfo on {cluster}"), checked
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
          "--configfile", str(config_fpath), "--profile", str(profile), "--latency-wait", "0",
@@ -406,6 +412,32 @@ def test_install_profile_checks_the_partitions_against_the_clusters_scontrol(tmp
     monkeypatch.setenv("FAKE_SLURM_CLUSTER", next(c for c in CLUSTER_REQUESTS if c != cluster))
     assert cli.main([*base, "--dest", str(tmp_path / "d"), "--gpu-partition", "elsewhere"]) == 0
     assert f"not {cluster}" in capsys.readouterr().out  # another cluster's login node: nothing to check against
+
+
+def test_install_profile_finds_the_gpus_of_a_real_slurm_without_gpu_accounting(tmp_path, monkeypatch, capsys):
+    """tests/fixtures/slurm/real-22.05/ is what a real slurmctld printed (Debian's slurm-wlm 22.05, no accounting;
+    regenerate.sh): the GPU partition's TRES lists no gres/gpu, its node's GRES shows gpu:4. install-profile takes it
+    for GPU jobs (it refused it: "that partition has no GPUs") and still refuses the CPU-only default."""
+    real = SLURM_FIXTURES_DPATH / "real-22.05"
+    assert "gres/gpu" not in (real / "scontrol-show-partition.txt").read_text()
+    assert "gpu 1 gpu:4" in (real / "sinfo-gres.txt").read_text().splitlines()
+    monkeypatch.setenv("PATH", f"{FAKE_SLURM_DPATH}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_CLUSTER", "real-22.05")  # its slurm.conf names the cluster cardinal
+    base = ["install-profile", "--account", "PAS1234", "--cluster", "cardinal", "--allow-cpu-torch"]
+    assert cli.main([*base, "--dest", str(tmp_path / "a"), "--gpu-partition", "gpu"]) == 0
+    assert "on cardinal: GPU jobs go to gpu (4 GPUs), CPU-only jobs to cpu" in capsys.readouterr().out
+    assert cli.main([*base, "--dest", str(tmp_path / "b"), "--gpu-partition", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "--gpu-partition cpu: that partition has no GPUs" in err and "with GPUs: gpu" in err, err
+    assert fixture_gpus("real-22.05") == {"cpu": 0, "gpu": 4}
+
+
+def test_node_gpus_reads_sinfos_gres_column():
+    """A partition's GPUs from its nodes' GRES: typed GPUs with socket bindings, other GRES, several node groups."""
+    from saeflow.commands.workflow import node_gpus
+
+    sinfo = "cpu* 362 (null)\ngpu 2 gpu:h100:4(S:0-1),mps:400\ngpu 3 gpu:a100:2,gpu:v100:1\nbig 1 gpumem:8\n"
+    assert node_gpus(sinfo) == {"cpu": 0, "gpu": 17, "big": 0}
 
 
 class _Resources(dict):
