@@ -187,15 +187,16 @@ def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path,
     assert "a CPU-only build: GPU jobs would refuse to run" in err and not (tmp_path / "y").exists()
 
 
-def _dry_run_with_osc_profile(tmp_path, config_fpath, *args) -> str:
-    """`snakemake --profile osc -n` as user alice, the profile installed in her ~/.config/snakemake; its output."""
+def _dry_run_with_osc_profile(tmp_path, config_fpath, *args, profile="osc", **env_extra) -> str:
+    """`snakemake --profile osc -n` as user alice, the profile installed in her ~/.config/snakemake; its output.
+    profile=None: no profile."""
     home = tmp_path / "home"
-    if not (home / ".config" / "snakemake" / "osc").exists():
+    if profile and not (home / ".config" / "snakemake" / "osc").exists():
         install_profile("PAS4321", home / ".config" / "snakemake" / "osc", allow_cpu_torch=True)
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
-         "--configfile", str(config_fpath), "--profile", "osc", "-n", *args],
-        env=fake_slurm_env(tmp_path / "slurm", HOME=str(home), USER="alice"),
+         "--configfile", str(config_fpath), *(["--profile", profile] if profile else []), "-n", *args],
+        env=fake_slurm_env(tmp_path / "slurm", HOME=str(home), USER="alice", **env_extra),
         cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -205,10 +206,17 @@ def _dry_run_with_osc_profile(tmp_path, config_fpath, *args) -> str:
 @pytest.mark.slow
 def test_literal_profile_osc_works_after_install_and_supplies_the_roots_a_config_lacks(tmp_path):
     """`saeflow install-profile` then the literal `snakemake --profile osc` (found in ~/.config/snakemake): a config
-    without roots gets the profile's scratch and project roots, and the plan says so."""
+    without roots gets the profile's scratch and project roots, and the plan says so, even where $SAEV_SCRATCH and
+    $SAEV_NFS are set; without the profile those give the roots."""
     cfg = tiny_config(k=(4,))
     del cfg["shards_root"], cfg["runs_root"]
-    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    spec_env = {"SAEV_SCRATCH": str(tmp_path / "scratch"), "SAEV_NFS": str(tmp_path / "nfs")}
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg), profile=None, **spec_env)
+    # No profile: the storage spec's environment gives the roots, and the plan says so.
+    assert f"output: {tmp_path}/scratch/saev/shards/" in out and f"output: {tmp_path}/nfs/saev/runs/" in out
+    assert f"saeflow: shards_root: {tmp_path}/scratch/saev/shards (from $SAEV_SCRATCH (the storage spec's " in out
+    assert f"saeflow: runs_root: {tmp_path}/nfs/saev/runs (from $SAEV_NFS (the storage spec's environment))" in out
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg), **spec_env)  # the profile's beat them
     assert "output: /fs/scratch/PAS4321/alice/saev/shards/" in out and "/fs/ess/PAS4321/alice/saev/runs/" in out
     assert "saeflow: shards_root: /fs/scratch/PAS4321/alice/saev/shards (from default_roots (the profile's " in out
     assert "saeflow: runs_root: /fs/ess/PAS4321/alice/saev/runs (from default_roots (the profile's default))" in out
