@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ from saeflow import cli
 from saeflow.commands.workflow import install_profile
 from saeflow.store import runs
 from saeflow.training import launch, train
-from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
+from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
 SLURM_FIXTURES_DPATH = REPO_ROOT / "tests" / "fixtures" / "slurm"
@@ -35,6 +36,15 @@ def fixture_gpus(cluster: str) -> dict[str, int]:
         mp.setenv("FAKE_SLURM_CLUSTER", cluster)
         mp.delenv("FAKE_SLURM_DEFAULT_PARTITION", raising=False)
         return {partition: fake.n_gpus(partition) for partition in fake.scontrol_blocks()}
+
+
+def cluster_config(**kwargs) -> dict:
+    """`tiny_config` as a user of a GPU cluster writes it: every activation on device `auto` (the GPU where the job
+    has one, this machine's CPU here), so extraction is a GPU job; `cpu` plans a CPU job."""
+    cfg = tiny_config(**kwargs)
+    for activation in cfg["activations"].values():
+        activation["device"] = "auto"
+    return cfg
 
 
 def fake_slurm_env(state, cluster: str = "cardinal", **extra) -> dict:
@@ -118,7 +128,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     --signal) from the fake scheduler once its first resume checkpoint exists, saves and fails, and Snakemake's
     retry (with a longer time limit) resumes it to the weights of an uninterrupted run."""
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
-    cfg = tiny_config(k=(4,))
+    cfg = cluster_config(k=(4,))
     cfg["saes"]["topk"]["n_epochs"] = 60  # 180 steps: the signal comes long before the end
     cfg["train"] = {"checkpoint_every": 5}
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
@@ -224,6 +234,21 @@ def test_literal_profile_osc_works_after_install_and_supplies_the_roots_a_config
 
 
 @pytest.mark.slow
+def test_a_profile_installed_before_saeflows_table_is_named_in_a_warning(tmp_path):
+    """A profile that keys the requests by bare rule names (as install-profile wrote them before saeflow's rules read
+    their own table) still reaches the checkout's rules through Snakemake, but not renamed ones: every invocation
+    says so and how to reinstall."""
+    cfg = cluster_config(k=(4,))
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    assert "set-resources name saeflow's rules" not in out and "slurm_partition=gpu" in out
+    fpath = tmp_path / "home" / ".config" / "snakemake" / "osc" / "config.yaml"
+    fpath.write_text(fpath.read_text().replace("  saeflow/", "  "))
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    assert "saeflow: the profile's set-resources name saeflow's rules without `saeflow/` (evaluate, extract, " in out
+    assert "Reinstall it: saeflow install-profile --force" in out and "slurm_partition=gpu" in out
+
+
+@pytest.mark.slow
 def test_the_users_config_file_and_config_roots_beat_the_profiles(tmp_path):
     """--profile osc --configfile my.yaml: my.yaml's roots win over the profile's defaults; --config beats both;
     the plan names where each root came from."""
@@ -255,7 +280,7 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     from saeflow.extraction import adapters, extract
     from saeflow.extraction.specs import ActivationSpec
 
-    cfg = tiny_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
+    cfg = cluster_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
     act = cfg["activations"]["docs"]
     act.update(parts=4, batch_size=2)
     spec = ActivationSpec.from_dict(act)
@@ -294,23 +319,23 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
 
 # What each cluster's profile asks of Slurm: GPU request, cores and memory per GPU, walltime per attempt.
 CLUSTER_REQUESTS = {
-    "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000}},
-    "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000}},
-    "pitzer": {"gpu_cpus": 10, "gpu_mem": {"extract": 72000, "train": 72000, "inference": 36000}},
+    "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000, "evaluate": 48000}},
+    "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000, "evaluate": 80000}},
+    "pitzer": {"gpu_cpus": 10, "gpu_mem": {"extract": 72000, "train": 72000, "inference": 36000, "evaluate": 36000}},
 }
-RUNTIME_MIN = {"extract": 360, "extract_part": 360, "extract_seal": 120, "train": 720, "inference": 120}
+RUNTIME_MIN = {"extract": 360, "extract_part": 360, "extract_seal": 120, "train": 720, "inference": 120, "evaluate": 60}
 
 
 @pytest.fixture(scope="module")
 def half_built(tmp_path_factory):
     """A config whose every Slurm rule has one job ready to submit: an activation to extract in one job (`one`),
     one to extract in 2 parts (`split`), one whose 2 parts are extracted, to seal (`sealed`), a run to train (k=8)
-    and a trained run to run inference with (k=4)."""
+    and a trained run to run inference with and to evaluate (k=4)."""
     from saeflow import config as config_mod
     from saeflow.planning import WorkflowPlan
 
     root = tmp_path_factory.mktemp("half-built")
-    cfg = tiny_config(k=(4, 8), patches_per_shard=4 * 16)
+    cfg = cluster_config(k=(4, 8), patches_per_shard=4 * 16)
     cfg.update(shards_root=str(root / "scratch"), runs_root=str(root / "ess"))
     docs = cfg["activations"]["docs"]
     cfg["activations"]["one"] = {**docs, "layers": [2]}
@@ -332,6 +357,7 @@ def half_built(tmp_path_factory):
         plan.activation_shards("sealed").shards_fpath,
         k8.sae_fpath,
         k4.dump(plan.shard_hash["docs"]).index_fpath,
+        k4.evaluation_fpath(plan.shard_hash["docs"]),
     ]
     return config_fpath, [str(t) for t in targets]
 
@@ -371,7 +397,7 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
     assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
     by_rule = _lines_by_rule(state)
-    n_jobs = {"extract": 1, "extract_part": 2, "extract_seal": 1, "train": 1, "inference": 1}
+    n_jobs = {"extract": 1, "extract_part": 2, "extract_seal": 1, "train": 1, "inference": 1, "evaluate": 1}
     assert {r: len(lines) for r, lines in by_rule.items()} == {r: n * n_attempts for r, n in n_jobs.items()}
     for rule, lines in by_rule.items():
         minutes = sorted(int(line.split(" -t ")[1].split()[0]) for line in lines)
@@ -391,7 +417,107 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
             else:
                 assert f"--mem {mem_mb}" in line, line
             # Slurm's warning signal 3 minutes before the limit where saeflow saves its resume point on it.
-            assert (" --signal=USR1@180 " in line) == (rule != "inference"), line  # one bare argument
+            assert (" --signal=USR1@180 " in line) == (rule not in ("inference", "evaluate")), line  # one argument
+
+
+def _copy_half_built(tmp_path, half_built, edit=None) -> tuple[dict, list[str], "WorkflowPlan"]:  # noqa: F821
+    """A copy of the half-built tree under tmp_path/tree (its config's roots moved there, then `edit`ed), the
+    fixture's targets in the copy and the copy's plan: each test submits, and may create, without touching the shared
+    tree (its runs' links still name the shared tree's shard directories, which no submitted job reads here)."""
+    from saeflow import config as config_mod
+    from saeflow.planning import WorkflowPlan
+
+    config_fpath, targets = half_built
+    shutil.copytree(config_fpath.parent, tmp_path / "tree", symlinks=True)
+    old, new = str(config_fpath.parent), str(tmp_path / "tree")
+    cfg = yaml.safe_load(config_fpath.read_text())
+    cfg.update(shards_root=cfg["shards_root"].replace(old, new), runs_root=cfg["runs_root"].replace(old, new))
+    if edit:
+        edit(cfg)
+    plan = WorkflowPlan.from_config(config_mod.load(write_config(tmp_path, cfg)))
+    return cfg, [target.replace(old, new) for target in targets], plan
+
+
+def _submit_only(workdir, cfg_fpath, profile, targets, *args, snakefile=SNAKEFILE) -> tuple[dict, str]:
+    """Snakemake through `profile` against the fake Slurm (Cardinal) that records each submission and fails it: the
+    sbatch lines, by rule, and Snakemake's output. Nothing is retried."""
+    state = workdir / "slurm"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir), "--profile",
+           str(profile), "--latency-wait", "0", "--retries", "0", "--slurm-init-seconds-before-status-checks", "1",
+           "--seconds-between-status-checks", "1", *(["--configfile", str(cfg_fpath)] if cfg_fpath else []), *args,
+           "--", *targets]  # fmt: skip
+    proc = subprocess.run(cmd, env=fake_slurm_env(state, FAKE_SLURM_NO_RUN="1"), cwd=workdir, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), output[-3000:]
+    assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
+    return _lines_by_rule(state), output
+
+
+def _requests(line: str) -> str:
+    """What a submission asks of Slurm: its sbatch line less the job's name, log, comment, directory and command."""
+    return re.sub(r" (--job-name|--output|--comment|-D) \S+", "", line.split(" --wrap")[0])
+
+
+@pytest.mark.slow
+def test_a_paper_repository_with_renamed_rules_submits_the_checkouts_sbatch_lines(tmp_path, half_built):
+    """README's module recipe renames every rule (`use rule * from saeflow as saeflow_*`). The profile's table is
+    keyed by saeflow's own rule names and each rule reads its entry, so every job asks Slurm exactly what the
+    checkout's asks (partition, GPU, cores, memory, time, signal), and the local rules stay local: Snakemake's own
+    `set-resources` and `localrules` name rules as the workflow calls them, and matched none of the renamed ones."""
+    def other_sae(cfg):  # a run not created yet: its create_run is ready, and must run here
+        cfg["saes"]["other"] = {**cfg["saes"]["topk"], "k": [4], "batch_size": 64}
+
+    cfg, targets, plan = _copy_half_built(tmp_path, half_built, other_sae)
+    (new_run,) = [r for r, p in plan.runs.items() if p.sae_name == "other"]
+    targets.append(str(plan.run(new_run).config_fpath))
+    profile = install_profile("PAS1234", tmp_path / "osc", allow_cpu_torch=True)
+    paper = tmp_path / "paper"
+    (paper / "config").mkdir(parents=True)
+    (paper / "Snakefile").write_text(PAPER_SNAKEFILE.format(snakefile=str(SNAKEFILE)))
+    write_config(paper / "config", cfg, "paper.yaml")
+    in_paper, output = _submit_only(paper, None, profile, targets, snakefile=paper / "Snakefile")
+    assert "localrules directive" not in output and "localrule saeflow_create_run:" in output, output[-3000:]
+    assert plan.run(new_run).config_fpath.is_file()  # made here, by the local rule
+    assert sorted(in_paper) == [f"saeflow_{r}" for r in ("evaluate", "extract", "extract_part", "extract_seal",
+                                                          "inference", "train")]  # fmt: skip
+    (tmp_path / "checkout").mkdir()
+    in_checkout, _ = _submit_only(tmp_path / "checkout", write_config(tmp_path, cfg), profile, targets)
+    assert {rule: sorted(map(_requests, lines)) for rule, lines in in_checkout.items()} == {
+        rule.removeprefix("saeflow_"): sorted(map(_requests, lines)) for rule, lines in in_paper.items()
+    }
+    by_rule = {rule.removeprefix("saeflow_"): lines[0] for rule, lines in in_paper.items()}
+    for rule, flags in {
+        "extract": (" -p gpu ", "--gpus=1", " -t 360 ", " --mem 96000 ", "--cpus-per-task=12"),
+        "train": (" -p gpu ", "--gpus=1", " -t 720 ", " --mem-per-cpu 8000 ", "--cpus-per-gpu=12"),
+        "inference": (" -p gpu ", "--gpus=1", " -t 120 ", " --mem 48000 ", "--cpus-per-task=12"),
+        "evaluate": (" -p gpu ", "--gpus=1", " -t 60 ", " --mem 48000 ", "--cpus-per-task=12"),
+        "extract_seal": (" -p cpu ", " -t 120 ", " --mem 8000 "),
+    }.items():
+        assert all(flag in by_rule[rule] for flag in flags), (rule, by_rule[rule])
+
+
+@pytest.mark.slow
+def test_cpu_devices_under_the_gpu_profile_are_planned_as_cpu_jobs(tmp_path, half_built):
+    """`device: cpu` under the OSC profile: the job asks for no GPU and goes to the CPU partition, with the rule's
+    cores (per task) and memory, and the plan says so in one line; `auto` (the other activations) keeps the GPU."""
+    def on_cpu(cfg):
+        cfg["activations"]["one"]["device"] = "cpu"
+        cfg.update(train={"device": "cpu"}, inference={"device": "cpu"}, evaluate={"n_tokens": 64, "device": "cpu"})
+
+    cfg, targets, _ = _copy_half_built(tmp_path, half_built, on_cpu)
+    profile = install_profile("PAS1234", tmp_path / "osc", allow_cpu_torch=True)
+    (tmp_path / "work").mkdir()
+    by_rule, output = _submit_only(tmp_path / "work", write_config(tmp_path, cfg), profile, targets)
+    assert ("saeflow: device cpu: extract (activation one), train, inference, evaluate planned as CPU jobs (no GPU, "
+            "partition cpu)") in output  # fmt: skip
+    lines = {rule: lines[0] for rule, lines in by_rule.items()}
+    for rule in ("extract", "train", "inference", "evaluate"):
+        assert " -p cpu " in lines[rule] and "--gpus" not in lines[rule] and "gpu" not in _requests(lines[rule]), (
+            rule, lines[rule])
+        assert "--cpus-per-task=12" in lines[rule], lines[rule]
+    assert " --mem 96000 " in lines["extract"] and " --mem-per-cpu 8000 " in lines["train"], lines
+    assert all(" -p gpu " in line and "--gpus=1" in line for line in by_rule["extract_part"])  # device auto
 
 
 @pytest.mark.parametrize("cluster", ["cardinal", "ascend", "pitzer"])
@@ -412,11 +538,15 @@ def test_install_profile_checks_the_partitions_against_the_clusters_scontrol(tmp
     with_gpus = next(p for p, n in gpus.items() if n)
     assert cli.main([*base, "--dest", str(tmp_path / "c"), "--gpu-partition", with_gpus]) == 0
     assert f"GPU jobs go to {with_gpus}" in capsys.readouterr().out
-    resources = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())["set-resources"]
+    installed = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())
+    # saeflow's table: keyed saeflow/<rule> by saeflow's own rule names (each rule reads its entry: resources.smk).
+    resources = {r.removeprefix("saeflow/"): res for r, res in installed["set-resources"].items()}
+    assert set(installed["set-resources"]) == {f"saeflow/{r}" for r in resources}
     # Every GPU rule names its GPUs in the profile, but train (its GPUs come from the config: rule_resources).
     assert {r for r, res in resources.items() if res.get("gpu")} == GPU_RULES - {"train"}
     assert {resources[r]["slurm_partition"] for r in GPU_RULES} == {with_gpus}
     assert gpus[resources["extract_seal"]["slurm_partition"]] == 0 and "gpu" not in resources["extract_seal"]
+    assert installed["default-resources"]["slurm_partition"] == resources["extract_seal"]["slurm_partition"]
     monkeypatch.setenv("FAKE_SLURM_CLUSTER", next(c for c in CLUSTER_REQUESTS if c != cluster))
     assert cli.main([*base, "--dest", str(tmp_path / "d"), "--gpu-partition", "elsewhere"]) == 0
     assert f"not {cluster}" in capsys.readouterr().out  # another cluster's login node: nothing to check against
@@ -462,14 +592,14 @@ def test_train_jobs_ask_slurm_for_the_configs_gpus_per_node(cluster):
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
     profile = yaml.safe_load((REPO_ROOT / "profiles" / "osc" / "clusters" / f"{cluster}.yaml").read_text())
-    train_res = profile["set-resources"]["train"]
+    train_res = profile["set-resources"]["saeflow/train"]
     params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_train", "account": "-A PAS1234",
               "partition": f"-p {train_res['slurm_partition']}", "workdir": "/w"}  # fmt: skip
     lines = {}
     for gpus, nodes in [(1, 1), (4, 1), (4, 2), (1, 3)]:
         resources = _Resources({**profile["default-resources"], **launch.rule_resources({"gpus": gpus, "nodes": nodes}),
                                 **train_res, "runtime": 720})  # fmt: skip
-        job = type("Job", (), {"resources": resources, "threads": profile["set-threads"]["train"]})()
+        job = type("Job", (), {"resources": resources, "threads": train_res["cpus_per_gpu"]})()
         lines[gpus, nodes] = get_submit_command(job, params) + set_gres_string(job)
     per_gpu = f"--cpus-per-gpu={train_res['cpus_per_gpu']}"
     assert all(per_gpu in line and f"--mem-per-cpu {train_res['mem_mb_per_cpu']}" in line for line in lines.values())
@@ -487,7 +617,7 @@ def test_a_two_node_training_job_runs_its_ranks_through_srun_in_the_workflow(tmp
     2-point sweep in sweep mode. The workflow runs until training (what follows is the osc profile test's) and each
     checkpoint is that run trained alone."""
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
-    cfg = tiny_config()
+    cfg = cluster_config()
     cfg["train"] = {"nodes": 2, "parallel": "sweep"}
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
     lines_by_rule = _run_through_fake_slurm(tmp_path, profile, config_fpath, "--until", "train")

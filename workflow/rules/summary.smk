@@ -44,6 +44,7 @@ rule summary:
         ],
     log:
         "logs/summary.log",
+    localrule: True
     conda:
         SAEFLOW_ENV
     params:

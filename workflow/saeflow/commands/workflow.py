@@ -22,18 +22,19 @@ ACCOUNT_PLACEHOLDER = "PAS0000"
 PYTHON_PLACEHOLDER = "SAEFLOW_PYTHON"
 CLUSTERS = tuple(sorted(f.stem for f in (PROFILE_TEMPLATE_DPATH / "clusters").glob("*.yaml")))
 DEFAULT_PROFILE_DPATH = pathlib.Path.home() / ".config" / "snakemake" / "osc"
-# The YAML anchors of the partition names in profiles/osc/clusters/<cluster>.yaml: the GPU rules' and the seal's.
+# The YAML anchors of the partition names in profiles/osc/clusters/<cluster>.yaml: the GPU rules' and every CPU job's.
 PARTITION_ANCHORS = {"gpu": "gpu_partition", "cpu": "cpu_partition"}
 
 
 @functools.cache
 def cluster_partitions(cluster: str) -> dict[str, str]:
-    """The partition a cluster's GPU jobs and its CPU-only jobs name by default (its profile resources, cited there)."""
+    """The partition a cluster's GPU jobs and its CPU-only jobs name by default (its profile resources, cited there:
+    extraction's, and every job's default)."""
     text = (PROFILE_TEMPLATE_DPATH / "clusters" / f"{cluster}.yaml").read_text(encoding="utf-8")
     resources = yaml.load(text, Loader=config.SAFE_LOADER)  # noqa: S506 (a safe loader)
     return {
-        "gpu": resources["set-resources"]["extract"]["slurm_partition"],
-        "cpu": resources["set-resources"]["extract_seal"]["slurm_partition"],
+        "gpu": resources["set-resources"]["saeflow/extract"]["slurm_partition"],
+        "cpu": resources["default-resources"]["slurm_partition"],
     }
 
 
@@ -90,7 +91,8 @@ def register(subparsers):
     defaults = ", ".join(f"{c}: {cluster_partitions(c)['cpu']}" for c in CLUSTERS)
     p.add_argument(
         "--cpu-partition",
-        help=f"the Slurm partition the CPU-only job (the seal of a split extraction) names (default: {defaults})",
+        help=f"the Slurm partition every CPU-only job names (the seal of a split extraction, probes, jobs on a `cpu` "
+        f"device; default: {defaults})",
     )
     p.add_argument(
         "--allow-cpu-torch",
