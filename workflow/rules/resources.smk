@@ -22,8 +22,8 @@ SAEFLOW_CLUSTER_RULES = (
     "evaluate",
     "probe",
 )
-# Resources that exist only for a GPU job: a CPU job of a GPU rule leaves them out.
-GPU_RESOURCES = ("gpu", "gres", "cpus_per_gpu", "tasks_per_gpu")
+# Resources that exist only for a GPU job: a CPU job of a GPU rule leaves them out (and a `gres` that names a GPU).
+GPU_RESOURCES = ("gpu", "cpus_per_gpu", "tasks_per_gpu")
 
 
 def read_cluster_table():
@@ -42,12 +42,16 @@ CPU_PARTITION = _DEFAULTS["slurm_partition"] if "slurm_partition" in _DEFAULTS e
 
 def _as_cpu_job(entry):
     """A GPU rule's requests for a job on the CPU: no GPU resource, the CPU partition, the cores per GPU per task."""
-    cpu = {key: res for key, res in entry.items() if key not in GPU_RESOURCES}
+    cpu = {
+        key: res
+        for key, res in entry.items()
+        if key not in GPU_RESOURCES and not (key == "gres" and "gpu" in str(res.raw))
+    }
     cpu.pop("slurm_partition", None)
     if CPU_PARTITION is not None:
         cpu["slurm_partition"] = CPU_PARTITION
-    cpus_per_task = cpu.get("cpus_per_task")
-    if "cpus_per_gpu" in entry and (cpus_per_task is None or cpus_per_task.value == 0):
+    per_task = cpu.get("cpus_per_task")
+    if "cpus_per_gpu" in entry and (per_task is None or per_task.raw in (0, "0")):
         cpu["cpus_per_task"] = Resource("cpus_per_task", entry["cpus_per_gpu"].value)
     return cpu
 
@@ -66,6 +70,8 @@ def _evaluated(res):
 
 
 def _either(on_gpu, on_cpu, gpu_job):
+    """A rule resource that takes the GPU job's table resource or the CPU job's, as `gpu_job(wildcards)` says."""
+
     def value(wildcards, input, attempt, threads, rulename, async_run):
         res = on_gpu if gpu_job(wildcards) else on_cpu
         evaluated = _evaluated(res)
