@@ -222,15 +222,15 @@ def slurm_partitions() -> tuple[str, dict[str, int]] | None:
         return None
     outputs = {what: _slurm_output(argv) for what, argv in SLURM_QUERIES.items()}
     found = re.search(r"^ClusterName\s*=\s*(\S+)", outputs["config"], re.MULTILINE)
-    in_tres = {}
+    gpus = {}
     for block in re.split(r"\n\s*\n", outputs["partition"].strip()):
         if name := re.match(r"PartitionName=(\S+)", block.strip()):
             n_gpus = re.search(r"gres/gpu(?::[^=,\s]+)?=(\d+)", block)
-            in_tres[name.group(1)] = int(n_gpus.group(1)) if n_gpus else 0
-    if not any(in_tres.values()):
+            gpus[name.group(1)] = int(n_gpus.group(1)) if n_gpus else 0
+    if not any(gpus.values()):  # no GPU accounting: no TRES lists a GPU
         on_nodes = node_gpus(outputs["gres"])
-        in_tres = {partition: on_nodes.get(partition, 0) for partition in in_tres}
-    return (found.group(1) if found else "", in_tres)
+        gpus = {partition: on_nodes.get(partition, 0) for partition in gpus}
+    return (found.group(1) if found else "", gpus)
 
 
 def check_partitions(cluster: str, chosen: dict[str, str]) -> str:
@@ -249,9 +249,9 @@ def check_partitions(cluster: str, chosen: dict[str, str]) -> str:
                                f"lists {', '.join(gpus)})")  # fmt: skip
     if gpus[chosen["gpu"]] == 0:
         with_gpus = ", ".join(p for p, n in gpus.items() if n) or "none"
-        raise SaeflowError(f"--gpu-partition {chosen['gpu']}: that partition has no GPUs (neither its TRES nor its "
-                           f"nodes' GRES list a gpu): Slurm refuses GPU jobs there; partitions with GPUs: "
-                           f"{with_gpus}")  # fmt: skip
+        raise SaeflowError(f"--gpu-partition {chosen['gpu']}: that partition has no GPUs (its TRES gres/gpu, or "
+                           f"without GPU accounting its nodes' GRES): Slurm refuses GPU jobs there; partitions with "
+                           f"GPUs: {with_gpus}")  # fmt: skip
     return (
         f"partitions checked against scontrol and sinfo on {slurm_cluster}: GPU jobs go to {chosen['gpu']} "
         f"({gpus[chosen['gpu']]} GPUs), CPU-only jobs to {chosen['cpu']}"
