@@ -23,6 +23,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 for _name, _value in TEST_THREADS_ENV.items():
     os.environ.setdefault(_name, _value)
 numerics.apply()  # before any torch kernel runs in the test process: the CPU kernels the CLI's commands use
+# The storage spec's roots ($SAEV_SCRATCH/saev/shards, $SAEV_NFS/saev/runs) fill in a root no config gives: on a
+# machine that sets them, a test config without roots would write there. Tests that need them set their own.
+for _name in ("SAEV_SCRATCH", "SAEV_NFS"):
+    os.environ.pop(_name, None)
 
 
 # Modules whose tests take the longest (--durations on the 2-core VM: Snakemake end to end, ranks, full disks), run

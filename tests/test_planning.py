@@ -274,6 +274,36 @@ def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
     ]
 
 
+def test_the_storage_specs_environment_gives_the_roots_no_config_or_profile_gives(tmp_path, monkeypatch, capsys):
+    """$SAEV_SCRATCH/saev/shards and $SAEV_NFS/saev/runs (storage-and-run-manifest-v1) where neither the config file
+    nor the profile's default_roots gives the root; a config file's root and a profile's default beat them, and an
+    empty variable counts as unset."""
+    monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setenv("SAEV_NFS", str(tmp_path / "nfs"))
+    cfg = copy.deepcopy(TEST_CONFIG)
+    del cfg["shards_root"], cfg["runs_root"]
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["plan", str(config_fpath)]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        f"shards_root: {tmp_path}/scratch/saev/shards (from $SAEV_SCRATCH (the storage spec's environment))",
+        f"runs_root: {tmp_path}/nfs/saev/runs (from $SAEV_NFS (the storage spec's environment))",
+    ]
+    loaded, sources = config.load_with_root_sources(config_fpath)
+    assert WorkflowPlan.from_config(loaded).cfg.shards_root == tmp_path / "scratch" / "saev" / "shards"
+
+    cfg.update(runs_root="mine", default_roots={"shards_root": "profile-shards"})
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("SAEV_NFS", "")
+    _, sources = config.load_with_root_sources(config_fpath)
+    assert sources["shards_root"] == "default_roots (the profile's default)"
+    assert sources["runs_root"] == f"config file {config_fpath}"
+    del cfg["runs_root"]
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    loaded, sources = config.load_with_root_sources(config_fpath)
+    assert sources["runs_root"] == "schema default" and loaded["runs_root"] == "results/saev/runs"
+
+
 def test_a_damaged_published_shard_directory_is_refused_only_while_a_job_still_reads_it(tmp_path):
     """A stat per file finds a deleted or truncated shard of a published directory that a run still has to read;
     once every run on it is complete (config, checkpoint, dump), nothing reads it and planning goes on."""

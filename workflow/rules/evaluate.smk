@@ -23,7 +23,9 @@ rule evaluate:
         "logs/evaluate/{run_id}/{shard_hash}.log",
     conda:
         SAEFLOW_ENV
-    threads: 2
+    threads: job_threads("evaluate", 2)
+    resources:
+        **job_resources("evaluate", stage_on_gpu("evaluate")),
     params:
         run=lambda wc: PLAN.run(wc.run_id).root,
         config=lambda wc: get_cli_config("shards", wc.shard_hash),

@@ -21,7 +21,9 @@ rule extract:
         shard_hash=split_hash_regex(split=False),
     conda:
         SAEFLOW_ENV
-    threads: 2
+    threads: job_threads("extract", 2)
+    resources:
+        **job_resources("extract", extraction_on_gpu),
     params:
         config=lambda wc: get_cli_config("shards", wc.shard_hash),
     shell:
@@ -38,7 +40,9 @@ rule extract_part:
         shard_hash=split_hash_regex(split=True),
     conda:
         SAEFLOW_ENV
-    threads: 2
+    threads: job_threads("extract_part", 2)
+    resources:
+        **job_resources("extract_part", extraction_on_gpu),
     params:
         config=lambda wc: get_cli_config("shards", wc.shard_hash),
     shell:
@@ -57,6 +61,9 @@ rule extract_seal:
         shard_hash=split_hash_regex(split=True),
     conda:
         SAEFLOW_ENV
+    threads: job_threads("extract_seal", 1)
+    resources:
+        **job_resources("extract_seal"),
     params:
         config=lambda wc: get_cli_config("shards", wc.shard_hash),
         n_parts=lambda wc: PLAN.shard_parts[wc.shard_hash],

@@ -40,7 +40,9 @@ rule inference:
         "logs/inference/{run_id}/{shard_hash}.log",
     conda:
         SAEFLOW_ENV
-    threads: 2
+    threads: job_threads("inference", 2)
+    resources:
+        **job_resources("inference", stage_on_gpu("inference")),
     params:
         run=lambda wc: PLAN.run(wc.run_id).root,
         shards=lambda wc: PLAN.shard(wc.shard_hash).dpath,

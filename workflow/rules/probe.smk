@@ -23,7 +23,9 @@ rule probe:
         shard_hash="[0-9a-f]{64}",
     conda:
         SAEFLOW_ENV
-    threads: 2
+    threads: job_threads("probe", 2)
+    resources:
+        **job_resources("probe"),
     params:
         run=lambda wc: PLAN.run(wc.run_id).root,
         shards=lambda wc: PLAN.shard(wc.shard_hash).dpath,

@@ -45,6 +45,7 @@ rule summary:
         ],
     log:
         "logs/summary.log",
+    localrule: True
     conda:
         SAEFLOW_ENV
     params:

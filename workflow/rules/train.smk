@@ -26,6 +26,7 @@ rule create_run:
         RUNS.config_fpath,
     log:
         "logs/create_run/{run_id}.log",
+    localrule: True
     conda:
         SAEFLOW_ENV
     params:
@@ -52,9 +53,13 @@ rule train:
         run_id=pass_representative_regex(),
     conda:
         SAEFLOW_ENV
-    threads: 2
+    threads: job_threads("train", 2)
     resources:
-        **rule_resources(PLAN.cfg.settings["train"]),
+        **job_resources(
+            "train",
+            stage_on_gpu("train"),
+            rule_resources(PLAN.cfg.settings["train"]),
+        ),
     params:
         runs=lambda wc: [
             f"--run={PLAN.run(member).root}" for member in get_pass(wc.run_id)

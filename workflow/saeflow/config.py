@@ -23,6 +23,9 @@ from saeflow.schema_errors import explain
 
 SCHEMA_FPATH = pathlib.Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 ROOT_KEYS = ("shards_root", "runs_root", "summary_dir")  # where the workflow writes; `default_roots` may fill them
+# The storage spec's roots (storage-and-run-manifest-v1: $SAEV_SCRATCH and $SAEV_NFS are set for every user and
+# process): used where no config and no profile gives the root and the variable is set (resolve_roots).
+ENV_ROOTS = {"shards_root": ("SAEV_SCRATCH", "saev/shards"), "runs_root": ("SAEV_NFS", "saev/runs")}
 # libyaml's parser where PyYAML has it: every CLI and Snakemake process reads the schema (0.06 s in Python, 0.005 in C)
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -137,7 +140,9 @@ def root(config: dict, key: str, given: str | pathlib.Path | None, flag: str) ->
 
 def resolve_roots(config: dict, files: list[tuple[str, dict]], overrides: dict) -> dict[str, str]:
     """Fill in each root (`ROOT_KEYS`) that no config file and no --config gives from `default_roots` (what a
-    profile supplies), in place and before the schema's defaults; return where each root comes from.
+    profile supplies), else from the storage spec's environment (`ENV_ROOTS`: `$SAEV_SCRATCH/saev/shards`,
+    `$SAEV_NFS/saev/runs`, where the variable is set and not empty), in place and before the schema's defaults;
+    return where each root comes from.
 
     A Snakemake profile's `config:` is a --config, which beats every --configfile, so a profile that set the roots
     themselves would silently win over the user's own file: it sets `default_roots` instead. `files` are the
@@ -156,6 +161,10 @@ def resolve_roots(config: dict, files: list[tuple[str, dict]], overrides: dict) 
         elif key in defaults:
             config[key] = defaults[key]
             sources[key] = "default_roots (the profile's default)"
+        elif key in ENV_ROOTS and os.environ.get(ENV_ROOTS[key][0]):
+            variable, subdir = ENV_ROOTS[key]
+            config[key] = f"${variable}/{subdir}"
+            sources[key] = f"${variable} (the storage spec's environment)"
         else:
             sources[key] = "schema default"
     return sources

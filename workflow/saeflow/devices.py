@@ -21,6 +21,12 @@ GPU_REQUEST_VARS = (
 )
 
 
+def is_cpu(name: str) -> bool:
+    """Whether a config or CLI device name is the CPU's (`cpu`, `cpu:0`): a job for it needs no GPU, and the workflow
+    plans it as a CPU job. `auto` is not (it takes the GPU where the job has one)."""
+    return name == "cpu" or name.startswith("cpu:")
+
+
 def resolve_device(name: str):
     """A `torch.device` for a config or CLI device name; a clear error for a bad name or a missing GPU. Every stage
     that computes resolves its device first, so this is also where torch's CPU kernels are configured."""

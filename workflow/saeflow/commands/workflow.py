@@ -22,18 +22,19 @@ ACCOUNT_PLACEHOLDER = "PAS0000"
 PYTHON_PLACEHOLDER = "SAEFLOW_PYTHON"
 CLUSTERS = tuple(sorted(f.stem for f in (PROFILE_TEMPLATE_DPATH / "clusters").glob("*.yaml")))
 DEFAULT_PROFILE_DPATH = pathlib.Path.home() / ".config" / "snakemake" / "osc"
-# The YAML anchors of the partition names in profiles/osc/clusters/<cluster>.yaml: the GPU rules' and the seal's.
+# The YAML anchors of the partition names in profiles/osc/clusters/<cluster>.yaml: the GPU rules' and every CPU job's.
 PARTITION_ANCHORS = {"gpu": "gpu_partition", "cpu": "cpu_partition"}
 
 
 @functools.cache
 def cluster_partitions(cluster: str) -> dict[str, str]:
-    """The partition a cluster's GPU jobs and its CPU-only jobs name by default (its profile resources, cited there)."""
+    """The partition a cluster's GPU jobs and its CPU-only jobs name by default (its profile resources, cited there:
+    extraction's, and every job's default)."""
     text = (PROFILE_TEMPLATE_DPATH / "clusters" / f"{cluster}.yaml").read_text(encoding="utf-8")
     resources = yaml.load(text, Loader=config.SAFE_LOADER)  # noqa: S506 (a safe loader)
     return {
-        "gpu": resources["set-resources"]["extract"]["slurm_partition"],
-        "cpu": resources["set-resources"]["extract_seal"]["slurm_partition"],
+        "gpu": resources["set-resources"]["saeflow/extract"]["slurm_partition"],
+        "cpu": resources["default-resources"]["slurm_partition"],
     }
 
 
@@ -96,7 +97,8 @@ def register(subparsers):
     defaults = ", ".join(f"{c}: {cluster_partitions(c)['cpu']}" for c in CLUSTERS)
     p.add_argument(
         "--cpu-partition",
-        help=f"the Slurm partition the CPU-only job (the seal of a split extraction) names (default: {defaults})",
+        help=f"the Slurm partition every CPU-only job names (the seal of a split extraction, probes, jobs on a `cpu` "
+        f"device; default: {defaults})",
     )
     p.add_argument(
         "--allow-cpu-torch",
@@ -189,25 +191,57 @@ def _set_partition(resources: str, kind: str, name: str) -> str:
     return text
 
 
+# What install-profile asks Slurm: the cluster's name, its partitions (and their TRES), and the GRES of each
+# partition's nodes. A partition's TRES lists gres/gpu only when GPU accounting is on (slurmdbd); its nodes' GRES
+# show GPUs either way (tests/fixtures/slurm/real-22.05/, captured from a real slurmctld).
+SLURM_QUERIES = {
+    "config": ["scontrol", "show", "config"],
+    "partition": ["scontrol", "show", "partition"],
+    "gres": ["sinfo", "-a", "-h", "-o", "%P %D %G"],
+}
+
+
+def _slurm_output(argv: list[str]) -> str:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SaeflowError(f"{' '.join(argv[:3])}: {one_line(str(err))}") from None
+    if out.returncode != 0:
+        raise SaeflowError(f"{' '.join(argv[:3])} failed: {one_line(out.stderr.strip() or 'no message')}")
+    return out.stdout
+
+
+def node_gpus(sinfo_gres: str) -> dict[str, int]:
+    """Partition -> GPUs on its nodes, from `sinfo -a -h -o "%P %D %G"` (a line per partition and GRES: the
+    default partition's name ends in `*`, then its node count and the nodes' GRES, e.g. `gpu:h100:4(S:0-1),mps:400`
+    or `(null)`)."""
+    gpus = {}
+    for line in sinfo_gres.splitlines():
+        fields = line.split(None, 2)
+        if len(fields) != 3 or not fields[1].isdigit():
+            continue
+        per_node = sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,(\s]+)?:(\d+)", fields[2]))
+        partition = fields[0].rstrip("*")
+        gpus[partition] = gpus.get(partition, 0) + int(fields[1]) * per_node
+    return gpus
+
+
 def slurm_partitions() -> tuple[str, dict[str, int]] | None:
-    """(cluster name, partition -> GPUs) from `scontrol` on this machine; None where there is no Slurm."""
+    """(cluster name, partition -> GPUs) from `scontrol` and `sinfo` on this machine; None where there is no Slurm.
+    Where the cluster accounts GPUs (some partition's TRES lists gres/gpu), a partition's TRES count; elsewhere no
+    TRES lists one, and the GPUs are those its nodes' GRES show."""
     if shutil.which("scontrol") is None:
         return None
-    outputs = []
-    for what in ("config", "partition"):
-        try:
-            out = subprocess.run(["scontrol", "show", what], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise SaeflowError(f"scontrol show {what}: {one_line(str(err))}") from None
-        if out.returncode != 0:
-            raise SaeflowError(f"scontrol show {what} failed: {one_line(out.stderr.strip() or 'no message')}")
-        outputs.append(out.stdout)
-    found = re.search(r"^ClusterName\s*=\s*(\S+)", outputs[0], re.MULTILINE)
+    outputs = {what: _slurm_output(argv) for what, argv in SLURM_QUERIES.items()}
+    found = re.search(r"^ClusterName\s*=\s*(\S+)", outputs["config"], re.MULTILINE)
     gpus = {}
-    for block in re.split(r"\n\s*\n", outputs[1].strip()):
+    for block in re.split(r"\n\s*\n", outputs["partition"].strip()):
         if name := re.match(r"PartitionName=(\S+)", block.strip()):
             n_gpus = re.search(r"gres/gpu(?::[^=,\s]+)?=(\d+)", block)
             gpus[name.group(1)] = int(n_gpus.group(1)) if n_gpus else 0
+    if not any(gpus.values()):  # no GPU accounting: no TRES lists a GPU
+        on_nodes = node_gpus(outputs["gres"])
+        gpus = {partition: on_nodes.get(partition, 0) for partition in gpus}
     return (found.group(1) if found else "", gpus)
 
 
@@ -227,10 +261,11 @@ def check_partitions(cluster: str, chosen: dict[str, str]) -> str:
                                f"lists {', '.join(gpus)})")  # fmt: skip
     if gpus[chosen["gpu"]] == 0:
         with_gpus = ", ".join(p for p, n in gpus.items() if n) or "none"
-        raise SaeflowError(f"--gpu-partition {chosen['gpu']}: that partition has no GPUs (its TRES lists no "
-                           f"gres/gpu): Slurm refuses GPU jobs there; partitions with GPUs: {with_gpus}")  # fmt: skip
+        raise SaeflowError(f"--gpu-partition {chosen['gpu']}: that partition has no GPUs (its TRES gres/gpu, or "
+                           f"without GPU accounting its nodes' GRES): Slurm refuses GPU jobs there; partitions with "
+                           f"GPUs: {with_gpus}")  # fmt: skip
     return (
-        f"partitions checked against scontrol on {slurm_cluster}: GPU jobs go to {chosen['gpu']} "
+        f"partitions checked against scontrol and sinfo on {slurm_cluster}: GPU jobs go to {chosen['gpu']} "
         f"({gpus[chosen['gpu']]} GPUs), CPU-only jobs to {chosen['cpu']}"
     )
 
