@@ -15,6 +15,7 @@ import sys
 import pytest
 import yaml
 
+from hang import HANG_SEC
 from saeflow import cli
 from saeflow.commands.workflow import install_profile
 from saeflow.store import runs
@@ -106,7 +107,7 @@ def _run_through_fake_slurm(tmp_path, profile, config_fpath, *args, expect_resta
         env=fake_slurm_env(state, **env_extra),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_SEC,
     )
     (state / "snakemake.out").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -391,7 +392,7 @@ def test_each_cluster_profile_sends_gpu_jobs_to_gpu_partitions_even_when_the_def
          "--configfile", str(config_fpath), "--profile", str(profile), "--latency-wait", "0",
          "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
          "--retries", str(n_attempts - 1), "--", *targets],
-        env=slurm_env, capture_output=True, text=True, timeout=300,
+        env=slurm_env, capture_output=True, text=True, timeout=HANG_SEC,
     )  # fmt: skip
     # Every job "failed": only the submissions are of interest, and Slurm refused none of them.
     assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -447,7 +448,7 @@ def _submit_only(workdir, cfg_fpath, profile, targets, *args, snakefile=SNAKEFIL
            "--seconds-between-status-checks", "1", *(["--configfile", str(cfg_fpath)] if cfg_fpath else []), *args,
            "--", *targets]  # fmt: skip
     proc = subprocess.run(cmd, env=fake_slurm_env(state, FAKE_SLURM_NO_RUN="1"), cwd=workdir, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=HANG_SEC)  # fmt: skip
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and (state / "sbatch_calls.jsonl").exists(), output[-3000:]
     assert not (state / "refused.jsonl").exists(), (state / "refused.jsonl").read_text()
