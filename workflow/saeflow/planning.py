@@ -346,7 +346,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         configs[plan.cli_config("runs", run_id)] = {
             **roots,
             "activations": {name: raw["activations"][name] for name in names},
-            "saes": {run_plan.sae_name: raw["saes"][run_plan.sae_name]},
+            "saes": {run_plan.sae_name: sweeps.canonical_spec(raw["saes"][run_plan.sae_name])},
         }
     for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)
         if isinstance(spec, ActivationSpec):

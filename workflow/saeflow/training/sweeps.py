@@ -23,6 +23,26 @@ from saeflow.store import runs
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val")
+# Keys added to the training config after saeflow-train-3's first release, each with the value it was introduced at
+# (docs/contracts.md, "Identities that outlive upgrades"). The canonical form (config.json, whose sha256 is the run
+# id) leaves out a key at that value, and a config.json that lacks it reads as that value, so adding a key with a
+# default changes no run id and every earlier run still loads and trains. The one table of these values: a key's
+# schema default may change later (it then names new runs), its introduction value never does.
+INTRODUCED: dict[str, typing.Any] = {}
+
+
+def at_introduction(key: str, value) -> bool:
+    """True when `key` is an introduced key and `value` is the value it was introduced at (left out when hashed)."""
+    if key not in INTRODUCED:
+        return False
+    default = INTRODUCED[key]
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def canonical_spec(obj: typing.Mapping[str, typing.Any]) -> dict:
+    """An `saes.<name>` entry (or a run's hyper-parameters) without the introduced keys at their introduction value:
+    what a per-job config holds, so an upgrade that adds a key with a default leaves it byte for byte unchanged."""
+    return {key: value for key, value in obj.items() if not at_introduction(key, value)}
 
 
 def _is_sweep(key: str, value) -> bool:
@@ -91,7 +111,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
+        """From a run's config.json (or a planned point); an introduced key it lacks takes its introduction value,
+        so a config written before the key existed loads as the run it always was."""
         names = {f.name for f in dataclasses.fields(cls)}
+        obj = {**{key: INTRODUCED[key] for key in INTRODUCED.keys() - obj.keys()}, **obj}
         missing, extra = sorted(names - obj.keys()), sorted(obj.keys() - names)
         if missing or extra:
             raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
@@ -103,8 +126,9 @@ class TrainConfig:
         return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
 
     def to_dict(self) -> dict:
-        """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list."""
-        return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
+        """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list, the
+        introduced keys at their introduction value left out (`INTRODUCED`)."""
+        return canonical_spec({**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)})
 
     def sae_config(self, d_model: int) -> "SAEConfig":
         """The SAE this run trains on vectors of width `d_model`: d_sae = expansion x d_model, the Matryoshka
