@@ -147,7 +147,7 @@ class WorkflowPlan:
         auto_tokens = {name: sweeps.auto_tokens_of(md) for name, md in self.metadata.items()}
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash, auto_tokens)}
         for plan in self.runs.values():
-            sweeps.check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
+            sweeps.check_run(plan, *(self.metadata[a] for a in plan.activations), cfg.settings["train"])
 
     @classmethod
     def from_config(cls, config: dict, planned: dict[str, dict] | None = None) -> "WorkflowPlan":

@@ -11,6 +11,9 @@ b_enc and the BatchTopK threshold unchanged. The codes f are then identical to s
 decoder rows have norm 1 / scale instead of 1 (so sparsify's cfg says normalize_decoder=false). Imports take the
 weights as they are, with scale = 1.
 
+Each architecture says how it maps (training/archs: `Arch.saelens`, `saelens_export`, `saelens_import`,
+`Arch.sparsify`; None refuses in one line):
+
     saeflow arch     SAELens architecture                        sparsify activation
     relu             standard                                    (none: refused)
     topk             topk (rescale_acts_by_decoder_norm=false)   topk
@@ -33,19 +36,19 @@ from saeflow.errors import SaeflowError, unreadable
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
 from saeflow.store.hashing import file_sha256
-from saeflow.training import sae
+from saeflow.training import archs, sae
 
 logger = logging.getLogger(__name__)
 
 CFG_FNAME = "cfg.json"  # both libraries
 WEIGHTS_FNAMES = {"saelens": "sae_weights.safetensors", "sparsify": "sae.safetensors"}
-SAELENS_ARCHS = {"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}
 IMPORT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class RawWeights:
-    """An SAE in raw activation space (the convention above); `threshold` is BatchTopK's (None otherwise)."""
+    """An SAE in raw activation space (the convention above); `threshold` the inference threshold of an architecture
+    that has one (`Arch.has_threshold`; None otherwise)."""
 
     W_enc_ds: torch.Tensor
     b_enc_s: torch.Tensor
@@ -63,7 +66,7 @@ def raw_weights(model: sae.SAE) -> RawWeights:
             b_enc_s=model.b_enc.clone(),
             W_dec_sd=(model.W_dec / scale).contiguous(),
             b_dec_d=model.b_dec / scale,
-            threshold=float(model.threshold) if model.cfg.arch == "batchtopk" else None,
+            threshold=float(model.threshold) if model.arch.has_threshold else None,
         )
 
 
@@ -113,9 +116,11 @@ def _check_format(fmt: str) -> None:
 
 def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """SAELens 6.x inference SAE: cfg.json as `SAEConfig.to_dict()` writes it, sae_weights.safetensors."""
+    if model.arch.saelens is None:
+        raise SaeflowError(f"SAELens has no architecture that computes a {model.cfg.arch} SAE")
     weights = raw_weights(model)
     cfg = {
-        "architecture": SAELENS_ARCHS[model.cfg.arch],
+        "architecture": model.arch.saelens,
         "d_in": model.d_model,
         "d_sae": model.d_sae,
         "dtype": "float32",
@@ -126,24 +131,22 @@ def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.
         "metadata": {"sae_lens_version": "6.0.0", "saeflow": origin},
     }
     tensors = {"W_enc": weights.W_enc_ds, "b_enc": weights.b_enc_s, "W_dec": weights.W_dec_sd, "b_dec": weights.b_dec_d}
-    if model.cfg.arch == "topk":
-        cfg.update(k=model.cfg.k, rescale_acts_by_decoder_norm=False)
-    if model.cfg.arch == "batchtopk":
-        cfg["k"] = model.cfg.k  # not a JumpReLU field (SAELens drops it); kept for the way back
-        tensors["threshold"] = torch.full((model.d_sae,), weights.threshold)
+    cfg_extra, tensors_extra = model.arch.saelens_export(model, weights.threshold)
+    cfg.update(cfg_extra)
+    tensors.update(tensors_extra)
     return cfg, {name: t.detach().float().contiguous() for name, t in tensors.items()}
 
 
 def _sparsify_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """sparsify `Sae.save_to_disk`'s files: cfg.json (SparseCoderConfig + d_in), sae.safetensors."""
-    if model.cfg.arch != "topk":
+    if model.arch.sparsify is None:
         raise SaeflowError(
             f"sparsify has TopK SAEs only (activation topk or groupmax); this SAE is {model.cfg.arch}: "
             f"export it with --format saelens"
         )
     weights = raw_weights(model)
     cfg = {
-        "activation": "topk",
+        "activation": model.arch.sparsify,
         "expansion_factor": max(1, model.d_sae // model.d_model),
         "normalize_decoder": False,  # decoder rows have norm 1/scale once the scale is folded
         "num_latents": model.d_sae,
@@ -208,7 +211,7 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
         arch, k, weights = (_from_saelens if fmt == "saelens" else _from_sparsify)(cfg, tensors)
     except KeyError as err:
         raise SaeflowError(f"{src_dpath}: {fmt} checkpoint lacks {err}") from None
-    except _Unsupported as err:
+    except archs.Unsupported as err:
         raise SaeflowError(f"{src_dpath}: cannot import: {err}") from None
     d_sae, d_model = weights.W_dec_sd.shape
     if weights.W_enc_ds.shape != (d_model, d_sae) or weights.b_enc_s.shape != (d_sae,) or weights.b_dec_d.shape != (
@@ -248,18 +251,14 @@ def _read_tensors(fpath: pathlib.Path) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.float32) for name, t in tensors.items()}
 
 
-class _Unsupported(Exception):
-    """A checkpoint saeflow's SAE cannot compute; `read_checkpoint` names the directory."""
-
-
 def _refuse_unless(ok: bool, what: str) -> None:
     if not ok:
-        raise _Unsupported(what)
+        raise archs.Unsupported(what)
 
 
 def _checked_k(k) -> int:
     if type(k) is not int or k < 1:
-        raise _Unsupported(f"k={k!r} (k must be a positive integer)")
+        raise archs.Unsupported(f"k={k!r} (k must be a positive integer)")
     return k
 
 
@@ -272,39 +271,33 @@ def _saelens_k(cfg: dict) -> int:
 
 
 def _from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
-    """SAELens 6.x standard / topk / jumprelu (a uniform threshold, as BatchTopK is saved for inference)."""
-    arch_name = cfg.get("architecture", "standard")
+    """SAELens 6.x, through the architecture saved under its name (`archs.from_saelens`, `Arch.saelens_import`)."""
     norm = cfg.get("normalize_activations", "none")
-    _refuse_unless(arch_name in SAELENS_ARCHS.values(), f"SAELens architecture {arch_name!r} (saeflow has "
-                   f"{sorted(SAELENS_ARCHS.values())})")  # fmt: skip
+    arch = archs.from_saelens(cfg.get("architecture", "standard"), cfg)
     _refuse_unless(norm in ("none", None), f"normalize_activations={norm!r}: saeflow SAEs have no run-time input "
                    "normalization; fold it first (SAELens: sae.fold_activation_norm_scaling_factor)")  # fmt: skip
     _refuse_unless(cfg.get("reshape_activations", "none") == "none", "hook_z (per-head) SAEs")
     W_enc, b_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec"))
     if not cfg.get("apply_b_dec_to_input", True):  # x @ W_enc + b_enc == (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
         b_enc = b_enc + b_dec @ W_enc
-    if arch_name == "topk" and cfg.get("rescale_acts_by_decoder_norm", False):
-        norm_s = W_dec.norm(dim=-1).clamp_min(1e-8)  # SAELens's own fold_W_dec_norm: same codes
-        W_enc, b_enc, W_dec = W_enc * norm_s, b_enc * norm_s, W_dec / norm_s[:, None]
-    threshold = None
-    if arch_name == "jumprelu":
-        threshold_s = tensors["threshold"]
-        _refuse_unless(bool((threshold_s == threshold_s[0]).all()), "a JumpReLU SAE with per-latent thresholds "
-                       "(saeflow's BatchTopK has one threshold)")  # fmt: skip
-        threshold = float(threshold_s[0])
-    arch = {v: k for k, v in SAELENS_ARCHS.items()}[arch_name]
-    k = _saelens_k(cfg) if arch != "relu" else 1
-    return arch, min(k, W_dec.shape[0]), RawWeights(W_enc, b_enc, W_dec, b_dec, threshold)
+    weights = arch.saelens_import(cfg, tensors, {"W_enc": W_enc, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec,
+                                                 "threshold": None})  # fmt: skip
+    k = _saelens_k(cfg) if arch.uses_k else 1
+    raw = RawWeights(weights["W_enc"], weights["b_enc"], weights["W_dec"], weights["b_dec"], weights["threshold"])
+    return arch.name, min(k, W_dec.shape[0]), raw
 
 
 def _from_sparsify(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
-    """sparsify SparseCoder with the topk activation, autoencoding (no transcoder, no skip connection)."""
-    _refuse_unless(cfg.get("activation", "topk") == "topk", f"sparsify activation {cfg.get('activation')!r}")
+    """sparsify SparseCoder with an activation an architecture is saved as (`Arch.sparsify`: topk), autoencoding
+    (no transcoder, no skip connection)."""
+    activation = cfg.get("activation", "topk")
+    found = [arch for arch in archs.REGISTRY.values() if arch.sparsify is not None and arch.sparsify == activation]
+    _refuse_unless(bool(found), f"sparsify activation {cfg.get('activation')!r}")
     _refuse_unless(not cfg.get("transcode") and not cfg.get("skip_connection"), "sparsify transcoders and skip "
                    "connections (saeflow SAEs reconstruct their input)")  # fmt: skip
     weights = RawWeights(tensors["encoder.weight"].T.contiguous(), tensors["encoder.bias"], tensors["W_dec"],
                          tensors["b_dec"])  # fmt: skip
-    return "topk", _checked_k(cfg.get("k", 32)), weights
+    return found[0].name, _checked_k(cfg.get("k", 32)), weights
 
 
 def import_checkpoint(

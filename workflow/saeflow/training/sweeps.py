@@ -19,8 +19,9 @@ from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction import tokenization
 from saeflow.store import runs
+from saeflow.training import archs
 
-ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
+ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures (each one module of training/archs)
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val")
 # Keys added to the training config after saeflow-train-3's first release, each with the value it was introduced at
@@ -164,6 +165,11 @@ class RunPlan:
     train_activation: str  # activation name trained on
     val_activation: str  # activation name validated on
 
+    @property
+    def activations(self) -> tuple[str, str]:
+        """(trained on, validated on)."""
+        return self.train_activation, self.val_activation
+
 
 def plan_runs(
     saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
@@ -200,7 +206,7 @@ class SAEConfig:
     d_model: int
     d_sae: int
     arch: str  # one of ARCHS
-    k: int  # active latents per vector (topk) or on average per vector (batchtopk); unused by relu
+    k: int  # active latents per vector (topk) or on average per vector (batchtopk); unused where not Arch.uses_k
     matryoshka: tuple[int, ...] = ()  # nested prefix sizes, ascending, each < d_sae; () = plain SAE
 
     def __post_init__(self):
@@ -211,7 +217,7 @@ class SAEConfig:
             raise SaeflowError(f"arch: unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")
         if self.d_model < 1 or self.d_sae < 1:
             raise SaeflowError(f"d_model and d_sae must be positive, got {self.d_model}, {self.d_sae}")
-        if self.arch != "relu" and not 1 <= self.k <= self.d_sae:
+        if archs.get(self.arch).uses_k and not 1 <= self.k <= self.d_sae:
             raise SaeflowError(f"k: k={self.k} must be in [1, d_sae={self.d_sae}] for {self.arch}")
         prefixes = list(self.matryoshka)
         if prefixes != sorted(set(prefixes)) or any(not 0 < m < self.d_sae for m in prefixes):
@@ -230,10 +236,11 @@ class SAEConfig:
         return (*self.matryoshka, self.d_sae)
 
 
-def check_run(plan: RunPlan, train_md, val_md) -> None:
+def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[str, typing.Any] | None = None) -> None:
     """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
     a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
-    validation activations of different widths. The error names the key, as `saes.<name>[<sweep index>].<key>`."""
+    validation activations of different widths, a parallel mode the architecture does not train in (`check_parallel`,
+    given the `train` settings). The error names the key, as `saes.<name>[<sweep index>].<key>`."""
     cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
     for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
         if cfg.layer not in md.layers:
@@ -252,6 +259,16 @@ def check_run(plan: RunPlan, train_md, val_md) -> None:
         cfg.sae_config(train_md.d_model)  # what training builds: k must fit d_sae
     except SaeflowError as err:
         raise SaeflowError(f"{where}.{err}") from None
+    if train_settings is not None:
+        check_parallel(plan, train_settings)
+
+
+def check_parallel(plan: RunPlan, train_settings: typing.Mapping[str, typing.Any]) -> None:
+    """Refuse at plan time, in one line, a parallel mode (`train.parallel`) the run's architecture does not train in,
+    when the job has several ranks (`train.gpus` x `train.nodes`; one process trains every architecture)."""
+    if train_settings["gpus"] * train_settings["nodes"] > 1:
+        where = f"saes.{plan.sae_name}[{plan.index}].arch"
+        archs.check_mode(plan.train_config.arch, train_settings["parallel"], where)
 
 
 def auto_tokens_of(md) -> str:

@@ -1,0 +1,93 @@
+"""The architecture registry (training/archs): one object per architecture, asked by every trainer, stage and format.
+
+Every test here iterates the registry, so a new architecture is covered (or fails) without editing this file:
+the registry is the schema's enum; each architecture names the parallel modes it trains in, and the plan refuses
+the others in one line before any job runs; its one-process loss has the terms it declares, every parameter gets a
+gradient, its codes are non-negative. The modes themselves are checked against one process in
+tests/test_distributed.py, over the registry crossed with the modes.
+"""
+
+import pytest
+import torch
+
+from saeflow import config
+from saeflow.errors import SaeflowError
+from saeflow.planning import WorkflowPlan
+from saeflow.training import archs, objectives
+from saeflow.training.sae import SAE
+from saeflow.training.sweeps import SAEConfig, TrainConfig
+from test_identity import CASES
+
+ARCH_NAMES = sorted(archs.REGISTRY)
+PAIRS = [(name, mode) for name in ARCH_NAMES for mode in archs.MODES]
+
+
+def test_the_registry_is_the_schemas_list_and_every_module_defines_one_architecture():
+    assert sorted(archs.NAMES) == ARCH_NAMES
+    assert sorted(archs.MODULES) == ARCH_NAMES  # one module per architecture, named after it
+    with pytest.raises(SaeflowError, match=r"^arch: unknown SAE architecture 'nope'; choose one of"):
+        archs.get("nope")
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architecture_declares_what_the_trainers_ask(name):
+    arch = archs.get(name)
+    properties = config.def_schema("sae_spec")["properties"]
+    assert arch.name == name and set(arch.modes) <= set(archs.MODES) and "sweep" in arch.modes
+    assert set(arch.hyper) <= set(properties), f"{name}: hyper-parameters not in the schema"
+    assert arch.term_names[0] == "mse" and arch.term_names[-1] == "aux"
+    assert isinstance(arch.selection, archs.Selection)
+
+
+def _train_config(name: str, **extra) -> TrainConfig:
+    spec = config.validate({"activations": {}, "saes": {"s": {"train": "t", "layer": 0, "arch": name, **extra}}})
+    obj = {k: v for k, v in spec["saes"]["s"].items() if k not in ("train", "val")}
+    obj = {**obj, "trainer": "saeflow-train-3", "train_shards": "a" * 64, "val_shards": "a" * 64, "tokens": "all"}
+    return TrainConfig.from_dict(obj, name)
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name):
+    """One step's loss on one process: the declared terms (AuxK active), finite, every trained parameter gets a
+    gradient; codes are non-negative in training and at inference."""
+    torch.manual_seed(0)
+    cfg = _train_config(name, k=4, aux_k=8, l1_coeff=1.0)
+    sae = SAE(cfg.sae_config(16)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.copy_(sae.W_dec.T)
+        sae.b_enc.normal_(0, 0.1)
+    dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
+    dead.since_fired_s.fill_(5)  # every latent dead: AuxK runs
+    x_bd = torch.randn(32, 16)
+    loss = objectives.Objective(cfg, 100)(sae, x_bd, 10, dead)
+    assert tuple(loss.terms) == archs.get(name).term_names and torch.isfinite(loss.total)
+    loss.total.backward()
+    for pname, param in sae.named_parameters():
+        assert param.grad is not None and bool(param.grad.abs().sum() > 0), f"{name}: no gradient reaches {pname}"
+    assert bool((sae.encode(x_bd) >= 0).all())
+    assert bool((sae.eval().encode(x_bd) >= 0).all())
+
+
+@pytest.mark.parametrize(("name", "mode"), PAIRS)
+def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode):
+    cfg = {**CASES["archs-off-default"], "saes": {"s": {"train": "vit", "layer": 1, "arch": name, "expansion": 2}},
+           "train": {"parallel": mode, "gpus": 2}}  # fmt: skip
+    if mode in archs.get(name).modes:
+        WorkflowPlan.from_config(config.validate(cfg))
+        return
+    with pytest.raises(SaeflowError) as err:
+        WorkflowPlan.from_config(config.validate(cfg))
+    assert str(err.value) == (f"saes.s[0].arch: {name} SAEs do not train with parallel: {mode} (they train with "
+                              f"{', '.join(archs.get(name).modes)})")  # fmt: skip
+    WorkflowPlan.from_config(config.validate({**cfg, "train": {"parallel": mode, "gpus": 1}}))  # one process: any
+
+
+def test_the_sae_config_checks_k_only_for_architectures_that_use_it():
+    for name in ARCH_NAMES:
+        if archs.get(name).uses_k:
+            with pytest.raises(SaeflowError, match=rf"^k: k=9 must be in \[1, d_sae=8\] for {name}$"):
+                SAEConfig(d_model=4, d_sae=8, arch=name, k=9)
+        else:
+            SAEConfig(d_model=4, d_sae=8, arch=name, k=9)
