@@ -59,6 +59,18 @@ CASES = {
             "text": {"train": "text", "layer": 1, "arch": ["topk", "batchtopk", "relu"], "k": 4, "expansion": 2},
         },
     },
+    # Added with JumpReLU and Gated (issue 34): each at its defaults and off them.
+    "jumprelu-gated": {
+        **ROOTS,
+        "activations": {"vit": RANDOM_VIT},
+        "saes": {
+            "jumprelu": {"train": "vit", "layer": 1, "arch": "jumprelu", "jumprelu_loss": ["step", "tanh"]},
+            "jumprelu-off": {"train": "vit", "layer": 1, "arch": "jumprelu", "l0_coeff": 2.0, "bandwidth": 0.1,
+                             "threshold_init": 0.25, "tanh_scale": 2.0, "pre_act_coeff": 1.0e-5,
+                             "jumprelu_loss": "tanh", "matryoshka": [0.25]},
+            "gated": {"train": "vit", "layer": 1, "arch": "gated", "l1_coeff": [3.0, 10.0], "expansion": 4},
+        },
+    },
 }  # fmt: skip
 
 

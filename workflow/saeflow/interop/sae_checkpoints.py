@@ -18,6 +18,8 @@ Each architecture says how it maps (training/archs: `Arch.saelens`, `saelens_exp
     relu             standard                                    (none: refused)
     topk             topk (rescale_acts_by_decoder_norm=false)   topk
     batchtopk        jumprelu, threshold = the scalar per latent (none: refused)
+    jumprelu         jumprelu, threshold = exp(log_threshold)     (none: refused)
+    gated            gated (b_gate = b_enc, b_mag, r_mag)          (none: refused)
 
 An import becomes a run directory (`runs.create_run`) whose checkpoint/config.json names its origin (format, the
 source cfg.json, the sha256 of the weights file), the layer and the shard directory it is meant for; its sha256 is
@@ -55,6 +57,7 @@ class RawWeights:
     W_dec_sd: torch.Tensor
     b_dec_d: torch.Tensor
     threshold: float | None = None
+    extra: dict = dataclasses.field(default_factory=dict)  # the architecture's own parameters (Arch.parameters)
 
 
 def raw_weights(model: sae.SAE) -> RawWeights:
@@ -67,6 +70,7 @@ def raw_weights(model: sae.SAE) -> RawWeights:
             W_dec_sd=(model.W_dec / scale).contiguous(),
             b_dec_d=model.b_dec / scale,
             threshold=float(model.threshold) if model.arch.has_threshold else None,
+            extra={name: getattr(model, name).detach().clone() for name in model.arch.parameters(model.d_sae)},
         )
 
 
@@ -74,7 +78,7 @@ def from_raw(weights: RawWeights, arch: str, k: int) -> sae.SAE:
     """A saeflow SAE (scale 1) computing exactly what the raw weights compute."""
     return sae.SAE.from_weights(
         weights.W_enc_ds, weights.b_enc_s, weights.W_dec_sd, weights.b_dec_d,
-        arch=arch, k=k, scale=1.0, threshold=weights.threshold or 0.0,
+        arch=arch, k=k, scale=1.0, threshold=weights.threshold or 0.0, extra=weights.extra,
     )  # fmt: skip
 
 
@@ -128,12 +132,12 @@ def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.
         "apply_b_dec_to_input": True,
         "normalize_activations": "none",  # the scale is folded into the weights
         "reshape_activations": "none",
-        "metadata": {"sae_lens_version": "6.0.0", "saeflow": origin},
+        "metadata": {"sae_lens_version": "6.0.0", "saeflow": {**origin, "arch": model.cfg.arch}},
     }
-    tensors = {"W_enc": weights.W_enc_ds, "b_enc": weights.b_enc_s, "W_dec": weights.W_dec_sd, "b_dec": weights.b_dec_d}
-    cfg_extra, tensors_extra = model.arch.saelens_export(model, weights.threshold)
+    tensors = {"W_enc": weights.W_enc_ds, "b_enc": weights.b_enc_s, "W_dec": weights.W_dec_sd, "b_dec": weights.b_dec_d,
+               **weights.extra}  # fmt: skip
+    cfg_extra, tensors = model.arch.saelens_export(model, tensors, weights.threshold)
     cfg.update(cfg_extra)
-    tensors.update(tensors_extra)
     return cfg, {name: t.detach().float().contiguous() for name, t in tensors.items()}
 
 
@@ -214,9 +218,10 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
     except archs.Unsupported as err:
         raise SaeflowError(f"{src_dpath}: cannot import: {err}") from None
     d_sae, d_model = weights.W_dec_sd.shape
+    extra_ok = all(t.shape == (d_sae,) for t in weights.extra.values())
     if weights.W_enc_ds.shape != (d_model, d_sae) or weights.b_enc_s.shape != (d_sae,) or weights.b_dec_d.shape != (
         d_model,
-    ):
+    ) or not extra_ok:
         raise SaeflowError(f"{weights_fpath}: inconsistent shapes (W_dec {tuple(weights.W_dec_sd.shape)}, W_enc "
                            f"{tuple(weights.W_enc_ds.shape)}, b_enc {tuple(weights.b_enc_s.shape)}, b_dec "
                            f"{tuple(weights.b_dec_d.shape)})")  # fmt: skip
@@ -277,13 +282,16 @@ def _from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int
     _refuse_unless(norm in ("none", None), f"normalize_activations={norm!r}: saeflow SAEs have no run-time input "
                    "normalization; fold it first (SAELens: sae.fold_activation_norm_scaling_factor)")  # fmt: skip
     _refuse_unless(cfg.get("reshape_activations", "none") == "none", "hook_z (per-head) SAEs")
-    W_enc, b_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec"))
+    W_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "W_dec", "b_dec"))
+    common = {"W_enc": W_enc, "b_enc": tensors.get("b_enc"), "W_dec": W_dec, "b_dec": b_dec, "threshold": None}
+    weights = arch.saelens_import(cfg, tensors, common)
+    if weights["b_enc"] is None:
+        raise KeyError("b_enc")
     if not cfg.get("apply_b_dec_to_input", True):  # x @ W_enc + b_enc == (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
-        b_enc = b_enc + b_dec @ W_enc
-    weights = arch.saelens_import(cfg, tensors, {"W_enc": W_enc, "b_enc": b_enc, "W_dec": W_dec, "b_dec": b_dec,
-                                                 "threshold": None})  # fmt: skip
+        weights["b_enc"] = weights["b_enc"] + b_dec @ weights["W_enc"]
     k = _saelens_k(cfg) if arch.uses_k else 1
-    raw = RawWeights(weights["W_enc"], weights["b_enc"], weights["W_dec"], weights["b_dec"], weights["threshold"])
+    extra = {name: weights[name] for name in arch.parameters(W_dec.shape[0])}
+    raw = RawWeights(*(weights[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")), extra)
     return arch.name, min(k, W_dec.shape[0]), raw
 
 

@@ -73,7 +73,7 @@ def data_parallel_loss(
         return objectives.aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, resid_bd, sae.arch.ghost_aux, energy)
 
     terms = objectives.loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, objective.n_steps,
-                                  weight=n / batch_size)  # fmt: skip
+                                  weight=n / batch_size, dead_s=dead.dead_s)  # fmt: skip
     return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
 
 

@@ -53,15 +53,17 @@ class Codes:
         return float(active_bk.sum(-1).float().mean())
 
 
-def encode(sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
-    """The batch's codes, and the pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
+def encode(sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None, cfg: TrainConfig | None = None):
+    """The batch's codes (in training, `cfg` given: `Arch.train_activate`), and the pre-activations (b, aux k) of
+    AuxK's picks `aux_ids_bk` (None: no dead latent).
 
     Selection.TOP_K chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching
     the (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
     """
     if sae.arch.selection is not Selection.TOP_K:
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
-        return Codes(pre_bs, sae.activate(pre_bs), None, None), aux_pre_bk
+        f_bs = sae.activate(pre_bs) if cfg is None else sae.arch.train_activate(sae, pre_bs, cfg)
+        return Codes(pre_bs, f_bs, None, None), aux_pre_bk
     n_kept = sae.cfg.n_kept(1)
     with torch.no_grad():
         idx_bk = pre_bs.topk(n_kept, dim=-1, sorted=False).indices
@@ -145,6 +147,7 @@ class Loss:
 def loss_terms(
     cfg: TrainConfig, model, xn_bd: torch.Tensor, pre_bs: torch.Tensor, f_bs: torch.Tensor | None, mse: torch.Tensor,
     aux_error: typing.Callable[[], torch.Tensor | None], step: int, n_steps: int, weight: float | None = None,
+    dead_s: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The loss terms of one step, the one definition every trainer uses: `mse` (the Matryoshka reconstruction
     error), the architecture's sparsity terms (`Arch.sparsity_terms`: ReLU's L1, ...), then AuxK's error
@@ -156,7 +159,8 @@ def loss_terms(
         return term if weight is None else term * weight
 
     terms = {"mse": weighted(mse)}
-    for name, term in model.arch.sparsity_terms(TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps)).items():
+    batch = TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps, dead_s)
+    for name, term in model.arch.sparsity_terms(batch).items():
         terms[name] = weighted(term)
     terms["aux"] = torch.zeros((), device=xn_bd.device)
     aux = aux_error()
@@ -173,8 +177,8 @@ class Objective:
     n_steps: int  # of the whole run (warm-ups are fractions of it)
 
     def encode(self, sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
-        """`encode` with this run's SAE."""
-        return encode(sae, pre_bs, aux_ids_bk)
+        """`encode` in training, with this run's SAE and config."""
+        return encode(sae, pre_bs, aux_ids_bk, self.cfg)
 
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
         cfg = self.cfg
@@ -189,5 +193,5 @@ class Objective:
                 return None
             return aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, xn_bd - xn_hat_bd, sae.arch.ghost_aux)
 
-        terms = loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, self.n_steps)
+        terms = loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, self.n_steps, None, dead.dead_s)
         return Loss(sum(terms.values()), terms, xn_hat_bd, codes)

@@ -44,6 +44,8 @@ class SAE(torch.nn.Module):
         # Raw -> normalized multiplier; an inference threshold (Arch.has_threshold), in normalized pre-activation units.
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("threshold", torch.zeros(()))
+        for name, zeros in self.arch.parameters(cfg.d_sae).items():  # e.g. JumpReLU's thresholds (training/archs)
+            self.register_parameter(name, torch.nn.Parameter(zeros))
 
     @classmethod
     def from_weights(
@@ -57,8 +59,10 @@ class SAE(torch.nn.Module):
         scale: float = 1.0,
         threshold: float = 0.0,
         matryoshka: tuple[int, ...] = (),
+        extra: dict | None = None,
     ) -> "SAE":
-        """An SAE with given weights (normalized space), e.g. for tests with known codes."""
+        """An SAE with given weights (normalized space), e.g. for tests with known codes; `extra`: the architecture's
+        own parameters (`Arch.parameters`, e.g. JumpReLU's log_threshold)."""
         d_model, d_sae = W_enc_ds.shape
         sae = cls(SAEConfig(d_model=d_model, d_sae=d_sae, arch=arch, k=k, matryoshka=matryoshka))
         state = {
@@ -68,6 +72,7 @@ class SAE(torch.nn.Module):
             "b_dec": b_dec_d,
             "scale": torch.tensor(float(scale)),
             "threshold": torch.tensor(float(threshold)),
+            **(extra or {}),
         }
         sae.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()})
         return sae.eval()
@@ -136,6 +141,7 @@ class SAE(torch.nn.Module):
         self.W_dec.div_(norms_s[:, None])
         self.W_enc.mul_(norms_s)
         self.b_enc.mul_(norms_s)
+        self.arch.fold_parameters(self, norms_s)
 
     @torch.no_grad()
     def remove_parallel_grad(self) -> None:

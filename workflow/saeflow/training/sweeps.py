@@ -29,7 +29,15 @@ NOT_SWEPT = ("train", "val")
 # id) leaves out a key at that value, and a config.json that lacks it reads as that value, so adding a key with a
 # default changes no run id and every earlier run still loads and trains. The one table of these values: a key's
 # schema default may change later (it then names new runs), its introduction value never does.
-INTRODUCED: dict[str, typing.Any] = {}
+INTRODUCED: dict[str, typing.Any] = {
+    # JumpReLU (issue 34): its sparsity term and the straight-through estimator's kernel
+    "jumprelu_loss": "step",
+    "l0_coeff": 1.0,
+    "bandwidth": 0.05,
+    "threshold_init": 0.5,
+    "tanh_scale": 4.0,
+    "pre_act_coeff": 3.0e-6,
+}
 
 
 def at_introduction(key: str, value) -> bool:
@@ -109,6 +117,13 @@ class TrainConfig:
     n_val_vectors: int | None
     seed: int
     data_seed: int
+    # introduced later (INTRODUCED): hashed only off their introduction values
+    jumprelu_loss: str
+    l0_coeff: float
+    bandwidth: float
+    threshold_init: float
+    tanh_scale: float
+    pre_act_coeff: float
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
@@ -136,6 +151,8 @@ class TrainConfig:
         fractions of d_sae as latent counts. SAEConfig refuses a k above d_sae (planning finds it before any job)."""
         d_sae = self.expansion * d_model
         prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
+        if self.arch in ARCHS:
+            archs.get(self.arch).check(self)  # its own hyper-parameters (e.g. a JumpReLU bandwidth)
         try:
             return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes)
         except SaeflowError as err:

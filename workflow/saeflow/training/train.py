@@ -253,6 +253,7 @@ class Trainer:
             sae.W_dec.mul_(sae.arch.decoder_init_norm)
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.zero_()
+        sae.arch.init_parameters(sae, self.cfg)  # its own parameters (e.g. JumpReLU's thresholds)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly (resume.pt)."""

@@ -38,15 +38,15 @@ def check_mode(name: str, mode: str, where: str = "arch") -> None:
 
 
 def from_saelens(saelens_name: str, cfg: dict) -> Arch:
-    """The architecture a SAELens checkpoint is: the one saved under that SAELens name (the one our own export
-    named in cfg.json's metadata, when several are)."""
+    """The architecture a SAELens checkpoint is: among those saved under its SAELens name, the first (by name) whose
+    `saelens_claims(cfg)` says so, the one whose claim is unconditional last."""
     candidates = [arch for arch in REGISTRY.values() if arch.saelens == saelens_name]
     if not candidates:
         known = sorted({arch.saelens for arch in REGISTRY.values() if arch.saelens})
         raise Unsupported(f"SAELens architecture {saelens_name!r} (saeflow has {known})")
-    metadata = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
-    ours = (metadata.get("saeflow") or {}).get("arch") if isinstance(metadata.get("saeflow"), dict) else None
-    return next((arch for arch in candidates if arch.name == ours), candidates[0])
+    fallback = [arch for arch in candidates if type(arch).saelens_claims is Arch.saelens_claims]
+    claimed = [arch for arch in candidates if arch not in fallback and arch.saelens_claims(cfg)]
+    return (claimed or fallback or candidates)[0]
 
 
 __all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check_mode", "get"]

@@ -55,6 +55,7 @@ class TermInputs:
     f_bs: typing.Any  # dense codes (None when the selection is TOP_K)
     step: int
     n_steps: int
+    dead_s: typing.Any = None  # (s,) bool: the latents dead now (objectives.DeadLatents), where the trainer has them
 
 
 class Arch:
@@ -77,6 +78,20 @@ class Arch:
         """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""
         raise NotImplementedError(self.name)
 
+    def train_activate(self, sae, pre_bs, cfg):
+        """`activate` in training (DENSE): the same values, with the gradient the run's config (`cfg`) asks for."""
+        return self.activate(sae, pre_bs)
+
+    def parameters(self, d_sae: int) -> dict:
+        """Parameters beyond W_enc, b_enc, W_dec, b_dec (name -> zeros of their shape), added after them."""
+        return {}
+
+    def init_parameters(self, sae, cfg) -> None:
+        """Set those parameters at the start of training (after the data-based init of the common ones)."""
+
+    def check(self, cfg) -> None:
+        """Refuse hyper-parameters it cannot train with, as SaeflowError "<key>: <problem>" (plan and train time)."""
+
     def sparsity_terms(self, batch: TermInputs) -> dict:
         """The loss terms beyond reconstruction and AuxK (name -> scalar, weights applied), per vector averaged."""
         return {}
@@ -89,15 +104,23 @@ class Arch:
         """Decoder row norms can move into the encoder without changing the codes (`SAE.fold_decoder_norms`)."""
         return False
 
+    def fold_parameters(self, sae, norms_s) -> None:
+        """Its own parameters' share of `SAE.fold_decoder_norms` (W_enc's columns and b_enc are scaled by norms_s)."""
+
     # -- SAELens (interop/sae_checkpoints.py; raw activation space, the scale folded) ---------------------------
 
-    def saelens_export(self, sae, threshold) -> tuple[dict, dict]:
-        """cfg.json keys and tensors beyond SAELens's W_enc, b_enc, W_dec, b_dec."""
-        return {}, {}
+    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
+        """(cfg.json keys beyond the common ones, the tensors of the weights file) from saeflow's raw-space tensors
+        (W_enc, b_enc, W_dec, b_dec and this architecture's `parameters`)."""
+        return {}, tensors
+
+    def saelens_claims(self, cfg: dict) -> bool:
+        """Among the architectures saved under one SAELens name, whether a cfg.json is this one's."""
+        return True
 
     def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
-        """`weights` (W_enc, b_enc, W_dec, b_dec, threshold) as saeflow computes them; raise `Unsupported` for what
-        saeflow cannot compute."""
+        """`weights` (W_enc, b_enc, W_dec, b_dec, threshold and this architecture's `parameters`) as saeflow computes
+        them from the file's `tensors`; raise `Unsupported` for what saeflow cannot compute."""
         return weights
 
 

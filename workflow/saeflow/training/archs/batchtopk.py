@@ -31,9 +31,16 @@ class BatchTopK(Arch):
             min_kept = sae.threshold
         sae.threshold.copy_(min_kept if step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
 
-    def saelens_export(self, sae, threshold) -> tuple[dict, dict]:
+    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
         # k is no JumpReLU field (SAELens drops it); kept for the way back
-        return {"k": sae.cfg.n_kept(1)}, {"threshold": torch.full((sae.d_sae,), threshold)}
+        return {"k": sae.cfg.n_kept(1)}, {**tensors, "threshold": torch.full((sae.d_sae,), threshold)}
+
+    def saelens_claims(self, cfg: dict) -> bool:
+        """SAELens saves BatchTopK as JumpReLU; its training metadata (or our export's) says it was BatchTopK."""
+        metadata = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+        ours = metadata.get("saeflow") if isinstance(metadata.get("saeflow"), dict) else {}
+        trained = str(metadata.get("training_architecture", ""))
+        return ours.get("arch") == self.name or trained in ("batchtopk", "matryoshka_batchtopk")
 
     def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
         threshold_s = tensors["threshold"]

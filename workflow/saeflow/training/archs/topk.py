@@ -19,8 +19,8 @@ class TopK(Arch):
         vals_bk, idx_bk = relu_bs.topk(sae.cfg.n_kept(1), dim=-1, sorted=False)
         return torch.zeros_like(relu_bs).scatter_(-1, idx_bk, vals_bk)
 
-    def saelens_export(self, sae, threshold) -> tuple[dict, dict]:
-        return {"k": sae.cfg.n_kept(1), "rescale_acts_by_decoder_norm": False}, {}
+    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
+        return {"k": sae.cfg.n_kept(1), "rescale_acts_by_decoder_norm": False}, tensors
 
     def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
         if cfg.get("rescale_acts_by_decoder_norm", False):  # SAELens's own fold_W_dec_norm: the same codes
