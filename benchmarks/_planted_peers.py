@@ -3,7 +3,8 @@
     python _planted_peers.py JOB_JSON      (prints one JSON line: {"<library> <arch>": scores})
 
 sae-lens: its `SAETrainer` (the library's training loop) with its training SAE classes at their defaults (lr 3e-4,
-constant; decoder init norm 0.1; JumpReLU step and tanh (pre-activation loss 3e-6), Gated), the L1 warm-up set to 5% of the steps as saeflow's, ReLU swept over the same L1
+constant; decoder init norm 0.1; JumpReLU step and tanh (pre-activation loss 3e-6), Gated), the L1 warm-up set to
+5% of the steps as saeflow's, ReLU swept over the same L1
 grid. sparsify: its `Sae`, its loss (FVU, AuxK with its default weight 0) and its trainer's update (unit decoder
 rows, gradient parallel to them removed, default optimizer: schedule-free SignSGD, lr 5e-3 / sqrt(d_sae / 2^14),
 b_dec set to the first batch's mean), without its language-model hooks.

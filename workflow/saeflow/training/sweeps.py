@@ -32,11 +32,13 @@ NOT_SWEPT = ("train", "val")
 INTRODUCED: dict[str, typing.Any] = {
     # JumpReLU (issue 34): its sparsity term and the straight-through estimator's kernel
     "jumprelu_loss": "step",
-    "l0_coeff": 1.0,
-    "bandwidth": 0.05,
-    "threshold_init": 0.5,
+    "l0_coeff": 2.0,
+    "bandwidth": 1.0,
+    "threshold_init": 2.0,
     "tanh_scale": 4.0,
     "pre_act_coeff": 3.0e-6,
+    # Gated (issue 34): the L1 on its gate
+    "gate_l1_coeff": 8.0,
 }
 
 
@@ -124,6 +126,7 @@ class TrainConfig:
     threshold_init: float
     tanh_scale: float
     pre_act_coeff: float
+    gate_l1_coeff: float
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":

@@ -9,7 +9,7 @@ One encoder matrix serves two paths: the gate decides which latents fire, the ma
 The gate has no gradient; it learns through the sparsity term on relu(pi_gate) and the auxiliary reconstruction
 from it, as SAELens 6.54.12's GatedTrainingSAE defines them (its decoder is not detached in that term):
 
-    l1  = l1_coeff x ramp x mean_b sum_s relu(pi_gate) ||W_dec[s]||
+    l1  = gate_l1_coeff x ramp x mean_b sum_s relu(pi_gate) ||W_dec[s]||
     aux = mean_b || relu(pi_gate) @ W_dec + b_dec - x_n ||^2
 
 Decoder rows are unit vectors (the paper's constraint). The latent-sharded mode would need the auxiliary
@@ -25,7 +25,7 @@ class Gated(Arch):
     selection = Selection.DENSE
     modes = ("sweep", "data")
     uses_k = False
-    hyper = ("l1_coeff", "sparsity_warmup_frac")
+    hyper = ("gate_l1_coeff", "sparsity_warmup_frac")
     ghost_aux = True  # a dead latent's gate is shut (pi_gate < 0): AuxK reaches it through softplus
     unit_decoder = False  # as ReLU: rows start short, their norms train (the L1 weighs them in), folded at publish
     decoder_init_norm = 0.1
@@ -50,7 +50,7 @@ class Gated(Arch):
         ramp = l1_ramp(batch.step, batch.n_steps, cfg.sparsity_warmup_frac)
         gate_bs = torch.relu(batch.pre_bs)
         via_gate_bd = gate_bs @ model.W_dec.detach() + model.b_dec.detach()  # the paper's stop-gradient
-        return {"l1": cfg.l1_coeff * ramp * l1_penalty(model.W_dec, gate_bs),
+        return {"l1": cfg.gate_l1_coeff * ramp * l1_penalty(model.W_dec, gate_bs),
                 "gate_recon": (via_gate_bd - batch.xn_bd).square().sum(-1).mean()}  # fmt: skip
 
     def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
