@@ -65,7 +65,7 @@ CASES = {
         "activations": {"vit": RANDOM_VIT},
         "saes": {
             "jumprelu": {"train": "vit", "layer": 1, "arch": "jumprelu", "jumprelu_loss": ["step", "tanh"]},
-            "jumprelu-off": {"train": "vit", "layer": 1, "arch": "jumprelu", "l0_coeff": 2.0, "bandwidth": 0.1,
+            "jumprelu-off": {"train": "vit", "layer": 1, "arch": "jumprelu", "l0_coeff": 3.0, "bandwidth": 0.1,
                              "threshold_init": 0.25, "tanh_scale": 2.0, "pre_act_coeff": 1.0e-5,
                              "jumprelu_loss": "tanh", "matryoshka": [0.25]},
             "gated": {"train": "vit", "layer": 1, "arch": "gated", "gate_l1_coeff": [8.0, 10.0], "expansion": 4},

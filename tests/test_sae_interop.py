@@ -263,7 +263,7 @@ def test_refusals(tmp_path):
 # fixture, its loss in outputs.npz -> the saeflow training keys that ask for SAELens's (make_saelens_jumprelu_gated.py)
 LOSSES = {
     ("jumprelu-training", "loss_step"): dict(arch="jumprelu", jumprelu_loss="step", l0_coeff=0.7, bandwidth=0.05),
-    ("jumprelu-training", "loss_tanh"): dict(arch="jumprelu", jumprelu_loss="tanh", l0_coeff=0.7, tanh_scale=4.0,
+    ("jumprelu-training", "loss_tanh"): dict(arch="jumprelu", jumprelu_loss="tanh", tanh_coeff=0.7, tanh_scale=4.0,
                                              pre_act_coeff=0.3),
     ("gated-training", "loss"): dict(arch="gated", gate_l1_coeff=0.7),
 }

@@ -35,6 +35,7 @@ INTRODUCED: dict[str, typing.Any] = {
     "l0_coeff": 2.0,
     "bandwidth": 1.0,
     "threshold_init": 2.0,
+    "tanh_coeff": 0.5,
     "tanh_scale": 4.0,
     "pre_act_coeff": 3.0e-6,
     # Gated (issue 34): the L1 on its gate
@@ -124,6 +125,7 @@ class TrainConfig:
     l0_coeff: float
     bandwidth: float
     threshold_init: float
+    tanh_coeff: float
     tanh_scale: float
     pre_act_coeff: float
     gate_l1_coeff: float

@@ -10,7 +10,7 @@ SAELens 6.54.12's `JumpReLU` and `Step` functions (`jumprelu_ste_to_input: false
 `jumprelu_loss`:
 
     step (DeepMind's L0)  l0_coeff x ramp x mean_b sum_s H(pre - theta)
-    tanh (Anthropic, Jan 2025)  l0_coeff x ramp x mean_b sum_s tanh(tanh_scale x f ||W_dec[s]||)
+    tanh (Anthropic, Jan 2025)  tanh_coeff x ramp x mean_b sum_s tanh(tanh_scale x f ||W_dec[s]||)
                           + pre_act_coeff x mean_b sum_s relu(theta - pre) x dead_s x ||W_dec[s]||
 
 (the pre-activation loss pulls dead latents' pre-activations up to their thresholds; ramp: `sparsity_warmup_frac`).
@@ -95,7 +95,7 @@ class JumpReLU(Arch):
     selection = Selection.DENSE
     modes = ("sweep", "data")  # latent shards do not carry the thresholds (training.sharded): refused at plan time
     uses_k = False
-    hyper = ("jumprelu_loss", "l0_coeff", "bandwidth", "threshold_init", "tanh_scale", "pre_act_coeff",
+    hyper = ("jumprelu_loss", "l0_coeff", "tanh_coeff", "bandwidth", "threshold_init", "tanh_scale", "pre_act_coeff",
              "sparsity_warmup_frac")  # fmt: skip
     ghost_aux = True  # a dead latent sits below its threshold, usually below zero: AuxK reaches it through softplus
     term_names = ("mse", "l0", "pre_act", "aux")
@@ -127,10 +127,10 @@ class JumpReLU(Arch):
         theta_s = model.log_threshold.exp()
         norm_s = model.W_dec.norm(dim=-1)
         if cfg.jumprelu_loss == "tanh":
-            l0 = torch.tanh(cfg.tanh_scale * batch.f_bs * norm_s).sum(-1).mean()
+            l0 = cfg.tanh_coeff * torch.tanh(cfg.tanh_scale * batch.f_bs * norm_s).sum(-1).mean()
         else:
-            l0 = _Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1).mean()
-        terms = {"l0": cfg.l0_coeff * ramp * l0, "pre_act": pre_bs.new_zeros(())}
+            l0 = cfg.l0_coeff * _Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1).mean()
+        terms = {"l0": ramp * l0, "pre_act": pre_bs.new_zeros(())}
         dead_s = batch.dead_s
         if cfg.jumprelu_loss == "tanh" and dead_s is not None and bool(dead_s.any()):
             per_vector_b = ((theta_s - pre_bs).relu() * dead_s * norm_s).sum(-1)
