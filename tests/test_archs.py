@@ -134,3 +134,29 @@ def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
     assert sorted({r["config.arch"] for r in rows}) == ARCH_NAMES
     assert all(0 < float(r["l0"]) < 32 and float(r["nmse"]) < 1.0 for r in rows), rows
     assert (tmp_path / "summary" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_through_estimator():
+    """With no sparsity term, the reconstruction alone moves each threshold by SAELens's estimator:
+    dL/dtheta_s = -sum_b (theta_s / bandwidth) rect((pre - theta_s) / bandwidth) dL/df (and log_threshold by theta x
+    that); a plain step would give the thresholds no gradient at all."""
+    torch.manual_seed(0)
+    cfg = _train_config("jumprelu", l0_coeff=0.0, aux_alpha=0.0, bandwidth=0.5, threshold_init=0.3)
+    sae = SAE(cfg.sae_config(8)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.copy_(sae.W_dec.T)
+        archs.get("jumprelu").init_parameters(sae, cfg)
+    x_bd = torch.randn(64, 8)
+    dead = objectives.DeadLatents(sae.d_sae, 10**9, torch.device("cpu"))
+    objectives.Objective(cfg, 100)(sae, x_bd, 50, dead).total.backward()
+    with torch.no_grad():
+        pre_bs = sae.pre_acts_normed(x_bd)
+        theta_s = sae.log_threshold.exp()
+    f_bs = (pre_bs * (pre_bs > theta_s)).requires_grad_()
+    (f_bs @ sae.W_dec.detach() + sae.b_dec.detach() - x_bd).square().sum(-1).mean().backward()
+    rect_bs = (((pre_bs - theta_s) / 0.5).abs() < 0.5).float()
+    want_s = theta_s * -(theta_s / 0.5 * rect_bs * f_bs.grad).sum(0)
+    assert bool(want_s.abs().sum() > 0)
+    torch.testing.assert_close(sae.log_threshold.grad, want_s, rtol=1e-4, atol=1e-6)

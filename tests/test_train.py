@@ -169,7 +169,7 @@ def test_plan_runs_sweep_is_cartesian_and_content_addressed():
     with pytest.raises(SaeflowError, match="saes.a: activation 'nope' is not defined"):
         sweeps.plan_runs(_cfg(a={"train": "nope", "layer": 0}), {"x": "h" * 64}, AUTO)
     with pytest.raises(SaeflowError, match="saes.a.arch"):
-        _cfg(a={"train": "x", "layer": 0, "arch": "gated"})
+        _cfg(a={"train": "x", "layer": 0, "arch": "nope"})
 
 
 def test_sweep_planning_does_not_import_torch():
