@@ -160,3 +160,49 @@ def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_
     want_s = theta_s * -(theta_s / 0.5 * rect_bs * f_bs.grad).sum(0)
     assert bool(want_s.abs().sum() > 0)
     torch.testing.assert_close(sae.log_threshold.grad, want_s, rtol=1e-4, atol=1e-6)
+
+
+def _one_step_gradients(name: str, extra: dict) -> dict:
+    """On each rank: one step's gradients of every parameter, data-parallel (this rank's slice, all-reduced) and on
+    one process (the whole batch), from the same weights, batch and dead latents (AuxK on)."""
+    import copy
+
+    from saeflow.training import distributed
+    from saeflow.training.dataparallel import data_parallel_loss, rank_slice
+
+    comm = distributed.init("cpu")
+    cfg = _train_config(name, k=4, aux_k=8, expansion=4, **extra)
+    torch.manual_seed(0)
+    sae = SAE(cfg.sae_config(16)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.copy_(sae.W_dec.T)
+        sae.b_enc.normal_(0, 0.1)
+        sae.arch.init_parameters(sae, cfg)
+    x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 2
+    dead = objectives.DeadLatents(sae.d_sae, 2, torch.device("cpu"))
+    dead.since_fired_s[::3] = 5  # a third of the latents dead: AuxK (and JumpReLU's pre-activation loss) run
+    whole = copy.deepcopy(sae)
+    objectives.Objective(cfg, 100)(whole, x_bd, 50, dead).total.backward()
+    part = rank_slice(32, comm)
+    data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 50, dead, comm).total.backward()
+    worst = {}
+    for (pname, param), want in zip(sae.named_parameters(), whole.parameters(), strict=True):
+        got = comm.all_reduce(param.grad)
+        worst[pname] = float((got - want.grad).abs().max() / want.grad.abs().max().clamp_min(1e-12))
+    comm.close()
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "extra"), [*((n, {}) for n in ARCH_NAMES if "data" in archs.get(n).modes),
+                                             ("jumprelu", {"jumprelu_loss": "tanh"})])  # fmt: skip
+def test_one_data_parallel_step_has_the_one_process_gradients(name, extra):
+    """Every architecture that trains with `parallel: data`: the all-reduced gradients of 2 ranks' slices equal one
+    process's on the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; both
+    losses for JumpReLU, so each term's share of a slice is weighted right."""
+    from _ranks import run_ranks
+
+    for worst in run_ranks(2, _one_step_gradients, name, extra):
+        assert max(worst.values()) < 1e-5, worst
