@@ -206,3 +206,31 @@ def test_one_data_parallel_step_has_the_one_process_gradients(name, extra):
 
     for worst in run_ranks(2, _one_step_gradients, name, extra):
         assert max(worst.values()) < 1e-5, worst
+
+
+def _train_refusal(run_root, mode: str) -> str | None:
+    """On each rank: `saeflow train`'s entry on the ranks in `mode`; the one-line refusal, or None when it trains."""
+    from saeflow.training import entry
+
+    try:
+        entry.train_runs([run_root], entry.TrainSettings(device="cpu", parallel=mode, buffer_bytes="19200"))
+    except SaeflowError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mode"), [pair for pair in PAIRS if pair[1] not in archs.get(pair[0]).modes])
+def test_saeflow_train_on_the_ranks_refuses_a_mode_the_architecture_does_not_train_in(tmp_path, name, mode):
+    """Without the workflow's plan (`saeflow train --gpus 2 --parallel MODE`), every rank refuses in one line before
+    a step, and nothing is written."""
+    from _ranks import run_ranks
+    from builders import planted_data, run_from_sae_spec, write_shards
+
+    x_nd, _ = planted_data(256, d_model=16, n_atoms=32, k=2, seed=3)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="refusal")
+    run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, expansion=2, batch_size=64)
+    want = f"{run.config_fpath}: arch: {name} SAEs do not train with parallel: {mode} (they train with "
+    for message in run_ranks(2, _train_refusal, run.root, mode):
+        assert message is not None and message.startswith(want) and "\n" not in message, message
+    assert not run.sae_fpath.exists() and not run.resume_fpath.exists()
