@@ -3,7 +3,8 @@
     python _planted_peers.py JOB_JSON      (prints one JSON line: {"<library> <arch>": scores})
 
 sae-lens: its `SAETrainer` (the library's training loop) with its training SAE classes at their defaults (lr 3e-4,
-constant; decoder init norm 0.1), the L1 warm-up set to 5% of the steps as saeflow's, ReLU swept over the same L1
+constant; decoder init norm 0.1; JumpReLU step and tanh (pre-activation loss 3e-6), Gated), the L1 warm-up set to
+5% of the steps as saeflow's, ReLU swept over the same L1
 grid. sparsify: its `Sae`, its loss (FVU, AuxK with its default weight 0) and its trainer's update (unit decoder
 rows, gradient parallel to them removed, default optimizer: schedule-free SignSGD, lr 5e-3 / sqrt(d_sae / 2^14),
 b_dec set to the first batch's mean), without its language-model hooks.
@@ -45,6 +46,13 @@ def saelens(atoms_ad, job, kind: str, l1: float = 0.0) -> dict:
         sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(d_in=d, d_sae=s, k=k))
     elif kind == "batchtopk":
         sae = sae_lens.BatchTopKTrainingSAE(sae_lens.BatchTopKTrainingSAEConfig(d_in=d, d_sae=s, k=k))
+    elif kind in ("jumprelu", "jumprelu-tanh"):  # its defaults (step: l0 1.0, bandwidth 0.05, init 0.01)
+        mode = "tanh" if kind == "jumprelu-tanh" else "step"
+        extra = {"pre_act_loss_coefficient": 3e-6} if mode == "tanh" else {}  # Anthropic's, as its docs name it
+        cfg = sae_lens.JumpReLUTrainingSAEConfig(d_in=d, d_sae=s, jumprelu_sparsity_loss_mode=mode, **extra)
+        sae = sae_lens.JumpReLUTrainingSAE(cfg)
+    elif kind == "gated":
+        sae = sae_lens.GatedTrainingSAE(sae_lens.GatedTrainingSAEConfig(d_in=d, d_sae=s))
     else:
         cfg = sae_lens.MatryoshkaBatchTopKTrainingSAEConfig(d_in=d, d_sae=s, k=k, matryoshka_widths=[s // 4, s])
         sae = sae_lens.MatryoshkaBatchTopKTrainingSAE(cfg)
@@ -96,7 +104,7 @@ def main():
     if "relu" in only:
         sweep = [dict(saelens(atoms_ad, job, "relu", float(c)), l1=c) for c in job["l1"].split(",")]
         results["sae-lens relu"] = max(sweep, key=lambda r: (r["recovered"], r["mean_max_cos"]))
-    for kind in ("topk", "batchtopk", "matryoshka-batchtopk"):
+    for kind in ("topk", "batchtopk", "matryoshka-batchtopk", "jumprelu", "jumprelu-tanh", "gated"):
         if kind in only:
             results[f"sae-lens {kind}"] = saelens(atoms_ad, job, kind)
     if "topk" in only:

@@ -39,6 +39,9 @@ SAEFLOW_ARCHS = {
     "topk": dict(arch="topk"),
     "batchtopk": dict(arch="batchtopk"),
     "matryoshka-batchtopk": dict(arch="batchtopk", matryoshka=(0.25,)),
+    "jumprelu": dict(arch="jumprelu"),
+    "jumprelu-tanh": dict(arch="jumprelu", jumprelu_loss="tanh"),
+    "gated": dict(arch="gated"),
 }
 
 
@@ -50,6 +53,7 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         expansion=max(1, n_atoms // d_model), k=args.n_active, matryoshka=(), l1_coeff=5.0, aux_k=256,
         aux_alpha=1 / 32, dead_after_vectors=10_000_000, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.05,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=seed, data_seed=0,
+        **sweeps.INTRODUCED,  # the keys added later, at their defaults
     )  # fmt: skip
     spec.update(overrides)
     cfg = sweeps.TrainConfig(**spec)
@@ -61,7 +65,7 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         for step in range(n_steps):
             trainer.train_step(planted.batch(atoms_ad, args.n_active, args.batch_size, args.seed, step))
         sae = trainer.sae.eval()
-        if cfg.arch == "relu":
+        if not sae.arch.unit_decoder:
             sae.fold_decoder_norms()
         with torch.no_grad():
             x_bd = planted.batch(atoms_ad, args.n_active, args.batch_size, args.seed, n_steps + 2)

@@ -337,3 +337,51 @@ def test_a_table_keyed_by_an_enum_is_checked_against_the_schema():
     assert config.by_enum({"wandb": 1, "tensorboard": 2}, "train", "tracking") == {"wandb": 1, "tensorboard": 2}
     with pytest.raises(SaeflowError, match=r"missing \['tensorboard'\], not in the schema \['mlflow'\]"):
         config.by_enum({"wandb": 1, "mlflow": 2}, "train", "tracking")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One seam per architecture (DESIGN principle 13): only training/archs/ knows an architecture by its name
+# ---------------------------------------------------------------------------------------------------------------
+
+ARCHS_DPATH = PACKAGE_DPATH / "training" / "archs"
+
+
+def arch_name_tests(source: str, names: frozenset[str]) -> list[int]:
+    """Lines where a value is tested against a string literal naming an architecture: compared with it (==, !=,
+    is, in, not in; also inside a tuple, list or set), matched against it (match/case), or looked up by it (a dict
+    literal keyed by it)."""
+
+    def is_name(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and any(is_name(e) for e in node.elts)
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(is_name(n) for n in (node.left, *node.comparators)):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and is_name(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Dict) and any(key is not None and is_name(key) for key in node.keys):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_arch_name_test_finds_each_way_of_testing_a_name():
+    names = frozenset({"relu", "topk"})
+    assert arch_name_tests("if cfg.arch == 'relu':\n    pass\n", names) == [1]
+    assert arch_name_tests("x = a in ('topk', 'other')\n", names) == [1]
+    assert arch_name_tests("match arch:\n    case 'topk':\n        pass\n", names) == [2]
+    assert arch_name_tests("NAMES = {'relu': 'standard'}\n", names) == [1]
+    assert arch_name_tests("x = cfg.get('activation', 'topk')\nif arch.name == other:\n    pass\n", names) == []
+
+
+def test_no_code_outside_the_registry_tests_an_architecture_name():
+    """Every trainer, stage and format asks training/archs (`archs.get(name)`: the activation, losses, decoder policy,
+    threshold statistics, parallel modes, SAELens and sparsify names), so adding an architecture is one module."""
+    from saeflow import config
+
+    names = frozenset(config.enum("sae_spec", "arch"))
+    found = [f"{fpath.relative_to(PACKAGE_DPATH)}:{line}" for fpath in package_modules()
+             if ARCHS_DPATH not in fpath.parents for line in arch_name_tests(fpath.read_text(), names)]  # fmt: skip
+    assert not found, "ask the architecture (saeflow.training.archs) instead: " + "; ".join(found)

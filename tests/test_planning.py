@@ -228,11 +228,12 @@ def test_extract_and_create_run_expand_vars_in_roots_as_the_planner_does(tmp_pat
     )
 
 
+ARCH_VALUES = ", ".join(repr(arch) for arch in config.enum("sae_spec", "arch"))  # 'relu', 'topk', ...
 SCHEMA_ERRORS = [  # issue 33: (key of saes.text-topk, value, the line `saeflow plan` prints after the file's name)
-    ("arch", "top-k", "saes.text-topk.arch: 'top-k' is not valid: expected one of 'relu', 'topk', 'batchtopk', or a "
-    "non-empty list of them; did you mean 'topk'?"),
-    ("arch", ["topk", "relu2"], "saes.text-topk.arch[1]: 'relu2' is not one of 'relu', 'topk', 'batchtopk'; did you "
-    "mean 'relu'? (the key takes one of 'relu', 'topk', 'batchtopk', or a non-empty list of them)"),
+    ("arch", "top-k", f"saes.text-topk.arch: 'top-k' is not valid: expected one of {ARCH_VALUES}, or a non-empty "
+    "list of them; did you mean 'topk'?"),
+    ("arch", ["topk", "relu2"], f"saes.text-topk.arch[1]: 'relu2' is not one of {ARCH_VALUES}; did you mean 'relu'? "
+    f"(the key takes one of {ARCH_VALUES}, or a non-empty list of them)"),
     ("k", [4, 8, "sixteen"], "saes.text-topk.k[2]: 'sixteen' is not an integer >= 1 (the key takes an integer >= 1, "
     "or a non-empty list of them)"),
     ("lr_warmup_frac", 2.0, "saes.text-topk.lr_warmup_frac: 2.0 is not valid: expected a number in [0, 1], or a "

@@ -61,7 +61,7 @@ def test_bad_checkpoints_and_configs(tmp_path):
     with pytest.raises(SaeflowError, match="junk.pt"):
         load_sae(junk)
     with pytest.raises(SaeflowError, match="architecture"):
-        SAEConfig(d_model=4, d_sae=8, arch="gated", k=1)
+        SAEConfig(d_model=4, d_sae=8, arch="nope", k=1)
     with pytest.raises(SaeflowError, match="matryoshka"):
         SAEConfig(d_model=4, d_sae=8, arch="topk", k=2, matryoshka=(4, 2))
     with pytest.raises(SaeflowError, match=r"k: k=9 must be in \[1, d_sae=8\]"):

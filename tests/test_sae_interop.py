@@ -23,7 +23,8 @@ from saeflow.extraction import extract
 from saeflow.interop import lmprobe, sae_checkpoints
 from saeflow.store.layout import DumpLayout
 from saeflow.store.shards import ShardDir
-from saeflow.training import sae
+from saeflow.training import archs, objectives, sae
+from saeflow.training.sweeps import TrainConfig
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 SAELENS_VERSION, SPARSIFY_VERSION = "6.54.12", "1.3.3"  # what wrote the fixtures and what the export test installs
@@ -46,6 +47,11 @@ ACCEPTED = {
     ("saelens", "topk-training"): ("topk", K),
     ("saelens", "batchtopk-training"): ("batchtopk", K),
     ("saelens", "matryoshka-batchtopk-training"): ("batchtopk", K),
+    ("saelens", "jumprelu"): ("jumprelu", 1),
+    ("saelens", "jumprelu-shared-threshold"): ("jumprelu", 1),  # a JumpReLU: no BatchTopK training metadata
+    ("saelens", "jumprelu-training"): ("jumprelu", 1),
+    ("saelens", "gated"): ("gated", 1),
+    ("saelens", "gated-training"): ("gated", 1),
     ("sparsify", "topk"): ("topk", K),
     ("sparsify", "topk-expansion-factor"): ("topk", K),
     ("sparsify", "topk-multi-topk"): ("topk", K),
@@ -53,8 +59,6 @@ ACCEPTED = {
 }
 # fixture -> the problem its one-line refusal names
 REFUSED = {
-    ("saelens", "gated"): "SAELens architecture 'gated'",
-    ("saelens", "jumprelu-training"): "a JumpReLU SAE with per-latent thresholds",
     ("saelens", "standard-layer-norm"): "normalize_activations='layer_norm'",
     ("saelens", "topk-expected-average-only-in"): "normalize_activations='expected_average_only_in'",
     ("saelens", "standard-hook-z"): "hook_z",
@@ -67,10 +71,12 @@ REFUSED = {
     ("sparsify", "skip-connection"): "skip connections",
 }
 EXPORTS = {"saelens-relu": ("saelens", "relu"), "saelens-topk": ("saelens", "topk"),
-           "saelens-batchtopk": ("saelens", "batchtopk"), "sparsify-topk": ("sparsify", "topk")}  # fmt: skip
+           "saelens-batchtopk": ("saelens", "batchtopk"), "sparsify-topk": ("sparsify", "topk"),
+           "saelens-jumprelu": ("saelens", "jumprelu"), "saelens-gated": ("saelens", "gated")}  # fmt: skip
 # the fixture each library wrote for the architecture an export writes
 EXPORT_TWINS = {"saelens-relu": "saelens/accepted/standard", "saelens-topk": "saelens/accepted/topk",
-                "saelens-batchtopk": "saelens/accepted/batchtopk-training", "sparsify-topk": "sparsify/accepted/topk"}
+                "saelens-batchtopk": "saelens/accepted/batchtopk-training", "sparsify-topk": "sparsify/accepted/topk",
+                "saelens-jumprelu": "saelens/accepted/jumprelu", "saelens-gated": "saelens/accepted/gated"}
 
 
 def fixture_dpath(library: str, name: str, group: str = "accepted") -> pathlib.Path:
@@ -86,10 +92,12 @@ def saeflow_sae(arch: str, seed: int = 0) -> sae.SAE:
     g = torch.Generator().manual_seed(seed)
     W_dec = torch.randn(D_SAE, D_MODEL, generator=g)
     W_dec /= W_dec.norm(dim=-1, keepdim=True)
-    return sae.SAE.from_weights(
-        W_dec.T * 0.5, torch.randn(D_SAE, generator=g) * 0.1, W_dec, torch.randn(D_MODEL, generator=g) * 0.1,
-        arch=arch, k=K, scale=0.37, threshold=0.2,
-    )  # fmt: skip
+    b_enc, b_dec = torch.randn(D_SAE, generator=g) * 0.1, torch.randn(D_MODEL, generator=g) * 0.1
+    # the architecture's own parameters, random too (JumpReLU: thresholds 0.05..0.5; Gated: r_mag, b_mag)
+    extra = {name: (torch.rand(D_SAE, generator=g) * 0.45 + 0.05).log() if name == "log_threshold"
+             else torch.randn(D_SAE, generator=g) * 0.1 for name in archs.get(arch).parameters(D_SAE)}  # fmt: skip
+    return sae.SAE.from_weights(W_dec.T * 0.5, b_enc, W_dec, b_dec, arch=arch, k=K, scale=0.37, threshold=0.2,
+                                extra=extra)  # fmt: skip
 
 
 def inputs(n: int = 64) -> torch.Tensor:
@@ -230,16 +238,19 @@ def test_export_import_round_trip_without_the_libraries(name, tmp_path):
     fmt, arch = EXPORTS[name]
     model = saeflow_sae(arch)
     back = sae_checkpoints.read_checkpoint(sae_checkpoints.export_sae(model, fmt, tmp_path / name)).sae()
-    assert back.cfg.arch == arch and (arch == "relu" or back.cfg.k == K)
+    assert back.cfg.arch == arch and (not archs.get(arch).uses_k or back.cfg.k == K)
     with torch.no_grad():
         for got, want in zip(back(inputs()), model(inputs()), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(SaeflowError, match="sparsify has TopK SAEs only"):
-        sae_checkpoints.export_sae(saeflow_sae("relu"), "sparsify", tmp_path / "relu")
-    assert not (tmp_path / "relu").exists()
+    for name in archs.REGISTRY:  # every architecture sparsify cannot represent: one line, nothing written
+        if archs.get(name).sparsify is None:
+            with pytest.raises(SaeflowError, match=rf"^sparsify has TopK SAEs only .*this SAE is {name}: export it "
+                                                   "with --format saelens$"):  # fmt: skip
+                sae_checkpoints.export_sae(saeflow_sae(name), "sparsify", tmp_path / name)
+            assert not (tmp_path / name).exists()
     out = sae_checkpoints.export_sae(saeflow_sae("topk"), "saelens", tmp_path / "topk")
     with pytest.raises(SaeflowError, match="already exists"):
         sae_checkpoints.export_sae(saeflow_sae("topk"), "saelens", out)
@@ -264,3 +275,35 @@ def test_a_run_root_is_refused_naming_the_sae_directories_it_holds(tmp_path, cap
         shutil.copytree(run_root, seeds_root / seed)
     with pytest.raises(SaeflowError, match="holds SAE directories seed0/layers.0, seed0/layers.1, seed1/layers.0, "):
         sae_checkpoints.read_checkpoint(seeds_root)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training losses against SAELens's own, on its own checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+# fixture, its loss in outputs.npz -> the saeflow training keys that ask for SAELens's (make_saelens_jumprelu_gated.py)
+LOSSES = {
+    ("jumprelu-training", "loss_step"): dict(arch="jumprelu", jumprelu_loss="step", l0_coeff=0.7, bandwidth=0.05),
+    ("jumprelu-training", "loss_tanh"): dict(arch="jumprelu", jumprelu_loss="tanh", tanh_coeff=0.7, tanh_scale=4.0,
+                                             pre_act_coeff=0.3),
+    ("gated-training", "loss"): dict(arch="gated", gate_l1_coeff=0.7),
+}
+
+
+@pytest.mark.parametrize(("name", "key"), list(LOSSES), ids=[f"{n}-{k}" for n, k in LOSSES])
+def test_training_loss_equals_saelens_on_its_own_checkpoint(name, key):
+    """saeflow's one-process training loss (objectives.Objective, no warm-up, AuxK off) on SAELens's weights and
+    inputs, with SAELens's dead-latent mask, equals SAELens's `training_forward_pass` loss to 1e-5."""
+    src = fixture_dpath("saelens", name)
+    model = sae_checkpoints.read_checkpoint(src).sae().train()
+    cfg = TrainConfig.from_dict({
+        "trainer": "saeflow-train-3", "train_shards": "a" * 64, "val_shards": "a" * 64, "layer": 0, "tokens": "all",
+        "expansion": 2, "k": 1, "matryoshka": [], "l1_coeff": 3.0, "aux_k": 8, "aux_alpha": 0.0,
+        "dead_after_vectors": None, "lr": None, "lr_warmup_frac": 0.0, "sparsity_warmup_frac": 0.0,
+        "batch_size": 24, "n_epochs": 1, "n_train_vectors": None, "n_val_vectors": None, "seed": 0, "data_seed": 0,
+        **LOSSES[name, key]}, name)  # fmt: skip
+    with np.load(src / "outputs.npz") as want:
+        dead = objectives.DeadLatents(D_SAE, 1, torch.device("cpu"))
+        dead.since_fired_s.copy_(torch.from_numpy(want["dead"]).long() if "dead" in want.files else 0)
+        loss = objectives.Objective(cfg, 100)(model, torch.from_numpy(want["x"]), 50, dead)
+        assert float(loss.total) == pytest.approx(float(want[key]), rel=1e-5)

@@ -147,7 +147,7 @@ class WorkflowPlan:
         auto_tokens = {name: sweeps.auto_tokens_of(md) for name, md in self.metadata.items()}
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash, auto_tokens)}
         for plan in self.runs.values():
-            sweeps.check_run(plan, self.metadata[plan.train_activation], self.metadata[plan.val_activation])
+            sweeps.check_run(plan, *(self.metadata[a] for a in plan.activations), cfg.settings["train"])
 
     @classmethod
     def from_config(cls, config: dict, planned: dict[str, dict] | None = None) -> "WorkflowPlan":
@@ -346,7 +346,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         configs[plan.cli_config("runs", run_id)] = {
             **roots,
             "activations": {name: raw["activations"][name] for name in names},
-            "saes": {run_plan.sae_name: raw["saes"][run_plan.sae_name]},
+            "saes": {run_plan.sae_name: sweeps.canonical_spec(raw["saes"][run_plan.sae_name])},
         }
     for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)
         if isinstance(spec, ActivationSpec):

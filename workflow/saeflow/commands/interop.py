@@ -53,8 +53,9 @@ EXPORT_CHECKPOINT_DESCRIPTION = """\
 Write the SAE of RUN (checkpoint/sae.pt) as a directory the other library loads with its own code:
 
   saelens   cfg.json + sae_weights.safetensors: sae_lens.SAE.load_from_disk(OUT) (relu -> standard, topk -> topk,
-            batchtopk -> jumprelu with the BatchTopK threshold for every latent)
-  sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only)
+            batchtopk -> jumprelu with the BatchTopK threshold for every latent, jumprelu -> jumprelu with its
+            per-latent thresholds, gated -> gated)
+  sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only; the others are refused)
 
 saeflow's input scale is folded into the weights (W_enc * scale, W_dec / scale, b_dec / scale), so the codes equal
 saeflow's and the reconstruction is in raw activation space; cfg.json records the run, layer and folded scale
@@ -66,8 +67,9 @@ Turn a SAELens (cfg.json + sae_weights.safetensors) or sparsify (cfg.json + sae.
 saeflow run directory ROOT/<run_id>/ (checkpoint/config.json naming the origin, the weights' sha256, the layer and
 the shard directory; checkpoint/sae.pt; links/train-shards -> DIR), ready for
 `saeflow inference --run RUN --shards DIR` and `saeflow visuals`. The run id is the sha256 of that config, so an
-import is idempotent. Architectures: SAELens standard, topk, jumprelu with one threshold for all latents
-(BatchTopK); sparsify topk. The weights are read with safetensors; no code from the checkpoint runs.
+import is idempotent. Architectures: SAELens standard, topk, jumprelu (per-latent or shared thresholds; BatchTopK when
+its training metadata says so), gated; sparsify topk. The weights are read with safetensors; no code from the
+checkpoint runs.
 """
 
 

@@ -102,7 +102,7 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
         d_model=info.d_model,
         n_ex=n_ex,
         patches_per_shard=spec.patches_per_shard,
-        data=json.loads(canonical_json(data)),  # plain JSON types, exactly as metadata.json will read back
+        data=json.loads(canonical_json(shards.canonical_data(data))),  # plain JSON, as metadata.json reads back
         dataset=dataset.dataset_path,
         dtype=spec.store_dtype,
     )

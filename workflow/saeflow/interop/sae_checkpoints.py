@@ -11,10 +11,15 @@ b_enc and the BatchTopK threshold unchanged. The codes f are then identical to s
 decoder rows have norm 1 / scale instead of 1 (so sparsify's cfg says normalize_decoder=false). Imports take the
 weights as they are, with scale = 1.
 
+Each architecture says how it maps (training/archs: `Arch.saelens`, `saelens_export`, `saelens_import`,
+`Arch.sparsify`; None refuses in one line):
+
     saeflow arch     SAELens architecture                        sparsify activation
     relu             standard                                    (none: refused)
     topk             topk (rescale_acts_by_decoder_norm=false)   topk
     batchtopk        jumprelu, threshold = the scalar per latent (none: refused)
+    jumprelu         jumprelu, threshold = exp(log_threshold)     (none: refused)
+    gated            gated (b_gate = b_enc, b_mag, r_mag)          (none: refused)
 
 An import becomes a run directory (`runs.create_run`) whose checkpoint/config.json names its origin (format, the
 source cfg.json, the sha256 of the weights file), the layer and the shard directory it is meant for; its sha256 is
@@ -29,30 +34,30 @@ import pathlib
 
 import torch
 
-from saeflow import config
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
 from saeflow.store.hashing import file_sha256
-from saeflow.training import sae
+from saeflow.training import archs, sae
 
 logger = logging.getLogger(__name__)
 
 CFG_FNAME = "cfg.json"  # both libraries
 WEIGHTS_FNAMES = {"saelens": "sae_weights.safetensors", "sparsify": "sae.safetensors"}
-SAELENS_ARCHS = config.by_enum({"relu": "standard", "topk": "topk", "batchtopk": "jumprelu"}, "sae_spec", "arch")
 IMPORT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class RawWeights:
-    """An SAE in raw activation space (the convention above); `threshold` is BatchTopK's (None otherwise)."""
+    """An SAE in raw activation space (the convention above); `threshold` the inference threshold of an architecture
+    that has one (`Arch.has_threshold`; None otherwise)."""
 
     W_enc_ds: torch.Tensor
     b_enc_s: torch.Tensor
     W_dec_sd: torch.Tensor
     b_dec_d: torch.Tensor
     threshold: float | None = None
+    extra: dict = dataclasses.field(default_factory=dict)  # the architecture's own parameters (Arch.parameters)
 
 
 def raw_weights(model: sae.SAE) -> RawWeights:
@@ -64,7 +69,8 @@ def raw_weights(model: sae.SAE) -> RawWeights:
             b_enc_s=model.b_enc.clone(),
             W_dec_sd=(model.W_dec / scale).contiguous(),
             b_dec_d=model.b_dec / scale,
-            threshold=float(model.threshold) if model.cfg.arch == "batchtopk" else None,
+            threshold=float(model.threshold) if model.arch.has_threshold else None,
+            extra={name: getattr(model, name).detach().clone() for name in model.arch.parameters(model.d_sae)},
         )
 
 
@@ -72,7 +78,7 @@ def from_raw(weights: RawWeights, arch: str, k: int) -> sae.SAE:
     """A saeflow SAE (scale 1) computing exactly what the raw weights compute."""
     return sae.SAE.from_weights(
         weights.W_enc_ds, weights.b_enc_s, weights.W_dec_sd, weights.b_dec_d,
-        arch=arch, k=k, scale=1.0, threshold=weights.threshold or 0.0,
+        arch=arch, k=k, scale=1.0, threshold=weights.threshold or 0.0, extra=weights.extra,
     )  # fmt: skip
 
 
@@ -114,9 +120,11 @@ def _check_format(fmt: str) -> None:
 
 def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """SAELens 6.x inference SAE: cfg.json as `SAEConfig.to_dict()` writes it, sae_weights.safetensors."""
+    if model.arch.saelens is None:
+        raise SaeflowError(f"SAELens has no architecture that computes a {model.cfg.arch} SAE")
     weights = raw_weights(model)
     cfg = {
-        "architecture": SAELENS_ARCHS[model.cfg.arch],
+        "architecture": model.arch.saelens,
         "d_in": model.d_model,
         "d_sae": model.d_sae,
         "dtype": "float32",
@@ -124,27 +132,25 @@ def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.
         "apply_b_dec_to_input": True,
         "normalize_activations": "none",  # the scale is folded into the weights
         "reshape_activations": "none",
-        "metadata": {"sae_lens_version": "6.0.0", "saeflow": origin},
+        "metadata": {"sae_lens_version": "6.0.0", "saeflow": {**origin, "arch": model.cfg.arch}},
     }
-    tensors = {"W_enc": weights.W_enc_ds, "b_enc": weights.b_enc_s, "W_dec": weights.W_dec_sd, "b_dec": weights.b_dec_d}
-    if model.cfg.arch == "topk":
-        cfg.update(k=model.cfg.k, rescale_acts_by_decoder_norm=False)
-    if model.cfg.arch == "batchtopk":
-        cfg["k"] = model.cfg.k  # not a JumpReLU field (SAELens drops it); kept for the way back
-        tensors["threshold"] = torch.full((model.d_sae,), weights.threshold)
+    tensors = {"W_enc": weights.W_enc_ds, "b_enc": weights.b_enc_s, "W_dec": weights.W_dec_sd, "b_dec": weights.b_dec_d,
+               **weights.extra}  # fmt: skip
+    cfg_extra, tensors = model.arch.saelens_export(model, tensors, weights.threshold)
+    cfg.update(cfg_extra)
     return cfg, {name: t.detach().float().contiguous() for name, t in tensors.items()}
 
 
 def _sparsify_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """sparsify `Sae.save_to_disk`'s files: cfg.json (SparseCoderConfig + d_in), sae.safetensors."""
-    if model.cfg.arch != "topk":
+    if model.arch.sparsify is None:
         raise SaeflowError(
             f"sparsify has TopK SAEs only (activation topk or groupmax); this SAE is {model.cfg.arch}: "
             f"export it with --format saelens"
         )
     weights = raw_weights(model)
     cfg = {
-        "activation": "topk",
+        "activation": model.arch.sparsify,
         "expansion_factor": max(1, model.d_sae // model.d_model),
         "normalize_decoder": False,  # decoder rows have norm 1/scale once the scale is folded
         "num_latents": model.d_sae,
@@ -224,12 +230,13 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
         arch, k, weights = (_from_saelens if fmt == "saelens" else _from_sparsify)(cfg, tensors)
     except KeyError as err:
         raise SaeflowError(f"{src_dpath}: {fmt} checkpoint lacks {err}") from None
-    except _Unsupported as err:
+    except archs.Unsupported as err:
         raise SaeflowError(f"{src_dpath}: cannot import: {err}") from None
     d_sae, d_model = weights.W_dec_sd.shape
+    extra_ok = all(t.shape == (d_sae,) for t in weights.extra.values())
     if weights.W_enc_ds.shape != (d_model, d_sae) or weights.b_enc_s.shape != (d_sae,) or weights.b_dec_d.shape != (
         d_model,
-    ):
+    ) or not extra_ok:
         raise SaeflowError(f"{weights_fpath}: inconsistent shapes (W_dec {tuple(weights.W_dec_sd.shape)}, W_enc "
                            f"{tuple(weights.W_enc_ds.shape)}, b_enc {tuple(weights.b_enc_s.shape)}, b_dec "
                            f"{tuple(weights.b_dec_d.shape)})")  # fmt: skip
@@ -264,18 +271,14 @@ def _read_tensors(fpath: pathlib.Path) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.float32) for name, t in tensors.items()}
 
 
-class _Unsupported(Exception):
-    """A checkpoint saeflow's SAE cannot compute; `read_checkpoint` names the directory."""
-
-
 def _refuse_unless(ok: bool, what: str) -> None:
     if not ok:
-        raise _Unsupported(what)
+        raise archs.Unsupported(what)
 
 
 def _checked_k(k) -> int:
     if type(k) is not int or k < 1:
-        raise _Unsupported(f"k={k!r} (k must be a positive integer)")
+        raise archs.Unsupported(f"k={k!r} (k must be a positive integer)")
     return k
 
 
@@ -288,39 +291,36 @@ def _saelens_k(cfg: dict) -> int:
 
 
 def _from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
-    """SAELens 6.x standard / topk / jumprelu (a uniform threshold, as BatchTopK is saved for inference)."""
-    arch_name = cfg.get("architecture", "standard")
+    """SAELens 6.x, through the architecture saved under its name (`archs.from_saelens`, `Arch.saelens_import`)."""
     norm = cfg.get("normalize_activations", "none")
-    _refuse_unless(arch_name in SAELENS_ARCHS.values(), f"SAELens architecture {arch_name!r} (saeflow has "
-                   f"{sorted(SAELENS_ARCHS.values())})")  # fmt: skip
+    arch = archs.from_saelens(cfg.get("architecture", "standard"), cfg)
     _refuse_unless(norm in ("none", None), f"normalize_activations={norm!r}: saeflow SAEs have no run-time input "
                    "normalization; fold it first (SAELens: sae.fold_activation_norm_scaling_factor)")  # fmt: skip
     _refuse_unless(cfg.get("reshape_activations", "none") == "none", "hook_z (per-head) SAEs")
-    W_enc, b_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec"))
+    W_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "W_dec", "b_dec"))
+    common = {"W_enc": W_enc, "b_enc": tensors.get("b_enc"), "W_dec": W_dec, "b_dec": b_dec, "threshold": None}
+    weights = arch.saelens_import(cfg, tensors, common)
+    if weights["b_enc"] is None:
+        raise KeyError("b_enc")
     if not cfg.get("apply_b_dec_to_input", True):  # x @ W_enc + b_enc == (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
-        b_enc = b_enc + b_dec @ W_enc
-    if arch_name == "topk" and cfg.get("rescale_acts_by_decoder_norm", False):
-        norm_s = W_dec.norm(dim=-1).clamp_min(1e-8)  # SAELens's own fold_W_dec_norm: same codes
-        W_enc, b_enc, W_dec = W_enc * norm_s, b_enc * norm_s, W_dec / norm_s[:, None]
-    threshold = None
-    if arch_name == "jumprelu":
-        threshold_s = tensors["threshold"]
-        _refuse_unless(bool((threshold_s == threshold_s[0]).all()), "a JumpReLU SAE with per-latent thresholds "
-                       "(saeflow's BatchTopK has one threshold)")  # fmt: skip
-        threshold = float(threshold_s[0])
-    arch = {v: k for k, v in SAELENS_ARCHS.items()}[arch_name]
-    k = _saelens_k(cfg) if arch != "relu" else 1
-    return arch, min(k, W_dec.shape[0]), RawWeights(W_enc, b_enc, W_dec, b_dec, threshold)
+        weights["b_enc"] = weights["b_enc"] + b_dec @ weights["W_enc"]
+    k = _saelens_k(cfg) if arch.uses_k else 1
+    extra = {name: weights[name] for name in arch.parameters(W_dec.shape[0])}
+    raw = RawWeights(*(weights[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")), extra)
+    return arch.name, min(k, W_dec.shape[0]), raw
 
 
 def _from_sparsify(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
-    """sparsify SparseCoder with the topk activation, autoencoding (no transcoder, no skip connection)."""
-    _refuse_unless(cfg.get("activation", "topk") == "topk", f"sparsify activation {cfg.get('activation')!r}")
+    """sparsify SparseCoder with an activation an architecture is saved as (`Arch.sparsify`: topk), autoencoding
+    (no transcoder, no skip connection)."""
+    activation = cfg.get("activation", "topk")
+    found = [arch for arch in archs.REGISTRY.values() if arch.sparsify is not None and arch.sparsify == activation]
+    _refuse_unless(bool(found), f"sparsify activation {cfg.get('activation')!r}")
     _refuse_unless(not cfg.get("transcode") and not cfg.get("skip_connection"), "sparsify transcoders and skip "
                    "connections (saeflow SAEs reconstruct their input)")  # fmt: skip
     weights = RawWeights(tensors["encoder.weight"].T.contiguous(), tensors["encoder.bias"], tensors["W_dec"],
                          tensors["b_dec"])  # fmt: skip
-    return "topk", _checked_k(cfg.get("k", 32)), weights
+    return found[0].name, _checked_k(cfg.get("k", 32)), weights
 
 
 def import_checkpoint(

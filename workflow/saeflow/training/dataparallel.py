@@ -14,6 +14,7 @@ process the sums are taken in another order: not bitwise, see docs/distributed.m
 import torch
 
 from saeflow.training import objectives, resume, train
+from saeflow.training.archs import Selection
 from saeflow.training.distloader import slice_bounds
 from saeflow.training.distributed import Comm
 from saeflow.training.objectives import Codes, Loss
@@ -54,7 +55,7 @@ def data_parallel_loss(
     pre_bs = sae.pre_acts_normed(xn_bd)
     dead_z, pick_bk = objectives.pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
     aux_ids_bk = None if pick_bk is None else dead_z[pick_bk]
-    if cfg.arch == "batchtopk":
+    if sae.arch.selection is Selection.BATCH_TOP_K:
         codes = Codes(pre_bs, global_batch_topk(pre_bs, sae.cfg.n_kept(batch_size), comm), None, None)
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
     else:
@@ -63,20 +64,18 @@ def data_parallel_loss(
         if pick_bk is not None:
             comm.all_reduce(torch.zeros(1, device=x_bd.device))
         zero = sum(p.sum() for p in sae.parameters()) * 0.0
-        names = ("mse", "l1", "aux") if cfg.arch == "relu" else ("mse", "aux")
-        return Loss(zero, dict.fromkeys(names, zero), codes.decode(sae), codes)
-    weight = n / batch_size
+        return Loss(zero, dict.fromkeys(sae.arch.term_names, zero), codes.decode(sae), codes)
     mse, xn_hat_bd = objectives.reconstruction_loss(sae, codes, xn_bd)
-    terms = {"mse": mse * weight}
-    if cfg.arch == "relu":
-        ramp = objectives.l1_ramp(step, objective.n_steps, cfg.sparsity_warmup_frac)
-        terms["l1"] = cfg.l1_coeff * ramp * objectives.l1_penalty(sae, codes.f_bs) * weight
-    terms["aux"] = torch.zeros((), device=x_bd.device)
-    if pick_bk is not None:
+
+    def aux_error():
+        if pick_bk is None:
+            return None
         resid_bd = xn_bd - xn_hat_bd
         energy = comm.all_reduce(resid_bd.detach().square().sum().reshape(1))[0] / batch_size
-        aux = objectives.aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, resid_bd, cfg.arch == "relu", energy)
-        terms["aux"] = cfg.aux_alpha * aux * weight
+        return objectives.aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, resid_bd, sae.arch.ghost_aux, energy)
+
+    terms = objectives.loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, objective.n_steps,
+                                  weight=n / batch_size, dead_s=dead.dead_s)  # fmt: skip
     return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
 
 
@@ -144,12 +143,11 @@ class DataParallelTrainer(train.Trainer):
         loss.total.backward()
         for param in sae.parameters():
             comm.all_reduce(param.grad)
-        train.adam_step(self.opt, sae, self.cfg.arch)
+        train.adam_step(self.opt, sae)
         with torch.no_grad():
             fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
             self.dead.update(fired_s)
-            if self.cfg.arch == "batchtopk":
-                self._update_threshold(loss.codes.f_bs, bool(fired_s.any()))
+            sae.arch.update_stats(sae, loss.codes.f_bs, self.step, self._global_min)
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             n_active = (loss.codes.f_bs > 0).sum() if loss.codes.idx_bk is None else (loss.codes.vals_bk > 0).sum()
@@ -158,14 +156,9 @@ class DataParallelTrainer(train.Trainer):
                 self.checkpoint.log(self.last)
                 self.tracker.log(self.last)
 
-    def _update_threshold(self, f_bs: torch.Tensor, any_fired: bool) -> None:
-        """The running mean of the smallest kept activation, the minimum taken over the global batch."""
-        kept = f_bs[f_bs > 0]
-        min_kept = kept.min() if kept.numel() else torch.tensor(torch.inf, device=f_bs.device)
-        min_kept = self.comm.all_reduce(min_kept.reshape(1).clone(), "min")[0]
-        sae = self.sae
-        min_kept = min_kept if any_fired else sae.threshold  # as one process does (train.Trainer.train_step)
-        sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
+    def _global_min(self, value: torch.Tensor) -> torch.Tensor:
+        """The minimum of a one-element tensor over the ranks (threshold statistics of the global batch)."""
+        return self.comm.all_reduce(value.reshape(1).clone(), "min")[0]
 
     def finish(self, val_dir) -> dict | None:
         """Rank 0 validates and publishes (the others hold the same SAE and wait)."""

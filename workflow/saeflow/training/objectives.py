@@ -1,6 +1,10 @@
-"""The SAE training loss: reconstruction (with Matryoshka prefixes) plus L1 (relu) or AuxK (topk, batchtopk).
+"""The SAE training loss: reconstruction (with Matryoshka prefixes), the architecture's sparsity terms and AuxK.
 
-`Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's loss; the loop (`training.train`) owns the optimizer,
+`loss_terms` is the one definition of a step's loss terms: the one-process `Objective`, the data-parallel
+(training.dataparallel) and the latent-sharded (training.sharded) trainers each compute the reconstruction and the
+AuxK error their way (over a slice, or over the ranks' latents) and hand them to it, and the architecture
+(training/archs: `Arch.sparsity_terms`) adds its own. `Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's
+loss; the loop (`training.train`) owns the optimizer,
 the step and the dead-latent counters. Everything here is in the SAE's normalized space (x * scale). Runs with the
 same id train to the same weights, so the operations keep the order they had when `sweeps.TRAINER` was last bumped:
 reordering them moves roundings, which is a change of the training maths (and calls for a new TRAINER).
@@ -9,9 +13,11 @@ Shapes: b batch, d d_model, s d_sae latents, k active latents per vector, z dead
 """
 
 import dataclasses
+import typing
 
 import torch
 
+from saeflow.training.archs import Selection, TermInputs
 from saeflow.training.sae import SAE
 from saeflow.training.sweeps import TrainConfig
 
@@ -47,20 +53,23 @@ class Codes:
         return float(active_bk.sum(-1).float().mean())
 
 
-def encode(sae: SAE, pre_bs: torch.Tensor, arch: str, k: int, aux_ids_bk: torch.Tensor | None):
-    """The batch's codes, and the pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
+def encode(sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None, cfg: TrainConfig | None = None):
+    """The batch's codes (in training, `cfg` given: `Arch.train_activate`), and the pre-activations (b, aux k) of
+    AuxK's picks `aux_ids_bk` (None: no dead latent).
 
-    TopK chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching the
-    (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
+    Selection.TOP_K chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching
+    the (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
     """
-    if arch != "topk":
+    if sae.arch.selection is not Selection.TOP_K:
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
-        return Codes(pre_bs, sae.activate(pre_bs), None, None), aux_pre_bk
+        f_bs = sae.activate(pre_bs) if cfg is None else sae.arch.train_activate(sae, pre_bs, cfg)
+        return Codes(pre_bs, f_bs, None, None), aux_pre_bk
+    n_kept = sae.cfg.n_kept(1)
     with torch.no_grad():
-        idx_bk = pre_bs.topk(k, dim=-1, sorted=False).indices
+        idx_bk = pre_bs.topk(n_kept, dim=-1, sorted=False).indices
     if aux_ids_bk is None:
         return Codes(pre_bs, None, torch.relu(pre_bs.gather(1, idx_bk)), idx_bk), None
-    vals_bk, aux_pre_bk = pre_bs.gather(1, torch.cat([idx_bk, aux_ids_bk], 1)).split([k, aux_ids_bk.shape[1]], 1)
+    vals_bk, aux_pre_bk = pre_bs.gather(1, torch.cat([idx_bk, aux_ids_bk], 1)).split([n_kept, aux_ids_bk.shape[1]], 1)
     return Codes(pre_bs, None, torch.relu(vals_bk), idx_bk), aux_pre_bk  # no dense (b, s) codes: never needed
 
 
@@ -73,17 +82,6 @@ def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[to
     recon = [(codes.decode(sae, m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
     mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
     return mse, xn_hat_bd
-
-
-def l1_ramp(step: int, n_steps: int, warmup_frac: float) -> float:
-    """The L1 weight's linear warm-up factor: a full penalty from step 0 would kill latents before they learn."""
-    n_warm = int(warmup_frac * n_steps)
-    return min(1.0, (step + 1) / n_warm) if n_warm else 1.0
-
-
-def l1_penalty(sae: SAE, f_bs: torch.Tensor) -> torch.Tensor:
-    """Activations weighted by their decoder norms, summed per vector (rescaling the decoder cannot game it)."""
-    return (f_bs * sae.W_dec.norm(dim=-1)).sum(-1).mean()
 
 
 class DeadLatents:
@@ -141,21 +139,46 @@ class Loss:
     """One step's loss and what the step logs and updates from it."""
 
     total: torch.Tensor  # what the optimizer minimizes: the sum of `terms`
-    terms: dict[str, torch.Tensor]  # mse, and l1 (relu) or aux (topk, batchtopk), weights applied
+    terms: dict[str, torch.Tensor]  # Arch.term_names: mse, the architecture's sparsity terms, aux; weights applied
     xn_hat_bd: torch.Tensor  # the full reconstruction
-    codes: Codes  # the activations (firing counts, the BatchTopK threshold, metrics)
+    codes: Codes  # the activations (firing counts, threshold statistics, metrics)
+
+
+def loss_terms(
+    cfg: TrainConfig, model, xn_bd: torch.Tensor, pre_bs: torch.Tensor, f_bs: torch.Tensor | None, mse: torch.Tensor,
+    aux_error: typing.Callable[[], torch.Tensor | None], step: int, n_steps: int, weight: float | None = None,
+    dead_s: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The loss terms of one step, the one definition every trainer uses: `mse` (the Matryoshka reconstruction
+    error), the architecture's sparsity terms (`Arch.sparsity_terms`: ReLU's L1, ...), then AuxK's error
+    (`aux_error()`, None when no latent is dead) weighted by `aux_alpha`; each times `weight` when given (a
+    data-parallel rank's share of the batch). `model` is the SAE or a rank's latent shard (its terms cover its own
+    latents). The terms are built in this order, which fixes the order their gradients are summed in."""
+
+    def weighted(term: torch.Tensor) -> torch.Tensor:
+        return term if weight is None else term * weight
+
+    terms = {"mse": weighted(mse)}
+    batch = TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps, dead_s)
+    for name, term in model.arch.sparsity_terms(batch).items():
+        terms[name] = weighted(term)
+    terms["aux"] = torch.zeros((), device=xn_bd.device)
+    aux = aux_error()
+    if aux is not None:
+        terms["aux"] = weighted(cfg.aux_alpha * aux)
+    return terms
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The loss of one run: its architecture's sparsity term on top of the Matryoshka reconstruction."""
+    """The loss of one run on one process: its architecture's sparsity terms on top of the Matryoshka reconstruction."""
 
-    cfg: TrainConfig  # arch, k, l1_coeff, sparsity_warmup_frac, aux_k, aux_alpha
-    n_steps: int  # of the whole run (the L1 warm-up is a fraction of it)
+    cfg: TrainConfig  # what loss_terms and the architecture read (aux_k, aux_alpha, l1_coeff, ...)
+    n_steps: int  # of the whole run (warm-ups are fractions of it)
 
     def encode(self, sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
-        """`encode` with this run's architecture and k."""
-        return encode(sae, pre_bs, self.cfg.arch, self.cfg.k, aux_ids_bk)
+        """`encode` in training, with this run's SAE and config."""
+        return encode(sae, pre_bs, aux_ids_bk, self.cfg)
 
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
         cfg = self.cfg
@@ -164,13 +187,11 @@ class Objective:
         dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
         codes, aux_pre_bk = self.encode(sae, pre_bs, None if pick_bk is None else dead_z[pick_bk])
         mse, xn_hat_bd = reconstruction_loss(sae, codes, xn_bd)
-        terms = {"mse": mse}
-        if cfg.arch == "relu":
-            ramp = l1_ramp(step, self.n_steps, cfg.sparsity_warmup_frac)
-            terms["l1"] = cfg.l1_coeff * ramp * l1_penalty(sae, codes.f_bs)
-        terms["aux"] = torch.zeros((), device=x_bd.device)
-        if pick_bk is not None:
-            ghost = cfg.arch == "relu"
-            aux = aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, xn_bd - xn_hat_bd, ghost)
-            terms["aux"] = cfg.aux_alpha * aux
+
+        def aux_error():
+            if pick_bk is None:
+                return None
+            return aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, xn_bd - xn_hat_bd, sae.arch.ghost_aux)
+
+        terms = loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, self.n_steps, None, dead.dead_s)
         return Loss(sum(terms.values()), terms, xn_hat_bd, codes)

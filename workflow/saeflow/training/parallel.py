@@ -25,7 +25,7 @@ from saeflow import preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import memory, train
+from saeflow.training import archs, memory, train
 from saeflow.training.dataparallel import DataParallelTrainer
 from saeflow.training.distloader import DistributedShuffledLoader
 from saeflow.training.distributed import Comm
@@ -129,6 +129,8 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
     d_model = train_dir.metadata.d_model
     biggest = max(memory.state_bytes(cfg, d_model) for _, cfg in group)
     mode = comm.on_root(lambda: choose_mode(settings.parallel, len(group), comm.world_size, biggest, dev_bytes))
+    for run, cfg in group:  # an architecture trains in the modes it names (training/archs), or is refused here
+        archs.check_mode(cfg.arch, mode, f"{run.config_fpath}: arch")
     pool = memory.pool_bytes(group, settings.buffer_bytes, mode, train_dir, comm)
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig):

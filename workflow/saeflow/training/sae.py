@@ -1,4 +1,4 @@
-"""The SAE family (ReLU+L1, TopK, BatchTopK, each optionally Matryoshka) and its self-describing `sae.pt`.
+"""The SAE family (every architecture of training/archs, each optionally Matryoshka) and its self-describing `sae.pt`.
 
 All SAEs share one parameterization in *normalized* space, where inputs are scaled by `scale` so that their mean
 squared norm is d_model (so hyper-parameters transfer across models and layers):
@@ -23,6 +23,7 @@ import torch
 
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.store import atomic
+from saeflow.training import archs
 from saeflow.training.sweeps import SAEConfig
 
 FORMAT = "saeflow-sae"
@@ -40,9 +41,11 @@ class SAE(torch.nn.Module):
         self.b_enc = torch.nn.Parameter(torch.zeros(cfg.d_sae))
         self.W_dec = torch.nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_model))
         self.b_dec = torch.nn.Parameter(torch.zeros(cfg.d_model))
-        # Raw -> normalized multiplier, and the BatchTopK inference threshold (in normalized pre-activation units).
+        # Raw -> normalized multiplier; an inference threshold (Arch.has_threshold), in normalized pre-activation units.
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("threshold", torch.zeros(()))
+        for name, zeros in self.arch.parameters(cfg.d_sae).items():  # e.g. JumpReLU's thresholds (training/archs)
+            self.register_parameter(name, torch.nn.Parameter(zeros))
 
     @classmethod
     def from_weights(
@@ -56,8 +59,10 @@ class SAE(torch.nn.Module):
         scale: float = 1.0,
         threshold: float = 0.0,
         matryoshka: tuple[int, ...] = (),
+        extra: dict | None = None,
     ) -> "SAE":
-        """An SAE with given weights (normalized space), e.g. for tests with known codes."""
+        """An SAE with given weights (normalized space), e.g. for tests with known codes; `extra`: the architecture's
+        own parameters (`Arch.parameters`, e.g. JumpReLU's log_threshold)."""
         d_model, d_sae = W_enc_ds.shape
         sae = cls(SAEConfig(d_model=d_model, d_sae=d_sae, arch=arch, k=k, matryoshka=matryoshka))
         state = {
@@ -67,6 +72,7 @@ class SAE(torch.nn.Module):
             "b_dec": b_dec_d,
             "scale": torch.tensor(float(scale)),
             "threshold": torch.tensor(float(threshold)),
+            **(extra or {}),
         }
         sae.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()})
         return sae.eval()
@@ -77,21 +83,15 @@ class SAE(torch.nn.Module):
         """(x_n - b_dec) @ W_enc + b_enc, written so b_dec's gradient costs a vector product, not a third matmul."""
         return xn_bd @ self.W_enc + (self.b_enc - self.b_dec @ self.W_enc)
 
+    @property
+    def arch(self) -> archs.Arch:
+        """This SAE's architecture (training/archs): its activation, losses, decoder policy and formats."""
+        return archs.get(self.cfg.arch)
+
     def activate(self, pre_bs: torch.Tensor) -> torch.Tensor:
-        """Pre-activations -> non-negative sparse codes. BatchTopK uses the batch in training, a threshold in eval."""
-        arch = self.cfg.arch
-        if arch == "relu":
-            return torch.relu(pre_bs)
-        if arch == "topk" or (arch == "batchtopk" and self.training):
-            relu_bs = torch.relu(pre_bs)
-            if arch == "topk":
-                vals_bk, idx_bk = relu_bs.topk(self.cfg.n_kept(1), dim=-1, sorted=False)
-                return torch.zeros_like(relu_bs).scatter_(-1, idx_bk, vals_bk)
-            n_keep = self.cfg.n_kept(relu_bs.shape[0])
-            flat = relu_bs.flatten()
-            vals_n, idx_n = flat.topk(n_keep, sorted=False)
-            return torch.zeros_like(flat).scatter_(0, idx_n, vals_n).view_as(relu_bs)
-        return torch.where(pre_bs > self.threshold, pre_bs, torch.zeros_like(pre_bs)).clamp_min(0)
+        """Pre-activations -> non-negative sparse codes (the architecture's `activate`; BatchTopK uses the batch in
+        training, a threshold in eval)."""
+        return self.arch.activate(self, pre_bs)
 
     def decode_normed(self, f_bs: torch.Tensor, n_latents: int | None = None) -> torch.Tensor:
         """Reconstruction in normalized space from the first `n_latents` latents (all by default)."""
@@ -133,13 +133,15 @@ class SAE(torch.nn.Module):
     @torch.no_grad()
     def fold_decoder_norms(self) -> None:
         """Unit decoder rows without changing the function: row j's norm moves into latent j's encoder column and
-        bias (and the BatchTopK threshold is per vector, so only ReLU SAEs may be folded; TopK would re-rank)."""
-        if self.cfg.arch != "relu":
-            raise SaeflowError(f"fold_decoder_norms is exact for relu SAEs only, not {self.cfg.arch}")
+        bias; exact only where the architecture says so (`Arch.foldable`: a per-vector TopK or threshold would
+        re-rank)."""
+        if not self.arch.foldable():
+            raise SaeflowError(f"fold_decoder_norms is not exact for {self.cfg.arch} SAEs")
         norms_s = self.W_dec.norm(dim=-1).clamp_min(1e-8)
         self.W_dec.div_(norms_s[:, None])
         self.W_enc.mul_(norms_s)
         self.b_enc.mul_(norms_s)
+        self.arch.fold_parameters(self, norms_s)
 
     @torch.no_grad()
     def remove_parallel_grad(self) -> None:

@@ -25,6 +25,7 @@ from saeflow.errors import SaeflowError
 from saeflow.store import provenance
 from saeflow.training import objectives, train
 from saeflow.training.adam import Adam
+from saeflow.training.archs import Selection
 from saeflow.training.dataparallel import global_kth_largest
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders import OrderedLoader
@@ -129,14 +130,12 @@ def _mine(shard: LatentShard, gids_bk: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int, training: bool) -> ShardCodes:
-    """The codes of a batch: TopK picks globally, BatchTopK keeps the global top k x batch in training (the
-    threshold in eval), ReLU needs nobody."""
-    cfg = shard.cfg
-    if cfg.arch == "relu":
-        return ShardCodes(torch.relu(pre_bs))
-    if cfg.arch == "batchtopk":
-        if not training:
-            return ShardCodes(torch.where(pre_bs > shard.threshold, pre_bs, torch.zeros_like(pre_bs)).clamp_min(0))
+    """The codes of a batch by the architecture's selection (archs.Selection): TOP_K picks globally, BATCH_TOP_K
+    keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE needs nobody."""
+    cfg, selection = shard.cfg, shard.arch.selection
+    if selection is Selection.DENSE or (selection is Selection.BATCH_TOP_K and not training):
+        return ShardCodes(shard.arch.activate(shard, pre_bs))
+    if selection is Selection.BATCH_TOP_K:
         relu_bs = torch.relu(pre_bs)
         threshold = global_kth_largest(relu_bs.detach().flatten(), cfg.n_kept(batch_size), comm)
         return ShardCodes(torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs)))
@@ -190,14 +189,15 @@ def sharded_loss(trainer: "ShardedTrainer", x_bd: torch.Tensor) -> Loss:
     codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=True)
     recon_pbd = decode(shard, codes, comm, shard.cfg.matryoshka)
     xn_hat_bd = recon_pbd[-1]
-    terms = {"mse": torch.stack([(r_bd - xn_bd).square().sum(-1).mean() for r_bd in recon_pbd]).mean()}
-    if cfg.arch == "relu":
-        ramp = objectives.l1_ramp(trainer.step, trainer.n_steps, cfg.sparsity_warmup_frac)
-        terms["l1"] = cfg.l1_coeff * ramp * (codes.f_bs * shard.W_dec.norm(dim=-1)).sum(-1).mean()  # this rank's
-    terms["aux"] = torch.zeros((), device=x_bd.device)
-    if picks_bk is not None:
-        ghost = cfg.arch == "relu"
-        terms["aux"] = cfg.aux_alpha * aux_loss(shard, pre_bs, picks_bk, xn_bd - xn_hat_bd, ghost, comm)
+    mse = torch.stack([(r_bd - xn_bd).square().sum(-1).mean() for r_bd in recon_pbd]).mean()
+
+    def aux_error():
+        if picks_bk is None:
+            return None
+        return aux_loss(shard, pre_bs, picks_bk, xn_bd - xn_hat_bd, shard.arch.ghost_aux, comm)
+
+    terms = objectives.loss_terms(cfg, shard, xn_bd, pre_bs, codes.f_bs, mse, aux_error, trainer.step,
+                                  trainer.n_steps)  # fmt: skip  (the sparsity terms cover this rank's latents)
     return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
 
 
@@ -266,8 +266,8 @@ class ShardedTrainer(train.Trainer):
         shard.b_dec.copy_((x_nd * shard.scale).mean(0))
         shard.W_dec.copy_(randn_rows(self.cfg.seed, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
         shard.normalize_decoder()
-        if self.cfg.arch == "relu":
-            shard.W_dec.mul_(train.RELU_DECODER_INIT_NORM)
+        if shard.arch.decoder_init_norm != 1.0:
+            shard.W_dec.mul_(shard.arch.decoder_init_norm)
         shard.W_enc.copy_(shard.W_dec.T)
         shard.b_enc.zero_()
 
@@ -290,18 +290,12 @@ class ShardedTrainer(train.Trainer):
         self.opt.zero_grad()
         loss.total.backward()
         comm.all_reduce(shard.b_dec.grad)
-        train.adam_step(self.opt, shard, self.cfg.arch)
+        train.adam_step(self.opt, shard)
         with torch.no_grad():
-            fired_s = loss.codes.fired_s(shard)
-            self.dead.update(fired_s)
-            if self.cfg.arch == "batchtopk":
-                any_fired = comm.any_true(bool(fired_s.any()))
-                f_bs = loss.codes.f_bs
-                kept = f_bs[f_bs > 0]
-                min_kept = comm.all_reduce((kept.min() if kept.numel() else f_bs.new_tensor(torch.inf)).reshape(1),
-                                           "min")[0]  # fmt: skip
-                min_kept = min_kept if any_fired else shard.threshold  # as Trainer.train_step
-                shard.threshold.copy_(min_kept if self.step == 0 else 0.99 * shard.threshold + 0.01 * min_kept)
+            self.dead.update(loss.codes.fired_s(shard))
+            if shard.arch.has_threshold:  # statistics over the ranks' latents and the batch
+                shard.arch.update_stats(shard, loss.codes.f_bs, self.step,
+                                        lambda t: comm.all_reduce(t.reshape(1).clone(), "min")[0])  # fmt: skip
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = sharded_record(self, x_bd, loss)
@@ -312,7 +306,7 @@ class ShardedTrainer(train.Trainer):
     def finish(self, val_dir) -> dict | None:
         """Validation over every rank's latents, sae.pt assembled and published by rank 0 (Trainer.finish)."""
         self.sae.eval()
-        if self.cfg.arch == "relu":
+        if not self.sae.arch.unit_decoder:
             self.sae.fold_decoder_norms()
         metrics = sharded_validation(self, val_dir)
         self.opt = None  # the Adam moments go before the weights are gathered

@@ -20,11 +20,43 @@ from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.extraction import tokenization
 from saeflow.store import runs
+from saeflow.training import archs
 
-ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures
+ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures (each one module of training/archs)
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val")
 SEED_KEYS = ("seed", "data_seed")  # what may differ between the runs of one seed group (saeflow.analysis.stability)
+# Keys added to the training config after saeflow-train-3's first release, each with the value it was introduced at
+# (docs/contracts.md, "Identities that outlive upgrades"). The canonical form (config.json, whose sha256 is the run
+# id) leaves out a key at that value, and a config.json that lacks it reads as that value, so adding a key with a
+# default changes no run id and every earlier run still loads and trains. The one table of these values: a key's
+# schema default may change later (it then names new runs), its introduction value never does.
+INTRODUCED: dict[str, typing.Any] = {
+    # JumpReLU (issue 34): its sparsity term and the straight-through estimator's kernel
+    "jumprelu_loss": "step",
+    "l0_coeff": 2.0,
+    "bandwidth": 1.0,
+    "threshold_init": 2.0,
+    "tanh_coeff": 0.5,
+    "tanh_scale": 4.0,
+    "pre_act_coeff": 3.0e-6,
+    # Gated (issue 34): the L1 on its gate
+    "gate_l1_coeff": 8.0,
+}
+
+
+def at_introduction(key: str, value) -> bool:
+    """True when `key` is an introduced key and `value` is the value it was introduced at (left out when hashed)."""
+    if key not in INTRODUCED:
+        return False
+    default = INTRODUCED[key]
+    return value == default and isinstance(value, bool) == isinstance(default, bool)
+
+
+def canonical_spec(obj: typing.Mapping[str, typing.Any]) -> dict:
+    """An `saes.<name>` entry (or a run's hyper-parameters) without the introduced keys at their introduction value:
+    what a per-job config holds, so an upgrade that adds a key with a default leaves it byte for byte unchanged."""
+    return {key: value for key, value in obj.items() if not at_introduction(key, value)}
 
 
 def _is_sweep(key: str, value) -> bool:
@@ -112,10 +144,22 @@ class TrainConfig:
     n_val_vectors: int | None
     seed: int
     data_seed: int
+    # introduced later (INTRODUCED): hashed only off their introduction values
+    jumprelu_loss: str
+    l0_coeff: float
+    bandwidth: float
+    threshold_init: float
+    tanh_coeff: float
+    tanh_scale: float
+    pre_act_coeff: float
+    gate_l1_coeff: float
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
+        """From a run's config.json (or a planned point); an introduced key it lacks takes its introduction value,
+        so a config written before the key existed loads as the run it always was."""
         names = {f.name for f in dataclasses.fields(cls)}
+        obj = {**{key: INTRODUCED[key] for key in INTRODUCED.keys() - obj.keys()}, **obj}
         missing, extra = sorted(names - obj.keys()), sorted(obj.keys() - names)
         if missing or extra:
             raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
@@ -127,14 +171,17 @@ class TrainConfig:
         return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
 
     def to_dict(self) -> dict:
-        """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list."""
-        return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
+        """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list, the
+        introduced keys at their introduction value left out (`INTRODUCED`)."""
+        return canonical_spec({**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)})
 
     def sae_config(self, d_model: int) -> "SAEConfig":
         """The SAE this run trains on vectors of width `d_model`: d_sae = expansion x d_model, the Matryoshka
         fractions of d_sae as latent counts. SAEConfig refuses a k above d_sae (planning finds it before any job)."""
         d_sae = self.expansion * d_model
         prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
+        if self.arch in ARCHS:
+            archs.get(self.arch).check(self)  # its own hyper-parameters (e.g. a JumpReLU bandwidth)
         try:
             return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes)
         except SaeflowError as err:
@@ -175,6 +222,11 @@ class RunPlan:
         """The name of its seed group (the runs that differ from it only in SEED_KEYS): its name without the seeds."""
         return point_name(self.sae_name, {k: v for k, v in self.varying.items() if k not in SEED_KEYS})
 
+    @property
+    def activations(self) -> tuple[str, str]:
+        """(trained on, validated on)."""
+        return self.train_activation, self.val_activation
+
 
 def plan_runs(
     saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
@@ -212,7 +264,7 @@ class SAEConfig:
     d_model: int
     d_sae: int
     arch: str  # one of ARCHS
-    k: int  # active latents per vector (topk) or on average per vector (batchtopk); unused by relu
+    k: int  # active latents per vector (topk) or on average per vector (batchtopk); unused where not Arch.uses_k
     matryoshka: tuple[int, ...] = ()  # nested prefix sizes, ascending, each < d_sae; () = plain SAE
 
     def __post_init__(self):
@@ -223,7 +275,7 @@ class SAEConfig:
             raise SaeflowError(f"arch: unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")
         if self.d_model < 1 or self.d_sae < 1:
             raise SaeflowError(f"d_model and d_sae must be positive, got {self.d_model}, {self.d_sae}")
-        if self.arch != "relu" and not 1 <= self.k <= self.d_sae:
+        if archs.get(self.arch).uses_k and not 1 <= self.k <= self.d_sae:
             raise SaeflowError(f"k: k={self.k} must be in [1, d_sae={self.d_sae}] for {self.arch}")
         prefixes = list(self.matryoshka)
         if prefixes != sorted(set(prefixes)) or any(not 0 < m < self.d_sae for m in prefixes):
@@ -242,10 +294,11 @@ class SAEConfig:
         return (*self.matryoshka, self.d_sae)
 
 
-def check_run(plan: RunPlan, train_md, val_md) -> None:
+def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[str, typing.Any] | None = None) -> None:
     """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
     a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
-    validation activations of different widths. The error names the key, as `saes.<name>[<sweep index>].<key>`."""
+    validation activations of different widths, a parallel mode the architecture does not train in (`check_parallel`,
+    given the `train` settings). The error names the key, as `saes.<name>[<sweep index>].<key>`."""
     cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
     for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
         if cfg.layer not in md.layers:
@@ -264,6 +317,16 @@ def check_run(plan: RunPlan, train_md, val_md) -> None:
         cfg.sae_config(train_md.d_model)  # what training builds: k must fit d_sae
     except SaeflowError as err:
         raise SaeflowError(f"{where}.{err}") from None
+    if train_settings is not None:
+        check_parallel(plan, train_settings)
+
+
+def check_parallel(plan: RunPlan, train_settings: typing.Mapping[str, typing.Any]) -> None:
+    """Refuse at plan time, in one line, a parallel mode (`train.parallel`) the run's architecture does not train in,
+    when the job has several ranks (`train.gpus` x `train.nodes`; one process trains every architecture)."""
+    if train_settings["gpus"] * train_settings["nodes"] > 1:
+        where = f"saes.{plan.sae_name}[{plan.index}].arch"
+        archs.check_mode(plan.train_config.arch, train_settings["parallel"], where)
 
 
 def auto_tokens_of(md) -> str:

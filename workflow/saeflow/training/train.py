@@ -39,7 +39,6 @@ logger = logging.getLogger("saeflow.training.train")
 
 N_INIT_VECTORS = 16384
 DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
-RELU_DECODER_INIT_NORM = 0.1  # ReLU decoder rows start this short and their norms train freely (see init_from_data)
 LOG_EVERY = 10
 TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
 
@@ -85,10 +84,11 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
     return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
-def adam_step(opt: Adam, sae, arch: str) -> None:
-    """The optimizer step. Decoder rows of unit norm (every arch but ReLU, see Trainer.init_from_data) lose the
-    gradient along themselves first and are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
-    unit_rows = arch != "relu"
+def adam_step(opt: Adam, sae) -> None:
+    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_decoder`; see
+    Trainer.init_from_data) lose the gradient along themselves first and are renormalized after. `sae` is a whole
+    SAE or a rank's latent shard."""
+    unit_rows = sae.arch.unit_decoder
     if unit_rows:
         sae.remove_parallel_grad()
     opt.step()
@@ -249,10 +249,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.seed)
         sae.W_dec.copy_(torch.randn(sae.d_sae, sae.d_model, generator=gen))
         sae.normalize_decoder()
-        if self.cfg.arch == "relu":
-            sae.W_dec.mul_(RELU_DECODER_INIT_NORM)
+        if sae.arch.decoder_init_norm != 1.0:
+            sae.W_dec.mul_(sae.arch.decoder_init_norm)
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.zero_()
+        sae.arch.init_parameters(sae, self.cfg)  # its own parameters (e.g. JumpReLU's thresholds)
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly (resume.pt)."""
@@ -289,14 +290,10 @@ class Trainer:
         loss = self.objective(sae, x_bd, self.step, self.dead)
         self.opt.zero_grad()
         loss.total.backward()
-        adam_step(self.opt, sae, self.cfg.arch)
+        adam_step(self.opt, sae)
         with torch.no_grad():
-            fired_s = loss.codes.fired_s()
-            self.dead.update(fired_s)
-            if self.cfg.arch == "batchtopk":  # inference threshold: running mean of the smallest kept activation
-                f_bs = loss.codes.f_bs
-                min_kept = f_bs[f_bs > 0].min() if fired_s.any() else sae.threshold
-                sae.threshold.copy_(min_kept if self.step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)
+            self.dead.update(loss.codes.fired_s())
+            sae.arch.update_stats(sae, loss.codes.f_bs, self.step, reduce_min=lambda t: t)  # e.g. BatchTopK's threshold
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = self._record(x_bd, loss)
@@ -319,7 +316,7 @@ class Trainer:
     def finish(self, val_dir: ShardDir) -> dict:
         """Validation metrics in raw space, then the run's final files (sae.pt last)."""
         self.sae.eval()
-        if self.cfg.arch == "relu":
+        if not self.sae.arch.unit_decoder:
             self.sae.fold_decoder_norms()  # sae.pt always has unit decoder rows
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}

@@ -26,6 +26,22 @@ DTYPES = config.enum("activation_spec", "store_dtype")
 DEFAULT_PATCHES_PER_SHARD = config.schema_default("activation_spec", "patches_per_shard")  # protocol section 3
 
 
+# Keys of the metadata's `data` object added after the first release, each with the value it was introduced at (e.g.
+# a hook point other than the residual stream would enter as {"hook": "residual"}). `canonical_data` leaves a key out
+# at that value and `data_value` reads an absent key as it, so adding one changes no shard hash (docs/contracts.md).
+INTRODUCED_DATA: dict[str, typing.Any] = {}
+
+
+def canonical_data(data: dict) -> dict:
+    """The `data` object as it is hashed: introduced keys at their introduction value left out."""
+    return {key: value for key, value in data.items() if key not in INTRODUCED_DATA or value != INTRODUCED_DATA[key]}
+
+
+def data_value(md: "Metadata", key: str):
+    """`md.data[key]`, or the introduction value of an introduced key that a directory's metadata leaves out."""
+    return md.data[key] if key in md.data else INTRODUCED_DATA[key]
+
+
 @dataclasses.dataclass(frozen=True)
 class AuxSpec:
     """A per-example side array stored in one file beside the shards."""

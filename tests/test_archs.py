@@ -1,0 +1,236 @@
+"""The architecture registry (training/archs): one object per architecture, asked by every trainer, stage and format.
+
+Every test here iterates the registry, so a new architecture is covered (or fails) without editing this file:
+the registry is the schema's enum; each architecture names the parallel modes it trains in, and the plan refuses
+the others in one line before any job runs; its one-process loss has the terms it declares, every parameter gets a
+gradient, its codes are non-negative. The modes themselves are checked against one process in
+tests/test_distributed.py, over the registry crossed with the modes.
+"""
+
+import pytest
+import torch
+
+from saeflow import config
+from saeflow.errors import SaeflowError
+from saeflow.planning import WorkflowPlan
+from saeflow.training import archs, objectives
+from saeflow.training.sae import SAE
+from saeflow.training.sweeps import SAEConfig, TrainConfig
+from test_identity import CASES
+
+ARCH_NAMES = sorted(archs.REGISTRY)
+PAIRS = [(name, mode) for name in ARCH_NAMES for mode in archs.MODES]
+
+
+def test_the_registry_is_the_schemas_list_and_every_module_defines_one_architecture():
+    assert sorted(archs.NAMES) == ARCH_NAMES
+    assert sorted(archs.MODULES) == ARCH_NAMES  # one module per architecture, named after it
+    with pytest.raises(SaeflowError, match=r"^arch: unknown SAE architecture 'nope'; choose one of"):
+        archs.get("nope")
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architecture_declares_what_the_trainers_ask(name):
+    arch = archs.get(name)
+    properties = config.def_schema("sae_spec")["properties"]
+    assert arch.name == name and set(arch.modes) <= set(archs.MODES) and "sweep" in arch.modes
+    assert set(arch.hyper) <= set(properties), f"{name}: hyper-parameters not in the schema"
+    assert arch.term_names[0] == "mse" and arch.term_names[-1] == "aux"
+    assert isinstance(arch.selection, archs.Selection)
+
+
+def _train_config(name: str, **extra) -> TrainConfig:
+    spec = config.validate({"activations": {}, "saes": {"s": {"train": "t", "layer": 0, "arch": name, **extra}}})
+    obj = {k: v for k, v in spec["saes"]["s"].items() if k not in ("train", "val")}
+    obj = {**obj, "trainer": "saeflow-train-3", "train_shards": "a" * 64, "val_shards": "a" * 64, "tokens": "all"}
+    return TrainConfig.from_dict(obj, name)
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name):
+    """One step's loss on one process: the declared terms (AuxK active), finite, every trained parameter gets a
+    gradient; codes are non-negative in training and at inference."""
+    torch.manual_seed(0)
+    cfg = _train_config(name, k=4, aux_k=8, l1_coeff=1.0)
+    sae = SAE(cfg.sae_config(16)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.copy_(sae.W_dec.T)
+        sae.b_enc.normal_(0, 0.1)
+    dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
+    dead.since_fired_s.fill_(5)  # every latent dead: AuxK runs
+    x_bd = torch.randn(32, 16)
+    loss = objectives.Objective(cfg, 100)(sae, x_bd, 10, dead)
+    assert tuple(loss.terms) == archs.get(name).term_names and torch.isfinite(loss.total)
+    loss.total.backward()
+    for pname, param in sae.named_parameters():
+        assert param.grad is not None and bool(param.grad.abs().sum() > 0), f"{name}: no gradient reaches {pname}"
+    assert bool((sae.encode(x_bd) >= 0).all())
+    assert bool((sae.eval().encode(x_bd) >= 0).all())
+
+
+@pytest.mark.parametrize(("name", "mode"), PAIRS)
+def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode):
+    cfg = {**CASES["archs-off-default"], "saes": {"s": {"train": "vit", "layer": 1, "arch": name, "expansion": 2}},
+           "train": {"parallel": mode, "gpus": 2}}  # fmt: skip
+    if mode in archs.get(name).modes:
+        WorkflowPlan.from_config(config.validate(cfg))
+        return
+    with pytest.raises(SaeflowError) as err:
+        WorkflowPlan.from_config(config.validate(cfg))
+    assert str(err.value) == (f"saes.s[0].arch: {name} SAEs do not train with parallel: {mode} (they train with "
+                              f"{', '.join(archs.get(name).modes)})")  # fmt: skip
+    WorkflowPlan.from_config(config.validate({**cfg, "train": {"parallel": mode, "gpus": 1}}))  # one process: any
+
+
+def test_the_sae_config_checks_k_only_for_architectures_that_use_it():
+    for name in ARCH_NAMES:
+        if archs.get(name).uses_k:
+            with pytest.raises(SaeflowError, match=rf"^k: k=9 must be in \[1, d_sae=8\] for {name}$"):
+                SAEConfig(d_model=4, d_sae=8, arch=name, k=9)
+        else:
+            SAEConfig(d_model=4, d_sae=8, arch=name, k=9)
+
+
+@pytest.mark.parametrize(("key", "value", "problem"), [
+    ("bandwidth", -0.1, "bandwidth: the straight-through kernel's width must be positive, got -0.1"),
+    ("bandwidth", 0.0, "bandwidth: the straight-through kernel's width must be positive, got 0.0"),
+    ("threshold_init", 0.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got 0.0"),
+    ("threshold_init", -1.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got -1.0"),
+])  # fmt: skip
+def test_bad_jumprelu_hyper_parameters_are_refused_at_plan_time_in_one_line(key, value, problem):
+    cfg = {**CASES["archs-off-default"], "saes": {"j": {"train": "vit", "layer": 1, "arch": "jumprelu", key: value}}}
+    with pytest.raises(SaeflowError) as err:
+        WorkflowPlan.from_config(config.validate(cfg))
+    assert str(err.value) == f"saes.j[0].{problem}"
+    cfg["saes"]["j"]["arch"] = "topk"  # keys an architecture does not read are not its to refuse
+    WorkflowPlan.from_config(config.validate(cfg))
+
+
+def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
+    """`saeflow train`, `inference`, `stability` (two seeds) and `summary` (the table and the Pareto plot) on a run of
+    every registered architecture: the stages go through the SAE's encode and decode, whatever the architecture."""
+    import csv
+    import io
+
+    from builders import planted_data, run_from_sae_spec, write_shards
+    from saeflow import cli
+
+    x_nd, _ = planted_data(512, d_model=16, n_atoms=32, k=2, seed=3)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="archs")
+    roots = {}
+    for name in ARCH_NAMES:
+        for seed in (0, 1):
+            run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, k=2, expansion=2, batch_size=64, seed=seed)
+            roots[name, seed] = run.root
+            assert cli.main(["train", "--run", str(run.root), "--device", "cpu"]) == 0
+            assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "2"]) == 0
+        out = tmp_path / f"{name}.json"
+        pair = [a for seed in (0, 1) for a in ("--run", str(roots[name, seed]))]
+        assert cli.main(["stability", *pair, "--out", str(out)]) == 0
+    assert cli.main(["summary", *(f"--run={r}" for r in roots.values()), "--out", str(tmp_path / "summary")]) == 0
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "summary" / "summary.csv").read_text())))
+    assert sorted({r["config.arch"] for r in rows}) == ARCH_NAMES
+    assert all(0 < float(r["l0"]) < 32 and float(r["nmse"]) < 1.0 for r in rows), rows
+    assert (tmp_path / "summary" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_through_estimator():
+    """With no sparsity term, the reconstruction alone moves each threshold by SAELens's estimator:
+    dL/dtheta_s = -sum_b (theta_s / bandwidth) rect((pre - theta_s) / bandwidth) dL/df (and log_threshold by theta x
+    that); a plain step would give the thresholds no gradient at all."""
+    torch.manual_seed(0)
+    cfg = _train_config("jumprelu", l0_coeff=0.0, aux_alpha=0.0, bandwidth=0.5, threshold_init=0.3)
+    sae = SAE(cfg.sae_config(8)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.copy_(sae.W_dec.T)
+        archs.get("jumprelu").init_parameters(sae, cfg)
+    x_bd = torch.randn(64, 8)
+    dead = objectives.DeadLatents(sae.d_sae, 10**9, torch.device("cpu"))
+    objectives.Objective(cfg, 100)(sae, x_bd, 50, dead).total.backward()
+    with torch.no_grad():
+        pre_bs = sae.pre_acts_normed(x_bd)
+        theta_s = sae.log_threshold.exp()
+    f_bs = (pre_bs * (pre_bs > theta_s)).requires_grad_()
+    (f_bs @ sae.W_dec.detach() + sae.b_dec.detach() - x_bd).square().sum(-1).mean().backward()
+    rect_bs = (((pre_bs - theta_s) / 0.5).abs() < 0.5).float()
+    want_s = theta_s * -(theta_s / 0.5 * rect_bs * f_bs.grad).sum(0)
+    assert bool(want_s.abs().sum() > 0)
+    torch.testing.assert_close(sae.log_threshold.grad, want_s, rtol=1e-4, atol=1e-6)
+
+
+def _one_step_gradients(name: str, extra: dict) -> dict:
+    """On each rank: one step's gradients of every parameter, data-parallel (this rank's slice, all-reduced) and on
+    one process (the whole batch), from the same weights, batch and dead latents (AuxK on)."""
+    import copy
+
+    from saeflow.training import distributed
+    from saeflow.training.dataparallel import data_parallel_loss, rank_slice
+
+    comm = distributed.init("cpu")
+    cfg = _train_config(name, k=4, aux_k=8, expansion=4, **extra)
+    torch.manual_seed(0)
+    sae = SAE(cfg.sae_config(16)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.copy_(sae.W_dec.T)
+        sae.b_enc.normal_(0, 0.1)
+        sae.arch.init_parameters(sae, cfg)
+    x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 2
+    dead = objectives.DeadLatents(sae.d_sae, 2, torch.device("cpu"))
+    dead.since_fired_s[::3] = 5  # a third of the latents dead: AuxK (and JumpReLU's pre-activation loss) run
+    whole = copy.deepcopy(sae)
+    objectives.Objective(cfg, 100)(whole, x_bd, 50, dead).total.backward()
+    part = rank_slice(32, comm)
+    data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 50, dead, comm).total.backward()
+    worst = {}
+    for (pname, param), want in zip(sae.named_parameters(), whole.parameters(), strict=True):
+        got = comm.all_reduce(param.grad)
+        worst[pname] = float((got - want.grad).abs().max() / want.grad.abs().max().clamp_min(1e-12))
+    comm.close()
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "extra"), [*((n, {}) for n in ARCH_NAMES if "data" in archs.get(n).modes),
+                                             ("jumprelu", {"jumprelu_loss": "tanh"})])  # fmt: skip
+def test_one_data_parallel_step_has_the_one_process_gradients(name, extra):
+    """Every architecture that trains with `parallel: data`: the all-reduced gradients of 2 ranks' slices equal one
+    process's on the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; both
+    losses for JumpReLU, so each term's share of a slice is weighted right."""
+    from _ranks import run_ranks
+
+    for worst in run_ranks(2, _one_step_gradients, name, extra):
+        assert max(worst.values()) < 1e-5, worst
+
+
+def _train_refusal(run_root, mode: str) -> str | None:
+    """On each rank: `saeflow train`'s entry on the ranks in `mode`; the one-line refusal, or None when it trains."""
+    from saeflow.training import entry
+
+    try:
+        entry.train_runs([run_root], entry.TrainSettings(device="cpu", parallel=mode, buffer_bytes="19200"))
+    except SaeflowError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mode"), [pair for pair in PAIRS if pair[1] not in archs.get(pair[0]).modes])
+def test_saeflow_train_on_the_ranks_refuses_a_mode_the_architecture_does_not_train_in(tmp_path, name, mode):
+    """Without the workflow's plan (`saeflow train --gpus 2 --parallel MODE`), every rank refuses in one line before
+    a step, and nothing is written."""
+    from _ranks import run_ranks
+    from builders import planted_data, run_from_sae_spec, write_shards
+
+    x_nd, _ = planted_data(256, d_model=16, n_atoms=32, k=2, seed=3)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="refusal")
+    run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, expansion=2, batch_size=64)
+    want = f"{run.config_fpath}: arch: {name} SAEs do not train with parallel: {mode} (they train with "
+    for message in run_ranks(2, _train_refusal, run.root, mode):
+        assert message is not None and message.startswith(want) and "\n" not in message, message
+    assert not run.sae_fpath.exists() and not run.resume_fpath.exists()

@@ -1,0 +1,194 @@
+"""Identities outlive upgrades (docs/contracts.md, "Identities that outlive upgrades"; DESIGN principle 12).
+
+tests/data/identity.json pins, for today's default workflow and for non-default configs covering every
+architecture, the shard hashes, the run ids and the sha256 of the per-job configs of the shard and run jobs (what
+Snakemake's rerun trigger compares), all from the plan alone (`WorkflowPlan`, nothing trained or extracted).
+They must never change: a key added later with a default must leave every one of them as it was. Changing one on
+purpose means bumping `sweeps.TRAINER` (a change of training maths) and saying why in the commit; new cases are
+added with `python tests/test_identity.py --add NAME` after adding the config to CASES, never by rewriting old ones.
+"""
+
+import copy
+import hashlib
+import json
+import pathlib
+import sys
+
+import pytest
+
+from saeflow import config
+from saeflow.planning import WorkflowPlan
+from saeflow.store import hashing, shards
+from saeflow.training import sweeps
+from workflow_helpers import REPO_ROOT, minilm_path
+
+FIXTURE_FPATH = pathlib.Path(__file__).parent / "data" / "identity.json"
+DEFAULT = "default-workflow"  # config/config.yaml, as shipped
+RANDOM_VIT = {
+    "model": {"random": {"arch": "vit", "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                   "intermediate_size": 64, "image_size": 32, "patch_size": 8},
+                         "seed": 0}},
+    "layers": [1],
+    "dataset": {"kind": "generated_images", "n_ex": 64, "seed": 0, "size": 32},
+    "device": "cpu",
+}  # fmt: skip
+RANDOM_GPT2 = {
+    "model": {"random": {"arch": "gpt2", "config": {"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 300,
+                                                    "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}}},
+    "tokenizer": "bytes",
+    "layers": [1],
+    "dataset": {"kind": "builtin_text", "n_ex": 16},
+    "context_length": 16,
+    "device": "cpu",
+}  # fmt: skip
+ROOTS = {"shards_root": "shards", "runs_root": "runs", "summary_dir": "summary"}
+# name -> a workflow config (plan-only). Every architecture appears, and most training keys off their defaults.
+CASES = {
+    "archs-off-default": {
+        **ROOTS,
+        "activations": {"vit": RANDOM_VIT, "text": RANDOM_GPT2},
+        "saes": {
+            "relu": {"train": "vit", "layer": 1, "arch": "relu", "expansion": 4, "l1_coeff": [1.0, 4.0],
+                     "matryoshka": [0.25], "sparsity_warmup_frac": 0.1, "tokens": "all"},
+            "topk": {"train": "vit", "layer": 1, "arch": "topk", "k": 8, "aux_k": 32, "aux_alpha": 0.0625,
+                     "lr": 0.001, "dead_after_vectors": 5000, "n_train_vectors": 10000, "seed": 3, "data_seed": 2,
+                     "tokens": "cls"},
+            "batchtopk": {"train": "vit", "layer": 1, "arch": "batchtopk", "expansion": 8, "k": 16,
+                          "matryoshka": [[0.125], [0.25, 0.5]], "n_val_vectors": None, "lr_warmup_frac": 0.1,
+                          "batch_size": 512, "n_epochs": 3},
+            "text": {"train": "text", "layer": 1, "arch": ["topk", "batchtopk", "relu"], "k": 4, "expansion": 2},
+        },
+    },
+    # Added with JumpReLU and Gated (issue 34): each at its defaults and off them.
+    "jumprelu-gated": {
+        **ROOTS,
+        "activations": {"vit": RANDOM_VIT},
+        "saes": {
+            "jumprelu": {"train": "vit", "layer": 1, "arch": "jumprelu", "jumprelu_loss": ["step", "tanh"]},
+            "jumprelu-off": {"train": "vit", "layer": 1, "arch": "jumprelu", "l0_coeff": 3.0, "bandwidth": 0.1,
+                             "threshold_init": 0.25, "tanh_scale": 2.0, "pre_act_coeff": 1.0e-5,
+                             "jumprelu_loss": "tanh", "matryoshka": [0.25]},
+            "gated": {"train": "vit", "layer": 1, "arch": "gated", "gate_l1_coeff": [8.0, 10.0], "expansion": 4},
+        },
+    },
+}  # fmt: skip
+
+
+def _default_config(monkeypatch, tmp_path) -> dict:
+    """config/config.yaml as the workflow reads it from a results tree whose model link exists."""
+    link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(minilm_path())
+    monkeypatch.chdir(tmp_path)
+    return config.load(REPO_ROOT / "config" / "config.yaml")
+
+
+def identities(cfg: dict) -> dict:
+    """What the fixture pins of a config: shard hashes, run ids and the per-job configs of shard and run jobs."""
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    jobs = {str(rel): hashlib.sha256(hashing.canonical_json(content).encode()).hexdigest()
+            for rel, content in plan.cli_configs().items() if rel.parts[0] in ("shards", "runs")}  # fmt: skip
+    return {"shards": dict(sorted(plan.shard_hash.items())), "runs": sorted(plan.runs), "job_configs": jobs}
+
+
+def _fixture() -> dict:
+    return json.loads(FIXTURE_FPATH.read_text())
+
+
+def test_default_workflow_identities_never_change(monkeypatch, tmp_path):
+    assert identities(_default_config(monkeypatch, tmp_path)) == _fixture()[DEFAULT]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_identities_never_change(name):
+    assert identities(CASES[name]) == _fixture()[name]
+
+
+def test_the_default_pin_agrees_with_the_default_workflow_reference():
+    """The run ids test_default_workflow.py trains are the ones pinned here (one fact, two tests)."""
+    reference = json.loads((REPO_ROOT / "tests" / "data" / "default-workflow.json").read_text())
+    assert _fixture()[DEFAULT]["runs"] == reference["runs"]
+
+
+def test_a_config_json_of_today_loads_and_is_its_own_run():
+    """A run's config.json as saeflow-train-3 first wrote it (every key, none introduced later) loads, and its
+    canonical form is itself, so its run id stays the sha256 it was named by."""
+    today = {
+        "trainer": "saeflow-train-3", "train_shards": "a" * 64, "val_shards": "b" * 64, "layer": 3,
+        "tokens": "no_special", "arch": "topk", "expansion": 4, "k": 8, "matryoshka": [], "l1_coeff": 3.0,
+        "aux_k": 64, "aux_alpha": 0.03125, "dead_after_vectors": None, "lr": None, "lr_warmup_frac": 0.05,
+        "sparsity_warmup_frac": 0.05, "batch_size": 1024, "n_epochs": 2, "n_train_vectors": None,
+        "n_val_vectors": 262144, "seed": 0, "data_seed": 0,
+    }  # fmt: skip
+    cfg = sweeps.TrainConfig.from_dict(today, "config.json")
+    assert cfg.to_dict() == today
+    for key, value in sweeps.INTRODUCED.items():
+        assert getattr(cfg, key) == value
+
+
+def test_an_introduced_key_is_hashed_only_off_its_introduction_value(monkeypatch):
+    """The mechanism on its own: a key introduced at a value is left out there, kept elsewhere, filled when absent."""
+    monkeypatch.setitem(sweeps.INTRODUCED, "aux_alpha", 0.03125)
+    obj = {"trainer": sweeps.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "layer": 0, "tokens": "all",
+           "arch": "topk", "expansion": 2, "k": 2, "matryoshka": [], "l1_coeff": 3.0, "aux_k": 8,
+           "dead_after_vectors": None, "lr": None, "lr_warmup_frac": 0.05, "sparsity_warmup_frac": 0.05,
+           "batch_size": 8, "n_epochs": 1, "n_train_vectors": None, "n_val_vectors": None, "seed": 0,
+           "data_seed": 0}  # fmt: skip
+    cfg = sweeps.TrainConfig.from_dict(obj, "x")
+    assert cfg.aux_alpha == 0.03125 and "aux_alpha" not in cfg.to_dict() and cfg.to_dict() == obj
+    other = sweeps.TrainConfig.from_dict({**obj, "aux_alpha": 0.5}, "x")
+    assert other.to_dict()["aux_alpha"] == 0.5
+    assert sweeps.canonical_spec({"aux_alpha": 0.03125, "k": 2}) == {"k": 2}
+    assert sweeps.canonical_spec({"aux_alpha": [0.03125, 0.5]}) == {"aux_alpha": [0.03125, 0.5]}  # a sweep stays
+
+
+def test_every_key_added_to_the_training_config_is_introduced():
+    """A field beyond saeflow-train-3's first keys must have an introduction value (or every run id would move), and
+    its schema default is where the introduction value came from when it was added."""
+    first = {"trainer", "train_shards", "val_shards", "layer", "tokens", "arch", "expansion", "k", "matryoshka",
+             "l1_coeff", "aux_k", "aux_alpha", "dead_after_vectors", "lr", "lr_warmup_frac", "sparsity_warmup_frac",
+             "batch_size", "n_epochs", "n_train_vectors", "n_val_vectors", "seed", "data_seed"}  # fmt: skip
+    fields = {f.name for f in sweeps.dataclasses.fields(sweeps.TrainConfig)}
+    assert fields - first == set(sweeps.INTRODUCED)
+    properties = config.def_schema("sae_spec")["properties"]
+    assert {key: properties[key]["default"] for key in sweeps.INTRODUCED} == sweeps.INTRODUCED  # (no default moved)
+
+
+def test_a_data_key_added_later_changes_no_shard_hash(monkeypatch):
+    """Shard metadata's `data` object: a key at its introduction value is left out and read back as it."""
+    cfg = CASES["archs-off-default"]
+    before = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg))).shard_hash
+    monkeypatch.setitem(shards.INTRODUCED_DATA, "compute_dtype", "float32")  # as if added later at float32
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    assert plan.shard_hash != before  # the key is left out now, so these hashes move ...
+    md = plan.metadata["vit"]
+    assert "compute_dtype" not in md.data and shards.data_value(md, "compute_dtype") == "float32"
+    monkeypatch.setitem(shards.INTRODUCED_DATA, "compute_dtype", "bfloat16")  # ... and at another value they stay
+    assert WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg))).shard_hash == before
+
+
+def _add(name: str) -> None:
+    """Pin a new case (never rewrite an old one: that is what the tests refuse)."""
+    fixture = _fixture() if FIXTURE_FPATH.exists() else {}
+    if name in fixture:
+        raise SystemExit(f"{name} is pinned already; pins never change (see the module docstring)")
+    if name == DEFAULT:
+        import tempfile
+
+        class _Chdir:
+            def chdir(self, path):
+                import os
+
+                os.chdir(path)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            fixture[name] = identities(_default_config(_Chdir(), pathlib.Path(tmp)))
+    else:
+        fixture[name] = identities(CASES[name])
+    FIXTURE_FPATH.write_text(json.dumps(fixture, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "--add":
+        raise SystemExit("usage: python tests/test_identity.py --add NAME")
+    _add(sys.argv[2])

@@ -1,0 +1,52 @@
+"""The SAE architectures: one module each (its `ARCH`), listed here. Every trainer, the planner, the stages and the
+interop formats ask this registry (`get(name)`), never compare a name (tests/test_house.py).
+
+Adding an architecture: a module here defining an `Arch` subclass and `ARCH` (docs/architecture.md, "Where to
+add"; the registry is every module here but `base`), its name in the schema's `sae_spec.arch` enum, its keys in the
+schema (and in `sweeps.INTRODUCED`, so no existing run id moves). The registry-wide tests (tests/test_archs.py and
+the equivalence and resume tests of every parallel mode) then cover it, or fail until every mode handles or refuses
+it.
+"""
+
+import importlib
+import pkgutil
+
+from saeflow import config
+from saeflow.errors import SaeflowError
+from saeflow.training.archs.base import MODES, Arch, Selection, TermInputs, Unsupported
+
+MODULES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"))  # each defines ARCH
+REGISTRY: dict[str, Arch] = {arch.name: arch for arch in (importlib.import_module(f"{__name__}.{m}").ARCH
+                                                           for m in MODULES)}  # fmt: skip
+NAMES = config.enum("sae_spec", "arch")  # the schema's list; tests/test_archs.py checks it is the registry's
+
+
+def get(name: str) -> Arch:
+    """The architecture named `name`, or one line naming the choices."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise SaeflowError(f"arch: unknown SAE architecture {name!r}; choose one of {tuple(REGISTRY)}") from None
+
+
+def check_mode(name: str, mode: str, where: str = "arch") -> None:
+    """Refuse, in one line, a parallel mode the architecture does not train in."""
+    arch = get(name)
+    if mode in MODES and mode not in arch.modes:
+        raise SaeflowError(f"{where}: {name} SAEs do not train with parallel: {mode} (they train with "
+                           f"{', '.join(arch.modes)})")  # fmt: skip
+
+
+def from_saelens(saelens_name: str, cfg: dict) -> Arch:
+    """The architecture a SAELens checkpoint is: among those saved under its SAELens name, the first (by name) whose
+    `saelens_claims(cfg)` says so, the one whose claim is unconditional last."""
+    candidates = [arch for arch in REGISTRY.values() if arch.saelens == saelens_name]
+    if not candidates:
+        known = sorted({arch.saelens for arch in REGISTRY.values() if arch.saelens})
+        raise Unsupported(f"SAELens architecture {saelens_name!r} (saeflow has {known})")
+    fallback = [arch for arch in candidates if type(arch).saelens_claims is Arch.saelens_claims]
+    claimed = [arch for arch in candidates if arch not in fallback and arch.saelens_claims(cfg)]
+    return (claimed or fallback or candidates)[0]
+
+
+__all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check_mode", "get"]

@@ -1,0 +1,128 @@
+"""What an SAE architecture is to saeflow: one object (`Arch`) that every trainer, stage and format asks.
+
+An architecture module (`relu.py`, `topk.py`, ...) defines one subclass and one instance, `ARCH`; the registry
+(`training/archs/__init__.py`) lists them. Everything a trainer, the planner or an interop format needs to know about
+an architecture is an attribute or method here; no code outside `training/archs/` compares an architecture's name
+(tests/test_house.py).
+
+Planning imports the registry at Snakemake parse time, which must not import torch: the architectures reach torch
+through `torch` below, a module proxy that imports it on first use (inside a trainer, where it is loaded anyway).
+
+Shapes: b batch, d d_model, s d_sae latents.
+"""
+
+import dataclasses
+import enum
+import importlib
+import typing
+
+from saeflow import config
+
+MODES = tuple(mode for mode in config.enum("train", "parallel") if mode != "auto")  # sweep, data, latents
+
+
+class _Torch:
+    """`torch`, imported when an attribute is first asked for (never at parse time)."""
+
+    def __getattr__(self, name: str):
+        return getattr(importlib.import_module("torch"), name)
+
+
+torch = _Torch()
+
+
+class Selection(enum.Enum):
+    """How an architecture chooses its active latents in training; each trainer implements each kind once.
+
+    DENSE: an elementwise function of each latent's own pre-activation (and parameters), `Arch.activate`, which
+    every trainer calls as it is (on a latent shard too). TOP_K: the k largest of each vector, decoded sparsely.
+    BATCH_TOP_K: the k x batch largest of the batch (in data and latent modes: of the global batch).
+    """
+
+    DENSE = "dense"
+    TOP_K = "top_k"
+    BATCH_TOP_K = "batch_top_k"
+
+
+@dataclasses.dataclass(frozen=True)
+class TermInputs:
+    """What a sparsity term may read: one batch's training state, in the SAE's normalized space."""
+
+    cfg: typing.Any  # sweeps.TrainConfig of the run
+    model: typing.Any  # the SAE (or this rank's latent shard)
+    xn_bd: typing.Any  # the inputs, normalized
+    pre_bs: typing.Any  # pre-activations
+    f_bs: typing.Any  # dense codes (None when the selection is TOP_K)
+    step: int
+    n_steps: int
+    dead_s: typing.Any = None  # (s,) bool: the latents dead now (objectives.DeadLatents), where the trainer has them
+
+
+class Arch:
+    """One SAE architecture. Subclasses set the class attributes and override what differs from the defaults."""
+
+    name: str = ""  # the schema's sae_spec.arch value
+    selection: Selection = Selection.DENSE
+    modes: tuple[str, ...] = MODES  # the parallel modes it trains in; the plan refuses the others
+    uses_k: bool = True  # k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)
+    hyper: tuple[str, ...] = ()  # the sae_spec keys only it reads (beyond the common ones)
+    unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
+    decoder_init_norm: float = 1.0  # the norm decoder rows start at
+    ghost_aux: bool = False  # AuxK's dead latents act through softplus (their pre-activations are negative)
+    term_names: tuple[str, ...] = ("mse", "aux")  # the loss terms it logs, in order
+    has_threshold: bool = False  # the `threshold` buffer is its inference threshold (threshold statistics)
+    saelens: str | None = None  # the SAELens architecture it is saved as
+    sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
+
+    def activate(self, sae, pre_bs):
+        """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""
+        raise NotImplementedError(self.name)
+
+    def train_activate(self, sae, pre_bs, cfg):
+        """`activate` in training (DENSE): the same values, with the gradient the run's config (`cfg`) asks for."""
+        return self.activate(sae, pre_bs)
+
+    def parameters(self, d_sae: int) -> dict:
+        """Parameters beyond W_enc, b_enc, W_dec, b_dec (name -> zeros of their shape), added after them."""
+        return {}
+
+    def init_parameters(self, sae, cfg) -> None:
+        """Set those parameters at the start of training (after the data-based init of the common ones)."""
+
+    def check(self, cfg) -> None:
+        """Refuse hyper-parameters it cannot train with, as SaeflowError "<key>: <problem>" (plan and train time)."""
+
+    def sparsity_terms(self, batch: TermInputs) -> dict:
+        """The loss terms beyond reconstruction and AuxK (name -> scalar, weights applied), per vector averaged."""
+        return {}
+
+    def update_stats(self, sae, f_bs, step: int, reduce_min) -> None:
+        """After a training step: statistics the SAE keeps for inference (`reduce_min`: the minimum over every rank
+        of a one-element tensor; the identity in one process)."""
+
+    def foldable(self) -> bool:
+        """Decoder row norms can move into the encoder without changing the codes (`SAE.fold_decoder_norms`)."""
+        return False
+
+    def fold_parameters(self, sae, norms_s) -> None:
+        """Its own parameters' share of `SAE.fold_decoder_norms` (W_enc's columns and b_enc are scaled by norms_s)."""
+
+    # -- SAELens (interop/sae_checkpoints.py; raw activation space, the scale folded) ---------------------------
+
+    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
+        """(cfg.json keys beyond the common ones, the tensors of the weights file) from saeflow's raw-space tensors
+        (W_enc, b_enc, W_dec, b_dec and this architecture's `parameters`)."""
+        return {}, tensors
+
+    def saelens_claims(self, cfg: dict) -> bool:
+        """Among the architectures saved under one SAELens name, whether a cfg.json is this one's."""
+        return True
+
+    def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
+        """`weights` (W_enc, b_enc, W_dec, b_dec, threshold and this architecture's `parameters`) as saeflow computes
+        them from the file's `tensors`; raise `Unsupported` for what saeflow cannot compute."""
+        return weights
+
+
+class Unsupported(Exception):
+    """A checkpoint or pairing saeflow cannot compute; the caller names the file or key."""

@@ -1,0 +1,66 @@
+"""Gated SAE (Rajamanoharan et al. 2024, "Improving Dictionary Learning with Gated Sparse Autoencoders").
+
+One encoder matrix serves two paths: the gate decides which latents fire, the magnitude path how strongly.
+
+    pi_gate_bs = (x_n - b_dec) @ W_enc + b_enc                    (b_enc is SAELens's b_gate; = pre_bs)
+    pi_mag_bs  = (x_n - b_dec) @ (W_enc * exp(r_mag)) + b_mag  = (pi_gate - b_enc) * exp(r_mag) + b_mag
+    f_bs       = H(pi_gate_bs) * relu(pi_mag_bs)
+
+The gate has no gradient; it learns through the sparsity term on relu(pi_gate) and the auxiliary reconstruction
+from it, as SAELens 6.54.12's GatedTrainingSAE defines them (its decoder is not detached in that term):
+
+    l1  = gate_l1_coeff x ramp x mean_b sum_s relu(pi_gate) ||W_dec[s]||
+    aux = mean_b || relu(pi_gate) @ W_dec + b_dec - x_n ||^2
+
+Decoder rows are unit vectors (the paper's constraint). The latent-sharded mode would need the auxiliary
+reconstruction summed over the ranks: it is refused at plan time.
+"""
+
+from saeflow.training.archs.base import Arch, Selection, TermInputs, Unsupported, torch
+from saeflow.training.archs.relu import l1_penalty, l1_ramp
+
+
+class Gated(Arch):
+    name = "gated"
+    selection = Selection.DENSE
+    modes = ("sweep", "data")
+    uses_k = False
+    hyper = ("gate_l1_coeff", "sparsity_warmup_frac")
+    ghost_aux = True  # a dead latent's gate is shut (pi_gate < 0): AuxK reaches it through softplus
+    unit_decoder = False  # as ReLU: rows start short, their norms train (the L1 weighs them in), folded at publish
+    decoder_init_norm = 0.1
+    term_names = ("mse", "l1", "gate_recon", "aux")
+    saelens = "gated"
+
+    def parameters(self, d_sae: int) -> dict:
+        return {"r_mag": torch.zeros(d_sae), "b_mag": torch.zeros(d_sae)}
+
+    def foldable(self) -> bool:
+        return True  # the gate's sign and the magnitude both scale with the row's norm
+
+    def fold_parameters(self, sae, norms_s) -> None:
+        sae.b_mag.mul_(norms_s)  # r_mag multiplies W_enc, which is scaled already
+
+    def activate(self, sae, pre_bs):
+        mag_bs = (pre_bs - sae.b_enc) * sae.r_mag.exp() + sae.b_mag
+        return (pre_bs > 0).to(pre_bs.dtype) * torch.relu(mag_bs)
+
+    def sparsity_terms(self, batch: TermInputs) -> dict:
+        cfg, model = batch.cfg, batch.model
+        ramp = l1_ramp(batch.step, batch.n_steps, cfg.sparsity_warmup_frac)
+        gate_bs = torch.relu(batch.pre_bs)
+        via_gate_bd = gate_bs @ model.W_dec.detach() + model.b_dec.detach()  # the paper's stop-gradient
+        return {"l1": cfg.gate_l1_coeff * ramp * l1_penalty(model.W_dec, gate_bs),
+                "gate_recon": (via_gate_bd - batch.xn_bd).square().sum(-1).mean()}  # fmt: skip
+
+    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
+        out = {("b_gate" if name == "b_enc" else name): t for name, t in tensors.items()}
+        return {}, out
+
+    def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
+        if not cfg.get("apply_b_dec_to_input", True):
+            raise Unsupported("a Gated SAE with apply_b_dec_to_input=false")
+        return {**weights, "b_enc": tensors["b_gate"], "r_mag": tensors["r_mag"], "b_mag": tensors["b_mag"]}
+
+
+ARCH = Gated()
