@@ -144,15 +144,16 @@ class TrainConfig:
     n_val_vectors: int | None
     seed: int
     data_seed: int
-    # introduced later (INTRODUCED): hashed only off their introduction values
-    jumprelu_loss: str
-    l0_coeff: float
-    bandwidth: float
-    threshold_init: float
-    tanh_coeff: float
-    tanh_scale: float
-    pre_act_coeff: float
-    gate_l1_coeff: float
+    # introduced later (INTRODUCED): hashed only off their introduction values, which are also their defaults here,
+    # so code that builds a TrainConfig by its fields (benchmarks) keeps working as keys are added
+    jumprelu_loss: str = INTRODUCED["jumprelu_loss"]
+    l0_coeff: float = INTRODUCED["l0_coeff"]
+    bandwidth: float = INTRODUCED["bandwidth"]
+    threshold_init: float = INTRODUCED["threshold_init"]
+    tanh_coeff: float = INTRODUCED["tanh_coeff"]
+    tanh_scale: float = INTRODUCED["tanh_scale"]
+    pre_act_coeff: float = INTRODUCED["pre_act_coeff"]
+    gate_l1_coeff: float = INTRODUCED["gate_l1_coeff"]
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
