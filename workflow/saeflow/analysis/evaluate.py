@@ -294,6 +294,11 @@ def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int, sh
             f"{run.config_fpath}: the run was validated on shards {val_hash}, but the activation spec given plans "
             f"shards {plan.metadata.hash}; pass the run's validation activation spec"
         )
+    if not plan.spec.is_residual:
+        raise SaeflowError(
+            f"{run.config_fpath}: the run's shards hold hook point {plan.spec.hook}; evaluate splices an SAE into the "
+            "residual stream only (splicing at other hook points is not built yet)"
+        )
     if layer not in plan.metadata.layers:
         layers = list(plan.metadata.layers)
         raise SaeflowError(f"{run.config_fpath}: layer {layer} is not among the spec's layers {layers}")

@@ -14,7 +14,7 @@ import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.extraction import datasets, models
+from saeflow.extraction import datasets, hooks, models
 from saeflow.store import layout
 
 # What `dataset.kind` can build (see datasets.from_config).
@@ -38,6 +38,7 @@ class ActivationSpec:
     model: models.ModelSpec  # a checkpoint (id or path, revision) or a random-init architecture
     dataset: Dataset  # what the model runs on; its fields are hashed as `data`
     layers: tuple[int, ...]  # blocks as written (negative ones count from the end); planning resolves them
+    hook: str  # which tensor of each block (extraction.hooks): hashed only when not the residual stream
     context_length: int  # text: tokens per example (fixed, packed)
     tokenizer: str | None  # text: None = the model's own, "bytes", or an HF id / path
     compute_dtype: str  # dtype the model runs in
@@ -59,6 +60,7 @@ class ActivationSpec:
             model=models.ModelSpec.from_config(spec["model"]),
             dataset=datasets.from_config(spec["dataset"]),
             layers=tuple(spec["layers"]),
+            hook=spec["hook"],
             context_length=spec["context_length"],
             tokenizer=spec["tokenizer"],
             compute_dtype=spec["compute_dtype"],
@@ -69,6 +71,16 @@ class ActivationSpec:
             n_workers=spec["n_workers"],
             parts=spec["parts"],
         )
+
+    @property
+    def is_residual(self) -> bool:
+        """Whether it stores the residual stream after each block (the hook point `evaluate` splices at)."""
+        return self.hook == hooks.RESIDUAL
+
+    def shares_pass(self, other: "ActivationSpec") -> bool:
+        """Whether `other` differs from this spec in `hook` alone, so one forward pass extracts both (one job, a
+        directory each: extract.extract_pass). A split extraction (`parts` > 1) shares no pass."""
+        return self.parts == 1 and dataclasses.replace(other, hook=self.hook) == self
 
 
 @dataclasses.dataclass(frozen=True)
