@@ -287,18 +287,18 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     spec = ActivationSpec.from_dict(act)
     one_job = extract.extract(spec, tmp_path / "one-job", progress=False).dpath
 
-    real_run, calls = adapters.Adapter.run, []
+    real_run, calls = adapters.Adapter.run_points, []
 
-    def crashing_run(self, batch, layers):
+    def crashing_run(self, batch, points):
         calls.append(1)
         if len(calls) == 3:  # part 1 is shards 2 and 3: dies in shard 3 after shard 2 is complete
             raise RuntimeError("killed")
-        return real_run(self, batch, layers)
+        return real_run(self, batch, points)
 
-    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", crashing_run)
     with pytest.raises(RuntimeError, match="killed"):
         extract.extract(spec, tmp_path / "scratch", progress=False, part=(1, 4))
-    monkeypatch.setattr(adapters.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", real_run)
 
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))

@@ -318,7 +318,7 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
         with bar:
             for (lo, _), (inputs, aux_rows) in zip(spans, source(first, spans)):
                 if preempt.received():  # a stop signal: the writers keep every complete shard to resume from
-                    raise preempt.stopped(f"{', '.join(str(w.staging) for _, w, _ in live)} keep their complete shards")
+                    raise preempt.stopped(" and ".join(f"{w.staging} keeps its complete shards" for _, w, _ in live))
                 t = time.perf_counter()
                 acts = adapter.run_points(inputs, points)
                 forward_sec += time.perf_counter() - t
