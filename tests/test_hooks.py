@@ -16,7 +16,7 @@ from saeflow import config
 from saeflow.cli import main
 from saeflow.errors import SaeflowError
 from saeflow.extraction import adapters, extract, hooks
-from saeflow.planning import WorkflowPlan, extraction_passes, pending_passes
+from saeflow.planning import WorkflowPlan, evaluations, extraction_passes, pending_passes
 from saeflow.store import shards
 from saeflow.store.shards.validate import validate
 from workflow_helpers import tree_state
@@ -222,7 +222,9 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     entry = text_spec
     activations = {"res": entry(), "mlp": entry(hook="mlp_out"), "in": entry(hook="mlp_in"),
                    "other": entry(layers=[1], hook="mlp_out"), "split": entry(hook="attn_out", parts=2)}  # fmt: skip
-    raw = {"shards_root": str(tmp_path / "s"), "runs_root": str(tmp_path / "r"), "saes": {}, "activations": activations}
+    saes = {"on_res": {"train": "res", "layer": 0, "k": 4}, "on_mlp": {"train": "mlp", "layer": 0, "k": 4}}
+    raw = {"shards_root": str(tmp_path / "s"), "runs_root": str(tmp_path / "r"), "saes": saes,
+           "activations": activations}  # fmt: skip
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(raw)))
     h = plan.shard_hash
     ((key, hashes),) = extraction_passes(plan).items()
@@ -233,3 +235,6 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     plan.shard(h["res"]).shards_fpath.parent.mkdir(parents=True)
     plan.shard(h["res"]).shards_fpath.write_text("[]")  # published (pending_passes only stats)
     assert pending_passes(plan) == {key: tuple(sorted((h["mlp"], h["in"])))}
+    # evaluate splices at the residual stream only: the run on mlp_out gets no evaluation job
+    assert [plan.runs[run_id].sae_name for run_id, _ in evaluations(plan)] == ["on_res"]
+    assert len(plan.dumps()) == 2
