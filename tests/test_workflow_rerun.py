@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from saeflow import config
-from saeflow.planning import WorkflowPlan
+from saeflow.planning import WorkflowPlan, extraction_passes
 from saeflow.store.layout import RunLayout, ShardLayout
 from test_faults_cli import _drop_dac_capabilities
 from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
@@ -245,6 +245,59 @@ def test_new_hyperparameter_key_is_a_new_run(tree):
     plan = plan_of(cfg)
     assert not set(plan.runs) & set(tree["plan"].runs)
     assert dry_run(tree["workdir"], cfg) == new_run_jobs(plan, plan.runs)
+
+
+def _add_hooks(*points):
+    """Activations that differ from `text` only in their hook point (extraction/hooks.py), each with an SAE on it."""
+
+    def edit(cfg):
+        for point in points:
+            cfg["activations"][f"text_{point}"] = {**cfg["activations"]["text"], "hook": point}
+            cfg["saes"][f"on_{point}"] = {**cfg["saes"]["topk"], "train": f"text_{point}", "k": 4}
+
+    return edit
+
+
+def pass_outputs(output: str) -> dict[str, set[str]]:
+    """Each extraction pass job of a dry run -> the shard hashes it outputs."""
+    jobs = re.findall(r"rule (extract_pass_\w+):\n(?:\s+\w+: .*\n)*?\s+output: (.*)\n", output)
+    return {rule: set(re.findall(r"([0-9a-f]{64})/shards\.json", outputs)) for rule, outputs in jobs}
+
+
+def hook_jobs(plan: WorkflowPlan, before: WorkflowPlan, points) -> tuple[str, set[str]]:
+    """The extraction pass's rule and the jobs adding these hook points plans: the pass, then the new runs (no splice
+    evaluation for another hook point than the residual stream)."""
+    (key,) = extraction_passes(plan)
+    new_runs = set(plan.runs) - set(before.runs)
+    no_evaluate = {f"evaluate:{r}/{plan.shard_hash['text_' + p]}" for r in new_runs for p in points}
+    return f"extract_pass_{key[:16]}", {f"extract_pass_{key[:16]}"} | (new_run_jobs(plan, new_runs) - no_evaluate)
+
+
+@pytest.mark.parametrize("points", [("mlp_out",), ("mlp_out", "mlp_in")], ids=["one", "two"])
+def test_adding_a_hook_extracts_only_that_hook(tree, points):
+    """One job extracts the new hook points from one forward pass; the published residual directory of the same
+    model, dataset and layers is no output of it (saeflow reuses it, never rewrites it)."""
+    cfg = variant(_add_hooks(*points))
+    plan = plan_of(cfg)
+    rule, expected = hook_jobs(plan, tree["plan"], points)
+    fpath = write_config(tree["workdir"], cfg, f"hooks-{len(points)}.yaml")
+    output = snakemake(tree["workdir"], fpath, "-n").stdout
+    assert planned_jobs(output) == expected
+    assert pass_outputs(output) == {rule: {plan.shard_hash[f"text_{p}"] for p in points}}
+
+
+def test_a_pass_job_publishes_its_new_directories_and_leaves_the_published_one_alone(tree, tmp_path):
+    workdir, points = copy_tree(tree, tmp_path / "w"), ("mlp_out", "mlp_in")
+    cfg = variant(_add_hooks(*points))
+    plan = plan_of(cfg)
+    published = ShardLayout.at(workdir / "shards", tree["plan"].shard_hash["text"]).dpath
+    before = tree_state(published)
+    new = [ShardLayout.at(pathlib.Path("shards"), plan.shard_hash[f"text_{p}"]).shards_fpath for p in points]
+    fpath = write_config(workdir, cfg, "hooks.yaml")
+    proc = snakemake(workdir, fpath, *map(str, new), preexec=_as("unprivileged"))  # as the config names them
+    assert "1 of 1 steps (100%) done" in proc.stdout + proc.stderr  # one job for both
+    assert all((workdir / f).exists() for f in new) and tree_state(published) == before
+    assert "Nothing to be done" in snakemake(workdir, fpath, *map(str, new), "-n").stdout
 
 
 def test_moved_shards_root_reextracts_nothing_for_complete_runs(tree, tmp_path):
