@@ -238,3 +238,40 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     # evaluate splices at the residual stream only: the run on mlp_out gets no evaluation job
     assert [plan.runs[run_id].sae_name for run_id, _ in evaluations(plan)] == ["on_res"]
     assert len(plan.dumps()) == 2
+
+
+@pytest.mark.slow
+def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path):
+    """config/examples/gpt2-hooks.yaml, with a local 12-block random GPT-2 for `gpt2` (no download) and a small
+    corpus for its dataset: one extraction pass of both hook points, three runs, and `snakemake -n` plans one
+    extract_pass job with both directories as its outputs."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env
+
+    model_dpath = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=12, n_head=2, vocab_size=300)).save_pretrained(
+        model_dpath
+    )
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "examples" / "gpt2-hooks.yaml").read_text())
+    for spec in cfg["activations"].values():
+        spec.update(model={"name": str(model_dpath)}, tokenizer="bytes")
+        spec["dataset"].update(path=str(tmp_path / "corpus.txt"))
+    cfg.update(shards_root=str(tmp_path / "shards"), runs_root=str(tmp_path / "runs"))
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    ((key, hashes),) = extraction_passes(plan).items()
+    assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2 and len(plan.runs) == 3
+    fpath = tmp_path / "example.yaml"
+    fpath.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(fpath), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
+                          capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rule = f"extract_pass_{key[:16]}"
+    assert proc.stdout.count(f"rule {rule}:") == 1 and "rule extract:" not in proc.stdout
+    assert all(f"{h}/shards.json" in proc.stdout for h in hashes)
