@@ -218,7 +218,7 @@ def test_one_pass_takes_only_specs_that_differ_in_their_hook(shards_root):
     assert "differ in layers: extract each on its own (--activation NAME)" in one_line(err.value)
 
 
-def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directories_out(tmp_path):
+def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directories_out(tmp_path, capsys):
     entry = text_spec
     activations = {"res": entry(), "mlp": entry(hook="mlp_out"), "in": entry(hook="mlp_in"),
                    "other": entry(layers=[1], hook="mlp_out"), "split": entry(hook="attn_out", parts=2)}  # fmt: skip
@@ -235,6 +235,10 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     plan.shard(h["res"]).shards_fpath.parent.mkdir(parents=True)
     plan.shard(h["res"]).shards_fpath.write_text("[]")  # published (pending_passes only stats)
     assert pending_passes(plan) == {key: tuple(sorted((h["mlp"], h["in"])))}
+    fpath = tmp_path / "c.yaml"
+    fpath.write_text(json.dumps(raw))
+    assert main(["plan", str(fpath)]) == 0
+    assert f"extraction pass {key[:16]}: res, mlp, in (one forward pass, a directory each)" in capsys.readouterr().out
     # evaluate splices at the residual stream only: the run on mlp_out gets no evaluation job
     assert [plan.runs[run_id].sae_name for run_id, _ in evaluations(plan)] == ["on_res"]
     assert len(plan.dumps()) == 2

@@ -101,13 +101,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     """The roots (and where each came from), every activation (hash) and every run of the config, as the workflow
     plans them."""
-    from saeflow.planning import WorkflowPlan
+    from saeflow.planning import WorkflowPlan, extraction_passes
 
     plan = WorkflowPlan.from_config(cfg)
     for line in config.describe_roots(cfg, root_sources):
         print(line)
     for name, shard_hash in plan.shard_hash.items():
         print(f"activation {name}: {shard_hash}")
+    for key, hashes in extraction_passes(plan).items():
+        names = ", ".join(name for name, shard_hash in plan.shard_hash.items() if shard_hash in hashes)
+        print(f"extraction pass {key[:16]}: {names} (one forward pass, a directory each)")
     for run_id, run in plan.runs.items():
         print(f"run {run.name}: {run_id} (train {run.train_activation}, val {run.val_activation})")
     return 0

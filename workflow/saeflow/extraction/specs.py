@@ -30,7 +30,8 @@ Dataset = (
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSpec:
-    """One `activations.<name>` entry: one model + layers + dataset -> one content-addressed shard directory.
+    """One `activations.<name>` entry: one model + layers + hook point + dataset -> one content-addressed shard
+    directory (entries that differ only in `hook` share one forward pass: `shares_pass`).
 
     Everything but batch_size, device, n_workers and parts changes the stored bytes, and so the shard hash.
     """
