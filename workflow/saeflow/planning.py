@@ -20,7 +20,7 @@ import pathlib
 from saeflow.analysis import stability
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract
+from saeflow.extraction import extract, hooks
 from saeflow.extraction.specs import ActivationSpec, ShardsSpec, activation_from_dict
 from saeflow.interop.spec import ExportSpec
 from saeflow.store import hashing, layout, shards
@@ -259,10 +259,10 @@ def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
 
 
 def evaluations(plan: WorkflowPlan) -> list[tuple[str, str]]:
-    """(run_id, shard_hash) of every dump whose SAE `saeflow evaluate` splices into its model: a residual-stream one
-    (a directory named by `shards` included). Splicing at another hook point is not built yet."""
+    """(run_id, shard_hash) of every dump whose SAE `saeflow evaluate` splices into its model: one on the residual
+    stream, as its shard metadata says. Splicing at another hook point is not built yet."""
     return [(run_id, shard_hash) for run_id, shard_hash in plan.dumps()
-            if getattr(plan.cfg.activations[plan.hash_activation[shard_hash]], "is_residual", True)]  # fmt: skip
+            if hooks.stored(plan.metadata[plan.hash_activation[shard_hash]].data) == hooks.RESIDUAL]  # fmt: skip
 
 
 def extraction_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:

@@ -69,8 +69,7 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
     info = models.describe(spec.model)
     layers = info.resolve_layers(spec.layers)
     hooks.check(info.model_type, info.family, spec.hook)  # a hook point the family lacks: refused here, in one line
-    # The hook point is hashed only when it is not the residual stream, so every earlier shard hash stays.
-    hooked = {} if spec.hook == hooks.RESIDUAL else {"hook": spec.hook}
+    hooked = hooks.hashed(spec.hook)  # nothing for the residual stream: every earlier shard hash stays
     dataset = spec.dataset
     text_dataset = datasets.is_text(dataset)
     if info.modality == "vision":

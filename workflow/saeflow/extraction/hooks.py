@@ -73,6 +73,17 @@ HOOK_POINTS: dict[str, HookPoint] = config.by_enum({
 }, "activation_spec", "hook")  # fmt: skip
 
 
+def hashed(name: str) -> dict:
+    """What hook point `name` adds to a shard directory's metadata `data`: nothing for the residual stream (so every
+    shard hash from before hook points stays), else {"hook": name}."""
+    return {} if name == RESIDUAL else {"hook": name}
+
+
+def stored(data: dict) -> str:
+    """The hook point a shard directory holds, from its metadata's `data` (`hashed`'s inverse)."""
+    return data.get("hook", RESIDUAL)
+
+
 def check(model_type: str, family: str, name: str) -> HookPoint:
     """The hook point `name` of a model type, or a one-line error naming what its family has (plan time: no weights)."""
     point = HOOK_POINTS.get(name)

@@ -14,7 +14,7 @@ import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.extraction import datasets, hooks, models
+from saeflow.extraction import datasets, models
 from saeflow.store import layout
 
 # What `dataset.kind` can build (see datasets.from_config).
@@ -72,11 +72,6 @@ class ActivationSpec:
             n_workers=spec["n_workers"],
             parts=spec["parts"],
         )
-
-    @property
-    def is_residual(self) -> bool:
-        """Whether it stores the residual stream after each block (the hook point `evaluate` splices at)."""
-        return self.hook == hooks.RESIDUAL
 
     def shares_pass(self, other: "ActivationSpec") -> bool:
         """Whether `other` differs from this spec in `hook` alone, so one forward pass extracts both (one job, a
