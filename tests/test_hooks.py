@@ -198,17 +198,22 @@ def test_bad_hooks_are_one_line_errors_at_plan_time(monkeypatch, tmp_path, capsy
         WorkflowPlan.from_config(cfg)
 
 
-def test_a_block_without_the_submodule_is_refused_when_the_model_loads(monkeypatch):
-    spec = typed(text_spec())
+def test_a_block_without_the_submodule_is_refused_before_the_first_batch(monkeypatch, shards_root):
     monkeypatch.setitem(hooks.HOOK_POINTS["mlp_in"].paths, "gpt2", ("post_mlp_norm",))
+    run_points = adapters.Adapter.run_points
+    monkeypatch.setattr(adapters.Adapter, "run_points", lambda *a: pytest.fail("a batch ran"))
+    spec = typed(text_spec(hook="mlp_in"))
     with pytest.raises(SaeflowError) as err:
-        adapters.load(spec.model)
+        extract.extract(spec, shards_root, progress=False)
     assert one_line(err.value) == (
         "hook mlp_in: gpt2 block GPT2Block has no submodule post_mlp_norm (the MLP's input after its norm)"
     )
+    assert not (shards_root / extract.plan_activation(spec).hash).exists()
+    monkeypatch.setattr(adapters.Adapter, "run_points", run_points)
+    assert extract.extract(typed(text_spec()), shards_root, progress=False).n_ex  # the residual stream needs none
     monkeypatch.setitem(hooks.HOOK_POINTS["mlp_in"].paths, "gpt2", ("mlp",))
     with pytest.raises(SaeflowError) as err:
-        adapters.load(spec.model)
+        adapters.load(spec.model).point_modules("mlp_in")
     assert one_line(err.value) == "hook mlp_in: gpt2 block GPT2Block: mlp of block 0 is a GPT2MLP, not a norm"
 
 

@@ -115,12 +115,7 @@ class Adapter:
         self.blocks = find_blocks(self.model)
         if len(self.blocks) != info.n_layers:
             raise SaeflowError(f"{info.ckpt}: found {len(self.blocks)} blocks, config says {info.n_layers}")
-        # Every hook point the family has, located in every block and checked now, before any example runs.
-        self.point_modules = {
-            name: hooks.find_modules(self.blocks, info.model_type, info.family, name)
-            for name, point in hooks.HOOK_POINTS.items()
-            if point.candidates(info.model_type)
-        }
+        self._point_modules: dict[str, list] = {}  # hook point -> its module in every block, found and checked once
 
     @property
     def n_layers(self) -> int:
@@ -137,15 +132,19 @@ class Adapter:
         acts = self.run_points(batch, [(hooks.RESIDUAL, layer) for layer in layers])
         return {layer: acts[hooks.RESIDUAL, layer] for layer in layers}
 
+    def point_modules(self, name: str) -> list:
+        """The module hook point `name` records in every block, located and checked in all of them the first time
+        (extraction asks before its first batch): a one-line error when the family lacks it or a block does."""
+        if name not in self._point_modules:
+            self._point_modules[name] = hooks.find_modules(self.blocks, self.info.model_type, self.info.family, name)
+        return self._point_modules[name]
+
     def run_points(self, batch, points: typing.Sequence[tuple[str, int]]) -> dict:
         """{(hook point, layer): float32 acts (B, T, D) on CPU} from one forward pass, stopped after the deepest
         block any point names (`run`'s positions)."""
         import torch
 
-        for name, _ in points:
-            if name not in self.point_modules:
-                hooks.check(self.info.model_type, self.info.family, name)  # the one-line refusal
-        modules = {(name, layer): self.point_modules[name][layer] for name, layer in points}
+        modules = {(name, layer): self.point_modules(name)[layer] for name, layer in points}
         stop_after = self.blocks[max(layer for _, layer in points)]
         with record_outputs(modules, stop_after) as recorded, torch.inference_mode():
             batch = batch.to(self.device)

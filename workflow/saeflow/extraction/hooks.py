@@ -1,7 +1,8 @@
 """Hook points: which tensor of a transformer block an activation spec stores (its `hook`; docs/extraction.md).
 
-    hooks.check(info, "mlp_out")                  # plan time, from the model's config: a one-line error if it lacks it
-    modules = hooks.find_modules(blocks, info, "mlp_out")   # load time: that submodule of every block, checked
+    hooks.check(info.model_type, info.family, "mlp_out")   # plan time, from the config: one line if it lacks it
+    modules = hooks.find_modules(blocks, info.model_type, info.family, "mlp_out")   # loaded: each block's, checked
+    data = {**data, **hooks.hashed("mlp_out")}; hooks.stored(data)   # how the shard metadata records it
 
 `residual` (the schema's default) is a block's own output, the residual stream after the block; it is in no shard
 metadata, so every shard hash from before hook points stays as it was. The others are one sublayer's tensor, recorded
@@ -14,8 +15,9 @@ by a forward hook on the submodule that computes it (its output; the first eleme
 - `mlp_in`: the MLP's input, the output of the norm before it (BERT, RoBERTa: the attention sublayer's LayerNorm).
 
 A block layout lists, per hook point, the submodule paths it may sit at (first match wins: transformers moved ViT's
-MLP from `output.dense` to `mlp` in version 5). At load every block must hold one of them, of the expected kind (a
-norm for `mlp_in`), or extraction stops in one line before any example runs.
+MLP from `output.dense` to `mlp` in version 5). Once the model is loaded, every block must hold one of them for each
+requested hook point, of the expected kind (a norm for `mlp_in`), or extraction stops in one line before any example
+runs (a residual-stream extraction asks for no submodule, so a moved one never stops it).
 """
 
 import dataclasses
