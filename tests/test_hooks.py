@@ -167,6 +167,8 @@ def test_a_non_residual_directory_is_a_valid_protocol_2_0_directory(shards_root,
     assert shards.Metadata.from_dict(metadata).hash == dpath.name and metadata["data"]["hook"] == "mlp_in"
     sd = shards.ShardDir(dpath)
     assert sd.example(0, 0).shape == (16, 32)
+    capsys.readouterr()
+    assert main(["info", str(dpath)]) == 0 and "  layers       [0, 2] (mlp_in)" in capsys.readouterr().out
 
 
 def one_line(err: Exception) -> str:
