@@ -160,6 +160,19 @@ def test_a_pass_reuses_a_published_directory_and_computes_what_one_spec_alone_wo
     assert file_bytes(shards_root / alone.name) == file_bytes(alone)
 
 
+def test_a_split_pass_writes_a_part_of_each_directory_per_job_and_seals_what_one_job_would(shards_root, tmp_path,
+                                                                                           monkeypatch):
+    specs_ = [typed(vision_spec(hook=point, parts=2, layers=[0, 1])) for point in ("mlp_in", "mlp_out")]
+    loads = counting_loads(monkeypatch)
+    for part in ((0, 2), (1, 2)):
+        results = extract.extract_pass(specs_, shards_root, progress=False, part=part)
+        assert [r.dpath.name for r in results] == [f"part-{part[0]}-of-2"] * 2
+    assert [calls for _, calls in loads] == [[2, 2, 0]] * 2  # shards of 3, 3 | 3, 1 examples: a batch each
+    for spec in specs_:
+        sealed = extract.seal(spec, shards_root, 2).dpath
+        assert file_bytes(sealed) == file_bytes(extract.extract(spec, tmp_path / "one-job", progress=False).dpath)
+
+
 def test_a_non_residual_directory_is_a_valid_protocol_2_0_directory(shards_root, capsys):
     dpath = extract.extract(typed(text_spec(hook="mlp_in")), shards_root, progress=False).dpath
     assert validate(dpath, deep=True).warnings == [] and main(["validate", str(dpath), "--deep"]) == 0
@@ -228,20 +241,24 @@ def test_one_pass_takes_only_specs_that_differ_in_their_hook(shards_root):
 def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directories_out(tmp_path, capsys):
     entry = text_spec
     activations = {"res": entry(), "mlp": entry(hook="mlp_out"), "in": entry(hook="mlp_in"),
-                   "other": entry(layers=[1], hook="mlp_out"), "split": entry(hook="attn_out", parts=2)}  # fmt: skip
+                   "other": entry(layers=[1], hook="mlp_out"), "split": entry(layers=[1], hook="attn_out", parts=2),
+                   "split_in": entry(layers=[1], hook="mlp_in", parts=2)}  # fmt: skip
     saes = {"on_res": {"train": "res", "layer": 0, "k": 4}, "on_mlp": {"train": "mlp", "layer": 0, "k": 4}}
     raw = {"shards_root": str(tmp_path / "s"), "runs_root": str(tmp_path / "r"), "saes": saes,
            "activations": activations}  # fmt: skip
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(raw)))
     h = plan.shard_hash
-    ((key, hashes),) = extraction_passes(plan).items()
-    assert hashes == tuple(sorted((h["res"], h["mlp"], h["in"])))  # another layer, a split extraction: alone
+    passes = extraction_passes(plan)
+    (key,) = [k for k, hashes in passes.items() if h["res"] in hashes]
+    hashes = passes[key]
+    assert hashes == tuple(sorted((h["res"], h["mlp"], h["in"])))  # another layer: alone; another `parts`: its own
+    assert sorted(passes.values()) == sorted([hashes, tuple(sorted((h["split"], h["split_in"])))])
     config_fpath = plan.cli_config("passes", key)
     assert set(plan.cli_configs()[config_fpath]["activations"]) == {"res", "mlp", "in"}
-    assert pending_passes(plan) == {key: hashes}
+    assert pending_passes(plan) == passes
     plan.shard(h["res"]).shards_fpath.parent.mkdir(parents=True)
     plan.shard(h["res"]).shards_fpath.write_text("[]")  # published (pending_passes only stats)
-    assert pending_passes(plan) == {key: tuple(sorted((h["mlp"], h["in"])))}
+    assert pending_passes(plan)[key] == tuple(sorted((h["mlp"], h["in"])))
     fpath = tmp_path / "c.yaml"
     fpath.write_text(json.dumps(raw))
     assert main(["plan", str(fpath)]) == 0

@@ -300,6 +300,28 @@ def test_a_pass_job_publishes_its_new_directories_and_leaves_the_published_one_a
     assert "Nothing to be done" in snakemake(workdir, fpath, *map(str, new), "-n").stdout
 
 
+def test_a_split_activation_with_two_hook_points_extracts_each_part_of_both_in_one_job(tmp_path):
+    """`parts: 2`: a job per part writes that part of both directories from one forward pass; each directory's own
+    seal publishes it."""
+
+    def split(cfg):
+        cfg["activations"]["text"].update(parts=2, patches_per_shard=64)  # 4 examples a shard: 4 shards, 2 parts
+        _add_hooks("mlp_out")(cfg)
+
+    cfg = variant(split)
+    plan = plan_of(cfg)
+    (key,) = extraction_passes(plan)
+    hashes = [plan.shard_hash["text"], plan.shard_hash["text_mlp_out"]]
+    extraction = {f"extract_pass_part_{key[:16]}:{i}" for i in (0, 1)} | {f"extract_seal:{h}" for h in hashes}
+    jobs = dry_run(tmp_path, cfg)
+    assert {j for j in jobs if j.startswith("extract")} == extraction
+    targets = [str(ShardLayout.at(pathlib.Path("shards"), h).shards_fpath) for h in hashes]
+    snakemake(tmp_path, write_config(tmp_path, cfg, "split.yaml"), *targets)
+    for shard_hash in hashes:
+        assert ShardLayout.at(tmp_path / "shards", shard_hash).shards_fpath.exists()
+        assert not (tmp_path / "shards" / f".{shard_hash}.parts").exists()
+
+
 def test_moved_shards_root_reextracts_nothing_for_complete_runs(tree, tmp_path):
     assert dry_run(tree["workdir"], variant(lambda c: c.update(shards_root=str(tmp_path / "new-scratch")))) == set()
 

@@ -184,6 +184,15 @@ def split_hash_regex(split):
     return f"(?!{hashes}){HASH_REGEX}" if hashes else HASH_REGEX
 
 
+def part_hash_regex():
+    """The shard hashes whose parts rule extract_part makes: extracted in parts, in no pending extraction pass (whose
+    rule extract_pass_part_<key> makes a part of each of its directories in one job), as a wildcard regex.
+    """
+    in_passes = {h for p in pending_passes(PLAN).values() for h in p}
+    hashes = "|".join(h for h in PLAN.shard_parts if h not in in_passes)
+    return f"(?:{hashes})" if hashes else "(?!x)x"
+
+
 def pass_expect_flags(pass_key):
     """`--expect-hash H` for every directory of an extraction pass (its config holds every member; the published
     ones are reused)."""

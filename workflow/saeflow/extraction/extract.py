@@ -255,7 +255,7 @@ def extract_pass(
 
 
 def _check_pass(plans: list[Plan], part: tuple[int, int] | None, expect_hashes: typing.Sequence[str] | None) -> None:
-    """One pass extracts specs that differ only in `hook`, in one job (a split extraction takes one spec); the
+    """One pass extracts specs that differ only in `hook` (the same part of each, for a split extraction); the
     workflow's planned hashes must be these."""
     first = plans[0].spec
     for plan_ in plans[1:]:
@@ -263,11 +263,9 @@ def _check_pass(plans: list[Plan], part: tuple[int, int] | None, expect_hashes: 
             keys = [f.name for f in dataclasses.fields(first)
                     if f.name != "hook" and getattr(first, f.name) != getattr(plan_.spec, f.name)]  # fmt: skip
             raise SaeflowError(
-                "one extraction pass takes activation specs that differ only in `hook` (and have parts 1), these "
-                f"differ in {', '.join(keys) or 'parts'}: extract each on its own (--activation NAME)"
+                "one extraction pass takes activation specs that differ only in `hook`, these differ in "
+                f"{', '.join(keys)}: extract each on its own (--activation NAME)"
             )
-    if part is not None and len(plans) > 1:
-        raise SaeflowError("--part takes one activation: a split extraction extracts each hook point on its own")
     check_hashes([p.metadata.hash for p in plans], expect_hashes)
 
 
@@ -288,7 +286,8 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
         writers = [shards.ShardWriter(root, p.metadata, aux=p.aux_fnames, provenance_extra=provenance_extra)
                    for p in plans]  # fmt: skip
     else:
-        writers = [parts.PartWriter(root, md, *part, aux=first.aux_fnames, provenance_extra=provenance_extra)]
+        writers = [parts.PartWriter(root, p.metadata, *part, aux=p.aux_fnames, provenance_extra=provenance_extra)
+                   for p in plans]  # fmt: skip
     with contextlib.ExitStack() as stack:
         stack.enter_context(_saying_what_is_kept(writers))
         for writer in writers:
@@ -306,7 +305,7 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
         adapter = adapters.load(first.model_spec, first.spec.compute_dtype, device_name, info=first.info)
         for p, _, _ in live:
             adapter.point_modules(p.spec.hook)  # every block holds its module, of the right kind: else one line, now
-        ex_stop = writers[0].ex_stop  # a part stops at its last shard
+        ex_stop = writers[0].ex_stop  # a part stops at its last shard (the same one in every directory of the pass)
         spans = [s for s in batches(md.n_ex, md.ex_per_shard, first.spec.batch_size, min(s for *_, s in live))
                  if s[0] < ex_stop]  # fmt: skip
         points = [(p.spec.hook, layer) for p, _, _ in live for layer in md.layers]

@@ -75,8 +75,8 @@ class ActivationSpec:
 
     def shares_pass(self, other: "ActivationSpec") -> bool:
         """Whether `other` differs from this spec in `hook` alone, so one forward pass extracts both (one job, a
-        directory each: extract.extract_pass). A split extraction (`parts` > 1) shares no pass."""
-        return self.parts == 1 and dataclasses.replace(other, hook=self.hook) == self
+        directory each: extract.extract_pass; split into the same `parts`, one job per part, a part of each)."""
+        return dataclasses.replace(other, hook=self.hook) == self
 
 
 @dataclasses.dataclass(frozen=True)
