@@ -58,3 +58,17 @@ def test_default_vision_pages_show_nine_distinct_images_and_trained_token_metric
     md = plan.metadata["vit-shapes"]
     assert metrics["tokens"] == "content" and metrics["n_vectors"] == md.n_ex * (md.tokens_per_ex - 1)
     assert metrics["all_tokens"]["n_vectors"] == md.n_ex * md.tokens_per_ex
+
+
+def test_the_default_config_plans_its_pinned_shard_hashes_and_run_ids(tmp_path, monkeypatch):
+    """Plan only, no model run: the reference's shard directory names and run ids (keys added later, such as an
+    activation's `hook`, change no existing identity at their defaults)."""
+    model_link = tmp_path / "results" / "models" / "all-MiniLM-L6-v2"
+    model_link.parent.mkdir(parents=True)
+    model_link.symlink_to(minilm_path())
+    monkeypatch.chdir(tmp_path)
+    plan = WorkflowPlan.from_config(config.load(REPO_ROOT / "config" / "config.yaml"))
+    reference = json.loads((REPO_ROOT / "tests" / "data" / "default-workflow.json").read_text())
+    pinned = {pathlib.PurePath(key).parts[1] for key in reference["exact"] if key.startswith("shards/")}
+    assert set(plan.shard_hash.values()) == pinned
+    assert sorted(plan.runs) == sorted(reference["runs"])

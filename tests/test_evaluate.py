@@ -179,6 +179,17 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err
 
 
+def test_an_sae_on_another_hook_point_is_refused_in_one_line(tmp_path, capsys):
+    """Splicing at attn_out / mlp_out / mlp_in is not built yet: evaluate refuses rather than splice into the residual
+    stream (the workflow plans no evaluation for such runs: test_hooks.py)."""
+    spec = text_spec("gpt2", layers=[1], hook="mlp_out")
+    run = _run(tmp_path, spec, 1, _random_sae(32))
+    assert cli.main(["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"saeflow evaluate: error: {run.config_fpath}: the run's shards hold hook point mlp_out; evaluate "
+                   "splices an SAE into the residual stream only (splicing at other hook points is not built yet)")
+
+
 def test_an_evaluation_that_scores_no_spliced_position_warns_and_reports_nulls(tmp_path, caplog):
     """Context 2 with a BOS under no_special: the one spliced position is the last of each example, which no scored
     next-token prediction sees; the evaluation says so and reports nulls, not a perfect or a 0/0 score."""

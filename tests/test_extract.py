@@ -87,22 +87,22 @@ def test_killed_extraction_resumes_to_identical_bytes(tmp_path, monkeypatch):
     spec = vision_spec(batch_size=2)  # 3 examples per shard, batches never cross a shard
     clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
 
-    real_run = adapters.Adapter.run
+    real_run = adapters.Adapter.run_points
     calls = []
 
-    def crashing_run(self, batch, layers):
+    def crashing_run(self, batch, points):
         calls.append(1)
         if len(calls) == 5:  # mid-way through the third shard
             raise _Crash
-        return real_run(self, batch, layers)
+        return real_run(self, batch, points)
 
-    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", crashing_run)
     with pytest.raises(_Crash):
         extract.extract(typed(spec), tmp_path / "crashy", progress=False)
     final = tmp_path / "crashy" / clean.dpath.name
     staging = tmp_path / "crashy" / f".{clean.dpath.name}.partial"
     assert not final.exists() and staging.exists()
-    monkeypatch.setattr(adapters.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", real_run)
     resumed = extract.extract(typed(spec), tmp_path / "crashy", progress=False)
     assert resumed.resumed_from == 6 and not staging.exists()
     assert _file_bytes(resumed.dpath) == _file_bytes(clean.dpath)
@@ -120,7 +120,7 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, caps
     clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))
-    restore = _signal_self_at(monkeypatch, adapters.Adapter, "run", 4, signal.SIGINT)  # a real Ctrl-C
+    restore = _signal_self_at(monkeypatch, adapters.Adapter, "run_points", 4, signal.SIGINT)  # a real Ctrl-C
     # As in a terminal's foreground job: a suite started in the background by a script (no job control) inherits
     # SIGINT ignored, and Python then keeps it ignored (issue 28's side-by-side runs).
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -271,11 +271,11 @@ SLOW_CHILD = """
 import sys, time
 from saeflow import cli
 from saeflow.extraction import adapters
-real_run = adapters.Adapter.run
-def slow_run(self, batch, layers):
+real_run = adapters.Adapter.run_points
+def slow_run(self, batch, points):
     time.sleep(0.3)  # slow enough that the parent can SIGKILL us mid-extraction
-    return real_run(self, batch, layers)
-adapters.Adapter.run = slow_run
+    return real_run(self, batch, points)
+adapters.Adapter.run_points = slow_run
 sys.exit(cli.main(sys.argv[1:]))
 """
 

@@ -260,6 +260,7 @@ KEY_ROUTES = {
     "k": (("saeflow.training.sweeps",), ("saeflow.commands.train",)),
     "layers": (("saeflow.extraction.specs",), ("saeflow.commands.extract",)),
     "shards_root": (("saeflow.planning",), ("saeflow.commands.extract", "saeflow.commands.train")),
+    "hook": (("saeflow.extraction.specs",), ("saeflow.commands.extract",)),
 }
 
 

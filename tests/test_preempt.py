@@ -56,7 +56,7 @@ def test_extraction_stopped_by_sigterm_keeps_its_shards_and_resumes(tmp_path, mo
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))
 
-    restore = _signal_self_at(monkeypatch, adapters.Adapter, "run", 4, signal.SIGTERM)
+    restore = _signal_self_at(monkeypatch, adapters.Adapter, "run_points", 4, signal.SIGTERM)
     assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("saeflow extract: error: stopped by SIGTERM: ") and "keeps its complete shards" in err

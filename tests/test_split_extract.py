@@ -49,18 +49,18 @@ def test_a_crashed_part_resumes_that_part_only(tmp_path, one_job, monkeypatch):
     extract.extract(_typed(), tmp_path, progress=False, part=(0, 2))
     done_0 = tmp_path / f".{one_job.name}.parts" / "part-0-of-2" / "part.json"
     mtime_0 = done_0.stat().st_mtime_ns
-    real_run, calls = adapters.Adapter.run, []
+    real_run, calls = adapters.Adapter.run_points, []
 
-    def crashing_run(self, batch, layers):
+    def crashing_run(self, batch, points):
         calls.append(1)
         if len(calls) == 3:  # part 1 of 2 is shards 2 (examples 6..8, 2 batches) and 3 (example 9): dies in shard 3
             raise RuntimeError("killed")
-        return real_run(self, batch, layers)
+        return real_run(self, batch, points)
 
-    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", crashing_run)
     with pytest.raises(RuntimeError, match="killed"):
         extract.extract(_typed(), tmp_path, progress=False, part=(1, 2))
-    monkeypatch.setattr(adapters.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", real_run)
     with pytest.raises(SaeflowError, match=r"part-1-of-2 is not a finished part"):
         extract.seal(_typed(), tmp_path, 2)
     assert not (tmp_path / one_job.name).exists()

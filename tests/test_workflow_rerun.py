@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from saeflow import config
-from saeflow.planning import WorkflowPlan
+from saeflow.planning import WorkflowPlan, extraction_passes
 from saeflow.store.layout import RunLayout, ShardLayout
 from saeflow.training import sweeps
 from test_faults_cli import _drop_dac_capabilities
@@ -249,6 +249,81 @@ def test_new_hyperparameter_key_is_a_new_run(tree):
     plan = plan_of(cfg)
     assert not set(plan.runs) & set(tree["plan"].runs)
     assert dry_run(tree["workdir"], cfg) == new_run_jobs(plan, plan.runs)
+
+
+def _add_hooks(*points):
+    """Activations that differ from `text` only in their hook point (extraction/hooks.py), each with an SAE on it."""
+
+    def edit(cfg):
+        for point in points:
+            cfg["activations"][f"text_{point}"] = {**cfg["activations"]["text"], "hook": point}
+            cfg["saes"][f"on_{point}"] = {**cfg["saes"]["topk"], "train": f"text_{point}", "k": 4}
+
+    return edit
+
+
+def pass_outputs(output: str) -> dict[str, set[str]]:
+    """Each extraction pass job of a dry run -> the shard hashes it outputs."""
+    jobs = re.findall(r"rule (extract_pass_\w+):\n(?:\s+\w+: .*\n)*?\s+output: (.*)\n", output)
+    return {rule: set(re.findall(r"([0-9a-f]{64})/shards\.json", outputs)) for rule, outputs in jobs}
+
+
+def hook_jobs(plan: WorkflowPlan, before: WorkflowPlan, points) -> tuple[str, set[str]]:
+    """The extraction pass's rule and the jobs adding these hook points plans: the pass, then the new runs (no splice
+    evaluation for another hook point than the residual stream)."""
+    (key,) = extraction_passes(plan)
+    new_runs = set(plan.runs) - set(before.runs)
+    no_evaluate = {f"evaluate:{r}/{plan.shard_hash['text_' + p]}" for r in new_runs for p in points}
+    return f"extract_pass_{key[:16]}", {f"extract_pass_{key[:16]}"} | (new_run_jobs(plan, new_runs) - no_evaluate)
+
+
+@pytest.mark.parametrize("points", [("mlp_out",), ("mlp_out", "mlp_in")], ids=["one", "two"])
+def test_adding_a_hook_extracts_only_that_hook(tree, points):
+    """One job extracts the new hook points from one forward pass; the published residual directory of the same
+    model, dataset and layers is no output of it (saeflow reuses it, never rewrites it)."""
+    cfg = variant(_add_hooks(*points))
+    plan = plan_of(cfg)
+    rule, expected = hook_jobs(plan, tree["plan"], points)
+    fpath = write_config(tree["workdir"], cfg, f"hooks-{len(points)}.yaml")
+    output = snakemake(tree["workdir"], fpath, "-n").stdout
+    assert planned_jobs(output) == expected
+    assert pass_outputs(output) == {rule: {plan.shard_hash[f"text_{p}"] for p in points}}
+
+
+def test_a_pass_job_publishes_its_new_directories_and_leaves_the_published_one_alone(tree, tmp_path):
+    workdir, points = copy_tree(tree, tmp_path / "w"), ("mlp_out", "mlp_in")
+    cfg = variant(_add_hooks(*points))
+    plan = plan_of(cfg)
+    published = ShardLayout.at(workdir / "shards", tree["plan"].shard_hash["text"]).dpath
+    before = tree_state(published)
+    new = [ShardLayout.at(pathlib.Path("shards"), plan.shard_hash[f"text_{p}"]).shards_fpath for p in points]
+    fpath = write_config(workdir, cfg, "hooks.yaml")
+    proc = snakemake(workdir, fpath, *map(str, new), preexec=_as("unprivileged"))  # as the config names them
+    assert "1 of 1 steps (100%) done" in proc.stdout + proc.stderr  # one job for both
+    assert all((workdir / f).exists() for f in new) and tree_state(published) == before
+    assert "Nothing to be done" in snakemake(workdir, fpath, *map(str, new), "-n").stdout
+
+
+def test_a_split_activation_with_two_hook_points_extracts_each_part_of_both_in_one_job(tmp_path):
+    """`parts: 2`: a job per part writes that part of both directories from one forward pass; each directory's own
+    seal publishes it."""
+
+    def split(cfg):
+        cfg["activations"]["text"].update(parts=2, patches_per_shard=64)  # 4 examples a shard: 4 shards, 2 parts
+        _add_hooks("mlp_out")(cfg)
+
+    cfg = variant(split)
+    plan = plan_of(cfg)
+    (key,) = extraction_passes(plan)
+    hashes = [plan.shard_hash["text"], plan.shard_hash["text_mlp_out"]]
+    extraction = {f"extract_pass_part_{key[:16]}:{i}" for i in (0, 1)} | {f"extract_seal:{h}" for h in hashes}
+    jobs = dry_run(tmp_path, cfg)
+    assert {j for j in jobs if j.startswith("extract")} == extraction
+    targets = [str(ShardLayout.at(pathlib.Path("shards"), h).shards_fpath) for h in hashes]
+    snakemake(tmp_path, write_config(tmp_path, cfg, "split.yaml"), *targets)
+    for shard_hash in hashes:
+        assert ShardLayout.at(tmp_path / "shards", shard_hash).shards_fpath.exists()
+        assert not (tmp_path / "shards" / f".{shard_hash}.parts").exists()
 
 
 def test_moved_shards_root_reextracts_nothing_for_complete_runs(tree, tmp_path):

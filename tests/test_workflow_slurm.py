@@ -18,6 +18,7 @@ import yaml
 from hang import HANG_SEC
 from saeflow import cli
 from saeflow.commands.workflow import install_profile
+from saeflow.planning import extraction_passes
 from saeflow.store import runs
 from saeflow.training import launch, train
 from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
@@ -287,18 +288,18 @@ def test_split_extraction_submits_part_jobs_and_a_seal_and_a_crashed_part_resume
     spec = ActivationSpec.from_dict(act)
     one_job = extract.extract(spec, tmp_path / "one-job", progress=False).dpath
 
-    real_run, calls = adapters.Adapter.run, []
+    real_run, calls = adapters.Adapter.run_points, []
 
-    def crashing_run(self, batch, layers):
+    def crashing_run(self, batch, points):
         calls.append(1)
         if len(calls) == 3:  # part 1 is shards 2 and 3: dies in shard 3 after shard 2 is complete
             raise RuntimeError("killed")
-        return real_run(self, batch, layers)
+        return real_run(self, batch, points)
 
-    monkeypatch.setattr(adapters.Adapter, "run", crashing_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", crashing_run)
     with pytest.raises(RuntimeError, match="killed"):
         extract.extract(spec, tmp_path / "scratch", progress=False, part=(1, 4))
-    monkeypatch.setattr(adapters.Adapter, "run", real_run)
+    monkeypatch.setattr(adapters.Adapter, "run_points", real_run)
 
     profile = install_profile("PAS1234", tmp_path / "profile" / "osc", allow_cpu_torch=True)
     config_fpath = write_config(tmp_path, _user_roots(tmp_path, cfg))
@@ -468,10 +469,14 @@ def test_a_paper_repository_with_renamed_rules_submits_the_checkouts_sbatch_line
     `set-resources` and `localrules` name rules as the workflow calls them, and matched none of the renamed ones."""
     def other_sae(cfg):  # a run not created yet: its create_run is ready, and must run here
         cfg["saes"]["other"] = {**cfg["saes"]["topk"], "k": [4], "batch_size": 64}
+        for point in ("mlp_in", "mlp_out"):  # two hook points of one layer: one extraction pass, a rule of its own
+            cfg["activations"][point] = {**cfg["activations"]["docs"], "layers": [5], "hook": point}
 
     cfg, targets, plan = _copy_half_built(tmp_path, half_built, other_sae)
     (new_run,) = [r for r, p in plan.runs.items() if p.sae_name == "other"]
     targets.append(str(plan.run(new_run).config_fpath))
+    targets += [str(plan.activation_shards(point).shards_fpath) for point in ("mlp_in", "mlp_out")]
+    (pass_key,) = extraction_passes(plan)
     profile = install_profile("PAS1234", tmp_path / "osc", allow_cpu_torch=True)
     paper = tmp_path / "paper"
     (paper / "config").mkdir(parents=True)
@@ -480,16 +485,20 @@ def test_a_paper_repository_with_renamed_rules_submits_the_checkouts_sbatch_line
     in_paper, output = _submit_only(paper, None, profile, targets, snakefile=paper / "Snakefile")
     assert "localrules directive" not in output and "localrule saeflow_create_run:" in output, output[-3000:]
     assert plan.run(new_run).config_fpath.is_file()  # made here, by the local rule
-    assert sorted(in_paper) == [f"saeflow_{r}" for r in ("evaluate", "extract", "extract_part", "extract_seal",
-                                                          "inference", "train")]  # fmt: skip
+    rules = ("evaluate", "extract", f"extract_pass_{pass_key[:16]}", "extract_part", "extract_seal", "inference",
+             "train")  # fmt: skip
+    assert sorted(in_paper) == sorted(f"saeflow_{r}" for r in rules)
+    assert len(in_paper[f"saeflow_extract_pass_{pass_key[:16]}"]) == 1  # one job for both directories
     (tmp_path / "checkout").mkdir()
     in_checkout, _ = _submit_only(tmp_path / "checkout", write_config(tmp_path, cfg), profile, targets)
     assert {rule: sorted(map(_requests, lines)) for rule, lines in in_checkout.items()} == {
         rule.removeprefix("saeflow_"): sorted(map(_requests, lines)) for rule, lines in in_paper.items()
     }
     by_rule = {rule.removeprefix("saeflow_"): lines[0] for rule, lines in in_paper.items()}
+    by_rule["extract_pass"] = by_rule.pop(f"extract_pass_{pass_key[:16]}")  # the extract entry of the table
     for rule, flags in {
         "extract": (" -p gpu ", "--gpus=1", " -t 360 ", " --mem 96000 ", "--cpus-per-task=12"),
+        "extract_pass": (" -p gpu ", "--gpus=1", " -t 360 ", " --mem 96000 ", "--cpus-per-task=12"),
         "train": (" -p gpu ", "--gpus=1", " -t 720 ", " --mem-per-cpu 8000 ", "--cpus-per-gpu=12"),
         "inference": (" -p gpu ", "--gpus=1", " -t 120 ", " --mem 48000 ", "--cpus-per-task=12"),
         "evaluate": (" -p gpu ", "--gpus=1", " -t 60 ", " --mem 48000 ", "--cpus-per-task=12"),

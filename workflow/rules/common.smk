@@ -16,7 +16,13 @@ from saeflow import config as saeflow_config
 from saeflow.analysis import report as saeflow_report
 from saeflow.analysis import stability as saeflow_stability
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan, read_planned
+from saeflow.planning import (
+    WorkflowPlan,
+    evaluations,
+    extraction_passes,
+    pending_passes,
+    read_planned,
+)
 from saeflow.store.layout import (
     HASH_REGEX,
     RUN_ID_WILDCARD,
@@ -166,11 +172,31 @@ def get_dump_metrics():
 
 
 def split_hash_regex(split):
-    """The shard hashes extracted in parts (split=True) or in one job (split=False), as a wildcard regex."""
+    """The shard hashes extracted in parts (split=True) or alone in one job (split=False: neither in parts nor in a
+    pending extraction pass, whose rule extract_pass_<key> makes them), as a wildcard regex.
+    """
     hashes = "|".join(PLAN.shard_parts)
     if split:
         return f"(?:{hashes})" if hashes else "(?!x)x"
+    hashes = "|".join(
+        [*PLAN.shard_parts, *(h for p in pending_passes(PLAN).values() for h in p)]
+    )
     return f"(?!{hashes}){HASH_REGEX}" if hashes else HASH_REGEX
+
+
+def part_hash_regex():
+    """The shard hashes whose parts rule extract_part makes: extracted in parts, in no pending extraction pass (whose
+    rule extract_pass_part_<key> makes a part of each of its directories in one job), as a wildcard regex.
+    """
+    in_passes = {h for p in pending_passes(PLAN).values() for h in p}
+    hashes = "|".join(h for h in PLAN.shard_parts if h not in in_passes)
+    return f"(?:{hashes})" if hashes else "(?!x)x"
+
+
+def pass_expect_flags(pass_key):
+    """`--expect-hash H` for every directory of an extraction pass (its config holds every member; the published
+    ones are reused)."""
+    return " ".join(f"--expect-hash {h}" for h in extraction_passes(PLAN)[pass_key])
 
 
 def get_part_markers(wildcards):
@@ -183,10 +209,10 @@ def get_part_markers(wildcards):
 
 
 def get_evaluations():
-    """Every run's splice evaluation on its validation activations (saeflow evaluate)."""
+    """Every run's splice evaluation on its validation activations (saeflow evaluate; WorkflowPlan.evaluations)."""
     return [
         PLAN.run(run_id).evaluation_fpath(shard_hash)
-        for run_id, shard_hash in PLAN.dumps()
+        for run_id, shard_hash in evaluations(PLAN)
     ]
 
 

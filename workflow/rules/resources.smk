@@ -112,6 +112,14 @@ def extraction_on_gpu(wildcards):
     return not saeflow_devices.is_cpu(spec.device)
 
 
+def pass_on_gpu(pass_key):
+    """Whether an extraction pass's job wants a GPU (its activations share one device)."""
+    first = extraction_passes(PLAN)[pass_key][0]
+    return not saeflow_devices.is_cpu(
+        PLAN.cfg.activations[PLAN.hash_activation[first]].device
+    )
+
+
 def stage_on_gpu(section):
     """Whether the jobs of a settings section (train, inference, evaluate) want a GPU."""
     return not saeflow_devices.is_cpu(PLAN.cfg.settings[section]["device"])

@@ -20,8 +20,8 @@ import pathlib
 from saeflow.analysis import stability
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract
-from saeflow.extraction.specs import ActivationSpec, ShardsSpec, activation_from_dict
+from saeflow.extraction import extract, hooks
+from saeflow.extraction.specs import ActivationSpec, ShardsSpec, activation_from_dict, canonical_spec
 from saeflow.interop.spec import ExportSpec
 from saeflow.store import hashing, layout, shards
 from saeflow.store.atomic import write_file_atomic
@@ -97,7 +97,7 @@ def _metadata(spec: ActivationSpec | ShardsSpec, shards_root: pathlib.Path):
 def activation_key(raw_spec: dict) -> str:
     """Names an activation spec by its content (the validated `activations.<name>` entry): the key of its planned
     metadata (`cli_config("planned", key)`)."""
-    return hashlib.sha256(hashing.canonical_json(raw_spec).encode("utf-8")).hexdigest()
+    return hashlib.sha256(hashing.canonical_json(canonical_spec(raw_spec)).encode("utf-8")).hexdigest()
 
 
 def read_planned(raw_activations: dict, cache_dpath: pathlib.Path) -> dict[str, dict]:
@@ -250,6 +250,40 @@ class WorkflowPlan:
         check_published_shards(self)
 
 
+def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
+    """Pass key -> the hashes of an extraction pass whose directories are not published yet (a stat each), for passes
+    with any: one job extracts them (rule extract_pass_<key>), reusing the published ones, never rewriting them."""
+    pending = {key: tuple(h for h in hashes if not plan.shard(h).shards_fpath.exists())
+               for key, hashes in extraction_passes(plan).items()}  # fmt: skip
+    return {key: hashes for key, hashes in pending.items() if hashes}
+
+
+def evaluations(plan: WorkflowPlan) -> list[tuple[str, str]]:
+    """(run_id, shard_hash) of every dump whose SAE `saeflow evaluate` splices into its model: one on the residual
+    stream, as its shard metadata says. Splicing at another hook point is not built yet."""
+    return [(run_id, shard_hash) for run_id, shard_hash in plan.dumps()
+            if hooks.stored(plan.metadata[plan.hash_activation[shard_hash]].data) == hooks.RESIDUAL]  # fmt: skip
+
+
+def extraction_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
+    """Pass key -> the shard hashes (two or more, sorted) that one job extracts from one forward pass: the activation
+    specs that differ only in the hook point (`ActivationSpec.shares_pass`). The key is the sha256 of the hashes, so
+    it names the same pass in every parse of the same config (a Slurm job's own, a retry's)."""
+    groups: list[list[str]] = []
+    for shard_hash, name in plan.hash_activation.items():
+        spec = plan.cfg.activations[name]
+        if not isinstance(spec, ActivationSpec):
+            continue
+        for group in groups:
+            if plan.cfg.activations[plan.hash_activation[group[0]]].shares_pass(spec):
+                group.append(shard_hash)
+                break
+        else:
+            groups.append([shard_hash])
+    passes = [tuple(sorted(group)) for group in groups if len(group) > 1]
+    return {hashlib.sha256(" ".join(hashes).encode()).hexdigest(): hashes for hashes in passes}
+
+
 def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
     """One line per shard directory that is missing (purged from scratch?) while runs built on it exist.
 
@@ -339,13 +373,20 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     raw = plan.cfg.raw
     roots = {"shards_root": str(plan.cfg.shards_root), "runs_root": str(plan.cfg.runs_root)}
     configs = {}
+
+    def activation(name: str) -> dict:  # as written before keys were added to it: no rerun on an upgrade
+        return canonical_spec(raw["activations"][name])
+
     for shard_hash, name in plan.hash_activation.items():
-        configs[plan.cli_config("shards", shard_hash)] = {**roots, "activations": {name: raw["activations"][name]}}
+        configs[plan.cli_config("shards", shard_hash)] = {**roots, "activations": {name: activation(name)}}
+    for key, hashes in extraction_passes(plan).items():  # one job, one forward pass, a directory each
+        names = [plan.hash_activation[h] for h in hashes]
+        configs[plan.cli_config("passes", key)] = {**roots, "activations": {n: activation(n) for n in names}}
     for run_id, run_plan in plan.runs.items():
         names = (run_plan.train_activation, run_plan.val_activation)
         configs[plan.cli_config("runs", run_id)] = {
             **roots,
-            "activations": {name: raw["activations"][name] for name in names},
+            "activations": {name: activation(name) for name in names},
             "saes": {run_plan.sae_name: sweeps.canonical_spec(raw["saes"][run_plan.sae_name])},
         }
     for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)

@@ -44,7 +44,7 @@ from saeflow import config, devices
 from saeflow.analysis.inference import trained_layer
 from saeflow.analysis.scoring import Scores, n_spliced_scored, next_token_logp, score_embeddings, score_lm, summarize
 from saeflow.errors import SaeflowError
-from saeflow.extraction import adapters, extract, models, specs
+from saeflow.extraction import adapters, extract, hooks, models, specs
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.hashing import file_sha256
 from saeflow.store.layout import ShardLayout
@@ -293,6 +293,12 @@ def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int, sh
         raise SaeflowError(
             f"{run.config_fpath}: the run was validated on shards {val_hash}, but the activation spec given plans "
             f"shards {plan.metadata.hash}; pass the run's validation activation spec"
+        )
+    point = hooks.stored(plan.metadata.data)
+    if point != hooks.RESIDUAL:
+        raise SaeflowError(
+            f"{run.config_fpath}: the run's shards hold hook point {point}; evaluate splices an SAE into the residual "
+            "stream only (splicing at other hook points is not built yet)"
         )
     if layer not in plan.metadata.layers:
         layers = list(plan.metadata.layers)

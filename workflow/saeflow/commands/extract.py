@@ -6,6 +6,7 @@ import os
 import pathlib
 
 from saeflow import config
+from saeflow.errors import SaeflowError
 
 
 def register(subparsers):
@@ -28,7 +29,9 @@ def register(subparsers):
         help="run the model and write (or reuse) SHARDS_ROOT/<hash>/",
         description="Extract the activations of one `activations.<name>` entry of CONFIG into SHARDS_ROOT/<hash>/ "
         "and print that path. An existing complete directory is reused (nothing runs). A crashed or preempted "
-        "extraction resumes from its last complete shard. Inputs are checked before the model is loaded.",
+        "extraction resumes from its last complete shard. Inputs are checked before the model is loaded. Without "
+        "--activation, a CONFIG whose entries differ only in `hook` is extracted in one forward pass, one directory "
+        "each (one path printed per entry).",
     )
     _common_args(p)
     p.add_argument(
@@ -36,8 +39,8 @@ def register(subparsers):
         help="where shard directories live (default: the config's shards_root); $VARS and ~ are expanded",
     )
     p.add_argument(
-        "--expect-hash", metavar="HASH", help="stop before anything runs unless the activation plans this shard hash "
-        "(the workflow passes the hash it planned)",
+        "--expect-hash", metavar="HASH", action="append", help="stop before anything runs unless the activation plans "
+        "this shard hash (the workflow passes the hash it planned; once per entry of a pass)",
     )
     p.add_argument("--device", help="override the spec's device (cpu, cuda, cuda:1, auto); not hashed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -98,13 +101,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     """The roots (and where each came from), every activation (hash) and every run of the config, as the workflow
     plans them."""
-    from saeflow.planning import WorkflowPlan
+    from saeflow.planning import WorkflowPlan, extraction_passes
 
     plan = WorkflowPlan.from_config(cfg)
     for line in config.describe_roots(cfg, root_sources):
         print(line)
     for name, shard_hash in plan.shard_hash.items():
         print(f"activation {name}: {shard_hash}")
+    for key, hashes in extraction_passes(plan).items():
+        names = ", ".join(name for name, shard_hash in plan.shard_hash.items() if shard_hash in hashes)
+        print(f"extraction pass {key[:16]}: {names} (one forward pass, a directory each)")
     for run_id, run in plan.runs.items():
         print(f"run {run.name}: {run_id} (train {run.train_activation}, val {run.val_activation})")
     return 0
@@ -115,19 +121,27 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
     from saeflow.extraction import extract, fingerprints, specs
 
-    cfg, name, spec = _spec(args)
+    cfg = config.load(args.config)
+    if args.activation is None and len(cfg["activations"]) > 1:  # one pass: entries that differ only in hook
+        named = dict(cfg["activations"])
+    else:
+        named = dict([config.pick(cfg["activations"], args.activation, "activation")])
     shards_root = config.root(cfg, "shards_root", args.shards_root, "--shards-root")
-    spec = specs.ActivationSpec.from_dict(spec)
+    typed = [specs.ActivationSpec.from_dict(spec) for spec in named.values()]
     if args.seal is None and fingerprints.recheck_mode() == "auto":  # about to read the dataset: stat every file
         os.environ[fingerprints.RECHECK_ENV] = "files"
     if args.seal is not None:
-        result = extract.seal(spec, shards_root, args.seal, expect_hash=args.expect_hash)
+        if len(typed) > 1 or len(args.expect_hash or ()) > 1:
+            raise SaeflowError("--seal takes one activation and one --expect-hash (choose it with --activation)")
+        expect_hash = args.expect_hash[0] if args.expect_hash else None
+        results = [extract.seal(typed[0], shards_root, args.seal, expect_hash=expect_hash)]
     else:
-        result = extract.extract(spec, shards_root, device=args.device, progress=not args.no_progress, part=args.part,
-                                 expect_hash=args.expect_hash)  # fmt: skip
-    if result.reused:
-        print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)
-    elif result.resumed_from:
-        print(f"activation {name}: resumed from example {result.resumed_from}; published", file=sys.stderr)
-    print(result.dpath)
+        results = extract.extract_pass(typed, shards_root, device=args.device, progress=not args.no_progress,
+                                       part=args.part, expect_hashes=args.expect_hash)  # fmt: skip
+    for name, result in zip(named, results):
+        if result.reused:
+            print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)
+        elif result.resumed_from:
+            print(f"activation {name}: resumed from example {result.resumed_from}; published", file=sys.stderr)
+        print(result.dpath)
     return 0

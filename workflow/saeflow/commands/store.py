@@ -7,6 +7,7 @@ import pathlib
 
 from saeflow.analysis import compare
 from saeflow.errors import SaeflowError
+from saeflow.extraction import hooks
 from saeflow.store import shards
 
 
@@ -74,6 +75,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "path": str(sd.dpath.resolve()),
         "hash": sd.hash,
         "metadata": md.to_dict(),
+        "hook_point": hooks.stored(md.data),
         "tokens_per_ex": md.tokens_per_ex,
         "ex_per_shard": md.ex_per_shard,
         "n_shards": len(sd.shard_sizes),
@@ -89,7 +91,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"{summary['path']}")
     print(f"  model        {md.family} {md.ckpt}")
     print(f"  dataset      {md.dataset} ({md.data.get('__class__')})")
-    print(f"  layers       {list(md.layers)}")
+    print(f"  layers       {list(md.layers)} ({summary['hook_point']})")
     print(f"  examples     {md.n_ex} x {md.tokens_per_ex} tokens "
           f"({'CLS + ' if md.cls_token else ''}{md.patches_per_ex} patches)")
     print(f"  d_model      {md.d_model} ({md.dtype})")

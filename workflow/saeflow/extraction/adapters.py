@@ -6,6 +6,8 @@
 
 "Layer k" is the output of transformer block k (the residual stream after block k), 0-indexed. Hooks on the block
 modules record it; the hook on the deepest requested block raises `_StopForward`, so later blocks never run.
+`adapter.run_points(batch, [(hook, layer), ...])` records other hook points of the blocks (extraction.hooks: a
+sublayer's output or the MLP's input) in the same pass, which also stops after the deepest block.
 For pre-norm decoders (GPT-2, Llama) Hugging Face's `hidden_states[-1]` has the final norm applied; we store the
 raw residual stream of the last block instead (the same definition for every layer).
 """
@@ -15,6 +17,7 @@ import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
+from saeflow.extraction import hooks
 from saeflow.extraction.models import ModelInfo, ModelSpec, describe
 
 # Where the list of transformer blocks lives, per model class layout (first match wins).
@@ -43,22 +46,34 @@ def find_blocks(model):
 
 @contextlib.contextmanager
 def record_blocks(blocks, layers: typing.Sequence[int], stop_after_deepest: bool) -> typing.Iterator[dict]:
-    """Forward hooks that store each requested block's output (B, T, D) in the yielded dict.
+    """Forward hooks that store each requested block's output (B, T, D) in the yielded dict, keyed by layer.
 
     With `stop_after_deepest` the deepest block's hook ends the forward pass, so later blocks never run.
     """
-    deepest = max(layers)
+    stop = blocks[max(layers)] if stop_after_deepest else None
+    with record_outputs({layer: blocks[layer] for layer in layers}, stop) as recorded:
+        yield recorded
+
+
+@contextlib.contextmanager
+def record_outputs(modules: dict, stop_after=None) -> typing.Iterator[dict]:
+    """Forward hooks that store each module's output (its first element when it returns a tuple) in the yielded dict
+    under the module's key. `stop_after` (a module) ends the forward pass once it has run, after every recording hook
+    on it (hooks on one module run in the order they were registered)."""
     recorded: dict = {}
 
-    def make_hook(layer: int):
+    def make_hook(key):
         def hook(module, args, output):
-            recorded[layer] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
-            if stop_after_deepest and layer == deepest:
-                raise _StopForward
+            recorded[key] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
 
         return hook
 
-    handles = [blocks[layer].register_forward_hook(make_hook(layer)) for layer in layers]
+    def stop(module, args, output):
+        raise _StopForward
+
+    handles = [module.register_forward_hook(make_hook(key)) for key, module in modules.items()]
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(stop))
     try:
         yield recorded
     except _StopForward:
@@ -100,6 +115,7 @@ class Adapter:
         self.blocks = find_blocks(self.model)
         if len(self.blocks) != info.n_layers:
             raise SaeflowError(f"{info.ckpt}: found {len(self.blocks)} blocks, config says {info.n_layers}")
+        self._point_modules: dict[str, list] = {}  # hook point -> its module in every block, found and checked once
 
     @property
     def n_layers(self) -> int:
@@ -110,20 +126,33 @@ class Adapter:
         return self.info.d_model
 
     def run(self, batch, layers: typing.Sequence[int]) -> dict:
-        """{layer: float32 acts (B, T, D) on CPU} for images (B, 3, H, W) or token ids (B, T).
+        """{layer: float32 acts (B, T, D) on CPU}: the residual stream after each block, for images (B, 3, H, W) or
+        token ids (B, T). `layers` are absolute block indices. Register tokens are removed; CLS (when the model has
+        one) stays first."""
+        acts = self.run_points(batch, [(hooks.RESIDUAL, layer) for layer in layers])
+        return {layer: acts[hooks.RESIDUAL, layer] for layer in layers}
 
-        `layers` are absolute block indices. Register tokens are removed; CLS (when the model has one) stays first.
-        """
+    def point_modules(self, name: str) -> list:
+        """The module hook point `name` records in every block, located and checked in all of them the first time
+        (extraction asks before its first batch): a one-line error when the family lacks it or a block does."""
+        if name not in self._point_modules:
+            self._point_modules[name] = hooks.find_modules(self.blocks, self.info.model_type, self.info.family, name)
+        return self._point_modules[name]
+
+    def run_points(self, batch, points: typing.Sequence[tuple[str, int]]) -> dict:
+        """{(hook point, layer): float32 acts (B, T, D) on CPU} from one forward pass, stopped after the deepest
+        block any point names (`run`'s positions)."""
         import torch
 
-        layers = tuple(layers)
-        with record_blocks(self.blocks, layers, stop_after_deepest=True) as recorded, torch.inference_mode():
+        modules = {(name, layer): self.point_modules(name)[layer] for name, layer in points}
+        stop_after = self.blocks[max(layer for _, layer in points)]
+        with record_outputs(modules, stop_after) as recorded, torch.inference_mode():
             batch = batch.to(self.device)
             if self.info.modality == "vision":
                 self.model(pixel_values=batch.to(self.torch_dtype))
             else:
                 self.model(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
-        return {layer: keep_stored(self.info, recorded[layer]).float().cpu() for layer in layers}
+        return {point: keep_stored(self.info, recorded[point]).float().cpu() for point in points}
 
 
 def build(info: ModelInfo, spec: ModelSpec, compute_dtype: str = "float32", lm_head: bool = False):

@@ -28,7 +28,7 @@ import numpy as np
 
 from saeflow import devices, preempt
 from saeflow.errors import SaeflowError
-from saeflow.extraction import adapters, datasets, fingerprints, models, specs, tokenization
+from saeflow.extraction import adapters, datasets, fingerprints, hooks, models, specs, tokenization
 from saeflow.store import layout, shards
 from saeflow.store.hashing import canonical_json
 from saeflow.store.shards import parts
@@ -68,6 +68,8 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
     """Resolve a spec without running the model (see module docstring for the cost)."""
     info = models.describe(spec.model)
     layers = info.resolve_layers(spec.layers)
+    hooks.check(info.model_type, info.family, spec.hook)  # a hook point the family lacks: refused here, in one line
+    hooked = hooks.hashed(spec.hook)  # nothing for the residual stream: every earlier shard hash stays
     dataset = spec.dataset
     text_dataset = datasets.is_text(dataset)
     if info.modality == "vision":
@@ -75,7 +77,7 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
             raise SaeflowError(f"dataset: {info.ckpt} is a vision model but dataset.kind is text")
         pre = datasets.preprocess_for(info, dataset.preprocess)
         n_ex = len(dataset)
-        data = {**dataset.data(), "preprocess": pre.hashed(), "compute_dtype": spec.compute_dtype}
+        data = {**dataset.data(), "preprocess": pre.hashed(), "compute_dtype": spec.compute_dtype, **hooked}
         patches_per_ex = info.patches_per_ex
         extra = dict(preprocess=pre)
     else:
@@ -90,7 +92,9 @@ def plan(spec: specs.ActivationSpec, device: str | None = None) -> Plan:
             )
         packing = tokenization.model_packing(info, spec.tokenizer, spec.context_length)
         n_ex = tokenization.example_count(info, spec.tokenizer, dataset, packing)
-        data = {**dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": spec.compute_dtype}
+        data = {
+            **dataset.data(), "tokenization": dataclasses.asdict(packing), "compute_dtype": spec.compute_dtype, **hooked
+        }
         patches_per_ex = spec.context_length
         extra = dict(packing=packing)
     md = shards.Metadata(
@@ -215,86 +219,154 @@ def extract(
     `expect_hash` (the workflow's plan) must be the hash planned here (`check_hash`). A Ctrl-C keeps every complete
     shard and says so (`KeyboardInterrupt(writer.kept())`).
     """
+    expect_hashes = None if expect_hash is None else [expect_hash]
+    (result,) = extract_pass([spec], shards_root, device, progress, part, expect_hashes)
+    return result
+
+
+def extract_pass(
+    specs_: typing.Sequence[specs.ActivationSpec],
+    shards_root,
+    device: str | None = None,
+    progress: bool = True,
+    part: tuple[int, int] | None = None,
+    expect_hashes: typing.Sequence[str] | None = None,
+) -> list[Result]:
+    """Write (or reuse) the directory of every spec from one forward pass: specs that differ only in `hook`
+    (`ActivationSpec.shares_pass`), one directory each. A published directory is reused, never rewritten: only the
+    others are computed, and the pass stops after the deepest block. `expect_hashes` (the workflow's plan) must be
+    the hashes planned here, in any order. Each Result of the pass carries the pass's times."""
+    t0 = time.perf_counter()
+    plans = [plan(spec, device=device) for spec in specs_]
+    _check_pass(plans, part, expect_hashes)
+    root = pathlib.Path(shards_root)
+    results: dict[str, Result] = {}
+    todo = []
+    for plan_ in plans:
+        md = plan_.metadata
+        if md.hash in results or shards.open_existing(root / md.hash) is not None:
+            results.setdefault(md.hash, Result(root / md.hash, True, 0, md.n_ex, total_sec=time.perf_counter() - t0))
+        else:
+            results[md.hash] = None
+            todo.append(plan_)
+    if todo:
+        results.update(_run_pass(todo, root, progress, part, t0))
+    return [results[plan_.metadata.hash] for plan_ in plans]
+
+
+def _check_pass(plans: list[Plan], part: tuple[int, int] | None, expect_hashes: typing.Sequence[str] | None) -> None:
+    """One pass extracts specs that differ only in `hook` (the same part of each, for a split extraction); the
+    workflow's planned hashes must be these."""
+    first = plans[0].spec
+    for plan_ in plans[1:]:
+        if not first.shares_pass(plan_.spec):
+            keys = [f.name for f in dataclasses.fields(first)
+                    if f.name != "hook" and getattr(first, f.name) != getattr(plan_.spec, f.name)]  # fmt: skip
+            raise SaeflowError(
+                "one extraction pass takes activation specs that differ only in `hook`, these differ in "
+                f"{', '.join(keys)}: extract each on its own (--activation NAME)"
+            )
+    check_hashes([p.metadata.hash for p in plans], expect_hashes)
+
+
+def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: float) -> dict[str, Result]:
+    """Extract the (unpublished) directories of `plans` from one forward pass over their common inputs."""
     from tqdm import tqdm
 
-    t0 = time.perf_counter()
-    plan_ = plan(spec, device=device)
-    md = plan_.metadata
-    check_hash(md, expect_hash)
-    dataset = plan_.dataset
-    if shards.open_existing(pathlib.Path(shards_root) / md.hash) is not None:
-        return Result(pathlib.Path(shards_root) / md.hash, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
-    if plan_.info.modality == "vision":
-        dataset.check(progress)  # unreadable images fail here, before any weights are loaded
-    device_name = str(devices.resolve_device(plan_.device))  # adapters.load and provenance.json take the name
+    first, md = plans[0], plans[0].metadata  # every plan has the same examples, layers and shard sizes
+    if first.info.modality == "vision":
+        first.dataset.check(progress)  # unreadable images fail here, before any weights are loaded
+    device_name = str(devices.resolve_device(first.device))  # adapters.load and provenance.json take the name
     provenance_extra = {
-        "extraction": {"batch_size": plan_.spec.batch_size, "device": device_name, "n_workers": plan_.spec.n_workers},
+        "extraction": {"batch_size": first.spec.batch_size, "device": device_name, "n_workers": first.spec.n_workers},
         # Where the weights came from on this machine (not hashed): lets visuals find a local model's tokenizer.
-        "model_source": model_source(plan_.model_spec),
+        "model_source": model_source(first.model_spec),
     }
     if part is None:
-        writer = shards.ShardWriter(shards_root, md, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
+        writers = [shards.ShardWriter(root, p.metadata, aux=p.aux_fnames, provenance_extra=provenance_extra)
+                   for p in plans]  # fmt: skip
     else:
-        writer = parts.PartWriter(shards_root, md, *part, aux=plan_.aux_fnames, provenance_extra=provenance_extra)
-    ex_stop = writer.ex_stop  # a part stops at its last shard
-    with _saying_what_is_kept(writer), writer:
-        if writer.reused:
-            return Result(writer.built_dpath, True, 0, md.n_ex, total_sec=time.perf_counter() - t0)
-        if writer.resumed_from:
-            logger.info("resuming %s from example %d (last complete shard)", writer.staging, writer.resumed_from)
-        adapter = adapters.load(plan_.model_spec, plan_.spec.compute_dtype, device_name, info=plan_.info)
-        spans = [
-            s for s in batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, writer.n_written) if s[0] < ex_stop
-        ]
-        source = _image_batches if plan_.info.modality == "vision" else _text_batches
-        result = Result(writer.built_dpath, False, writer.resumed_from, md.n_ex)
-        bar = tqdm(
-            total=ex_stop, initial=writer.n_written, unit="ex", desc=f"extract {md.hash[:12]}", disable=not progress
-        )
+        writers = [parts.PartWriter(root, p.metadata, *part, aux=p.aux_fnames, provenance_extra=provenance_extra)
+                   for p in plans]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_saying_what_is_kept(writers))
+        for writer in writers:
+            stack.enter_context(writer)
+        results = {p.metadata.hash: Result(w.built_dpath, w.reused, w.resumed_from, md.n_ex)
+                   for p, w in zip(plans, writers)}  # fmt: skip
+        live = [(p, w, w.n_written) for p, w in zip(plans, writers) if not w.reused]  # (plan, writer, its start)
+        if not live:
+            for result in results.values():
+                result.total_sec = time.perf_counter() - t0
+            return results
+        for _, w, start in live:
+            if start:
+                logger.info("resuming %s from example %d (last complete shard)", w.staging, start)
+        adapter = adapters.load(first.model_spec, first.spec.compute_dtype, device_name, info=first.info)
+        for p, _, _ in live:
+            adapter.point_modules(p.spec.hook)  # every block holds its module, of the right kind: else one line, now
+        ex_stop = writers[0].ex_stop  # a part stops at its last shard (the same one in every directory of the pass)
+        spans = [s for s in batches(md.n_ex, md.ex_per_shard, first.spec.batch_size, min(s for *_, s in live))
+                 if s[0] < ex_stop]  # fmt: skip
+        points = [(p.spec.hook, layer) for p, _, _ in live for layer in md.layers]
+        source = _image_batches if first.info.modality == "vision" else _text_batches
+        forward_sec = write_sec = 0.0
+        bar = tqdm(total=ex_stop, initial=spans[0][0] if spans else ex_stop, unit="ex", desc=f"extract {md.hash[:12]}",
+                   disable=not progress)  # fmt: skip
         n_tokens = 0
         t_loop = time.perf_counter()
         with bar:
-            for inputs, aux_rows in source(plan_, spans):
-                if preempt.received():  # a stop signal: the writer keeps every complete shard to resume from
-                    raise preempt.stopped(f"{writer.staging} keeps its complete shards")
+            for (lo, _), (inputs, aux_rows) in zip(spans, source(first, spans)):
+                if preempt.received():  # a stop signal: the writers keep every complete shard to resume from
+                    raise preempt.stopped(" and ".join(f"{w.staging} keeps its complete shards" for _, w, _ in live))
                 t = time.perf_counter()
-                acts = adapter.run(inputs, md.layers)
-                acts_nltd = np.stack([acts[layer].numpy() for layer in md.layers], axis=1)
-                result.forward_sec += time.perf_counter() - t
+                acts = adapter.run_points(inputs, points)
+                forward_sec += time.perf_counter() - t
                 t = time.perf_counter()
-                writer.write(acts_nltd, aux={fname: aux_rows for fname in plan_.aux_fnames})
-                result.write_sec += time.perf_counter() - t
-                n = acts_nltd.shape[0]
+                for p, w, start in live:
+                    if lo >= start:  # batches never cross a shard; a writer resumes at a shard boundary
+                        acts_nltd = np.stack([acts[p.spec.hook, layer].numpy() for layer in md.layers], axis=1)
+                        w.write(acts_nltd, aux={fname: aux_rows for fname in p.aux_fnames})
+                write_sec += time.perf_counter() - t
+                n = inputs.shape[0]
                 n_tokens += n * md.tokens_per_ex
                 bar.update(n)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"{n_tokens / elapsed:,.0f} tok/s")
         t = time.perf_counter()
-    result.write_sec += time.perf_counter() - t  # drain the queue, checksums, fsync, rename
-    result.total_sec = time.perf_counter() - t0
-    result.loop_sec = time.perf_counter() - t_loop
-    return result
+    write_sec += time.perf_counter() - t  # drain the queues, checksums, fsync, rename
+    for result in results.values():
+        if not result.reused:
+            result.forward_sec, result.write_sec = forward_sec, write_sec
+            result.loop_sec = time.perf_counter() - t_loop
+        result.total_sec = time.perf_counter() - t0
+    return results
 
 
 @contextlib.contextmanager
-def _saying_what_is_kept(writer: shards.ShardWriter) -> typing.Iterator[None]:
-    """Around the writer's block: a Ctrl-C, once the writer has kept its complete shards, says how many, where, and
-    how to resume (the CLI prints it: `saeflow extract: interrupted: ...`)."""
+def _saying_what_is_kept(writers: list[shards.ShardWriter]) -> typing.Iterator[None]:
+    """Around the writers' block: a Ctrl-C, once every writer has kept its complete shards, says how many, where,
+    and how to resume (the CLI prints it: `saeflow extract: interrupted: ...`)."""
     try:
         yield
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(writer.kept()) from None
+        raise KeyboardInterrupt("; ".join(writer.kept() for writer in writers)) from None
 
 
 def check_hash(md: shards.Metadata, expect_hash: str | None) -> None:
     """The workflow passes the shard hash it planned: a job that plans another one (its software or inputs differ
     from those of the Snakemake that planned) stops before the model runs."""
-    if expect_hash is not None and md.hash != expect_hash:
+    check_hashes([md.hash], None if expect_hash is None else [expect_hash])
+
+
+def check_hashes(planned: typing.Sequence[str], expected: typing.Sequence[str] | None) -> None:
+    """`check_hash` for the directories of one pass: the hashes the workflow planned must be these, in any order."""
+    if expected is not None and set(planned) != set(expected):
         raise SaeflowError(
-            f"the workflow planned shard directory {expect_hash}, but this job plans {md.hash} for the same "
-            "activation: it sees other software or inputs than the planning did (compare `saeflow plan --json` in "
-            "both; a dataset file rewritten in place is seen here, not by a re-plan that stats directories only: "
-            f"rerun snakemake with {fingerprints.RECHECK_ENV}=files once)"
+            f"the workflow planned shard directory {', '.join(sorted(set(expected)))}, but this job plans "
+            f"{', '.join(sorted(set(planned)))} for the same activation: it sees other software or inputs than the "
+            "planning did (compare `saeflow plan --json` in both; a dataset file rewritten in place is seen here, not "
+            f"by a re-plan that stats directories only: rerun snakemake with {fingerprints.RECHECK_ENV}=files once)"
         )
 
 

@@ -27,10 +27,23 @@ Dataset = (
     | datasets.HFDataset
 )
 
+# Keys of an `activations.<name>` entry added after the first release, each with the value it was introduced at. The
+# per-job configs (planning.cli_configs) leave a key out at that value, so an upgrade that adds a key with a default
+# rewrites no job's config and reruns nothing (docs/contracts.md; tests/test_identity.py pins those configs).
+INTRODUCED: dict[str, typing.Any] = {
+    "hook": "residual",  # issue 35: hook points; before them, every activation was the residual stream
+}
+
+
+def canonical_spec(raw_spec: typing.Mapping[str, typing.Any]) -> dict:
+    """A validated `activations.<name>` entry without the introduced keys at their introduction value."""
+    return {key: value for key, value in raw_spec.items() if key not in INTRODUCED or value != INTRODUCED[key]}
+
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSpec:
-    """One `activations.<name>` entry: one model + layers + dataset -> one content-addressed shard directory.
+    """One `activations.<name>` entry: one model + layers + hook point + dataset -> one content-addressed shard
+    directory (entries that differ only in `hook` share one forward pass: `shares_pass`).
 
     Everything but batch_size, device, n_workers and parts changes the stored bytes, and so the shard hash.
     """
@@ -38,6 +51,7 @@ class ActivationSpec:
     model: models.ModelSpec  # a checkpoint (id or path, revision) or a random-init architecture
     dataset: Dataset  # what the model runs on; its fields are hashed as `data`
     layers: tuple[int, ...]  # blocks as written (negative ones count from the end); planning resolves them
+    hook: str  # which tensor of each block (extraction.hooks): hashed only when not the residual stream
     context_length: int  # text: tokens per example (fixed, packed)
     tokenizer: str | None  # text: None = the model's own, "bytes", or an HF id / path
     compute_dtype: str  # dtype the model runs in
@@ -59,6 +73,7 @@ class ActivationSpec:
             model=models.ModelSpec.from_config(spec["model"]),
             dataset=datasets.from_config(spec["dataset"]),
             layers=tuple(spec["layers"]),
+            hook=spec["hook"],
             context_length=spec["context_length"],
             tokenizer=spec["tokenizer"],
             compute_dtype=spec["compute_dtype"],
@@ -69,6 +84,11 @@ class ActivationSpec:
             n_workers=spec["n_workers"],
             parts=spec["parts"],
         )
+
+    def shares_pass(self, other: "ActivationSpec") -> bool:
+        """Whether `other` differs from this spec in `hook` alone, so one forward pass extracts both (one job, a
+        directory each: extract.extract_pass; split into the same `parts`, one job per part, a part of each)."""
+        return dataclasses.replace(other, hook=self.hook) == self
 
 
 @dataclasses.dataclass(frozen=True)

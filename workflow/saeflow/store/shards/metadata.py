@@ -26,10 +26,12 @@ DTYPES = config.enum("activation_spec", "store_dtype")
 DEFAULT_PATCHES_PER_SHARD = config.schema_default("activation_spec", "patches_per_shard")  # protocol section 3
 
 
-# Keys of the metadata's `data` object added after the first release, each with the value it was introduced at (e.g.
-# a hook point other than the residual stream would enter as {"hook": "residual"}). `canonical_data` leaves a key out
-# at that value and `data_value` reads an absent key as it, so adding one changes no shard hash (docs/contracts.md).
-INTRODUCED_DATA: dict[str, typing.Any] = {}
+# Keys of the metadata's `data` object added after the first release, each with the value it was introduced at.
+# `canonical_data` leaves a key out at that value and `data_value` reads an absent key as it, so adding one changes no
+# shard hash (docs/contracts.md). The value is the introduction's, never a later default.
+INTRODUCED_DATA: dict[str, typing.Any] = {
+    "hook": "residual",  # the hook point (extraction.hooks, issue 35): a block's output, as before hook points
+}
 
 
 def canonical_data(data: dict) -> dict:

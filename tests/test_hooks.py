@@ -1,0 +1,305 @@
+"""Hook points (extraction/hooks.py, docs/extraction.md "Hook points"): every family's hook points equal a forward hook
+on the submodule the docs name in plain transformers, bit for bit on CPU; several come from one forward pass that
+stops after the deepest block; the hook is hashed only when it is not the residual stream; bad hooks are one-line
+errors at plan time (or at load, for a block that lacks its module)."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from builders import ARCH_CONFIGS, TINY_TEXT, file_bytes, text_spec, typed, vision_spec
+from saeflow import config
+from saeflow.cli import main
+from saeflow.errors import SaeflowError
+from saeflow.extraction import adapters, extract, hooks
+from saeflow.planning import WorkflowPlan, evaluations, extraction_passes, pending_passes
+from saeflow.store import shards
+from saeflow.store.shards.validate import validate
+from workflow_helpers import tree_state
+
+DECODER = dict(TINY_TEXT, num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    **ARCH_CONFIGS,
+    "qwen2": DECODER,
+    "qwen3": dict(DECODER, head_dim=16),
+    "mistral": DECODER,
+    "roberta": dict(TINY_TEXT, max_position_embeddings=64, pad_token_id=1),
+}
+TEXT = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "bert", "roberta")
+# The submodule of a block each hook point records, as docs/extraction.md names it (transformers 5); "" is the block.
+DECODER_PATHS = {"attn_out": "self_attn", "mlp_out": "mlp", "mlp_in": "post_attention_layernorm"}
+CLIP_PATHS = {"attn_out": "self_attn", "mlp_out": "mlp", "mlp_in": "layer_norm2"}
+DINO_PATHS = {"attn_out": "layer_scale1", "mlp_out": "layer_scale2", "mlp_in": "norm2"}
+BERT_PATHS = {"attn_out": "attention.output.dense", "mlp_out": "output.dense", "mlp_in": "attention.output.LayerNorm"}
+DOC_PATHS = {
+    "vit": {"attn_out": "attention", "mlp_out": "mlp", "mlp_in": "layernorm_after"},
+    "clip_vision_model": CLIP_PATHS,
+    "siglip_vision_model": CLIP_PATHS,
+    "dinov2": DINO_PATHS,
+    "dinov2_with_registers": DINO_PATHS,
+    "gpt2": {"attn_out": "attn", "mlp_out": "mlp", "mlp_in": "ln_2"},
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral"), DECODER_PATHS),
+    "bert": BERT_PATHS,
+    "roberta": BERT_PATHS,
+}
+
+
+def spec_of(arch: str, **overrides) -> dict:
+    """3 blocks, layers 0 and 1: block 2 must never run."""
+    model = {"random": {"arch": arch, "config": CONFIGS[arch], "seed": 0}}
+    build = text_spec if arch in TEXT else vision_spec
+    return build("gpt2" if arch in TEXT else "vit", model=model, layers=[0, 1], **overrides)
+
+
+def counting_loads(monkeypatch) -> list:
+    """Make adapters.load count each block's forward calls: [(adapter, calls per block)] of every load."""
+    loads, load = [], adapters.load
+
+    def counted(*args, **kwargs):
+        adapter = load(*args, **kwargs)
+        calls = [0] * len(adapter.blocks)
+        for i, block in enumerate(adapter.blocks):
+            block.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+        loads.append((adapter, calls))
+        return adapter
+
+    monkeypatch.setattr(adapters, "load", counted)
+    return loads
+
+
+def plain_model(arch: str):
+    """The same random model, built by plain transformers (extraction seeds torch the same way)."""
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(transformers.AutoConfig.for_model(arch, **CONFIGS[arch])).eval()
+
+
+def hooked_reference(arch: str, plan_: extract.Plan, sd: shards.ShardDir) -> dict:
+    """{(hook point, layer): (n, T, D)}: forward hooks on the documented submodules of plain transformers' model, run
+    on the extraction's inputs in its batches (whole model, no early exit)."""
+    model = plain_model(arch)
+    blocks = adapters.find_blocks(model)
+    recorded: dict = {}
+
+    def record(key):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            recorded.setdefault(key, []).append(out.detach())
+
+        return hook
+
+    paths = {hooks.RESIDUAL: "", **DOC_PATHS[arch]}
+    for name, path in paths.items():
+        for layer in sd.metadata.layers:
+            blocks[layer].get_submodule(path).register_forward_hook(record((name, layer)))
+    md = sd.metadata
+    with torch.inference_mode():
+        for lo, hi in extract.batches(md.n_ex, md.ex_per_shard, plan_.spec.batch_size, 0):
+            if arch in TEXT:
+                ids = torch.from_numpy(np.array(sd.aux("tokens.bin")[lo:hi], dtype=np.int64))
+                model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            else:
+                x = np.stack([plan_.dataset.example(i, plan_.preprocess)[0] for i in range(lo, hi)])
+                model(pixel_values=torch.from_numpy(x))
+    out = {key: torch.cat(parts) for key, parts in recorded.items()}
+    if arch == "dinov2_with_registers":  # CLS, registers, patches: the registers are not stored
+        r = CONFIGS[arch]["num_register_tokens"]
+        out = {key: torch.cat([acts[:, :1], acts[:, 1 + r :]], 1) for key, acts in out.items()}
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_each_hook_point_equals_a_forward_hook_on_its_submodule(arch, shards_root, monkeypatch):
+    assert set(DOC_PATHS[arch]) | {hooks.RESIDUAL} == set(hooks.HOOK_POINTS)  # every registered hook point is tested
+    loads = counting_loads(monkeypatch)
+    specs_ = [typed(spec_of(arch, hook=name)) for name in hooks.HOOK_POINTS]
+    results = extract.extract_pass(specs_, shards_root, progress=False)
+    assert len({r.dpath for r in results}) == len(specs_) and not any(r.reused for r in results)
+    (adapter, calls), = loads  # one model, one forward pass per batch for all hook points, none after block 1
+    md = shards.ShardDir(results[0].dpath).metadata
+    n_batches = len(extract.batches(md.n_ex, md.ex_per_shard, specs_[0].batch_size, 0))
+    assert calls == [n_batches, n_batches, 0]
+    reference = hooked_reference(arch, extract.plan(specs_[0]), shards.ShardDir(results[0].dpath))
+    for spec, result in zip(specs_, results):
+        sd = shards.ShardDir(result.dpath)
+        assert sd.metadata.data.get("hook") == (None if spec.hook == hooks.RESIDUAL else spec.hook)
+        for layer in sd.metadata.layers:
+            stored_ntd = torch.from_numpy(np.stack([sd.example(i, layer) for i in range(sd.n_ex)]))
+            ref_ntd = reference[spec.hook, layer].float()
+            assert stored_ntd.shape == ref_ntd.shape and torch.equal(stored_ntd, ref_ntd), (spec.hook, layer)
+
+
+def test_the_hook_is_hashed_only_when_it_is_not_the_residual_stream():
+    bare = text_spec()
+    md = extract.plan_activation(typed(bare))
+    assert extract.plan_activation(typed({**bare, "hook": "residual"})).hash == md.hash and "hook" not in md.data
+    other = {name: extract.plan_activation(typed({**bare, "hook": name})) for name in ("attn_out", "mlp_out", "mlp_in")}
+    assert len({m.hash for m in other.values()} | {md.hash}) == 4
+    for name, hooked in other.items():
+        data = dict(hooked.data)
+        assert data.pop("hook") == name and data == md.data  # nothing else changes
+        assert hooked.to_dict().keys() == md.to_dict().keys()  # protocol 2.0's keys: the hook lives in `data`
+
+
+def test_a_pass_reuses_a_published_directory_and_computes_what_one_spec_alone_would(shards_root, tmp_path, capsys):
+    residual, mlp_out = typed(vision_spec()), typed(vision_spec(hook="mlp_out"))
+    published = extract.extract(residual, shards_root, progress=False).dpath
+    before = tree_state(published)
+    cfg = {"shards_root": str(shards_root), "activations": {"res": vision_spec(), "mlp": vision_spec(hook="mlp_out")},
+           "saes": {}}  # fmt: skip
+    (tmp_path / "c.yaml").write_text(json.dumps(cfg))
+    assert main(["extract", str(tmp_path / "c.yaml"), "--no-progress"]) == 0  # both entries: one pass
+    out, err = capsys.readouterr()
+    assert out.split() == [str(published), str(shards_root / extract.plan_activation(mlp_out).hash)]
+    assert f"activation res: {published} already exists and is valid; nothing to do" in err
+    assert tree_state(published) == before  # reused, never rewritten
+    alone = extract.extract(mlp_out, tmp_path / "alone", progress=False).dpath
+    assert file_bytes(shards_root / alone.name) == file_bytes(alone)
+
+
+def test_a_split_pass_writes_a_part_of_each_directory_per_job_and_seals_what_one_job_would(shards_root, tmp_path,
+                                                                                           monkeypatch):
+    specs_ = [typed(vision_spec(hook=point, parts=2, layers=[0, 1])) for point in ("mlp_in", "mlp_out")]
+    loads = counting_loads(monkeypatch)
+    for part in ((0, 2), (1, 2)):
+        results = extract.extract_pass(specs_, shards_root, progress=False, part=part)
+        assert [r.dpath.name for r in results] == [f"part-{part[0]}-of-2"] * 2
+    assert [calls for _, calls in loads] == [[2, 2, 0]] * 2  # shards of 3, 3 | 3, 1 examples: a batch each
+    for spec in specs_:
+        sealed = extract.seal(spec, shards_root, 2).dpath
+        assert file_bytes(sealed) == file_bytes(extract.extract(spec, tmp_path / "one-job", progress=False).dpath)
+
+
+def test_a_non_residual_directory_is_a_valid_protocol_2_0_directory(shards_root, capsys):
+    dpath = extract.extract(typed(text_spec(hook="mlp_in")), shards_root, progress=False).dpath
+    assert validate(dpath, deep=True).warnings == [] and main(["validate", str(dpath), "--deep"]) == 0
+    metadata = json.loads((dpath / "metadata.json").read_text())
+    assert shards.Metadata.from_dict(metadata).hash == dpath.name and metadata["data"]["hook"] == "mlp_in"
+    sd = shards.ShardDir(dpath)
+    assert sd.example(0, 0).shape == (16, 32)
+    capsys.readouterr()
+    assert main(["info", str(dpath)]) == 0 and "  layers       [0, 2] (mlp_in)" in capsys.readouterr().out
+
+
+def one_line(err: Exception) -> str:
+    text = str(err)
+    assert "\n" not in text, text
+    return text
+
+
+def test_bad_hooks_are_one_line_errors_at_plan_time(monkeypatch, tmp_path, capsys):
+    fpath = tmp_path / "bad.yaml"
+    fpath.write_text(json.dumps({"activations": {"a": text_spec(hook="mlp")}, "saes": {}}))
+    assert main(["plan", str(fpath)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"saeflow plan: error: config file {fpath}: config does not match the schema: activations.a.hook: 'mlp' is "
+        "not one of 'residual', 'attn_out', 'mlp_out', 'mlp_in'; did you mean 'mlp_in'?"
+    )
+    # A family that lacks a hook point (none of saeflow's does today: the registry is the one place that would say so)
+    monkeypatch.setitem(hooks.HOOK_POINTS["attn_out"].paths, "gpt2", ())
+    spec = typed(text_spec(hook="attn_out"))
+    with pytest.raises(SaeflowError) as err:
+        extract.plan_activation(spec)
+    assert one_line(err.value) == (
+        "hook: gpt2 (gpt2) has no attn_out (the attention sublayer's output); it has: residual, mlp_out, mlp_in"
+    )
+    cfg = config.validate({"shards_root": "s", "runs_root": "r", "activations": {"a": text_spec(hook="attn_out")},
+                           "saes": {}})  # fmt: skip
+    with pytest.raises(SaeflowError, match=r"^activations\.a: hook: gpt2 \(gpt2\) has no attn_out"):
+        WorkflowPlan.from_config(cfg)
+
+
+def test_a_block_without_the_submodule_is_refused_before_the_first_batch(monkeypatch, shards_root):
+    monkeypatch.setitem(hooks.HOOK_POINTS["mlp_in"].paths, "gpt2", ("post_mlp_norm",))
+    run_points = adapters.Adapter.run_points
+    monkeypatch.setattr(adapters.Adapter, "run_points", lambda *a: pytest.fail("a batch ran"))
+    spec = typed(text_spec(hook="mlp_in"))
+    with pytest.raises(SaeflowError) as err:
+        extract.extract(spec, shards_root, progress=False)
+    assert one_line(err.value) == (
+        "hook mlp_in: gpt2 block GPT2Block has no submodule post_mlp_norm (the MLP's input after its norm)"
+    )
+    assert not (shards_root / extract.plan_activation(spec).hash).exists()
+    monkeypatch.setattr(adapters.Adapter, "run_points", run_points)
+    assert extract.extract(typed(text_spec()), shards_root, progress=False).n_ex  # the residual stream needs none
+    monkeypatch.setitem(hooks.HOOK_POINTS["mlp_in"].paths, "gpt2", ("mlp",))
+    with pytest.raises(SaeflowError) as err:
+        adapters.load(spec.model).point_modules("mlp_in")
+    assert one_line(err.value) == "hook mlp_in: gpt2 block GPT2Block: mlp of block 0 is a GPT2MLP, not a norm"
+
+
+def test_one_pass_takes_only_specs_that_differ_in_their_hook(shards_root):
+    with pytest.raises(SaeflowError) as err:
+        extract.extract_pass([typed(text_spec()), typed(text_spec(hook="mlp_out", layers=[0]))], shards_root)
+    assert "differ in layers: extract each on its own (--activation NAME)" in one_line(err.value)
+
+
+def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directories_out(tmp_path, capsys):
+    entry = text_spec
+    activations = {"res": entry(), "mlp": entry(hook="mlp_out"), "in": entry(hook="mlp_in"),
+                   "other": entry(layers=[1], hook="mlp_out"), "split": entry(layers=[1], hook="attn_out", parts=2),
+                   "split_in": entry(layers=[1], hook="mlp_in", parts=2)}  # fmt: skip
+    saes = {"on_res": {"train": "res", "layer": 0, "k": 4}, "on_mlp": {"train": "mlp", "layer": 0, "k": 4}}
+    raw = {"shards_root": str(tmp_path / "s"), "runs_root": str(tmp_path / "r"), "saes": saes,
+           "activations": activations}  # fmt: skip
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(raw)))
+    h = plan.shard_hash
+    passes = extraction_passes(plan)
+    (key,) = [k for k, hashes in passes.items() if h["res"] in hashes]
+    hashes = passes[key]
+    assert hashes == tuple(sorted((h["res"], h["mlp"], h["in"])))  # another layer: alone; another `parts`: its own
+    assert sorted(passes.values()) == sorted([hashes, tuple(sorted((h["split"], h["split_in"])))])
+    config_fpath = plan.cli_config("passes", key)
+    assert set(plan.cli_configs()[config_fpath]["activations"]) == {"res", "mlp", "in"}
+    assert pending_passes(plan) == passes
+    plan.shard(h["res"]).shards_fpath.parent.mkdir(parents=True)
+    plan.shard(h["res"]).shards_fpath.write_text("[]")  # published (pending_passes only stats)
+    assert pending_passes(plan)[key] == tuple(sorted((h["mlp"], h["in"])))
+    fpath = tmp_path / "c.yaml"
+    fpath.write_text(json.dumps(raw))
+    assert main(["plan", str(fpath)]) == 0
+    assert f"extraction pass {key[:16]}: res, mlp, in (one forward pass, a directory each)" in capsys.readouterr().out
+    # evaluate splices at the residual stream only: the run on mlp_out gets no evaluation job
+    assert [plan.runs[run_id].sae_name for run_id, _ in evaluations(plan)] == ["on_res"]
+    assert len(plan.dumps()) == 2
+
+
+@pytest.mark.slow
+def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path):
+    """config/examples/gpt2-hooks.yaml, with a local 12-block random GPT-2 for `gpt2` (no download) and a small
+    corpus for its dataset: one extraction pass of both hook points, three runs, and `snakemake -n` plans one
+    extract_pass job with both directories as its outputs."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env
+
+    model_dpath = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=12, n_head=2, vocab_size=300)).save_pretrained(
+        model_dpath
+    )
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "examples" / "gpt2-hooks.yaml").read_text())
+    for spec in cfg["activations"].values():
+        spec.update(model={"name": str(model_dpath)}, tokenizer="bytes")
+        spec["dataset"].update(path=str(tmp_path / "corpus.txt"))
+    cfg.update(shards_root=str(tmp_path / "shards"), runs_root=str(tmp_path / "runs"))
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    ((key, hashes),) = extraction_passes(plan).items()
+    assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2 and len(plan.runs) == 3
+    fpath = tmp_path / "example.yaml"
+    fpath.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(fpath), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
+                          capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rule = f"extract_pass_{key[:16]}"
+    assert proc.stdout.count(f"rule {rule}:") == 1 and "rule extract:" not in proc.stdout
+    assert all(f"{h}/shards.json" in proc.stdout for h in hashes)
