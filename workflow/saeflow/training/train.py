@@ -118,7 +118,8 @@ class Checkpoint:
         atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
         self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
         # resume.pt, or the ranks' files of a latent-sharded checkpoint
-        state = resume.read_resume(self.run, trainer.device, getattr(trainer, "latents", None))
+        state = resume.read_resume(self.run, trainer.device, trainer.sae.arch.latent_axes(),
+                                   getattr(trainer, "latents", None))  # fmt: skip
         if state is None:
             return False
         trainer.load_state_dict(state)

@@ -93,7 +93,6 @@ def _functions():
 class JumpReLU(Arch):
     name = "jumprelu"
     selection = Selection.DENSE
-    modes = ("sweep", "data")  # latent shards do not carry the thresholds (training.sharded): refused at plan time
     uses_k = False
     hyper = ("jumprelu_loss", "l0_coeff", "tanh_coeff", "bandwidth", "threshold_init", "tanh_scale", "pre_act_coeff",
              "sparsity_warmup_frac")  # fmt: skip
