@@ -141,23 +141,35 @@ def test_bad_jumprelu_hyper_parameters_are_refused_at_plan_time_in_one_line(key,
 
 
 def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
-    """`saeflow train`, `inference`, `stability` (two seeds) and `summary` (the table and the Pareto plot) on a run of
-    every registered architecture: the stages go through the SAE's encode and decode, whatever the architecture."""
+    """`saeflow train`, `inference`, `visuals`, `probe` (a class per example), `stability` (two seeds) and `summary`
+    (the table and the Pareto plot) on a run of every registered architecture: the stages go through the SAE's
+    encode and decode, whatever the architecture. L0 is reported as a mean with its spread: JumpReLU's varies per
+    token. (The splice evaluation: the next test.)"""
     import csv
     import io
+    import json
+
+    import numpy as np
 
     from builders import planted_data, run_from_sae_spec, write_shards
     from saeflow import cli
 
     x_nd, _ = planted_data(512, d_model=16, n_atoms=32, k=2, seed=3)
-    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="archs")
+    classes_n = np.random.default_rng(0).integers(0, 3, 64).astype(np.int32)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="archs",
+                      aux={"classes.bin": classes_n}, data={"classes": ["a", "b", "c"]})  # fmt: skip
     roots = {}
     for name in ARCH_NAMES:
-        for seed in (0, 1):
+        for seed in (1, 0):  # the seed-0 run goes on to visuals and probe
             run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, k=2, expansion=2, batch_size=64, seed=seed)
             roots[name, seed] = run.root
             assert cli.main(["train", "--run", str(run.root), "--device", "cpu"]) == 0
             assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "2"]) == 0
+        assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "2", "--top-k", "2"]) == 0
+        assert (run.dump(sd.hash).visuals_dpath / "l0_hist.png").read_bytes()[:4] == b"\x89PNG"
+        assert cli.main(["probe", "--run", str(run.root), "--ks", "1", "2"]) == 0
+        probed = json.loads(run.probe_fpath(sd.hash).read_text())
+        assert probed["metrics"]["n_probed"] == 3 and 0 <= probed["metrics"]["sparse_k1_accuracy"] <= 1, name
         out = tmp_path / f"{name}.json"
         pair = [a for seed in (0, 1) for a in ("--run", str(roots[name, seed]))]
         assert cli.main(["stability", *pair, "--out", str(out)]) == 0
@@ -165,7 +177,46 @@ def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
     rows = list(csv.DictReader(io.StringIO((tmp_path / "summary" / "summary.csv").read_text())))
     assert sorted({r["config.arch"] for r in rows}) == ARCH_NAMES
     assert all(0 < float(r["l0"]) < 32 and float(r["nmse"]) < 1.0 for r in rows), rows
+    assert all(float(r["l0_p10"]) <= float(r["l0"]) <= float(r["l0_p90"]) for r in rows), rows
+    assert all(float(r["l0_std"]) > 0 for r in rows if r["config.arch"] == "jumprelu"), rows  # varies per token
     assert (tmp_path / "summary" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_every_architecture_is_spliced_into_its_model_by_saeflow_evaluate(tmp_path):
+    """`saeflow evaluate` on a run of every registered architecture trained on a tiny random GPT-2's activations: the
+    splice goes through the SAE's encode and decode, so every architecture gets finite CE and KL figures, and the
+    summary carries them (`eval.*`) beside the Pareto plot's splice panel."""
+    import csv
+    import io
+    import json
+    import math
+
+    import yaml
+
+    from builders import run_from_sae_spec, text_spec, typed
+    from saeflow import cli
+    from saeflow.extraction import extract
+    from saeflow.store.shards import ShardDir
+
+    spec = text_spec("gpt2", layers=[1], dataset={"kind": "builtin_text", "n_ex": 12})
+    sd = ShardDir(extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath)
+    config_fpath = tmp_path / "val.yaml"
+    config_fpath.write_text(yaml.safe_dump({"activations": {"val": spec}}))
+    roots = []
+    for name in ARCH_NAMES:
+        run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, layer=1, k=4, expansion=2, batch_size=16)
+        roots.append(run.root)
+        assert cli.main(["train", "--run", str(run.root), "--device", "cpu"]) == 0
+        assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath)]) == 0
+        assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--n-tokens", "64", "--batch-size",
+                         "4", "--no-progress", "--device", "cpu"]) == 0  # fmt: skip
+        got = json.loads(run.evaluation_fpath(sd.hash).read_text())["metrics"]
+        assert all(math.isfinite(got[key]) for key in ("ce_spliced", "kl_spliced", "ce_loss_recovered")), (name, got)
+        assert got["n_scored_spliced"] > 0, name
+    assert cli.main(["summary", *(f"--run={r}" for r in roots), "--out", str(tmp_path / "summary")]) == 0
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "summary" / "summary.csv").read_text())))
+    assert sorted(r["config.arch"] for r in rows) == ARCH_NAMES and all(r["eval.ce_loss_recovered"] for r in rows)
 
 
 def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_through_estimator():
