@@ -252,7 +252,7 @@ class ShardedTrainer(train.Trainer):
         bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
         self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
-        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=train.lr_scales(self.sae, cfg))
         self.objective = objectives.Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None
         self.dead = objectives.DeadLatents(self.sae.d_sae, train.dead_after_steps(cfg, n_steps), device)

@@ -102,6 +102,11 @@ class Arch:
         are per-latent vectors (axis 0); one that is not overrides this."""
         return {**COMMON_AXES, **dict.fromkeys(self.parameters(0), 0)}
 
+    def lr_scales(self, cfg) -> dict:
+        """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
+        the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`)."""
+        return {}
+
     def init_parameters(self, sae, cfg) -> None:
         """Set those parameters at the start of training (after the data-based init of the common ones)."""
 
