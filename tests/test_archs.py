@@ -125,14 +125,19 @@ def test_the_sae_config_checks_k_only_for_architectures_that_use_it():
             SAEConfig(d_model=4, d_sae=8, arch=name, k=9)
 
 
-@pytest.mark.parametrize(("key", "value", "problem"), [
-    ("bandwidth", -0.1, "bandwidth: the straight-through kernel's width must be positive, got -0.1"),
-    ("bandwidth", 0.0, "bandwidth: the straight-through kernel's width must be positive, got 0.0"),
-    ("threshold_init", 0.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got 0.0"),
-    ("threshold_init", -1.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got -1.0"),
+@pytest.mark.parametrize(("arch", "key", "value", "problem"), [
+    ("jumprelu", "bandwidth", -0.1, "bandwidth: the straight-through kernel's width must be positive, got -0.1"),
+    ("jumprelu", "bandwidth", 0.0, "bandwidth: the straight-through kernel's width must be positive, got 0.0"),
+    ("jumprelu", "threshold_init", 0.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got 0.0"),
+    ("jumprelu", "threshold_init", -1.0,
+     "threshold_init: JumpReLU thresholds are positive (a log parameter), got -1.0"),
+    ("jumprelu", "threshold_lr_scale", 0.0,
+     "threshold_lr_scale: the thresholds' learning-rate multiple must be positive, got 0.0"),
+    ("gated", "gate_bias_lr_scale", -2.0,
+     "gate_bias_lr_scale: the gate bias's learning-rate multiple must be positive, got -2.0"),
 ])  # fmt: skip
-def test_bad_jumprelu_hyper_parameters_are_refused_at_plan_time_in_one_line(key, value, problem):
-    cfg = {**CASES["archs-off-default"], "saes": {"j": {"train": "vit", "layer": 1, "arch": "jumprelu", key: value}}}
+def test_bad_jumprelu_and_gated_hyper_parameters_are_refused_at_plan_time_in_one_line(arch, key, value, problem):
+    cfg = {**CASES["archs-off-default"], "saes": {"j": {"train": "vit", "layer": 1, "arch": arch, key: value}}}
     with pytest.raises(SaeflowError) as err:
         WorkflowPlan.from_config(config.validate(cfg))
     assert str(err.value) == f"saes.j[0].{problem}"

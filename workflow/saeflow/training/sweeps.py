@@ -37,11 +37,14 @@ INTRODUCED: dict[str, typing.Any] = {
     "l0_coeff": 2.0,
     "bandwidth": 1.0,
     "threshold_init": 2.0,
-    "tanh_coeff": 0.5,
+    "tanh_coeff": 0.35,
     "tanh_scale": 4.0,
     "pre_act_coeff": 3.0e-6,
     # Gated (issue 34): the L1 on its gate
-    "gate_l1_coeff": 8.0,
+    "gate_l1_coeff": 7.0,
+    # JumpReLU and Gated (issue 34, where codes switch on): their thresholds' learning rate, a multiple of the run's
+    "threshold_lr_scale": 4.0,
+    "gate_bias_lr_scale": 4.0,
 }
 
 
@@ -153,6 +156,8 @@ class TrainConfig:
     tanh_scale: float
     pre_act_coeff: float
     gate_l1_coeff: float
+    threshold_lr_scale: float
+    gate_bias_lr_scale: float
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
