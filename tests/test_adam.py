@@ -40,6 +40,25 @@ def test_every_step_is_torch_adams_bit_for_bit(foreach):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), t
 
 
+def test_a_parameters_learning_rate_scale_is_torchs_own_group_at_that_rate():
+    """`lr_scales` (an architecture's `Arch.lr_scales`, e.g. JumpReLU's thresholds): the scaled parameter moves as in a
+    torch.optim.Adam group of its own at lr x scale (to rounding: the product is taken in another order), the rest
+    bit for bit as before."""
+    ours, theirs = _params(), _params()
+    opt_ours = Adam(ours, lr=1e-3, lr_scales=[1, 1, 4, 1])
+    opt_theirs = torch.optim.Adam([{"params": [theirs[i] for i in (0, 1, 3)]}, {"params": [theirs[2]], "lr": 4e-3}],
+                                  lr=1e-3)  # fmt: skip
+    for _ in range(6):
+        for opt, params in ((opt_ours, ours), (opt_theirs, theirs)):
+            opt.zero_grad()
+            ((params[0] @ params[2]).square().mean() + sum((p.sin() * p).sum() for p in params)).backward()
+            opt.step()
+    torch.testing.assert_close(ours[2], theirs[2], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(ours[i], theirs[i]) for i in (0, 1, 3))
+    with pytest.raises(ValueError, match="2 learning-rate scales for 4 parameters"):
+        Adam(_params(), lr=1e-3, lr_scales=[1, 2])
+
+
 def test_state_dicts_load_both_ways_and_training_goes_on_identically():
     ours, theirs = _params(), _params()
     opt_ours, opt_theirs = Adam(ours, lr=1e-3), torch.optim.Adam(theirs, lr=1e-3)

@@ -39,6 +39,36 @@ def test_each_architecture_declares_what_the_trainers_ask(name):
     assert isinstance(arch.selection, archs.Selection)
 
 
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architecture_names_every_parameters_latent_axis_and_a_shard_holds_its_slice(name):
+    """`Arch.latent_axes` lists the SAE's parameters in their order (the Adam state's indices), each with the axis
+    that has one entry per latent (None: whole); a latent shard has exactly that slice of each, and `gather_sae`
+    puts every shard's parameters back where they were (one process here; 2 ranks in tests/test_distributed.py)."""
+    from saeflow.training import distributed, resume, sharded
+
+    torch.manual_seed(0)
+    sae = SAE(SAEConfig(d_model=6, d_sae=10, arch=name, k=2))
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.normal_()
+    axes = archs.get(name).latent_axes()
+    assert list(axes) == [pname for pname, _ in sae.named_parameters()]
+    for pname, param in sae.named_parameters():
+        assert (10 not in param.shape) if axes[pname] is None else param.shape[axes[pname]] == 10, pname
+    shard = sharded.LatentShard(sae.cfg, 3, 7)
+    state = {"sae": sae.state_dict(), "opt": {"state": {}}, "since_fired_s": torch.zeros(10)}
+    shard.load_state_dict(resume._latent_slices(state, 3, 7, axes)["sae"])
+    assert [pname for pname, _ in shard.named_parameters()] == list(axes)
+    for pname, param in shard.named_parameters():
+        axis = axes[pname]
+        assert torch.equal(param, getattr(sae, pname) if axis is None else getattr(sae, pname).narrow(axis, 3, 4))
+    whole = sharded.LatentShard(sae.cfg, 0, 10)
+    whole.load_state_dict(sae.state_dict())
+    gathered = sharded.gather_sae(whole, distributed.Comm.alone(torch.device("cpu")))
+    for pname, tensor in sae.state_dict().items():
+        assert torch.equal(gathered.state_dict()[pname], tensor), pname
+
+
 def _train_config(name: str, **extra) -> TrainConfig:
     spec = config.validate({"activations": {}, "saes": {"s": {"train": "t", "layer": 0, "arch": name, **extra}}})
     obj = {k: v for k, v in spec["saes"]["s"].items() if k not in ("train", "val")}
@@ -71,12 +101,14 @@ def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name)
 
 
 @pytest.mark.parametrize(("name", "mode"), PAIRS)
-def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode):
+def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode, monkeypatch):
+    """Each architecture plans in the modes it names; without `mode` (as an architecture that lacks it) the plan
+    refuses the pairing in one line, and one process (gpus: 1) trains it whatever the mode says."""
     cfg = {**CASES["archs-off-default"], "saes": {"s": {"train": "vit", "layer": 1, "arch": name, "expansion": 2}},
            "train": {"parallel": mode, "gpus": 2}}  # fmt: skip
     if mode in archs.get(name).modes:
         WorkflowPlan.from_config(config.validate(cfg))
-        return
+    monkeypatch.setattr(archs.get(name), "modes", tuple(m for m in archs.get(name).modes if m != mode))
     with pytest.raises(SaeflowError) as err:
         WorkflowPlan.from_config(config.validate(cfg))
     assert str(err.value) == (f"saes.s[0].arch: {name} SAEs do not train with parallel: {mode} (they train with "
@@ -93,14 +125,19 @@ def test_the_sae_config_checks_k_only_for_architectures_that_use_it():
             SAEConfig(d_model=4, d_sae=8, arch=name, k=9)
 
 
-@pytest.mark.parametrize(("key", "value", "problem"), [
-    ("bandwidth", -0.1, "bandwidth: the straight-through kernel's width must be positive, got -0.1"),
-    ("bandwidth", 0.0, "bandwidth: the straight-through kernel's width must be positive, got 0.0"),
-    ("threshold_init", 0.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got 0.0"),
-    ("threshold_init", -1.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got -1.0"),
+@pytest.mark.parametrize(("arch", "key", "value", "problem"), [
+    ("jumprelu", "bandwidth", -0.1, "bandwidth: the straight-through kernel's width must be positive, got -0.1"),
+    ("jumprelu", "bandwidth", 0.0, "bandwidth: the straight-through kernel's width must be positive, got 0.0"),
+    ("jumprelu", "threshold_init", 0.0, "threshold_init: JumpReLU thresholds are positive (a log parameter), got 0.0"),
+    ("jumprelu", "threshold_init", -1.0,
+     "threshold_init: JumpReLU thresholds are positive (a log parameter), got -1.0"),
+    ("jumprelu", "threshold_lr_scale", 0.0,
+     "threshold_lr_scale: the thresholds' learning-rate multiple must be positive, got 0.0"),
+    ("gated", "gate_bias_lr_scale", -2.0,
+     "gate_bias_lr_scale: the gate bias's learning-rate multiple must be positive, got -2.0"),
 ])  # fmt: skip
-def test_bad_jumprelu_hyper_parameters_are_refused_at_plan_time_in_one_line(key, value, problem):
-    cfg = {**CASES["archs-off-default"], "saes": {"j": {"train": "vit", "layer": 1, "arch": "jumprelu", key: value}}}
+def test_bad_jumprelu_and_gated_hyper_parameters_are_refused_at_plan_time_in_one_line(arch, key, value, problem):
+    cfg = {**CASES["archs-off-default"], "saes": {"j": {"train": "vit", "layer": 1, "arch": arch, key: value}}}
     with pytest.raises(SaeflowError) as err:
         WorkflowPlan.from_config(config.validate(cfg))
     assert str(err.value) == f"saes.j[0].{problem}"
@@ -109,23 +146,35 @@ def test_bad_jumprelu_hyper_parameters_are_refused_at_plan_time_in_one_line(key,
 
 
 def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
-    """`saeflow train`, `inference`, `stability` (two seeds) and `summary` (the table and the Pareto plot) on a run of
-    every registered architecture: the stages go through the SAE's encode and decode, whatever the architecture."""
+    """`saeflow train`, `inference`, `visuals`, `probe` (a class per example), `stability` (two seeds) and `summary`
+    (the table and the Pareto plot) on a run of every registered architecture: the stages go through the SAE's
+    encode and decode, whatever the architecture. L0 is reported as a mean with its spread: JumpReLU's varies per
+    token. (The splice evaluation: the next test.)"""
     import csv
     import io
+    import json
+
+    import numpy as np
 
     from builders import planted_data, run_from_sae_spec, write_shards
     from saeflow import cli
 
     x_nd, _ = planted_data(512, d_model=16, n_atoms=32, k=2, seed=3)
-    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="archs")
+    classes_n = np.random.default_rng(0).integers(0, 3, 64).astype(np.int32)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="archs",
+                      aux={"classes.bin": classes_n}, data={"classes": ["a", "b", "c"]})  # fmt: skip
     roots = {}
     for name in ARCH_NAMES:
-        for seed in (0, 1):
+        for seed in (1, 0):  # the seed-0 run goes on to visuals and probe
             run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, k=2, expansion=2, batch_size=64, seed=seed)
             roots[name, seed] = run.root
             assert cli.main(["train", "--run", str(run.root), "--device", "cpu"]) == 0
             assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath), "--top-k", "2"]) == 0
+        assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "2", "--top-k", "2"]) == 0
+        assert (run.dump(sd.hash).visuals_dpath / "l0_hist.png").read_bytes()[:4] == b"\x89PNG"
+        assert cli.main(["probe", "--run", str(run.root), "--ks", "1", "2"]) == 0
+        probed = json.loads(run.probe_fpath(sd.hash).read_text())
+        assert probed["metrics"]["n_probed"] == 3 and 0 <= probed["metrics"]["sparse_k1_accuracy"] <= 1, name
         out = tmp_path / f"{name}.json"
         pair = [a for seed in (0, 1) for a in ("--run", str(roots[name, seed]))]
         assert cli.main(["stability", *pair, "--out", str(out)]) == 0
@@ -133,7 +182,46 @@ def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
     rows = list(csv.DictReader(io.StringIO((tmp_path / "summary" / "summary.csv").read_text())))
     assert sorted({r["config.arch"] for r in rows}) == ARCH_NAMES
     assert all(0 < float(r["l0"]) < 32 and float(r["nmse"]) < 1.0 for r in rows), rows
+    assert all(float(r["l0_p10"]) <= float(r["l0"]) <= float(r["l0_p90"]) for r in rows), rows
+    assert all(float(r["l0_std"]) > 0 for r in rows if r["config.arch"] == "jumprelu"), rows  # varies per token
     assert (tmp_path / "summary" / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_every_architecture_is_spliced_into_its_model_by_saeflow_evaluate(tmp_path):
+    """`saeflow evaluate` on a run of every registered architecture trained on a tiny random GPT-2's activations: the
+    splice goes through the SAE's encode and decode, so every architecture gets finite CE and KL figures, and the
+    summary carries them (`eval.*`) beside the Pareto plot's splice panel."""
+    import csv
+    import io
+    import json
+    import math
+
+    import yaml
+
+    from builders import run_from_sae_spec, text_spec, typed
+    from saeflow import cli
+    from saeflow.extraction import extract
+    from saeflow.store.shards import ShardDir
+
+    spec = text_spec("gpt2", layers=[1], dataset={"kind": "builtin_text", "n_ex": 12})
+    sd = ShardDir(extract.extract(typed(spec), tmp_path / "shards", progress=False).dpath)
+    config_fpath = tmp_path / "val.yaml"
+    config_fpath.write_text(yaml.safe_dump({"activations": {"val": spec}}))
+    roots = []
+    for name in ARCH_NAMES:
+        run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, layer=1, k=4, expansion=2, batch_size=16)
+        roots.append(run.root)
+        assert cli.main(["train", "--run", str(run.root), "--device", "cpu"]) == 0
+        assert cli.main(["inference", "--run", str(run.root), "--shards", str(sd.dpath)]) == 0
+        assert cli.main(["evaluate", "--run", str(run.root), str(config_fpath), "--n-tokens", "64", "--batch-size",
+                         "4", "--no-progress", "--device", "cpu"]) == 0  # fmt: skip
+        got = json.loads(run.evaluation_fpath(sd.hash).read_text())["metrics"]
+        assert all(math.isfinite(got[key]) for key in ("ce_spliced", "kl_spliced", "ce_loss_recovered")), (name, got)
+        assert got["n_scored_spliced"] > 0, name
+    assert cli.main(["summary", *(f"--run={r}" for r in roots), "--out", str(tmp_path / "summary")]) == 0
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "summary" / "summary.csv").read_text())))
+    assert sorted(r["config.arch"] for r in rows) == ARCH_NAMES and all(r["eval.ce_loss_recovered"] for r in rows)
 
 
 def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_through_estimator():
@@ -162,12 +250,14 @@ def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_
     torch.testing.assert_close(sae.log_threshold.grad, want_s, rtol=1e-4, atol=1e-6)
 
 
-def _one_step_gradients(name: str, extra: dict) -> dict:
-    """On each rank: one step's gradients of every parameter, data-parallel (this rank's slice, all-reduced) and on
-    one process (the whole batch), from the same weights, batch and dead latents (AuxK on)."""
+def _one_step_gradients(name: str, extra: dict, mode: str) -> dict:
+    """On each rank: one step's gradients of every parameter in `mode` (data: this rank's slice of the batch,
+    all-reduced; latents: this rank's latents, b_dec's all-reduced) and on one process (the whole batch), from the
+    same weights, batch and dead latents (AuxK on); the worst relative difference of each parameter."""
     import copy
+    import types
 
-    from saeflow.training import distributed
+    from saeflow.training import distributed, resume, sharded
     from saeflow.training.dataparallel import data_parallel_loss, rank_slice
 
     comm = distributed.init("cpu")
@@ -185,26 +275,44 @@ def _one_step_gradients(name: str, extra: dict) -> dict:
     dead.since_fired_s[::3] = 5  # a third of the latents dead: AuxK (and JumpReLU's pre-activation loss) run
     whole = copy.deepcopy(sae)
     objectives.Objective(cfg, 100)(whole, x_bd, 50, dead).total.backward()
-    part = rank_slice(32, comm)
-    data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 50, dead, comm).total.backward()
+    axes = sae.arch.latent_axes()
+    lo, hi = 0, sae.d_sae
+    if mode == "data":
+        part = rank_slice(32, comm)
+        data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 50, dead, comm).total.backward()
+        model = sae
+    else:
+        bounds = sharded.latent_bounds(sae.d_sae, comm.world_size)
+        lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+        model = sharded.LatentShard(sae.cfg, lo, hi)
+        state = {"sae": sae.state_dict(), "opt": {"state": {}}, "since_fired_s": dead.since_fired_s}
+        model.load_state_dict(resume._latent_slices(state, lo, hi, axes)["sae"])
+        shard_dead = objectives.DeadLatents(hi - lo, 2, torch.device("cpu"))
+        shard_dead.since_fired_s.copy_(dead.since_fired_s[lo:hi])
+        trainer = types.SimpleNamespace(sae=model, comm=comm, cfg=cfg, dead=shard_dead, step=50, n_steps=100)
+        sharded.sharded_loss(trainer, x_bd).total.backward()
     worst = {}
-    for (pname, param), want in zip(sae.named_parameters(), whole.parameters(), strict=True):
-        got = comm.all_reduce(param.grad)
-        worst[pname] = float((got - want.grad).abs().max() / want.grad.abs().max().clamp_min(1e-12))
+    for (pname, param), want in zip(model.named_parameters(), whole.parameters(), strict=True):
+        got = param.grad if axes[pname] is not None and mode == "latents" else comm.all_reduce(param.grad)
+        want_grad = want.grad if axes[pname] is None else want.grad.narrow(axes[pname], lo, hi - lo)
+        worst[pname] = float((got - want_grad).abs().max() / want_grad.abs().max().clamp_min(1e-12))
     comm.close()
     return worst
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "extra"), [*((n, {}) for n in ARCH_NAMES if "data" in archs.get(n).modes),
-                                             ("jumprelu", {"jumprelu_loss": "tanh"})])  # fmt: skip
-def test_one_data_parallel_step_has_the_one_process_gradients(name, extra):
-    """Every architecture that trains with `parallel: data`: the all-reduced gradients of 2 ranks' slices equal one
-    process's on the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; both
-    losses for JumpReLU, so each term's share of a slice is weighted right."""
+@pytest.mark.parametrize(("name", "extra", "mode"), [
+    *((n, {}, mode) for n in ARCH_NAMES for mode in ("data", "latents") if mode in archs.get(n).modes),
+    *(("jumprelu", {"jumprelu_loss": "tanh"}, mode) for mode in ("data", "latents"))])  # fmt: skip
+def test_one_data_parallel_or_latent_sharded_step_has_the_one_process_gradients(name, extra, mode):
+    """Every architecture in each of `data` and `latents` it trains in: the gradients of 2 ranks (data: the
+    all-reduced gradients of their slices; latents: each rank's latents, b_dec's all-reduced) equal one process's on
+    the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; both losses for JumpReLU,
+    so each term's share of a slice or of the latents is right. (Multi-step runs of JumpReLU part across summation
+    orders: tests/test_distributed.py.)"""
     from _ranks import run_ranks
 
-    for worst in run_ranks(2, _one_step_gradients, name, extra):
+    for worst in run_ranks(2, _one_step_gradients, name, extra, mode):
         assert max(worst.values()) < 1e-5, worst
 
 
@@ -220,13 +328,16 @@ def _train_refusal(run_root, mode: str) -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "mode"), [pair for pair in PAIRS if pair[1] not in archs.get(pair[0]).modes])
-def test_saeflow_train_on_the_ranks_refuses_a_mode_the_architecture_does_not_train_in(tmp_path, name, mode):
-    """Without the workflow's plan (`saeflow train --gpus 2 --parallel MODE`), every rank refuses in one line before
-    a step, and nothing is written."""
+@pytest.mark.parametrize(("name", "mode"), [pair for pair in PAIRS if pair[1] != "sweep"])
+def test_saeflow_train_on_the_ranks_refuses_a_mode_the_architecture_does_not_train_in(tmp_path, name, mode,
+                                                                                        monkeypatch):  # fmt: skip
+    """Without the workflow's plan (`saeflow train --gpus 2 --parallel MODE`), an architecture that lacks the mode
+    (here: the mode taken from its `modes`; the ranks are forked, so they see it) is refused on every rank in one
+    line before a step, and nothing is written."""
     from _ranks import run_ranks
     from builders import planted_data, run_from_sae_spec, write_shards
 
+    monkeypatch.setattr(archs.get(name), "modes", tuple(m for m in archs.get(name).modes if m != mode))
     x_nd, _ = planted_data(256, d_model=16, n_atoms=32, k=2, seed=3)
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="refusal")
     run = run_from_sae_spec(tmp_path / "runs", sd, arch=name, expansion=2, batch_size=64)

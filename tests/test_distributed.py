@@ -307,8 +307,8 @@ def _random_sae(arch: str, seed: int = 0) -> SAE:
 def _shard_of(sae: SAE, comm) -> sharded.LatentShard:
     bounds = sharded.latent_bounds(sae.d_sae, comm.world_size)
     shard = sharded.LatentShard(sae.cfg, bounds[comm.rank], bounds[comm.rank + 1])
-    shard.load_state_dict(resume._latent_slices({"sae": sae.state_dict(), "opt": {"state": {}},
-                                                  "since_fired_s": torch.zeros(sae.d_sae)}, shard.lo, shard.hi)["sae"])
+    state = {"sae": sae.state_dict(), "opt": {"state": {}}, "since_fired_s": torch.zeros(sae.d_sae)}
+    shard.load_state_dict(resume._latent_slices(state, shard.lo, shard.hi, sae.arch.latent_axes())["sae"])
     return shard
 
 
@@ -316,7 +316,7 @@ def _selections():
     """On each rank: the sharded selections and decodes against the whole SAE's, on the same weights and batch."""
     comm, out = distributed.init("cpu"), {}
     x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
-    for arch in ("topk", "batchtopk", "relu"):
+    for arch in sorted(archs.REGISTRY):
         sae = _random_sae(arch).train()
         shard = _shard_of(sae, comm)
         pre_bs = sae.pre_acts_normed(x_bd)
@@ -367,14 +367,15 @@ def test_one_rank_of_data_parallelism_keeps_the_batch_and_what_batchtopk_keeps()
 
 @pytest.mark.slow
 def test_latent_shards_select_what_the_whole_sae_selects_in_a_share_of_the_memory():
-    """Same weights, same batch: the global TopK picks, the BatchTopK codes, the AuxK dead picks and the
-    reconstruction of 2 latent shards equal the whole SAE's; BatchTopK over a batch split between 2 ranks keeps
+    """Same weights, same batch, every architecture: the global TopK picks, the BatchTopK codes, the dense codes (each
+    latent's own parameters cut with it), the AuxK dead picks and the reconstruction of 2 latent shards equal the
+    whole SAE's; BatchTopK over a batch split between 2 ranks keeps
     what one process keeps; a rank holds half the parameters and Adam moments, plus b_dec's (O(d))."""
     results = run_ranks(2, _selections)
     for out in results:
-        for key in ("topk", "batchtopk", "relu", "topk_aux", "batchtopk_aux", "relu_aux", "data_batchtopk"):
+        for key in (*archs.REGISTRY, *(f"{name}_aux" for name in archs.REGISTRY), "data_batchtopk"):
             assert out[key] is True, key
-        for key in ("topk_decode", "batchtopk_decode", "relu_decode"):
+        for key in (f"{name}_decode" for name in archs.REGISTRY):
             assert out[key] < 1e-4, (key, out[key])
     assert [out["slice"] for out in results] == [(0, 16), (16, 32)]
     whole = 3 * (2 * 16 * 4096 + 4096 + 16)  # parameters and two Adam moments (plus scalar step counts)

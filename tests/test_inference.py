@@ -77,6 +77,10 @@ def test_stats_topk_and_metrics_cover_the_tokens_the_sae_trained_on(dumped):
         assert got["nmse"] == pytest.approx(nmse) and got["l0"] == pytest.approx((f_ns > 0).sum(1).mean())
         assert got["n_vectors"] == len(x_nd) and got["n_dead"] == int(((f_ns > 0).sum(0) == 0).sum())
     assert metrics["tokens"] == "content" and metrics["all_tokens"]["tokens"] == "all"
+    l0_r = fires_rs[keep_r].sum(1)  # L0 varies per row (a threshold or ReLU): its spread beside its mean
+    assert len(set(l0_r.tolist())) > 2 and metrics["l0_std"] == pytest.approx(l0_r.std())
+    assert [metrics[f"l0_p{q}"] for q in (10, 50, 90)] == [int(np.percentile(l0_r, q, method="inverted_cdf"))
+                                                           for q in (10, 50, 90)]  # fmt: skip
     assert json.loads(DumpLayout(out).config_fpath.read_text())["tokens"] == "content"
 
 

@@ -9,9 +9,9 @@
                        top-k *examples*, best first, each at its strongest token: topk_values (d_sae, k) float32,
                        topk_example (d_sae, k) int64, topk_token (d_sae, k) int64 (-1 / 0.0 pad latents that fired in
                        fewer than k examples); l0_hist[n] = those rows with n active latents
-    metrics.json       NMSE, L0, explained variance, dead/dense counts (training.metrics definitions) on the tokens the
-                       SAE trained on (`tokens`, the run's config: the headline), and the same over every stored token
-                       under `all_tokens`
+    metrics.json       NMSE, L0 (the mean over rows; its spread: l0_std, l0_p10, l0_p50, l0_p90), explained variance,
+                       dead/dense counts (training.metrics definitions) on the tokens the SAE trained on (`tokens`,
+                       the run's config: the headline), and the same over every stored token under `all_tokens`
     provenance.json    versions, host, times (not part of the result)
 
 The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.store.atomic), under
@@ -261,9 +261,25 @@ class LatentStats:
         }
 
     def metrics(self) -> dict:
-        """metrics.json: the trained tokens' metrics (named by `tokens`), every stored token's under all_tokens."""
-        return {"tokens": self.selection.tokens, **self.trained.result(),
+        """metrics.json: the trained tokens' metrics (named by `tokens`) with their L0's spread over the rows
+        (`l0_spread`), every stored token's under all_tokens."""
+        return {"tokens": self.selection.tokens, **self.trained.result(), **l0_spread(self.l0_hist),
                 "all_tokens": {"tokens": "all", **self.all_rows.result()}}  # fmt: skip
+
+
+def l0_spread(l0_hist: np.ndarray) -> dict:
+    """How L0 varies over the rows (`l0` is its mean): its standard deviation and its 10th, 50th and 90th percentiles
+    (the smallest n with at least that fraction of rows at or below it), from `l0_hist` (rows with n active latents).
+    TopK keeps k on every row; a threshold (JumpReLU, BatchTopK at inference) or ReLU keeps what clears it."""
+    n = int(l0_hist.sum())
+    if n == 0:
+        return {"l0_std": None, "l0_p10": None, "l0_p50": None, "l0_p90": None}
+    counts_n = np.arange(len(l0_hist), dtype=np.float64)
+    mean = float((counts_n * l0_hist).sum() / n)
+    cum_n = np.cumsum(l0_hist)
+    at = {q: int(np.searchsorted(cum_n, q * n / 100)) for q in (10, 50, 90)}
+    return {"l0_std": float(np.sqrt(((counts_n - mean) ** 2 * l0_hist).sum() / n)),
+            "l0_p10": at[10], "l0_p50": at[50], "l0_p90": at[90]}  # fmt: skip
 
 
 @torch.no_grad()

@@ -19,10 +19,15 @@ TORCH_GROUP = {
 
 
 class Adam:
-    """One parameter group; `param_groups[0]["lr"]` is the learning rate of the next `step()`."""
+    """One parameter group; `param_groups[0]["lr"]` is the learning rate of the next `step()`. `lr_scales`: a
+    multiple of it per parameter (default 1 each: an architecture's `Arch.lr_scales`), the update torch.optim.Adam
+    makes with those parameters in a group of their own at lr x scale (not state: resume.pt keeps torch's layout)."""
 
-    def __init__(self, params, lr: float):
+    def __init__(self, params, lr: float, lr_scales=None):
         self.params = list(params)
+        self.lr_scales = [1.0] * len(self.params) if lr_scales is None else [float(s) for s in lr_scales]
+        if len(self.lr_scales) != len(self.params):
+            raise ValueError(f"{len(self.lr_scales)} learning-rate scales for {len(self.params)} parameters")
         self.param_groups = [{"lr": lr, **TORCH_GROUP, "params": self.params}]
         self.state: dict[int, dict[str, torch.Tensor]] = {}  # parameter index -> step, exp_avg, exp_avg_sq
 
@@ -50,6 +55,8 @@ class Adam:
         steps = [s["step"].item() for s in states]
         lr = self.param_groups[0]["lr"]
         step_sizes = [(lr / (1 - BETA1**step)) * -1 for step in steps]
+        scales = [self.lr_scales[i] for i in live]
+        step_sizes = [size if scale == 1.0 else size * scale for size, scale in zip(step_sizes, scales)]
         denoms = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denoms, [(1 - BETA2**step) ** 0.5 for step in steps])
         torch._foreach_add_(denoms, EPS)

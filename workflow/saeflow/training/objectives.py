@@ -147,19 +147,22 @@ class Loss:
 def loss_terms(
     cfg: TrainConfig, model, xn_bd: torch.Tensor, pre_bs: torch.Tensor, f_bs: torch.Tensor | None, mse: torch.Tensor,
     aux_error: typing.Callable[[], torch.Tensor | None], step: int, n_steps: int, weight: float | None = None,
-    dead_s: torch.Tensor | None = None,
+    dead_s: torch.Tensor | None = None, over_latents: typing.Callable | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The loss terms of one step, the one definition every trainer uses: `mse` (the Matryoshka reconstruction
     error), the architecture's sparsity terms (`Arch.sparsity_terms`: ReLU's L1, ...), then AuxK's error
     (`aux_error()`, None when no latent is dead) weighted by `aux_alpha`; each times `weight` when given (a
     data-parallel rank's share of the batch). `model` is the SAE or a rank's latent shard (its terms cover its own
-    latents). The terms are built in this order, which fixes the order their gradients are summed in."""
+    latents; `over_latents` sums a partial decode over the ranks: `TermInputs.over_latents`). The terms are built in
+    this order, which fixes the order their gradients are summed in."""
 
     def weighted(term: torch.Tensor) -> torch.Tensor:
         return term if weight is None else term * weight
 
     terms = {"mse": weighted(mse)}
     batch = TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps, dead_s)
+    if over_latents is not None:
+        batch = dataclasses.replace(batch, over_latents=over_latents)
     for name, term in model.arch.sparsity_terms(batch).items():
         terms[name] = weighted(term)
     terms["aux"] = torch.zeros((), device=xn_bd.device)

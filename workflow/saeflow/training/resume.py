@@ -3,7 +3,8 @@ run) or, for a latent-sharded run, one file per rank and a manifest (`checkpoint
 takes either form, at any world size, one process included; both the one-process loop (train.Checkpoint) and the
 ranks (saeflow.training.parallel) read and drop them through this module.
 
-A rank file holds Trainer.state_dict's layout cut to latents [lo, hi): W_enc's columns, b_enc and W_dec's rows,
+A rank file holds Trainer.state_dict's layout cut to latents [lo, hi): every per-latent parameter along its latent
+axis (the architecture's `Arch.latent_axes`: W_enc's columns, b_enc, W_dec's rows and its own per-latent vectors),
 their Adam moments and the dead-latent counters; everything else whole.
 """
 
@@ -19,33 +20,31 @@ from saeflow.training.sae import save_atomic
 
 LEGACY_POOL = "legacy"  # resume_info's pool of a resume.pt written before the pool was recorded (loaders' old 1 GiB)
 
-_LATENT_DIMS = {"W_enc": 1, "b_enc": 0, "W_dec": 0}  # the parameters cut along the latents, and along which dim
-_PARAM_NAMES = ("W_enc", "b_enc", "W_dec", "b_dec")  # SAE.parameters() order: the Adam state's indices
-
-
-def _latent_slices(state: dict, lo: int, hi: int) -> dict:
-    """The part of a training state (Trainer.state_dict) that latents [lo, hi) of it need."""
-    sae = {name: t.narrow(_LATENT_DIMS[name], lo, hi - lo) if name in _LATENT_DIMS else t
+def _latent_slices(state: dict, lo: int, hi: int, axes: dict) -> dict:
+    """The part of a training state (Trainer.state_dict) that latents [lo, hi) of it need; `axes`: each parameter's
+    latent axis in the SAE's order (`Arch.latent_axes`: the Adam state's indices), None for one held whole."""
+    dims = list(axes.values())
+    sae = {name: t.narrow(axes[name], lo, hi - lo) if axes.get(name) is not None else t
            for name, t in state["sae"].items()}  # fmt: skip
     opt_state = {}
     for idx, moments in state["opt"]["state"].items():
-        dim = _LATENT_DIMS.get(_PARAM_NAMES[int(idx)])
+        dim = dims[int(idx)]
         opt_state[idx] = {key: t.narrow(dim, lo, hi - lo) if dim is not None and t.dim() else t
                           for key, t in moments.items()}  # fmt: skip
     return {**state, "sae": sae, "opt": {**state["opt"], "state": opt_state},
             "since_fired_s": state["since_fired_s"][lo:hi]}  # fmt: skip
 
 
-def _joined(parts: list[dict]) -> dict:
+def _joined(parts: list[dict], axes: dict) -> dict:
     """Consecutive latent ranges' states as one (the inverse of `_latent_slices`)."""
     if len(parts) == 1:
         return parts[0]
-    first = parts[0]
-    sae = {name: torch.cat([p["sae"][name] for p in parts], _LATENT_DIMS[name]) if name in _LATENT_DIMS else t
+    first, dims = parts[0], list(axes.values())
+    sae = {name: torch.cat([p["sae"][name] for p in parts], axes[name]) if axes.get(name) is not None else t
            for name, t in first["sae"].items()}  # fmt: skip
     opt_state = {}
     for idx, moments in first["opt"]["state"].items():
-        dim = _LATENT_DIMS.get(_PARAM_NAMES[int(idx)])
+        dim = dims[int(idx)]
         opt_state[idx] = {key: torch.cat([p["opt"]["state"][idx][key] for p in parts], dim)
                           if dim is not None and t.dim() else t for key, t in moments.items()}  # fmt: skip
     return {**first, "sae": sae, "opt": {**first["opt"], "state": opt_state},
@@ -81,13 +80,14 @@ def resume_info(run) -> tuple[int, int | None] | None:
     return max(found, key=lambda item: item[0]) if found else None
 
 
-def read_resume(run, device, latents: tuple[int, int] | None = None) -> dict | None:
+def read_resume(run, device, axes: dict, latents: tuple[int, int] | None = None) -> dict | None:
     """The newest resume state of `run` (resume.pt, or the ranks' files of a sharded checkpoint), cut to
-    `latents` (lo, hi) when given; None when there is none. Any world size reads any checkpoint."""
+    `latents` (lo, hi) when given; None when there is none. Any world size reads any checkpoint. `axes`: the
+    architecture's `Arch.latent_axes` (which parameters are cut along the latents, and how)."""
     manifest = _manifest(run)
     whole = _load(run.resume_fpath) if run.resume_fpath.exists() else None
     if whole is not None and (manifest is None or int(whole["step"]) >= manifest["step"]):
-        state = whole if latents is None else _latent_slices(whole, *latents)
+        state = whole if latents is None else _latent_slices(whole, *latents, axes)
     elif manifest is not None:
         lo, hi = latents or (0, manifest["d_sae"])
         parts = []
@@ -97,8 +97,8 @@ def read_resume(run, device, latents: tuple[int, int] | None = None) -> dict | N
                     raise SaeflowError(f"{run.resume_manifest_fpath}: names {shard['fname']!r}, not a file beside it")
                 part = _load(run.resume_shards_dpath / shard["fname"])
                 a, b = max(lo, shard["lo"]) - shard["lo"], min(hi, shard["hi"]) - shard["lo"]
-                parts.append(_latent_slices(part, a, b))
-        state = _joined(parts)
+                parts.append(_latent_slices(part, a, b, axes))
+        state = _joined(parts, axes)
     else:
         return None
     return _to_device(state, device)

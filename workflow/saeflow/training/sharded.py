@@ -2,8 +2,9 @@
 
 Shapes: b batch, d d_model, s this rank's latents (hi - lo), k picks per vector, p Matryoshka prefixes + the full.
 
-A rank holds W_enc[:, lo:hi], b_enc[lo:hi], W_dec[lo:hi] and their Adam moments; b_dec, the scale and the BatchTopK
-threshold are whole on every rank. Every rank holds the whole batch (the loader all-gathers it). One step:
+A rank holds W_enc[:, lo:hi], b_enc[lo:hi], W_dec[lo:hi], the architecture's own per-latent parameters (each cut
+along the axis `Arch.latent_axes` names) and their Adam moments; b_dec, the scale and the BatchTopK threshold are
+whole on every rank. Every rank holds the whole batch (the loader all-gathers it). One step:
   - pre-activations of this rank's latents, (b, s): no communication;
   - TopK: each rank's top k per vector (values and global ids) are all-gathered and the top k of those are the
     picks (the global top k, exactly the unsharded SAE's choice); BatchTopK: each rank's top k x b activations are
@@ -44,7 +45,8 @@ def latent_bounds(d_sae: int, world_size: int) -> list[int]:
 
 
 class LatentShard(SAE):
-    """Latents [lo, hi) of an SAE whose architecture is `cfg`: the SAE's parameters, cut along the latents.
+    """Latents [lo, hi) of an SAE whose architecture is `cfg`: the SAE's parameters, each cut along its latent axis
+    (`Arch.latent_axes`: W_enc's columns, b_enc, W_dec's rows and the architecture's own per-latent vectors).
 
     It keeps SAE's parameterization and row-wise geometry (pre_acts_normed, normalize_decoder, remove_parallel_grad,
     fold_decoder_norms act on its own rows); encoding and decoding need the other ranks (this module's functions).
@@ -60,6 +62,8 @@ class LatentShard(SAE):
         self.b_dec = torch.nn.Parameter(torch.zeros(cfg.d_model))
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("threshold", torch.zeros(()))
+        for name, zeros in self.arch.parameters(hi - lo).items():  # its own, cut as `Arch.latent_axes` says
+            self.register_parameter(name, torch.nn.Parameter(zeros))
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -129,10 +133,14 @@ def _mine(shard: LatentShard, gids_bk: torch.Tensor) -> tuple[torch.Tensor, torc
     return (gids_bk >= shard.lo) & (gids_bk < shard.hi), (gids_bk - shard.lo).clamp(0, shard.d_sae - 1)
 
 
-def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int, training: bool) -> ShardCodes:
+def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int, training: bool,
+           train_cfg=None) -> ShardCodes:  # fmt: skip
     """The codes of a batch by the architecture's selection (archs.Selection): TOP_K picks globally, BATCH_TOP_K
-    keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE needs nobody."""
+    keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE needs nobody (in
+    training with the run's config `train_cfg`: `Arch.train_activate`, e.g. JumpReLU's straight-through gradient)."""
     cfg, selection = shard.cfg, shard.arch.selection
+    if selection is Selection.DENSE and training and train_cfg is not None:
+        return ShardCodes(shard.arch.train_activate(shard, pre_bs, train_cfg))
     if selection is Selection.DENSE or (selection is Selection.BATCH_TOP_K and not training):
         return ShardCodes(shard.arch.activate(shard, pre_bs))
     if selection is Selection.BATCH_TOP_K:
@@ -180,13 +188,15 @@ def aux_loss(shard: LatentShard, pre_bs, gids_bk, resid_bd, ghost: bool, comm: C
 
 
 def sharded_loss(trainer: "ShardedTrainer", x_bd: torch.Tensor) -> Loss:
-    """This rank's loss: the (replicated) reconstruction and AuxK terms plus its own latents' L1 term, so its
-    gradient is the unsharded SAE's gradient on its parameters (b_dec's after the all-reduce)."""
+    """This rank's loss: the (replicated) reconstruction and AuxK terms, and the architecture's sparsity terms on
+    its own latents (a term made from a whole decode, e.g. Gated's auxiliary reconstruction, sums the ranks' parts:
+    `Arch.whole_terms`), so its gradient is the unsharded SAE's gradient on its parameters (b_dec's after the
+    all-reduce)."""
     shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
     xn_bd = x_bd * shard.scale
     pre_bs = shard.pre_acts_normed(xn_bd)
     picks_bk = dead_picks(shard, pre_bs, trainer.dead.dead_s, cfg.aux_k, comm)
-    codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=True)
+    codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=True, train_cfg=cfg)
     recon_pbd = decode(shard, codes, comm, shard.cfg.matryoshka)
     xn_hat_bd = recon_pbd[-1]
     mse = torch.stack([(r_bd - xn_bd).square().sum(-1).mean() for r_bd in recon_pbd]).mean()
@@ -197,7 +207,8 @@ def sharded_loss(trainer: "ShardedTrainer", x_bd: torch.Tensor) -> Loss:
         return aux_loss(shard, pre_bs, picks_bk, xn_bd - xn_hat_bd, shard.arch.ghost_aux, comm)
 
     terms = objectives.loss_terms(cfg, shard, xn_bd, pre_bs, codes.f_bs, mse, aux_error, trainer.step,
-                                  trainer.n_steps)  # fmt: skip  (the sparsity terms cover this rank's latents)
+                                  trainer.n_steps, dead_s=trainer.dead.dead_s,
+                                  over_latents=lambda partial_bd: sum_over_ranks(partial_bd, comm))  # fmt: skip
     return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
 
 
@@ -241,7 +252,7 @@ class ShardedTrainer(train.Trainer):
         bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
         self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
-        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=train.lr_scales(self.sae, cfg))
         self.objective = objectives.Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None
         self.dead = objectives.DeadLatents(self.sae.d_sae, train.dead_after_steps(cfg, n_steps), device)
@@ -270,6 +281,7 @@ class ShardedTrainer(train.Trainer):
             shard.W_dec.mul_(shard.arch.decoder_init_norm)
         shard.W_enc.copy_(shard.W_dec.T)
         shard.b_enc.zero_()
+        shard.arch.init_parameters(shard, self.cfg)  # its own parameters, on this rank's latents
 
     def restore(self) -> bool:
         """Rank 0 cleans the checkpoint directory (Checkpoint.restore); every rank reads its latents."""
@@ -277,7 +289,7 @@ class ShardedTrainer(train.Trainer):
             found = self.checkpoint.restore(self)
         found = self.comm.broadcast_object(found if self.comm.is_root else None)
         if found and not self.comm.is_root:
-            self.load_state_dict(read_resume(self.run, self.device, self.latents))
+            self.load_state_dict(read_resume(self.run, self.device, self.sae.arch.latent_axes(), self.latents))
         return found
 
     def save_resume(self) -> None:
@@ -324,12 +336,15 @@ class ShardedTrainer(train.Trainer):
 
 @torch.no_grad()
 def sharded_record(trainer: ShardedTrainer, x_bd: torch.Tensor, loss: Loss) -> dict:
-    """Trainer._record over every rank's latents (the L1 terms, active and dead counts summed)."""
+    """Trainer._record over every rank's latents (the sparsity terms each rank has a share of, active and dead
+    counts summed)."""
     codes = loss.codes
     n_active = (codes.f_bs > 0).sum() if codes.f_bs is not None else (codes.vals_bk > 0).sum()
-    l1 = loss.terms.get("l1", torch.zeros((), device=x_bd.device))
-    sums = trainer.comm.all_reduce(torch.stack([l1.double(), n_active.double(), trainer.dead.dead_s.sum().double()]))
-    terms = {**loss.terms, **({"l1": sums[0]} if "l1" in loss.terms else {})}
+    shares = [name for name in loss.terms if name not in ("mse", "aux", *trainer.sae.arch.whole_terms)]
+    sums = trainer.comm.all_reduce(torch.stack([*(loss.terms[name].double() for name in shares), n_active.double(),
+                                                trainer.dead.dead_s.sum().double()]))  # fmt: skip
+    terms = {**loss.terms, **dict(zip(shares, sums))}
+    sums = sums[len(shares) :]
     return {
         "step": trainer.step,
         "n_vectors": trainer.step * trainer.cfg.batch_size,
@@ -337,8 +352,8 @@ def sharded_record(trainer: ShardedTrainer, x_bd: torch.Tensor, loss: Loss) -> d
         "loss": float(sum(float(t) for t in terms.values())),
         **{name: float(value) for name, value in terms.items()},
         "nmse": batch_nmse(x_bd * trainer.sae.scale, loss.xn_hat_bd),
-        "l0": float(sums[1]) / x_bd.shape[0],
-        "n_dead": int(sums[2]),
+        "l0": float(sums[0]) / x_bd.shape[0],
+        "n_dead": int(sums[1]),
     }
 
 
@@ -365,31 +380,45 @@ def sharded_validation(trainer: ShardedTrainer, val_dir) -> dict:
     return {**result, "l0": n_active / max(acc.n_vectors, 1), "n_dead": n_dead, "n_dense": n_dense}
 
 
+def _latent_rows(shard: LatentShard, lo: int, hi: int) -> torch.Tensor:
+    """Latents [lo, hi) of this shard (local ids) as rows: each per-latent parameter (`Arch.latent_axes`) with its
+    latent axis first, flattened, side by side."""
+    parts = [getattr(shard, name).movedim(axis, 0)[lo:hi].reshape(hi - lo, -1)
+             for name, axis in shard.arch.latent_axes().items() if axis is not None]  # fmt: skip
+    return torch.cat(parts, 1)
+
+
 @torch.no_grad()
 def gather_sae(shard: LatentShard, comm: Comm) -> SAE | None:
-    """The whole SAE on rank 0's CPU (None elsewhere): each rank sends its latents (decoder row, encoder column,
-    bias) in chunks of SEND_CHUNK_BYTES."""
-    cfg, d = shard.cfg, shard.d_model
-    rows = max(1, SEND_CHUNK_BYTES // ((2 * d + 1) * 4))
+    """The whole SAE on rank 0's CPU (None elsewhere): each rank sends its latents (every per-latent parameter's
+    entries: `_latent_rows`) in chunks of SEND_CHUNK_BYTES; what is whole (b_dec, the buffers) is rank 0's."""
+    cfg = shard.cfg
+    axes = shard.arch.latent_axes()
+    width = sum(math.prod(n for i, n in enumerate(getattr(shard, name).shape) if i != axis)
+                for name, axis in axes.items() if axis is not None)  # fmt: skip
+    rows = max(1, SEND_CHUNK_BYTES // (width * 4))
     bounds = latent_bounds(cfg.d_sae, comm.world_size)
     if not comm.is_root:
-        packed = torch.cat([shard.W_dec, shard.W_enc.T, shard.b_enc[:, None]], 1)
         for start in range(0, shard.d_sae, rows):
-            comm.send(packed[start : start + rows], 0)
+            comm.send(_latent_rows(shard, start, min(start + rows, shard.d_sae)).contiguous(), 0)
         return None
     sae = SAE(cfg)
-    for name in ("b_dec", "scale", "threshold"):
-        getattr(sae, name).copy_(getattr(shard, name).cpu())
+    for name, tensor in shard.state_dict().items():
+        if axes.get(name, None) is None:  # whole on every rank
+            getattr(sae, name).copy_(tensor.cpu())
     for r in range(comm.world_size):
         for start in range(bounds[r], bounds[r + 1], rows):
             stop = min(start + rows, bounds[r + 1])
             if r == 0:
-                part = torch.cat([shard.W_dec[start:stop], shard.W_enc[:, start:stop].T, shard.b_enc[start:stop, None]],
-                                 1)  # fmt: skip
+                part = _latent_rows(shard, start, stop)
             else:
-                part = comm.recv(torch.empty(stop - start, 2 * d + 1, device=comm.device), r)
-            part = part.cpu()
-            sae.W_dec[start:stop] = part[:, :d]
-            sae.W_enc[:, start:stop] = part[:, d:-1].T
-            sae.b_enc[start:stop] = part[:, -1]
+                part = comm.recv(torch.empty(stop - start, width, device=comm.device), r)
+            part, col = part.cpu(), 0
+            for name, axis in axes.items():
+                if axis is None:
+                    continue
+                target = getattr(sae, name).movedim(axis, 0)  # a view: writing it writes the parameter
+                n = target[0].numel()
+                target[start:stop] = part[:, col : col + n].reshape(stop - start, *target.shape[1:])
+                col += n
     return sae.eval()

@@ -37,11 +37,14 @@ INTRODUCED: dict[str, typing.Any] = {
     "l0_coeff": 2.0,
     "bandwidth": 1.0,
     "threshold_init": 2.0,
-    "tanh_coeff": 0.5,
+    "tanh_coeff": 0.35,
     "tanh_scale": 4.0,
     "pre_act_coeff": 3.0e-6,
     # Gated (issue 34): the L1 on its gate
-    "gate_l1_coeff": 8.0,
+    "gate_l1_coeff": 7.0,
+    # JumpReLU and Gated (issue 34, where codes switch on): their thresholds' learning rate, a multiple of the run's
+    "threshold_lr_scale": 4.0,
+    "gate_bias_lr_scale": 4.0,
 }
 
 
@@ -154,6 +157,8 @@ class TrainConfig:
     tanh_scale: float = INTRODUCED["tanh_scale"]
     pre_act_coeff: float = INTRODUCED["pre_act_coeff"]
     gate_l1_coeff: float = INTRODUCED["gate_l1_coeff"]
+    threshold_lr_scale: float = INTRODUCED["threshold_lr_scale"]
+    gate_bias_lr_scale: float = INTRODUCED["gate_bias_lr_scale"]
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":

@@ -96,6 +96,13 @@ def adam_step(opt: Adam, sae) -> None:
         sae.normalize_decoder()
 
 
+def lr_scales(sae, cfg: TrainConfig) -> list[float]:
+    """Each parameter's multiple of the learning rate, in `sae.parameters()` order (`Arch.lr_scales`; 1 for most).
+    `sae` is a whole SAE or a rank's latent shard."""
+    scales = sae.arch.lr_scales(cfg)
+    return [scales.get(name, 1.0) for name, _ in sae.named_parameters()]
+
+
 def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
     """Linear warm-up, then cosine decay to zero at the last step."""
     n_warm = int(warmup_frac * n_steps)
@@ -118,7 +125,8 @@ class Checkpoint:
         atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
         self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
         # resume.pt, or the ranks' files of a latent-sharded checkpoint
-        state = resume.read_resume(self.run, trainer.device, getattr(trainer, "latents", None))
+        state = resume.read_resume(self.run, trainer.device, trainer.sae.arch.latent_axes(),
+                                   getattr(trainer, "latents", None))  # fmt: skip
         if state is None:
             return False
         trainer.load_state_dict(state)
@@ -218,7 +226,7 @@ class Trainer:
         self.checkpoint = Checkpoint(run)
         self.sae = SAE(cfg.sae_config(d_model)).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
-        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=lr_scales(self.sae, cfg))
         self.objective = Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)

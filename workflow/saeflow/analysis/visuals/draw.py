@@ -5,6 +5,7 @@ import math
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from saeflow.analysis.inference import l0_spread
 from saeflow.analysis.visuals.examples import ImageExamples, TextExamples
 from saeflow.store import layout
 
@@ -131,6 +132,11 @@ def draw_summary(latents: dict[str, np.ndarray], out: layout.VisualsLayout) -> N
     ax.bar(np.arange(last), hist[:last], width=1.0)
     ax.set_xlabel("active latents per token (L0)")
     ax.set_ylabel("tokens")
+    if hist.any():  # L0 varies per token (a threshold, ReLU): its mean with its spread (inference.l0_spread)
+        spread = l0_spread(hist)
+        mean = float((np.arange(len(hist)) * hist).sum() / hist.sum())
+        ax.set_title(f"L0 mean {mean:.1f}, std {spread['l0_std']:.1f}; 10th-90th percentile "
+                     f"{spread['l0_p10']}-{spread['l0_p90']}")  # fmt: skip
     fig.tight_layout()
     fig.savefig(out.plot_fpath("l0_hist"))
     plt.close(fig)

@@ -19,6 +19,9 @@ import typing
 from saeflow import config
 
 MODES = tuple(mode for mode in config.enum("train", "parallel") if mode != "auto")  # sweep, data, latents
+# The parameters every SAE has, in its order (sae.SAE), and the axis along which each has one entry per latent;
+# None: held whole (a latent shard keeps all of b_dec).
+COMMON_AXES = {"W_enc": 1, "b_enc": 0, "W_dec": 0, "b_dec": None}
 
 
 class _Torch:
@@ -56,6 +59,9 @@ class TermInputs:
     step: int
     n_steps: int
     dead_s: typing.Any = None  # (s,) bool: the latents dead now (objectives.DeadLatents), where the trainer has them
+    # A (b, d) sum over the latents (a decode) made whole: the identity on one SAE; on a latent shard
+    # (training.sharded) the sum over the ranks' parts, whose backward is the identity.
+    over_latents: typing.Callable = lambda partial_bd: partial_bd  # noqa: E731
 
 
 class Arch:
@@ -70,6 +76,9 @@ class Arch:
     decoder_init_norm: float = 1.0  # the norm decoder rows start at
     ghost_aux: bool = False  # AuxK's dead latents act through softplus (their pre-activations are negative)
     term_names: tuple[str, ...] = ("mse", "aux")  # the loss terms it logs, in order
+    # Its sparsity terms computed from a whole decode (`TermInputs.over_latents`): the same on every latent shard.
+    # The others are sums over the latents, of which a shard computes its own share (summed when logged).
+    whole_terms: tuple[str, ...] = ()
     has_threshold: bool = False  # the `threshold` buffer is its inference threshold (threshold statistics)
     saelens: str | None = None  # the SAELens architecture it is saved as
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
@@ -84,6 +93,18 @@ class Arch:
 
     def parameters(self, d_sae: int) -> dict:
         """Parameters beyond W_enc, b_enc, W_dec, b_dec (name -> zeros of their shape), added after them."""
+        return {}
+
+    def latent_axes(self) -> dict:
+        """Every parameter, in the SAE's order (the Adam state's indices), -> the axis along which it has one entry
+        per latent, or None when it is held whole. A latent-sharded rank holds [lo, hi) along that axis
+        (training.sharded, training.resume), so no trainer names a parameter. The architecture's own `parameters`
+        are per-latent vectors (axis 0); one that is not overrides this."""
+        return {**COMMON_AXES, **dict.fromkeys(self.parameters(0), 0)}
+
+    def lr_scales(self, cfg) -> dict:
+        """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
+        the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`)."""
         return {}
 
     def init_parameters(self, sae, cfg) -> None:

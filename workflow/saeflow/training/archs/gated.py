@@ -12,10 +12,19 @@ from it, as SAELens 6.54.12's GatedTrainingSAE defines them (its decoder is not 
     l1  = gate_l1_coeff x ramp x mean_b sum_s relu(pi_gate) ||W_dec[s]||
     aux = mean_b || relu(pi_gate) @ W_dec + b_dec - x_n ||^2
 
-Decoder rows are unit vectors (the paper's constraint). The latent-sharded mode would need the auxiliary
-reconstruction summed over the ranks: it is refused at plan time.
+Decoder rows start short and their norms train, as ReLU's (the L1 weighs each code by its row's norm); they are
+folded into the encoder, r_mag's path and b_mag when the SAE is published. On a latent shard the auxiliary
+reconstruction is summed over the ranks (`TermInputs.over_latents`), so it is the same on every rank.
+
+The gate's bias (b_enc) sets where each gate opens, and the L1 closes gates only by lowering it (or shrinking W_enc):
+at the run's learning rate Adam moved it too slowly, and a planted dictionary's gates stayed open (88% recovered at
+L0 44, true 8, `gate_l1_coeff` 8; 10 fell off a cliff: 63%). It trains at `gate_bias_lr_scale` (4) times the rate
+(`lr_scales`), with `gate_l1_coeff` 7: 92% at L0 25 (README). A faster gate bias or a larger coefficient trades
+recovery for L0 there (9: 90% at L0 13), and shuts every gate of a small or short run (scale 16 with coefficient 8
+in tests/test_archs.py's 8-step CLI run; scale 2 with coefficient 9 on tests/test_train.py's planted data).
 """
 
+from saeflow.errors import SaeflowError
 from saeflow.training.archs.base import Arch, Selection, TermInputs, Unsupported, torch
 from saeflow.training.archs.relu import l1_penalty, l1_ramp
 
@@ -23,17 +32,25 @@ from saeflow.training.archs.relu import l1_penalty, l1_ramp
 class Gated(Arch):
     name = "gated"
     selection = Selection.DENSE
-    modes = ("sweep", "data")
     uses_k = False
-    hyper = ("gate_l1_coeff", "sparsity_warmup_frac")
+    hyper = ("gate_l1_coeff", "gate_bias_lr_scale", "sparsity_warmup_frac")
     ghost_aux = True  # a dead latent's gate is shut (pi_gate < 0): AuxK reaches it through softplus
     unit_decoder = False  # as ReLU: rows start short, their norms train (the L1 weighs them in), folded at publish
     decoder_init_norm = 0.1
     term_names = ("mse", "l1", "gate_recon", "aux")
+    whole_terms = ("gate_recon",)
     saelens = "gated"
 
     def parameters(self, d_sae: int) -> dict:
         return {"r_mag": torch.zeros(d_sae), "b_mag": torch.zeros(d_sae)}
+
+    def lr_scales(self, cfg) -> dict:
+        return {"b_enc": cfg.gate_bias_lr_scale}  # where each gate opens: see the module docstring
+
+    def check(self, cfg) -> None:
+        if not cfg.gate_bias_lr_scale > 0:
+            raise SaeflowError(f"gate_bias_lr_scale: the gate bias's learning-rate multiple must be positive, got "
+                               f"{cfg.gate_bias_lr_scale}")  # fmt: skip
 
     def foldable(self) -> bool:
         return True  # the gate's sign and the magnitude both scale with the row's norm
@@ -49,7 +66,7 @@ class Gated(Arch):
         cfg, model = batch.cfg, batch.model
         ramp = l1_ramp(batch.step, batch.n_steps, cfg.sparsity_warmup_frac)
         gate_bs = torch.relu(batch.pre_bs)
-        via_gate_bd = gate_bs @ model.W_dec.detach() + model.b_dec.detach()  # the paper's stop-gradient
+        via_gate_bd = batch.over_latents(gate_bs @ model.W_dec.detach()) + model.b_dec.detach()  # stop-gradient
         return {"l1": cfg.gate_l1_coeff * ramp * l1_penalty(model.W_dec, gate_bs),
                 "gate_recon": (via_gate_bd - batch.xn_bd).square().sum(-1).mean()}  # fmt: skip
 
