@@ -185,8 +185,8 @@ def split_hash_regex(split):
 
 
 def part_hash_regex():
-    """The shard hashes whose parts rule extract_part makes: extracted in parts, in no pending extraction pass (whose
-    rule extract_pass_part_<key> makes a part of each of its directories in one job), as a wildcard regex.
+    """The shard hashes whose parts extract_part makes: extracted in parts, in no pending extraction pass (the
+    pass's own extract_pass_part_<key> makes a part of each of its directories in one job), as a wildcard regex.
     """
     in_passes = {h for p in pending_passes(PLAN).values() for h in p}
     hashes = "|".join(h for h in PLAN.shard_parts if h not in in_passes)
