@@ -76,18 +76,26 @@ def _train_config(name: str, **extra) -> TrainConfig:
     return TrainConfig.from_dict(obj, name)
 
 
-@pytest.mark.parametrize("name", ARCH_NAMES)
-def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name):
-    """One step's loss on one process: the declared terms (AuxK active), finite, every trained parameter gets a
-    gradient; codes are non-negative in training and at inference."""
+def _random_sae(cfg: TrainConfig) -> SAE:
+    """An SAE of width 16 in training mode, seeded: unit decoder rows, the encoder their transpose, small encoder
+    biases, the architecture's own parameters at their init."""
     torch.manual_seed(0)
-    cfg = _train_config(name, k=4, aux_k=8, l1_coeff=1.0)
     sae = SAE(cfg.sae_config(16)).train()
     with torch.no_grad():
         sae.W_dec.normal_()
         sae.normalize_decoder()
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.normal_(0, 0.1)
+        sae.arch.init_parameters(sae, cfg)
+    return sae
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name):
+    """One step's loss on one process: the declared terms (AuxK active), finite, every trained parameter gets a
+    gradient; codes are non-negative in training and at inference."""
+    cfg = _train_config(name, k=4, aux_k=8, l1_coeff=1.0)
+    sae = _random_sae(cfg)
     dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
     dead.since_fired_s.fill_(5)  # every latent dead: AuxK runs
     x_bd = torch.randn(32, 16)
@@ -262,14 +270,7 @@ def _one_step_gradients(name: str, extra: dict, mode: str) -> dict:
 
     comm = distributed.init("cpu")
     cfg = _train_config(name, k=4, aux_k=8, expansion=4, **extra)
-    torch.manual_seed(0)
-    sae = SAE(cfg.sae_config(16)).train()
-    with torch.no_grad():
-        sae.W_dec.normal_()
-        sae.normalize_decoder()
-        sae.W_enc.copy_(sae.W_dec.T)
-        sae.b_enc.normal_(0, 0.1)
-        sae.arch.init_parameters(sae, cfg)
+    sae = _random_sae(cfg)
     x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1)) * 2
     dead = objectives.DeadLatents(sae.d_sae, 2, torch.device("cpu"))
     dead.since_fired_s[::3] = 5  # a third of the latents dead: AuxK (and JumpReLU's pre-activation loss) run
