@@ -263,8 +263,9 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     fpath.write_text(json.dumps(raw))
     assert main(["plan", str(fpath)]) == 0
     assert f"extraction pass {key[:16]}: res, mlp, in (one forward pass, a directory each)" in capsys.readouterr().out
-    # evaluate splices at the residual stream only: the run on mlp_out gets no evaluation job
-    assert [plan.runs[run_id].sae_name for run_id, _ in evaluations(plan)] == ["on_res"]
+    # evaluate splices at every hook point: the run on mlp_out is evaluated too, on its own shards
+    assert sorted((plan.runs[run_id].sae_name, h) for run_id, h in evaluations(plan)) == sorted(
+        [("on_res", h["res"]), ("on_mlp", h["mlp"])])
     assert len(plan.dumps()) == 2
 
 

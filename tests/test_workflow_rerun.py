@@ -269,12 +269,11 @@ def pass_outputs(output: str) -> dict[str, set[str]]:
 
 
 def hook_jobs(plan: WorkflowPlan, before: WorkflowPlan, points) -> tuple[str, set[str]]:
-    """The extraction pass's rule and the jobs adding these hook points plans: the pass, then the new runs (no splice
-    evaluation for another hook point than the residual stream)."""
+    """The extraction pass's rule and the jobs adding these hook points plans: the pass, then the new runs (each
+    evaluated at its hook point, as a run on the residual stream is)."""
     (key,) = extraction_passes(plan)
     new_runs = set(plan.runs) - set(before.runs)
-    no_evaluate = {f"evaluate:{r}/{plan.shard_hash['text_' + p]}" for r in new_runs for p in points}
-    return f"extract_pass_{key[:16]}", {f"extract_pass_{key[:16]}"} | (new_run_jobs(plan, new_runs) - no_evaluate)
+    return f"extract_pass_{key[:16]}", {f"extract_pass_{key[:16]}"} | new_run_jobs(plan, new_runs)
 
 
 @pytest.mark.parametrize("points", [("mlp_out",), ("mlp_out", "mlp_in")], ids=["one", "two"])
