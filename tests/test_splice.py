@@ -111,8 +111,9 @@ class Plain:
             for mode, lg in logits.items():
                 got[f"ce_{mode}"] = torch.nn.functional.cross_entropy(lg, targets).item()
                 if mode != "clean":
-                    got[f"kl_{mode}"] = torch.nn.functional.kl_div(torch.log_softmax(lg, -1), lp_clean,
-                                                                   log_target=True, reduction="batchmean").item()
+                    got[f"kl_{mode}"] = torch.nn.functional.kl_div(
+                        torch.log_softmax(lg, -1), lp_clean, log_target=True, reduction="batchmean"
+                    ).item()
             return got
         views = {"pooled": lambda h: h.mean(1), **({"cls": lambda h: h[:, 0]} if has_cls else {})}
         for which, view in views.items():
@@ -226,6 +227,7 @@ def test_a_splice_must_read_before_it_writes(family):
     view = loaders.LayerView(sds["mlp_in"], LAYER, "no_special")
     with pytest.raises(SaeflowError) as err:
         evaluate.three_passes(m, plan, view, backwards, 2, 2, "cpu", progress=False)
-    assert str(err.value) == ("a splice cannot read mlp_out of block 1 to write mlp_in of block 1: the model computes "
-                              "mlp_in of block 1 first")
+    assert str(err.value) == (
+        "a splice cannot read mlp_out of block 1 to write mlp_in of block 1: the model computes mlp_in of block 1 first"
+    )
     assert not any(mod._forward_hooks for mod in m.model.modules())  # every hook is removed

@@ -29,6 +29,7 @@ block: its output is the hooked tensor itself) and the other passes replay them.
 
 import contextlib
 import dataclasses
+import functools
 import typing
 
 import torch
@@ -137,8 +138,7 @@ class Prefix:
             for k in range(self.last + 1):
                 block = blocks[k]
                 if record:
-                    hook = lambda mod, args, out, k=k: self.outputs.__setitem__(k, out)  # noqa: E731
-                    handles.append(block.register_forward_hook(hook))
+                    handles.append(block.register_forward_hook(functools.partial(self._record, k)))
                 else:
                     patched.append((block, block.__dict__.get("forward")))
                     block.forward = lambda *args, _out=self.outputs[k], **kwargs: _out
@@ -151,6 +151,9 @@ class Prefix:
                     del block.forward
                 else:
                     block.forward = original
+
+    def _record(self, k: int, module, args, output) -> None:
+        self.outputs[k] = output
 
 
 @contextlib.contextmanager
