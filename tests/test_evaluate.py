@@ -11,7 +11,7 @@ import yaml
 
 from builders import run_from_sae_spec, text_spec, typed, vision_spec
 from saeflow import cli
-from saeflow.analysis import evaluate, scoring
+from saeflow.analysis import evaluate, scoring, splice
 from saeflow.extraction import extract
 from saeflow.store import runs, shards
 from saeflow.training import loaders, sae, train
@@ -132,9 +132,10 @@ def test_known_answers_identity_and_zero_reconstruction(spec, keys, tmp_path):
     plan = extract.plan(typed(spec))
     sd = _shards(tmp_path, spec)
     view = loaders.LayerView(sd, 1, auto_tokens_of(sd.metadata))  # no_special for text, content for vision
-    m = evaluate.load_model(plan.info, plan.spec.model, plan.spec.compute_dtype, torch.device("cpu"))
-    identity = evaluate.three_passes(m, plan, view, lambda x: x, 3, 2, "cpu", progress=False)
-    zero = evaluate.three_passes(m, plan, view, torch.zeros_like, 3, 2, "cpu", progress=False)
+    m = splice.load_model(plan.info, plan.spec.model, plan.spec.compute_dtype, torch.device("cpu"))
+    point = splice.Point("residual", 1)
+    identity = evaluate.three_passes(m, plan, view, splice.Splice.at(point, lambda x: x), 3, 2, "cpu", progress=False)
+    zero = evaluate.three_passes(m, plan, view, splice.Splice.at(point, torch.zeros_like), 3, 2, "cpu", progress=False)
     for key in keys:
         assert identity[key] == pytest.approx(1.0, abs=1e-6), key
         assert zero[key] == pytest.approx(0.0, abs=1e-9), key
@@ -142,13 +143,13 @@ def test_known_answers_identity_and_zero_reconstruction(spec, keys, tmp_path):
     ids_nt = np.array(sd.aux("tokens.bin")[:2]) if plan.info.modality == "text" else None
     # The prefix replayed from the clean pass gives exactly what running every block again gives.
     batch = evaluate.example_inputs(plan, sd)
-    prefix = {}
-    clean = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None, prefix)
-    assert sorted(prefix) == [0, 1]
-    assert torch.equal(clean, evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, None))
+    prefix = splice.Prefix.of(splice.Splice.at(point, torch.zeros_like))
+    clean = splice.spliced_forward(m, batch(0, 2), mask_bt, None, prefix)
+    assert sorted(prefix.outputs) == [0, 1]
+    assert torch.equal(clean, splice.spliced_forward(m, batch(0, 2), mask_bt, None))
     for fn in (torch.zeros_like, lambda x: 2 * x):
-        replayed = evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, fn, prefix)
-        assert torch.equal(replayed, evaluate.spliced_forward(m, 1, batch(0, 2), mask_bt, fn))
+        replayed = splice.spliced_forward(m, batch(0, 2), mask_bt, splice.Splice.at(point, fn), prefix)
+        assert torch.equal(replayed, splice.spliced_forward(m, batch(0, 2), mask_bt, splice.Splice.at(point, fn)))
     assert "forward" not in m.blocks[0].__dict__  # the blocks are restored
     if ids_nt is not None:  # text: [BOS] body with EOS between documents; the specials (ids 1, 2) stay clean
         assert plan.packing.prefix == (1,) and plan.packing.separator == (2,)
@@ -179,15 +180,35 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err
 
 
-def test_an_sae_on_another_hook_point_is_refused_in_one_line(tmp_path, capsys):
-    """Splicing at attn_out / mlp_out / mlp_in is not built yet: evaluate refuses rather than splice into the residual
-    stream (the workflow plans no evaluation for such runs: test_hooks.py)."""
-    spec = text_spec("gpt2", layers=[1], hook="mlp_out")
-    run = _run(tmp_path, spec, 1, _random_sae(32))
-    assert cli.main(["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--no-progress"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == (f"saeflow evaluate: error: {run.config_fpath}: the run's shards hold hook point mlp_out; evaluate "
-                   "splices an SAE into the residual stream only (splicing at other hook points is not built yet)")
+@pytest.mark.parametrize("hook", ["attn_out", "mlp_out", "mlp_in"])
+def test_an_sae_on_another_hook_point_is_spliced_at_it_and_the_evaluation_names_it(tmp_path, hook):
+    """`saeflow evaluate` splices an SAE at the hook point its shards hold (tests/test_splice.py checks the splice of
+    every hook point of every family against plain transformers): the same numbers as the splice at that point, not
+    those of the residual stream, and the JSON names the hook and what each baseline wrote."""
+    spec = text_spec("gpt2", layers=[1], hook=hook)
+    model = _random_sae(32)
+    run = _run(tmp_path, spec, 1, model)
+    argv = ["evaluate", "--run", str(run.root), str(_spec_config(tmp_path, spec)), "--no-progress", "--device", "cpu",
+            "--batch-size", "4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = json.loads(run.evaluation_fpath(run.config()["val_shards"]).read_text())
+    point = {"hook": hook, "layer": 1}
+    assert out["config"]["hook"] == hook and out["config"]["splice"] == {"read": point, "write": point}
+    assert out["config"]["ablation"] == f"{hook} of block 1 replaced by zeros at the spliced positions"
+    assert out["config"]["mean_ablation"].startswith(f"{hook} of block 1 replaced by the mean of the ")
+    plan = extract.plan(typed(spec))
+    sd = shards.ShardDir(run.link(run.VAL_SHARDS))
+    view = loaders.LayerView(sd, 1, "no_special")
+    m = splice.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
+    mean_d, _ = evaluate.mean_activation(view)
+    n_ex = out["config"]["n_ex"]
+
+    def at(name: str) -> dict:
+        one = evaluate.sae_splice(model, splice.Point(name, 1))
+        return evaluate.three_passes(m, plan, view, one, n_ex, 4, "cpu", progress=False, mean_d=mean_d)
+
+    assert out["metrics"] == at(hook)
+    assert out["metrics"]["ce_spliced"] != at("residual")["ce_spliced"]
 
 
 def test_an_evaluation_that_scores_no_spliced_position_warns_and_reports_nulls(tmp_path, caplog):

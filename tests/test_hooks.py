@@ -263,8 +263,9 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     fpath.write_text(json.dumps(raw))
     assert main(["plan", str(fpath)]) == 0
     assert f"extraction pass {key[:16]}: res, mlp, in (one forward pass, a directory each)" in capsys.readouterr().out
-    # evaluate splices at the residual stream only: the run on mlp_out gets no evaluation job
-    assert [plan.runs[run_id].sae_name for run_id, _ in evaluations(plan)] == ["on_res"]
+    # evaluate splices at every hook point: the run on mlp_out is evaluated too, on its own shards
+    assert sorted((plan.runs[run_id].sae_name, h) for run_id, h in evaluations(plan)) == sorted(
+        [("on_res", h["res"]), ("on_mlp", h["mlp"])])
     assert len(plan.dumps()) == 2
 
 
@@ -272,7 +273,7 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
 def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path):
     """config/examples/gpt2-hooks.yaml, with a local 12-block random GPT-2 for `gpt2` (no download) and a small
     corpus for its dataset: one extraction pass of both hook points, three runs, and `snakemake -n` plans one
-    extract_pass job with both directories as its outputs."""
+    extract_pass job with both directories as its outputs, and an evaluate job per run (at its hook point)."""
     import subprocess
     import sys
 
@@ -303,3 +304,8 @@ def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path):
     rule = f"extract_pass_{key[:16]}"
     assert proc.stdout.count(f"rule {rule}:") == 1 and "rule extract:" not in proc.stdout
     assert all(f"{h}/shards.json" in proc.stdout for h in hashes)
+    # every mlp_out run is evaluated, spliced at the MLP output it was trained on
+    assert proc.stdout.count("rule evaluate:") == len(plan.runs) == len(evaluations(plan))
+    for run_id, shard_hash in evaluations(plan):
+        assert hooks.stored(plan.metadata[plan.hash_activation[shard_hash]].data) == "mlp_out"
+        assert f"{run_id}/evaluation/{shard_hash}.json" in proc.stdout

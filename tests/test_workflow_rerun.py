@@ -269,12 +269,11 @@ def pass_outputs(output: str) -> dict[str, set[str]]:
 
 
 def hook_jobs(plan: WorkflowPlan, before: WorkflowPlan, points) -> tuple[str, set[str]]:
-    """The extraction pass's rule and the jobs adding these hook points plans: the pass, then the new runs (no splice
-    evaluation for another hook point than the residual stream)."""
+    """The extraction pass's rule and the jobs adding these hook points plans: the pass, then the new runs (each
+    evaluated at its hook point, as a run on the residual stream is)."""
     (key,) = extraction_passes(plan)
     new_runs = set(plan.runs) - set(before.runs)
-    no_evaluate = {f"evaluate:{r}/{plan.shard_hash['text_' + p]}" for r in new_runs for p in points}
-    return f"extract_pass_{key[:16]}", {f"extract_pass_{key[:16]}"} | (new_run_jobs(plan, new_runs) - no_evaluate)
+    return f"extract_pass_{key[:16]}", {f"extract_pass_{key[:16]}"} | new_run_jobs(plan, new_runs)
 
 
 @pytest.mark.parametrize("points", [("mlp_out",), ("mlp_out", "mlp_in")], ids=["one", "two"])
@@ -302,6 +301,27 @@ def test_a_pass_job_publishes_its_new_directories_and_leaves_the_published_one_a
     assert "1 of 1 steps (100%) done" in proc.stdout + proc.stderr  # one job for both
     assert all((workdir / f).exists() for f in new) and tree_state(published) == before
     assert "Nothing to be done" in snakemake(workdir, fpath, *map(str, new), "-n").stdout
+
+
+def test_the_workflow_evaluates_a_run_on_mlp_out_spliced_at_the_mlp_output(tree, tmp_path):
+    """The evaluate rule of a run trained on mlp_out: extraction pass, create_run, train, evaluate, and the
+    evaluation says it spliced the MLP output of the run's layer (the splice itself: tests/test_splice.py)."""
+    workdir = copy_tree(tree, tmp_path / "w")
+    cfg = variant(_add_hooks("mlp_out"))
+    plan = plan_of(cfg)
+    shard_hash = plan.shard_hash["text_mlp_out"]
+    (run_id,) = [r for r in plan.runs if plan.runs[r].sae_name == "on_mlp_out"]
+    target = RunLayout.at(pathlib.Path("runs"), run_id).evaluation_fpath(shard_hash)
+    fpath = write_config(workdir, cfg, "mlp.yaml")
+    (key,) = extraction_passes(plan)
+    assert planned_jobs(snakemake(workdir, fpath, str(target), "-n").stdout) == {
+        f"extract_pass_{key[:16]}", f"create_run:{run_id}", f"train:{run_id}", f"evaluate:{run_id}/{shard_hash}"}
+    snakemake(workdir, fpath, str(target), preexec=_as("unprivileged"))
+    result = json.loads((workdir / target).read_text())
+    layer = plan.runs[run_id].train_config.layer
+    assert result["config"]["hook"] == "mlp_out" and result["config"]["layer"] == layer == 1
+    assert result["config"]["splice"]["write"] == {"hook": "mlp_out", "layer": layer}
+    assert result["metrics"]["n_scored_spliced"] > 0 and result["metrics"]["ce_clean"] > 0
 
 
 def test_a_split_activation_with_two_hook_points_extracts_each_part_of_both_in_one_job(tmp_path):

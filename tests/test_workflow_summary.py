@@ -81,14 +81,20 @@ def test_summary_carries_the_splice_evaluation(tmp_path):
     run_dpaths = [make_run(tmp_path, k, {"l0": float(k), "nmse": 1.0 / k}) for k in (4, 16)]
     evaluation = runs.open_run(run_dpaths[1]).evaluation_fpath("b" * 64)
     evaluation.parent.mkdir()
-    evaluation.write_text(json.dumps({"metrics": {"ce_loss_recovered": 0.75, "kl_score": None}}))
+    evaluation.write_text(json.dumps({"config": {"hook": "mlp_out"},
+                                      "metrics": {"ce_loss_recovered": 0.75, "kl_score": None}}))  # fmt: skip
     csv_fpath, png_fpath = report.write_summary(run_dpaths, tmp_path / "out")
     rows = {r["config.k"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
     assert rows["16"]["eval.ce_loss_recovered"] == "0.75" and rows["4"]["eval.ce_loss_recovered"] == ""
+    assert rows["16"]["eval.hook"] == "mlp_out" and rows["4"]["eval.hook"] == ""  # the hook point it spliced
     assert rows["16"]["eval.kl_score"] == ""  # a null ratio is a blank cell
     header = list(rows["16"])
     assert header.index("nmse") < header.index("eval.ce_loss_recovered") < header.index("config.k")
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
+    evaluation.write_text(json.dumps({"metrics": {"ce_loss_recovered": 0.75}}))  # before hook points: the residual
+    rows = {r["config.k"]: r for r in csv.DictReader(io.StringIO(report.write_summary(run_dpaths, tmp_path / "o2")[0]
+                                                                  .read_text()))}  # fmt: skip
+    assert rows["16"]["eval.hook"] == "residual"
     evaluation.write_text("[]")
     with pytest.raises(SaeflowError, match="evaluation"):
         report.write_summary(run_dpaths, tmp_path / "out")

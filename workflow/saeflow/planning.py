@@ -20,7 +20,7 @@ import pathlib
 from saeflow.analysis import stability
 from saeflow.config import expand_path
 from saeflow.errors import SaeflowError
-from saeflow.extraction import extract, hooks
+from saeflow.extraction import extract
 from saeflow.extraction.specs import ActivationSpec, ShardsSpec, activation_from_dict, canonical_spec
 from saeflow.interop.spec import ExportSpec
 from saeflow.store import hashing, layout, shards
@@ -259,10 +259,9 @@ def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
 
 
 def evaluations(plan: WorkflowPlan) -> list[tuple[str, str]]:
-    """(run_id, shard_hash) of every dump whose SAE `saeflow evaluate` splices into its model: one on the residual
-    stream, as its shard metadata says. Splicing at another hook point is not built yet."""
-    return [(run_id, shard_hash) for run_id, shard_hash in plan.dumps()
-            if hooks.stored(plan.metadata[plan.hash_activation[shard_hash]].data) == hooks.RESIDUAL]  # fmt: skip
+    """(run_id, shard_hash) of every dump, whose SAE `saeflow evaluate` splices into its model at the hook point its
+    shard metadata holds (the residual stream, an attention or MLP output, the MLP's input)."""
+    return list(plan.dumps())
 
 
 def extraction_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:

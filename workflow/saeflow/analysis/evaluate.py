@@ -3,32 +3,36 @@
     cfg = evaluate.EvaluateConfig(run=RUN, spec=specs.ActivationSpec.from_dict(...))  # the run's validation spec
     fpath = evaluate.run_evaluation(cfg)        # RUN/evaluation/<val_shard_hash>.json
 
-The first ceil(n_tokens / tokens_per_example) examples of the run's validation activation spec go through the
-model four times, on the same inputs:
+The SAE is spliced at its hook point (saeflow.analysis.splice: the tensor of block `layer` that its shards hold,
+`hooks.stored(metadata.data)`: the residual stream, the attention or MLP output, or the MLP's input; the rest of the
+model runs on the replacement). The first ceil(n_tokens / tokens_per_example) examples of the run's validation
+activation spec go through the model four times, on the same inputs:
 
     clean         the model as it is
-    spliced       block `layer`'s output x replaced by the SAE's decode(encode(x)) (raw space: normalization undone)
-    ablated       block `layer`'s output replaced by zeros (zero ablation)
-    mean_ablated  block `layer`'s output replaced by its mean over the validation shards (mean ablation: the mean
-                  of every vector the SAE's tokens select in the run's validation shard directory, one streamed pass)
+    spliced       the hook point's tensor x replaced by the SAE's decode(encode(x)) (raw space: normalization undone)
+    ablated       that tensor replaced by zeros (zero ablation; for attn_out / mlp_out: the sublayer adds nothing)
+    mean_ablated  that tensor replaced by its mean over the validation shards (mean ablation: the mean of every
+                  vector the SAE's tokens select in the run's validation shard directory, one streamed pass)
+
+Both ablations replace the tensor the splice writes, at the same positions (`baselines`): for a transcoder (reads
+one hook point, writes another) that is its target's tensor, and the mean is that of the target's shards.
 
 Exactly the positions the SAE was trained on are replaced (the run's `tokens`, selected by the loaders' own
 `LayerView` of the validation shards: `no_special` leaves the text special tokens [CLS], [SEP], BOS, EOS out,
-`content` the CLS token); the others, and vision register tokens, stay clean in all three passes. Text inputs are
-the ids of the shards' tokens.bin, exactly what extraction ran.
+`content` the CLS token); the others, and vision register tokens, stay clean in all passes. Text inputs are the ids
+of the shards' tokens.bin, exactly what extraction ran.
 
-Before scoring, the clean pass of the first batch is checked against the stored shards: its block `layer` output
+Before scoring, the clean pass of the first batch is checked against the stored shards: its tensor at the hook point
 must equal the stored activations within the tolerance of the coarsest dtype involved (STORED_TOLERANCE: the store
 dtype, extraction's and evaluate's compute dtypes); otherwise the model is not the one extraction ran (weights
 rewritten in place) and evaluate refuses, naming the model and the shard directory.
 
 What each pass is scored by (cross-entropy and KL for causal LMs, the output embedding otherwise) and the recovered
 fractions are saeflow.analysis.scoring's. The output is what is scored, so every pass runs to the end of the model;
-but the blocks up to `layer` run once: the clean pass records their outputs and the spliced and ablated passes replay
-them (identical inputs give identical outputs), running only the later blocks.
+but the blocks before the splice run once: the clean pass records their outputs and the other passes replay them
+(identical inputs give identical outputs; `splice.Prefix`), running only the block of the splice and the later ones.
 """
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -43,6 +47,7 @@ import tqdm
 from saeflow import config, devices
 from saeflow.analysis.inference import trained_layer
 from saeflow.analysis.scoring import Scores, n_spliced_scored, next_token_logp, score_embeddings, score_lm, summarize
+from saeflow.analysis.splice import Point, Prefix, Splice, Spliceable, load_model, spliced_forward
 from saeflow.errors import SaeflowError
 from saeflow.extraction import adapters, extract, hooks, models, specs
 from saeflow.store import atomic, provenance, runs
@@ -54,13 +59,11 @@ from saeflow.training import loaders, sae
 logger = logging.getLogger(__name__)
 
 DEFAULTS = config.section_defaults("evaluate")
-MODES = ("clean", "spliced", "ablated", "mean_ablated")
 # The mean relative error per position (|x - x_stored| / |x_stored|) the first batch's clean activations may have,
 # by the coarsest dtype among the store dtype and the two compute dtypes. Measured on MiniLM (6 blocks): float16
 # storage rounds by 2e-4, bfloat16 against float32 compute differs by 0.5-1.2%, 1% noise on every weight moves the
 # activations by 1.4-3.4%; float32 leaves room for GPU kernels (TF32 convolutions) against CPU ones.
 STORED_TOLERANCE = {"float32": 5e-3, "float16": 5e-3, "bfloat16": 5e-2}
-Reconstruct = typing.Callable[[torch.Tensor], torch.Tensor]  # raw activations (n, d) -> reconstruction (n, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,31 +91,6 @@ class EvaluateConfig:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Spliceable:
-    """A loaded model, its blocks, and how to run one batch to what is scored (logits or final hidden states)."""
-
-    info: models.ModelInfo
-    model: torch.nn.Module
-    blocks: torch.nn.ModuleList
-    causal: bool
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) of a causal LM, else the final hidden states (B, T, D); float32."""
-        if self.info.modality == "vision":
-            out = self.model(pixel_values=inputs.to(next(self.model.parameters()).dtype))
-        else:
-            out = self.model(input_ids=inputs, attention_mask=torch.ones_like(inputs), use_cache=False)
-        return (out.logits if self.causal else out.last_hidden_state).float()
-
-
-def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: str, device) -> Spliceable:
-    """The model with the weights extraction used; causal LMs with their LM head (random-init: tied or seeded)."""
-    model = adapters.build(info, spec, compute_dtype, lm_head=True).to(device).eval()
-    blocks = adapters.find_blocks(model.base_model if info.causal else model)
-    return Spliceable(info, model, blocks, info.causal)
-
-
 def example_inputs(plan: extract.Plan, sd: ShardDir) -> typing.Callable[[int, int], torch.Tensor]:
     """batch(lo, hi) -> the model inputs of examples lo..hi-1: the ids of tokens.bin (text: exactly what extraction
     ran), or the dataset's images through the spec's preprocessing."""
@@ -136,22 +114,20 @@ def splice_mask(view: loaders.LayerView, info: models.ModelInfo, lo: int, hi: in
     return torch.from_numpy(mask_nt)
 
 
-def _hidden(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def check_stored(sd: ShardDir, info: models.ModelInfo, layer: int, compute_dtype: str, lo: int, out_btd) -> None:
-    """Refuse when the clean pass's block `layer` output for examples lo.. is not what the shards store (module
-    docstring): the model is not the one extraction ran, and a splice into it would score another model."""
-    got_btd = adapters.keep_stored(info, _hidden(out_btd)).float().cpu()
-    stored_btd = torch.from_numpy(np.stack([sd.example(ex, layer) for ex in range(lo, lo + len(got_btd))])).float()
+def check_stored(sd: ShardDir, info: models.ModelInfo, point: Point, compute_dtype: str, lo: int, acts_btd) -> None:
+    """Refuse when the clean pass's tensor at `point` (the hook point of `sd`, block `point.layer`) for examples lo..
+    is not what the shards store (module docstring): the model is not the one extraction ran, and a splice into it
+    would score another model."""
+    got_btd = adapters.keep_stored(info, acts_btd).float().cpu()
+    stored_btd = torch.from_numpy(np.stack([sd.example(ex, point.layer) for ex in range(lo, lo + len(got_btd))]))
+    stored_btd = stored_btd.float()
     err = float(((got_btd - stored_btd).norm(dim=-1) / stored_btd.norm(dim=-1).clamp_min(1e-12)).mean())
     dtypes = {sd.metadata.dtype, sd.metadata.data.get("compute_dtype", "float32"), compute_dtype}
     tol = max(STORED_TOLERANCE[dtype] for dtype in dtypes)
     if not err <= tol:
         raise SaeflowError(
             f"model {info.ckpt} ({info.source or 'random init'}) does not compute the activations stored in "
-            f"{sd.dpath}: block {layer}, examples {lo}..{lo + len(got_btd) - 1}, mean relative error {err:.3g} > "
+            f"{sd.dpath}: {point}, examples {lo}..{lo + len(got_btd) - 1}, mean relative error {err:.3g} > "
             f"{tol:g} ({'/'.join(sorted(dtypes))}); the model is not the one extraction ran (rewritten in place?), "
             "so evaluate will not score a splice into it: extract and train again"
         )
@@ -160,60 +136,6 @@ def check_stored(sd: ShardDir, info: models.ModelInfo, layer: int, compute_dtype
 # ---------------------------------------------------------------------------------------------------------------
 # Three passes
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _prefix(blocks: torch.nn.ModuleList, layer: int, outputs: dict, record: bool) -> typing.Iterator[None]:
-    """Record the outputs of blocks 0..layer (the clean pass), or replay them: each block's forward returns its
-    recorded output without computing, so the spliced and ablated passes run only the blocks after `layer`.
-
-    The three passes see identical inputs up to block `layer`, so the replayed outputs are exactly the ones the
-    blocks would compute again (the "early exit" a splice allows: the prefix runs once, not three times).
-    """
-    handles, patched = [], []
-    try:
-        for k in range(layer + 1):
-            block = blocks[k]
-            if record:
-                handles.append(block.register_forward_hook(lambda mod, args, out, k=k: outputs.__setitem__(k, out)))
-            else:
-                patched.append((block, block.__dict__.get("forward")))
-                block.forward = lambda *args, _out=outputs[k], **kwargs: _out
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for block, original in patched:
-            if original is None:
-                del block.forward
-            else:
-                block.forward = original
-
-
-def spliced_forward(
-    m: Spliceable, layer: int, inputs: torch.Tensor, mask_bt: torch.Tensor, replace: Reconstruct | None,
-    prefix: dict | None = None,
-) -> torch.Tensor:
-    """The model's output with block `layer`'s output at `mask_bt` replaced by `replace(x)`. `replace=None` is the
-    clean pass, which records blocks 0..layer into `prefix`; the other passes replay them (prefix None: neither,
-    every block runs)."""
-
-    def hook(module, args, output):
-        hidden = _hidden(output)
-        x_nd = hidden[mask_bt].float()
-        new = hidden.clone()
-        new[mask_bt] = replace(x_nd).to(hidden.dtype)
-        return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
-
-    reuse = contextlib.nullcontext() if prefix is None else _prefix(m.blocks, layer, prefix, record=replace is None)
-    with reuse, torch.inference_mode():
-        if replace is None:
-            return m.forward(inputs)
-        handle = m.blocks[layer].register_forward_hook(hook)
-        try:
-            return m.forward(inputs)
-        finally:
-            handle.remove()
 
 
 @torch.no_grad()
@@ -233,42 +155,53 @@ def mean_activation(view: loaders.LayerView, batch_size: int = 4096) -> tuple[to
     return sum_d / n, n
 
 
+def baselines(splice: Splice, mean_d: torch.Tensor | None) -> dict[str, Splice | None]:
+    """Each pass's splice: clean (none), the splice itself, and the ablations of the tensor it writes, at its write
+    point and positions: zeros (`ablated`) and, given `mean_d`, that tensor's mean (`mean_ablated`)."""
+    passes = {"clean": None, "spliced": splice, "ablated": Splice.at(splice.write, torch.zeros_like)}
+    if mean_d is not None:
+        passes["mean_ablated"] = Splice.at(splice.write, lambda x_nd: mean_d.to(x_nd).expand_as(x_nd))
+    return passes
+
+
 def three_passes(
-    m: Spliceable, plan: extract.Plan, view: loaders.LayerView, reconstruct: Reconstruct, n_ex: int, batch_size: int,
-    device, progress: bool = True, check: typing.Callable[[int, typing.Any], None] | None = None,
+    m: Spliceable, plan: extract.Plan, view: loaders.LayerView, splice: Splice, n_ex: int, batch_size: int,
+    device, progress: bool = True, check: typing.Callable[[int, dict], None] | None = None,
     mean_d: torch.Tensor | None = None,
 ) -> dict:  # fmt: skip
     """Clean, spliced and zero-ablated outputs (and mean-ablated: `mean_d` written at every spliced position) of the
-    first `n_ex` examples of the view's shards, the SAE spliced at the view's layer on its tokens; scored (the
-    metrics of `summarize`). `check(lo, block output)` sees the first batch's clean output of that block
-    (check_stored)."""
-    batch, layer = example_inputs(plan, view.sd), view.layer
-    replace = {"clean": None, "spliced": reconstruct, "ablated": torch.zeros_like}
-    if mean_d is not None:
-        mean_d = mean_d.to(device, torch.float32)
-        replace["mean_ablated"] = lambda x_nd: mean_d.expand_as(x_nd)
+    first `n_ex` examples of the view's shards, `splice` at the view's tokens (`baselines`); scored (the metrics of
+    `summarize`). `check(lo, {point: clean tensor})` sees the first batch's clean tensors at the splice's read and
+    write points (check_stored)."""
+    batch = example_inputs(plan, view.sd)
+    passes = baselines(splice, mean_d)
+    points = {point: m.module(point) for point in (splice.read, splice.write)}
     has_cls = m.info.cls_token or m.info.family in models.ENCODER_FAMILIES
     scores = Scores()
     scores.n_spliced = 0
-    with tqdm.tqdm(total=n_ex, unit="ex", desc="evaluate (3 passes)", disable=not progress) as bar:
+    with tqdm.tqdm(total=n_ex, unit="ex", desc=f"evaluate ({len(passes) - 1} splices)", disable=not progress) as bar:
         for lo in range(0, n_ex, batch_size):
             hi = min(lo + batch_size, n_ex)
             inputs = batch(lo, hi).to(device)
             mask_bt = splice_mask(view, m.info, lo, hi).to(device)
             scores.n_spliced += n_spliced_scored(mask_bt, m.causal)
-            prefix: dict = {}  # blocks 0..layer of the clean pass, replayed by the other two
+            prefix = Prefix.of(splice)  # the blocks before the splice, from the clean pass, replayed by the others
+            with adapters.record_outputs(points) as clean_acts:
+                clean = spliced_forward(m, inputs, mask_bt, None, prefix)
             if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
-                logp_clean = next_token_logp(spliced_forward(m, layer, inputs, mask_bt, None, prefix))
-                for mode, fn in replace.items():
-                    logits = None if fn is None else spliced_forward(m, layer, inputs, mask_bt, fn, prefix)
-                    logp = logp_clean if fn is None else next_token_logp(logits)
+                logp_clean = next_token_logp(clean)
+                del clean
+                for mode, one in passes.items():
+                    logits = None if one is None else spliced_forward(m, inputs, mask_bt, one, prefix)
+                    logp = logp_clean if one is None else next_token_logp(logits)
                     score_lm(scores, mode, logp, logp_clean, inputs)
                     del logits, logp
             else:
-                outs = {mode: spliced_forward(m, layer, inputs, mask_bt, fn, prefix) for mode, fn in replace.items()}
+                outs = {mode: clean if one is None else spliced_forward(m, inputs, mask_bt, one, prefix)
+                        for mode, one in passes.items()}  # fmt: skip
                 score_embeddings(scores, outs, has_cls)
             if check is not None and lo == 0:
-                check(lo, prefix[layer])
+                check(lo, clean_acts)
             bar.update(hi - lo)
     return summarize(scores, m.causal)
 
@@ -293,12 +226,6 @@ def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int, sh
         raise SaeflowError(
             f"{run.config_fpath}: the run was validated on shards {val_hash}, but the activation spec given plans "
             f"shards {plan.metadata.hash}; pass the run's validation activation spec"
-        )
-    point = hooks.stored(plan.metadata.data)
-    if point != hooks.RESIDUAL:
-        raise SaeflowError(
-            f"{run.config_fpath}: the run's shards hold hook point {point}; evaluate splices an SAE into the residual "
-            "stream only (splicing at other hook points is not built yet)"
         )
     if layer not in plan.metadata.layers:
         layers = list(plan.metadata.layers)
@@ -329,8 +256,19 @@ def open_val_shards(shards_dpath: pathlib.Path, shard_hash: str) -> ShardDir:
     return sd
 
 
+def sae_splice(model: sae.SAE, point: Point) -> Splice:
+    """An SAE's splice: its reconstruction decode(encode(x)) in raw space (normalization undone) replaces the tensor
+    it was trained on. A transcoder is `Splice(Point(input hook, layer), Point(target hook, layer), predict)`."""
+
+    def reconstruct(x_nd: torch.Tensor) -> torch.Tensor:
+        return model(x_nd)[0]
+
+    return Splice.at(point, reconstruct)
+
+
 def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
-    """Evaluate the run's SAE spliced into its model; write RUN/evaluation/<val_shard_hash>.json atomically."""
+    """Evaluate the run's SAE spliced into its model at its hook point; write RUN/evaluation/<val_shard_hash>.json
+    atomically."""
     run = runs.open_run(cfg.run)
     sae_fpath = run.require_checkpoint()
     layer = trained_layer(run)
@@ -346,16 +284,14 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     device = devices.resolve_device(cfg.device)
     started_at = provenance.utc_now()
     m = load_model(plan.info, cfg.spec.model, cfg.compute_dtype, device)
-    model = model.to(device)
+    point = Point(hooks.stored(sd.metadata.data), layer)
+    splice = sae_splice(model.to(device), point)
 
-    def reconstruct(x_nd: torch.Tensor) -> torch.Tensor:
-        return model(x_nd)[0]
-
-    def check(lo: int, out_btd) -> None:
-        check_stored(sd, plan.info, layer, cfg.compute_dtype, lo, out_btd)
+    def check(lo: int, clean_acts: dict) -> None:
+        check_stored(sd, plan.info, point, cfg.compute_dtype, lo, clean_acts[point])
 
     mean_d, n_mean = mean_activation(view)
-    metrics = three_passes(m, plan, view, reconstruct, n_ex, cfg.batch_size, device, cfg.progress, check, mean_d)
+    metrics = three_passes(m, plan, view, splice, n_ex, cfg.batch_size, device, cfg.progress, check, mean_d)
     view.close()
     result = {
         "config": {
@@ -363,13 +299,17 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
             "sae_sha256": file_sha256(sae_fpath),
             "shard_hash": shard_hash,
             "ckpt": plan.info.ckpt,
+            "hook": point.hook,
             "layer": layer,
+            "splice": {"read": splice.read.to_dict(), "write": splice.write.to_dict()},
             "tokens": tokens,
             "n_ex": n_ex,
             "tokens_per_ex": T,
             "compute_dtype": cfg.compute_dtype,
             "scored": "next-token predictions at positions 0..T-2" if m.causal else "one embedding per example",
-            "mean_ablation": f"the mean of the {n_mean} vectors of the validation shards at tokens={tokens!r}",
+            "ablation": f"{point} replaced by zeros at the spliced positions",
+            "mean_ablation": f"{point} replaced by the mean of the {n_mean} vectors of the validation shards at "
+                             f"tokens={tokens!r}",
         },
         "metrics": metrics,
         "provenance": {**provenance.collect(), "device": str(device), "started_at": started_at,
@@ -378,7 +318,7 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     out_fpath = run.evaluation_fpath(shard_hash)
     out_fpath.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out_fpath, result)
-    logger.info("%s", json.dumps(metrics))
+    logger.info("%s: %s", point, json.dumps(metrics))
     return out_fpath
 
 

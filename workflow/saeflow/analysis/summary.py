@@ -22,6 +22,7 @@ import numpy as np
 
 from saeflow.analysis import stability
 from saeflow.errors import SaeflowError
+from saeflow.extraction import hooks
 from saeflow.store import atomic
 from saeflow.store.hashing import read_json_object
 from saeflow.store.runs import open_run
@@ -65,7 +66,7 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
     hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), the inference
     metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
     `config.*` (the run's training config), and `eval.*` (the splice evaluation of the SAE on the same
-    activations, `<run>/evaluation/<shard_hash>.json`, when present).
+    activations, `<run>/evaluation/<shard_hash>.json`, when present; `eval.hook` names the hook point it spliced).
     """
     run = open_run(run_dpath)
     group = stability.group_key(run.config())
@@ -91,13 +92,17 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
 
 
 def _evaluation(run, shard_hash: str) -> dict:
+    """`eval.hook` (the hook point the splice replaced; an evaluation written before hook points spliced the residual
+    stream) and `eval.*`, the metrics of `saeflow evaluate` on the same shards (RUN/evaluation/<hash>.json), if any."""
     fpath = run.evaluation_fpath(shard_hash)
     if not fpath.exists():
         return {}
-    metrics = read_metrics(fpath).get("metrics")
+    obj = read_metrics(fpath)
+    metrics, cfg = obj.get("metrics"), obj.get("config")
     if not isinstance(metrics, dict):
         raise SaeflowError(f"{fpath}: no `metrics` object; rerun `saeflow evaluate`")
-    return flatten(metrics, "eval.")
+    hook = cfg.get("hook", hooks.RESIDUAL) if isinstance(cfg, dict) else hooks.RESIDUAL
+    return {"eval.hook": hook, **flatten(metrics, "eval.")}
 
 
 def _probe(run, shard_hash: str) -> dict:
