@@ -19,8 +19,7 @@ rule create_run:
     input:
         lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).config_fpath,
-            PLAN.runs[wc.run_id].train_activation,
-            PLAN.runs[wc.run_id].val_activation,
+            *PLAN.runs[wc.run_id].read_activations,  # train, val (a transcoder's targets of them)
         ),
     output:
         RUNS.config_fpath,

@@ -56,6 +56,12 @@ class TermInputs:
     step: int
     n_steps: int
     dead_s: typing.Any = None  # (s,) bool: the latents dead now (objectives.DeadLatents), where the trainer has them
+    target_bd: typing.Any = None  # a transcoder's: what its latents decode to (normalized target less the skip path)
+
+    @property
+    def recon_bd(self):
+        """What the latents' decode is trained toward: the input (an SAE) or a transcoder's `target_bd`."""
+        return self.xn_bd if self.target_bd is None else self.target_bd
 
 
 class Arch:
@@ -64,6 +70,9 @@ class Arch:
     name: str = ""  # the schema's sae_spec.arch value
     selection: Selection = Selection.DENSE
     modes: tuple[str, ...] = MODES  # the parallel modes it trains in; the plan refuses the others
+    # ... and as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path): the latent-sharded
+    # trainer decodes and validates against its input, so a transcoder trains in one process, sweep or data mode
+    transcoder_modes: tuple[str, ...] = ("sweep", "data")
     uses_k: bool = True  # k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)
     hyper: tuple[str, ...] = ()  # the sae_spec keys only it reads (beyond the common ones)
     unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
