@@ -72,6 +72,9 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
     )  # fmt: skip
     if args.transcoder:
         spec.update(target="planted-target", val_target="planted-target", skip=args.skip)
+    if args.dead_after_vectors:
+        spec.update(dead_after_vectors=None if args.dead_after_vectors < 0 else args.dead_after_vectors)
+    spec.update(lr=args.lr)
     spec.update(overrides)
     cfg = sweeps.TrainConfig(**spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -126,6 +129,9 @@ def main():
     parser.add_argument("--transcoder", action="store_true", help="planted pairs: transcoders (sparsify's as peer)")
     parser.add_argument("--skip", action="store_true", help="transcoders with the linear skip path")
     parser.add_argument("--noise", type=float, default=0.05, help="transcoder targets' noise std per dimension")
+    parser.add_argument("--lr", type=float, default=None, help="saeflow's peak learning rate (default: its auto)")
+    parser.add_argument("--dead-after-vectors", type=int, default=0,
+                        help="saeflow's dead-latent window (AuxK); -1: its default (a tenth of the run); 0: 10M")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

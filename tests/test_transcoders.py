@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from builders import write_shards
+from builders import planted_pairs, run_from_sae_spec, write_shards
 from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.planning import WorkflowPlan, evaluations
-from saeflow.training import archs, objectives
+from saeflow.store import runs
+from saeflow.training import archs, objectives, train
 from saeflow.training.loaders import OrderedLoader, PairedOrderedLoader, ShuffledLoader
 from saeflow.training.sae import FORMAT_VERSION, SAE, TRANSCODER_VERSION, load_sae, save_sae
 from saeflow.training.sweeps import SAEConfig, TrainConfig
@@ -253,3 +254,240 @@ def test_sae_pt_keeps_an_saes_format_and_a_transcoder_says_it_is_one(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------
+
+
+PLANTED_SPECS = {"topk": {"k": 3}, "batchtopk": {"k": 3}, "relu": {"l1_coeff": 2.0}, "jumprelu": {}, "gated": {}}
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    x_nd, y_nd, _, atoms_out_ad = planted_pairs(8192, d_in=48, d_out=40, n_atoms=48, k=3, noise=0.01)
+    root = tmp_path_factory.mktemp("shards")
+    x_sd = write_shards(root, x_nd.reshape(-1, 1, 16, 48), layers=(0,), ex_per_shard=64, tag="tc")
+    y_sd = write_shards(root, y_nd.reshape(-1, 1, 16, 40), layers=(0,), ex_per_shard=64, tag="tc",
+                        data={"hook": "mlp_out"})  # fmt: skip
+    return x_sd, y_sd, atoms_out_ad
+
+
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_every_architecture_learns_a_planted_output_dictionary_as_a_transcoder(tmp_path, planted, name):
+    """Targets that are the same sparse codes on other atoms (plus noise): each architecture at its defaults
+    recovers the output atoms, and its validation metrics are of the target (NMSE, L0, dead latents)."""
+    assert name in PLANTED_SPECS, f"{name}: give it a spec in PLANTED_SPECS"
+    x_sd, y_sd, atoms_out_ad = planted
+    run = run_from_sae_spec(tmp_path, x_sd, target_sd=y_sd, arch=name, expansion=2, batch_size=128, n_epochs=6,
+                            dead_after_vectors=8192, **PLANTED_SPECS[name])  # fmt: skip
+    (result,) = train.train_runs([run.root], train.TrainSettings(device="cpu"))
+    sae = load_sae(run.sae_fpath)
+    rows_sd = torch.nn.functional.normalize(sae.W_dec.detach(), dim=-1).numpy()  # a transcoder's rows train freely
+    cos_a = (atoms_out_ad @ rows_sd.T).max(1)
+    assert (cos_a > 0.9).mean() >= 0.9, f"{name}: recovered {(cos_a > 0.9).mean():.0%} of the planted output atoms"
+    assert result["nmse"] < 0.2 and {"l0", "n_dead", "nmse"} <= set(result)
+    assert sae.cfg.d_out == 40 and sae.d_model == 48
+    assert sorted(p.name for p in run.links_dpath.iterdir()) == ["target-shards", "train-shards", "val-shards",
+                                                                 "val-target-shards"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training in every mode, resume, the CLI
+# ---------------------------------------------------------------------------------------------------------------
+
+POOL = "19200"  # a shuffle pool of a few hundred pairs: the pool is refilled many times in a run
+
+
+def _small_pairs(root):
+    x_nd, y_nd, _, _ = planted_pairs(1024, d_in=16, d_out=12, n_atoms=32, k=2, seed=2, noise=0.01)
+    x_sd = write_shards(root, x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=16, tag="modes")
+    y_sd = write_shards(root, y_nd.reshape(-1, 1, 8, 12), layers=(0,), ex_per_shard=16, tag="modes",
+                        data={"hook": "mlp_out"})  # fmt: skip
+    return x_sd, y_sd
+
+
+def _one_step_gradients(name: str) -> dict:
+    """On each rank: one step's gradients of every parameter of a skip transcoder, data-parallel (this rank's slice,
+    all-reduced) and on one process (the whole batch), from the same weights, batch and dead latents."""
+    import copy as copy_mod
+
+    from saeflow.training import distributed
+    from saeflow.training.dataparallel import data_parallel_loss, rank_slice
+
+    comm = distributed.init("cpu")
+    cfg = _train_config(name, True, k=4, aux_k=8, expansion=4, skip=True)
+    torch.manual_seed(0)
+    sae = SAE(cfg.sae_config(16, 12)).train()
+    with torch.no_grad():
+        sae.W_dec.normal_()
+        sae.normalize_decoder()
+        sae.W_enc.normal_(0, 0.3)
+        sae.b_enc.normal_(0, 0.1)
+        sae.W_skip.normal_(0, 0.1)
+        sae.arch.init_parameters(sae, cfg)
+    gen = torch.Generator().manual_seed(1)
+    x_bd, y_bd = torch.randn(32, 16, generator=gen) * 2, torch.randn(32, 12, generator=gen)
+    dead = objectives.DeadLatents(sae.d_sae, 2, torch.device("cpu"))
+    dead.since_fired_s[::3] = 5  # a third of the latents dead: AuxK runs
+    whole = copy_mod.deepcopy(sae)
+    objectives.Objective(cfg, 100)(whole, x_bd, 50, dead, y_bd).total.backward()
+    part = rank_slice(32, comm)
+    data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 50, dead, comm, y_bd[part]).total.backward()
+    worst = {}
+    for (pname, param), want in zip(sae.named_parameters(), whole.parameters(), strict=True):
+        got = comm.all_reduce(param.grad)
+        worst[pname] = float((got - want.grad).abs().max() / want.grad.abs().max().clamp_min(1e-12))
+    comm.close()
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ARCH_NAMES if "data" in archs.get(n).transcoder_modes
+                                  and "data" in archs.get(n).modes])  # fmt: skip
+def test_one_data_parallel_step_of_a_skip_transcoder_has_the_one_process_gradients(name):
+    from _ranks import run_ranks
+
+    for worst in run_ranks(2, _one_step_gradients, name):
+        assert set(worst) >= {"W_skip", "W_dec", "W_enc"} and max(worst.values()) < 1e-5, worst
+
+
+def _train(run_roots, mode: str, **kw):
+    from saeflow.training import entry
+
+    return entry.train_runs(run_roots, entry.TrainSettings(device="cpu", parallel=mode, buffer_bytes=POOL, **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sweep", "data"])
+def test_a_skip_transcoder_on_two_ranks_matches_one_process(tmp_path, mode):
+    """The ranks read pairs through the distributed loader (each holds part of the pool; data: each rank receives its
+    slice of inputs and targets): a skip transcoder ends where one process ends (sweep: the same bytes)."""
+    from _ranks import run_ranks
+
+    x_sd, y_sd = _small_pairs(tmp_path / "s")
+    spec = dict(arch="topk", k=2, expansion=2, batch_size=64, n_epochs=2, skip=True, matryoshka=[0.25])
+    split = run_from_sae_spec(tmp_path / "split", x_sd, target_sd=y_sd, **spec)
+    alone = run_from_sae_spec(tmp_path / "alone", x_sd, target_sd=y_sd, **spec)
+    results = run_ranks(2, _train, [split.root], mode)
+    (want,) = _train([alone.root], "sweep")
+    (result,) = results[0]
+    if mode == "sweep":
+        assert split.sae_fpath.read_bytes() == alone.sae_fpath.read_bytes()
+    a, b = load_sae(split.sae_fpath).state_dict(), load_sae(alone.sae_fpath).state_dict()
+    for key in b:
+        assert float((a[key] - b[key]).abs().max()) <= 1e-3 * max(float(b[key].abs().max()), 1e-6), key
+    assert result["nmse"] == pytest.approx(want["nmse"], rel=1e-3) and result["n_vectors"] == want["n_vectors"]
+
+
+@pytest.mark.slow
+def test_saeflow_train_on_the_ranks_refuses_a_latent_sharded_transcoder_in_one_line(tmp_path):
+    from _ranks import run_ranks
+
+    x_sd, y_sd = _small_pairs(tmp_path / "s")
+    run = run_from_sae_spec(tmp_path / "runs", x_sd, target_sd=y_sd, arch="topk", k=2, expansion=2, batch_size=64)
+
+    def refusal(root):
+        try:
+            _train([root], "latents")
+        except SaeflowError as err:
+            return str(err)
+        return None
+
+    want = (f"{run.config_fpath}: arch: topk transcoders do not train with parallel: latents (they train with sweep, "
+            "data)")
+    for message in run_ranks(2, refusal, run.root):
+        assert message == want, message
+    assert not run.sae_fpath.exists() and not run.resume_fpath.exists()
+
+
+def test_a_transcoder_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
+    """Stopped with a resume checkpoint after some steps (mid-epoch), then resumed: the pairs come back in the same
+    order, so the weights are those of a run never stopped."""
+    x_sd, y_sd = _small_pairs(tmp_path / "s")
+    spec = dict(arch="batchtopk", k=2, expansion=2, batch_size=64, n_epochs=2, skip=True)
+    stopped = run_from_sae_spec(tmp_path / "stopped", x_sd, target_sd=y_sd, **spec)
+    alone = run_from_sae_spec(tmp_path / "alone", x_sd, target_sd=y_sd, **spec)
+    settings = dict(device="cpu", buffer_bytes=POOL, checkpoint_every=5)
+    assert train.train_runs([stopped.root], train.TrainSettings(max_steps=13, **settings)) == []
+    assert stopped.resume_fpath.exists()
+    train.train_runs([stopped.root], train.TrainSettings(**settings))
+    train.train_runs([alone.root], train.TrainSettings(**settings))
+    assert stopped.sae_fpath.read_bytes() == alone.sae_fpath.read_bytes()
+
+
+def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
+    """`saeflow train` and `saeflow inference` on a transcoder run: the dump's metrics are of its target (its NMSE
+    against the validation target, d_out wide), `evaluate` refuses it in one line."""
+    import json
+
+    from saeflow import cli
+
+    x_sd, y_sd = _small_pairs(tmp_path / "s")
+    run = run_from_sae_spec(tmp_path / "runs", x_sd, target_sd=y_sd, arch="topk", k=2, expansion=2, batch_size=64,
+                            n_epochs=10)  # fmt: skip
+    assert cli.main(["train", "--run", str(run.root), "--device", "cpu"]) == 0
+    trained = json.loads(run.final_metrics_fpath.read_text())
+    assert cli.main(["inference", "--run", str(run.root), "--shards", str(x_sd.dpath), "--top-k", "2"]) == 0
+    dump = run.dump(x_sd.hash)
+    metrics = json.loads(dump.metrics_fpath.read_text())
+    dump_config = json.loads(dump.config_fpath.read_text())
+    assert dump_config["target_hash"] == y_sd.hash and dump_config["d_out"] == 12
+    assert metrics["nmse"] == pytest.approx(trained["nmse"], rel=1e-4) and metrics["nmse"] < 0.5
+    with pytest.raises(SaeflowError, match="predicts its targets of its train and validation shards only"):
+        from saeflow.analysis import inference
+
+        inference.target_of(runs.open_run(run.root), y_sd)
+    cfg_fpath = tmp_path / "c.yaml"
+    cfg_fpath.write_text(json.dumps({"activations": {}, "saes": {}}))
+    assert cli.main(["evaluate", "--run", str(run.root), str(cfg_fpath)]) == 1
+
+
+@pytest.mark.slow
+def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, capsys):
+    """config/examples/gpt2-transcoders.yaml, with a local 12-block random GPT-2 for `gpt2` (no download) and a small
+    corpus: one extraction pass of both hook points, 3 MLP-output SAEs and 6 transcoders (3 layers, plain and skip),
+    `saeflow plan` and `snakemake -n` plan it: each transcoder's run waits for both directories."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+    import yaml
+
+    from saeflow.cli import main
+    from saeflow.planning import extraction_passes
+    from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env
+
+    model_dpath = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=12, n_head=2, vocab_size=300)).save_pretrained(
+        model_dpath
+    )
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "examples" / "gpt2-transcoders.yaml").read_text())
+    for spec in cfg["activations"].values():
+        spec.update(model={"name": str(model_dpath)}, tokenizer="bytes")
+        spec["dataset"].update(path=str(tmp_path / "corpus.txt"))
+    cfg.update(shards_root=str(tmp_path / "shards"), runs_root=str(tmp_path / "runs"))
+    plan = _plan(cfg)
+    ((key, hashes),) = extraction_passes(plan).items()
+    assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2
+    kinds = sorted((p.sae_name, p.train_config.layer, p.train_config.skip) for p in plan.runs.values())
+    assert kinds == sorted([*(("mlp-out", layer, False) for layer in (4, 6, 8)),
+                            *(("transcoder", layer, skip) for layer in (4, 6, 8) for skip in (False, True))])
+    assert evaluations(plan) == []  # splices at the residual stream only, and never a transcoder (yet)
+    fpath = tmp_path / "example.yaml"
+    fpath.write_text(yaml.safe_dump(cfg))
+    assert main(["plan", str(fpath)]) == 0
+    assert "transcoder[layer=4,skip=true]" in capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
+                           str(tmp_path), "--configfile", str(fpath), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
+                          capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(f"rule extract_pass_{key[:16]}:") == 1
+    # one training job per layer for the SAEs, and one per layer for both transcoders (the same pairs: one pass)
+    assert proc.stdout.count("rule train:") == 6 and "rule evaluate:" not in proc.stdout
+    assert sorted(len(set(members)) for members in plan.train_passes.values()) == [1] * 3 + [2] * 6
+    tc_ids = [r for r, p in plan.runs.items() if p.sae_name == "transcoder"]
+    for block in proc.stdout.split("\n\n"):
+        if "rule create_run:" in block and any(r in block for r in tc_ids):
+            assert all(f"{h}/shards.json" in block for h in hashes), block
+    assert json.loads(json.dumps(plan.runs[tc_ids[0]].train_config.to_dict()))["target"] == plan.shard_hash[
+        "gpt2-mlp-out"]

@@ -155,7 +155,7 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
         for t in fresh:
             if _writes(t):
                 t.checkpoint.restart_log()
-            t.init_from_data(*loaders.pairs.split(init_nd))
+            t.init_from_data(*loaders.pairs.parts(init_nd))
     start = comm.min_int(min((t.step for t, _ in pairs), default=n_steps))
     stop = n_steps if settings.max_steps is None else min(n_steps, start + settings.max_steps)
     with contextlib.ExitStack() as trackers:

@@ -211,14 +211,19 @@ def norm_scale(x_nd: torch.Tensor, width: int, root) -> float:
 
 
 @torch.no_grad()
-def init_transcoder_encoder(sae: SAE, xn_nd: torch.Tensor, gen: torch.Generator) -> None:
-    """A transcoder's encoder at the start: random unit columns in its input's space (of the decoder rows' initial
-    norm), and biases that centre the pre-activations on the sample (its input is not centred by b_dec, which lives
-    in the target's space; sparsify centres them the same way); the skip path starts at zero."""
+def init_transcoder(sae: SAE, xn_nd: torch.Tensor, gen: torch.Generator) -> None:
+    """A transcoder at the start (`xn_nd`: the normalized input sample), as sparsify starts one: random unit encoder
+    columns in its input's space (of the architecture's initial decoder row norm), biases that centre the
+    pre-activations on the sample (its input is not centred by b_dec, which lives in the target's space), decoder
+    rows and the skip path at zero. The decoder rows then train freely (`Arch.unit_rows`): each first learns what its
+    latent predicts, then the encoder learns through it (benchmarks/bench_planted.py --transcoder: 93.6% of the planted
+    output atoms, against 80.2% with unit rows started at random and 85.0% started at what their encoder column
+    predicts linearly, at twice the learning rate)."""
     W_ds = torch.randn(sae.d_sae, sae.d_model, generator=gen).to(sae.W_enc.device)
     W_ds = W_ds / W_ds.norm(dim=-1, keepdim=True).clamp_min(1e-8) * sae.arch.decoder_init_norm
     sae.W_enc.copy_(W_ds.T)
     sae.b_enc.copy_(-(xn_nd.mean(0) @ sae.W_enc))
+    sae.W_dec.zero_()
     if sae.cfg.skip:
         sae.W_skip.zero_()
 

@@ -292,7 +292,8 @@ def plan_runs(
                  "val_target": spec.val_target_activation}  # fmt: skip
         for role, name in roles.items():
             if name is not None and name not in shard_hashes:
-                raise SaeflowError(f"saes.{sae_name}.{role}: activation {name!r} is not defined; known: "
+                key = f"saes.{sae_name}" + (f".{role}" if "target" in role else "")  # as before transcoders
+                raise SaeflowError(f"{key}: activation {name!r} is not defined; known: "
                                    f"{', '.join(shard_hashes) or 'none'}")  # fmt: skip
         targets = {} if spec.target is None else {"target": shard_hashes[spec.target],
                                                   "val_target": shard_hashes[spec.val_target_activation]}  # fmt: skip

@@ -32,7 +32,7 @@ from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, Loss, Objective
-from saeflow.training.sae import SAE, init_normalization, init_transcoder_encoder, save_atomic, save_sae
+from saeflow.training.sae import SAE, init_normalization, init_transcoder, save_atomic, save_sae
 from saeflow.training.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
@@ -85,10 +85,10 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
 
 
 def adam_step(opt: Adam, sae) -> None:
-    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_decoder`; see
-    Trainer.init_from_data) lose the gradient along themselves first and are renormalized after. `sae` is a whole
-    SAE or a rank's latent shard."""
-    unit_rows = sae.arch.unit_decoder
+    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_rows`: an SAE's
+    `unit_decoder`, never a transcoder's; see Trainer.init_from_data) lose the gradient along themselves first and
+    are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
+    unit_rows = sae.arch.unit_rows(sae.cfg)
     if unit_rows:
         sae.remove_parallel_grad()
     opt.step()
@@ -231,7 +231,7 @@ class Trainer:
     @torch.no_grad()
     def init_from_data(self, x_nd: torch.Tensor, y_nd: torch.Tensor | None = None) -> None:
         """Scale so mean ||x||^2 = d_model; b_dec = mean; random decoder rows; encoder = decoder transpose (a
-        transcoder, `y_nd` its targets: the targets' scale and mean, `init_transcoder_encoder`).
+        transcoder, `y_nd` its targets: the targets' scale and mean, `init_transcoder`).
 
         TopK/BatchTopK decoder rows are unit vectors and stay so (the top-k choice keeps codes honest). ReLU rows
         start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
@@ -253,7 +253,7 @@ class Trainer:
             sae.W_enc.copy_(sae.W_dec.T)
             sae.b_enc.zero_()
         else:
-            init_transcoder_encoder(sae, x_nd * sae.scale, gen)
+            init_transcoder(sae, x_nd * sae.scale, gen)
         sae.arch.init_parameters(sae, self.cfg)  # its own parameters (e.g. JumpReLU's thresholds)
 
     def state_dict(self) -> dict:
@@ -321,7 +321,7 @@ class Trainer:
         val_dir, target_dir = val if isinstance(val, tuple) else (val, None)
         self.sae.eval()
         if not self.sae.arch.unit_decoder:
-            self.sae.fold_decoder_norms()  # sae.pt always has unit decoder rows
+            self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}
         self.sae.cpu()
@@ -432,7 +432,7 @@ def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, s
         init_nd = _first_vectors(loader, N_INIT_VECTORS)
         for t in fresh:
             t.checkpoint.restart_log()
-            t.init_from_data(*pairs.split(init_nd))
+            t.init_from_data(*pairs.parts(init_nd))
     start = min(t.step for t in trainers)
     stop = n_steps if settings.max_steps is None else min(n_steps, start + settings.max_steps)
     with contextlib.ExitStack() as trackers:

@@ -83,6 +83,12 @@ class Arch:
     saelens: str | None = None  # the SAELens architecture it is saved as
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
 
+    def unit_rows(self, sae_cfg) -> bool:
+        """Whether the trainer keeps this SAE's decoder rows at unit norm (`unit_decoder`); a transcoder's train
+        freely from zero, as sparsify trains them (`sae.init_transcoder` has the measurements), whatever the
+        architecture: its decoder maps into another space than its encoder reads, so no row norm is the encoder's."""
+        return self.unit_decoder and not sae_cfg.transcoder
+
     def activate(self, sae, pre_bs):
         """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""
         raise NotImplementedError(self.name)

@@ -22,6 +22,11 @@ def split(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     return (batch[0], batch[1]) if isinstance(batch, tuple) else (batch, None)
 
 
+def parts(batch: Batch) -> tuple[torch.Tensor, ...]:
+    """(inputs,) for an SAE's batch, (inputs, targets) for a transcoder's."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
 def to_device(batch: Batch, device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
     """The batch (each of its tensors) on `device` as `dtype` (blocking: the loader may recycle its buffers)."""
     if isinstance(batch, tuple):
