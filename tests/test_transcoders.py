@@ -413,8 +413,8 @@ def test_a_transcoder_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
 
 def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
-    """`saeflow train` and `saeflow inference` on a transcoder run: the dump's metrics are of its target (its NMSE
-    against the validation target, d_out wide), `evaluate` refuses it in one line."""
+    """`saeflow train`, `inference`, `visuals` and `summary` on a transcoder run: the dump's metrics are of its target
+    (its NMSE against the validation target, d_out wide); `evaluate` and the SAELens export refuse it in one line."""
     import json
 
     from saeflow import cli
@@ -434,9 +434,17 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
         from saeflow.analysis import inference
 
         inference.target_of(runs.open_run(run.root), y_sd)
+    assert cli.main(["visuals", "--run", str(run.root), "--shards-hash", x_sd.hash]) == 0
+    assert dump.index_fpath.exists()
+    assert cli.main(["summary", f"--run={run.root}", "--out", str(tmp_path / "summary")]) == 0
+    assert str(trained["nmse"])[:6] in (tmp_path / "summary" / "summary.csv").read_text()
     cfg_fpath = tmp_path / "c.yaml"
     cfg_fpath.write_text(json.dumps({"activations": {}, "saes": {}}))
     assert cli.main(["evaluate", "--run", str(run.root), str(cfg_fpath)]) == 1
+    from saeflow.interop import sae_checkpoints
+
+    with pytest.raises(SaeflowError, match="a transcoder; saeflow exports SAEs to saelens"):
+        sae_checkpoints.export_sae(load_sae(run.sae_fpath), "saelens", tmp_path / "out")
 
 
 @pytest.mark.slow
