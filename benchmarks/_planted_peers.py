@@ -96,11 +96,49 @@ def sparsify_topk(atoms_ad, job) -> dict:
     return {**planted.score(atoms_ad, sae.W_dec.detach()), **planted.nmse_l0(x_bd, out.sae_out, f_bs)}
 
 
+def sparsify_transcoder(atoms_ad, job) -> dict:
+    """sparsify's transcoder as its trainer trains one (`transcode=True`, trainer.py): W_dec starts at zero (its
+    SparseCoder init), the first batch sets the encoder biases to centre the pre-activations and b_dec to the
+    targets' mean, decoder rows are not normalized and their parallel gradient is kept, the loss is the FVU of the
+    target (AuxK off: its default weight 0), the optimizer its default (schedule-free SignSGD)."""
+    from schedulefree import ScheduleFreeWrapper
+    from sparsify import SparseCoder, TranscoderConfig
+    from sparsify.sign_sgd import SignSGD
+
+    torch.manual_seed(0)
+    d, s = atoms_ad.shape[1], atoms_ad.shape[0]
+    atoms_out_ad = planted.output_dictionary(d, s, job["seed"])
+    sae = SparseCoder(d, TranscoderConfig(num_latents=s, k=job["n_active"], skip_connection=job["skip"]))
+    opt = ScheduleFreeWrapper(SignSGD([dict(params=sae.parameters(), lr=5e-3 / (s / 2**14) ** 0.5)]), momentum=0.95)
+    opt.train()
+    for step in range(job["n_steps"]):
+        x_bd, y_bd = planted.pair_batch(atoms_ad, atoms_out_ad, job["n_active"], job["batch_size"], job["seed"], step,
+                                        job["noise"])  # fmt: skip
+        if step == 0:
+            sae.encoder.bias.data = -x_bd.mean(0) @ sae.encoder.weight.data.T
+            sae.b_dec.data = y_bd.mean(0)
+        out = sae(x_bd, y=y_bd)
+        out.fvu.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.eval()  # schedule-free: the averaged weights are the trained ones
+    with torch.no_grad():
+        x_bd, y_bd = planted.pair_batch(atoms_ad, atoms_out_ad, job["n_active"], job["batch_size"], job["seed"],
+                                        job["n_steps"] + 2, job["noise"])  # fmt: skip
+        out = sae(x_bd, y=y_bd)
+        f_bs = torch.zeros(x_bd.shape[0], s).scatter_(-1, out.latent_indices, out.latent_acts)
+    return {**planted.score(atoms_out_ad, sae.W_dec.detach()), **planted.nmse_l0(y_bd, out.sae_out, f_bs)}
+
+
 def main():
     job = json.loads(sys.argv[1])
     atoms_ad = planted.dictionary(job["d_model"], job["n_atoms"], job["seed"])
     only = job["only"].split(",")
     results = {}
+    if job.get("transcoder"):
+        results["sparsify topk transcoder"] = sparsify_transcoder(atoms_ad, job)
+        print(json.dumps(results))
+        return
     if "relu" in only:
         sweep = [dict(saelens(atoms_ad, job, "relu", float(c)), l1=c) for c in job["l1"].split(",")]
         results["sae-lens relu"] = max(sweep, key=lambda r: (r["recovered"], r["mean_max_cos"]))

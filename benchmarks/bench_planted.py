@@ -2,6 +2,7 @@
 
     python benchmarks/bench_planted.py [--d-model 256] [--n-atoms 1024] [--n-active 8] [--batch-size 4096]
                                        [--steps 512] [--l1 0.5,1,2,5] [--peers] [--only relu,topk,...]
+                                       [--transcoder [--skip] [--noise 0.05]]
 
 Data: `benchmarks/planted.py` (unit atoms, `n_active` per vector, coefficients in [0.5, 2.5]); every trainer reads
 the identical stream of `steps` batches. Each SAE has d_sae = n_atoms (expansion n_atoms / d_model) and k =
@@ -12,6 +13,12 @@ Peers (`--peers`) run in a subprocess (`_planted_peers.py`) with SAELens and spa
 tests/_sae_peers.py's install, `$SAEFLOW_TEST_CACHE`, default ~/.cache/saeflow-tests/sae-lens-6.54.12+eai-sparsify-
 1.3.3), each with its own training code and defaults: sae-lens' `SAETrainer` (lr 3e-4, decoder init norm 0.1);
 sparsify's SAE, loss (FVU + AuxK) and default optimizer (schedule-free SignSGD, lr 5e-3 / sqrt(d_sae / 2^14)).
+
+`--transcoder`: planted pairs (`planted.pair_batch`): inputs as above, targets the same coefficients on a second
+set of unit atoms plus Gaussian noise; each saeflow architecture trains as a transcoder (its real `train_step` on the
+pairs, at its defaults; `--skip`: with the linear skip path), sparsify's transcoder (`transcode=True`: its zero
+decoder init, centred encoder biases, b_dec = the first targets' mean, no decoder normalization, its default
+optimizer) on the same stream; recovery is of the output atoms, NMSE of the targets.
 
 Printed: per architecture the recovered fraction (an atom is recovered when some decoder row has cosine > 0.9
 with it), the mean max cosine, NMSE and L0 on a held-out batch, and the ratio recovered / best peer's recovered.
@@ -45,8 +52,16 @@ SAEFLOW_ARCHS = {
 }
 
 
+def stream(atoms_ad, args, step: int, n: int):
+    """Batch `step` of the benchmark's stream: vectors, or a transcoder's (inputs, targets) (`args.transcoder`)."""
+    if not args.transcoder:
+        return planted.batch(atoms_ad, args.n_active, n, args.seed, step)
+    atoms_out_ad = planted.output_dictionary(atoms_ad.shape[1], atoms_ad.shape[0], args.seed)
+    return planted.pair_batch(atoms_ad, atoms_out_ad, args.n_active, n, args.seed, step, args.noise)
+
+
 def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> dict:
-    """One saeflow SAE trained with `Trainer.train_step` on the planted stream; its scores."""
+    """One saeflow SAE (or transcoder) trained with `Trainer.train_step` on the planted stream; its scores."""
     d_model, n_atoms = atoms_ad.shape[1], atoms_ad.shape[0]
     spec = dict(
         trainer=sweeps.TRAINER, train_shards="planted", val_shards="planted", layer=0, tokens="all", arch="topk",
@@ -55,22 +70,30 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=seed, data_seed=0,
         **sweeps.INTRODUCED,  # the keys added later, at their defaults
     )  # fmt: skip
+    if args.transcoder:
+        spec.update(target="planted-target", val_target="planted-target", skip=args.skip)
+    if args.dead_after_vectors:
+        spec.update(dead_after_vectors=None if args.dead_after_vectors < 0 else args.dead_after_vectors)
+    spec.update(lr=args.lr)
     spec.update(overrides)
     cfg = sweeps.TrainConfig(**spec)
     with tempfile.TemporaryDirectory() as tmp:
         run = runs.Run(pathlib.Path(tmp))
         run.checkpoint_dpath.mkdir()
         trainer = train.Trainer(run, cfg, d_model, n_steps, torch.device("cpu"))
-        trainer.init_from_data(planted.batch(atoms_ad, args.n_active, 16384, args.seed, n_steps + 1))
+        init = stream(atoms_ad, args, n_steps + 1, 16384)
+        trainer.init_from_data(*(init if args.transcoder else (init,)))
         for step in range(n_steps):
-            trainer.train_step(planted.batch(atoms_ad, args.n_active, args.batch_size, args.seed, step))
+            trainer.train_step(stream(atoms_ad, args, step, args.batch_size))
         sae = trainer.sae.eval()
         if not sae.arch.unit_decoder:
             sae.fold_decoder_norms()
         with torch.no_grad():
-            x_bd = planted.batch(atoms_ad, args.n_active, args.batch_size, args.seed, n_steps + 2)
-            x_hat_bd, f_bs = sae(x_bd)
-        return {**planted.score(atoms_ad, sae.W_dec.detach()), **planted.nmse_l0(x_bd, x_hat_bd, f_bs)}
+            held = stream(atoms_ad, args, n_steps + 2, args.batch_size)
+            x_bd, y_bd = held if args.transcoder else (held, held)
+            y_hat_bd, f_bs = sae(x_bd)
+        truth_ad = planted.output_dictionary(d_model, n_atoms, args.seed) if args.transcoder else atoms_ad
+        return {**planted.score(truth_ad, sae.W_dec.detach()), **planted.nmse_l0(y_bd, y_hat_bd, f_bs)}
 
 
 def run_peers(args, n_steps: int) -> dict:
@@ -103,13 +126,20 @@ def main():
     parser.add_argument("--only", default=",".join(SAEFLOW_ARCHS), help="architectures to run")
     parser.add_argument("--peers", action="store_true", help="also train sae-lens and sparsify")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--transcoder", action="store_true", help="planted pairs: transcoders (sparsify's as peer)")
+    parser.add_argument("--skip", action="store_true", help="transcoders with the linear skip path")
+    parser.add_argument("--noise", type=float, default=0.05, help="transcoder targets' noise std per dimension")
+    parser.add_argument("--lr", type=float, default=None, help="saeflow's peak learning rate (default: its auto)")
+    parser.add_argument("--dead-after-vectors", type=int, default=0,
+                        help="saeflow's dead-latent window (AuxK); -1: its default (a tenth of the run); 0: 10M")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     atoms_ad = planted.dictionary(args.d_model, args.n_atoms, args.seed)
     n_steps = args.steps
+    what = f"transcoder pairs{' (skip)' if args.skip else ''}, noise {args.noise}, " if args.transcoder else ""
     print(
-        f"planted: d {args.d_model}, {args.n_atoms} atoms, {args.n_active} active, {n_steps} steps of "
+        f"planted {what}d {args.d_model}, {args.n_atoms} atoms, {args.n_active} active, {n_steps} steps of "
         f"{args.batch_size} ({n_steps * args.batch_size:,} vectors), torch threads {torch.get_num_threads()}"
     )
     rows = {}

@@ -39,3 +39,22 @@ def nmse_l0(x_bd: torch.Tensor, x_hat_bd: torch.Tensor, f_bs: torch.Tensor) -> d
     err = (x_hat_bd - x_bd).square().sum()
     var = (x_bd - x_bd.mean(0)).square().sum()
     return {"nmse": float(err / var), "l0": float((f_bs > 0).sum(-1).float().mean())}
+
+
+def output_dictionary(d: int, n_atoms: int, seed: int) -> torch.Tensor:
+    """A transcoder's planted output atoms: (n_atoms, d) unit rows, drawn apart from the input atoms (`dictionary`)."""
+    return dictionary(d, n_atoms, seed + 7919)
+
+
+def pair_batch(atoms_in_ad: torch.Tensor, atoms_out_ad: torch.Tensor, n_active: int, batch_size: int, seed: int,
+               step: int, noise: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Batch `step` of a transcoder's stream: inputs x = `batch`'s (the same atoms and coefficients), targets
+    y = the same coefficients on the output atoms plus Gaussian noise of std `noise` per dimension: a sparse linear
+    function of the input's atoms, plus noise."""
+    gen = torch.Generator().manual_seed(seed * 1_000_000_007 + step)
+    n_atoms = atoms_in_ad.shape[0]
+    idx_bk = torch.rand(batch_size, n_atoms, generator=gen).topk(n_active, dim=-1).indices
+    coef_bk = COEF_LO + (COEF_HI - COEF_LO) * torch.rand(batch_size, n_active, generator=gen)
+    x_bd = torch.nn.functional.embedding_bag(idx_bk, atoms_in_ad, per_sample_weights=coef_bk, mode="sum")
+    y_bd = torch.nn.functional.embedding_bag(idx_bk, atoms_out_ad, per_sample_weights=coef_bk, mode="sum")
+    return x_bd, y_bd + noise * torch.randn(y_bd.shape, generator=gen)

@@ -145,16 +145,41 @@ def identity_sae(d: int) -> sae.SAE:
 
 
 def run_from_sae_spec(
-    runs_root: pathlib.Path, train_sd: shards.ShardDir, val_sd: shards.ShardDir | None = None, **spec
-) -> runs.Run:
+    runs_root: pathlib.Path, train_sd: shards.ShardDir, val_sd: shards.ShardDir | None = None,
+    target_sd: shards.ShardDir | None = None, val_target_sd: shards.ShardDir | None = None, **spec,
+) -> runs.Run:  # fmt: skip
     """A run directory for one SAE spec (layer 0 unless given, schema defaults filled), planned as `saeflow create-run`
-    plans it."""
+    plans it; a transcoder's with `target_sd` (and `val_target_sd`, paired with `val_sd`; default `target_sd`)."""
     val_sd = val_sd or train_sd
-    cfg = config.validate({"activations": {}, "saes": {"s": {"train": "tr", "val": "va", "layer": 0, **spec}}})
+    val_target_sd = val_target_sd or target_sd
+    targets = {} if target_sd is None else {"target": "tg", "val_target": "vt"}
+    cfg = config.validate({"activations": {}, "saes": {"s": {"train": "tr", "val": "va", "layer": 0, **targets,
+                                                             **spec}}})  # fmt: skip
     sae_spec = sweeps.SAESpec.from_dict("s", cfg["saes"]["s"])
-    auto_tokens = {"tr": auto_tokens_of(train_sd.metadata), "va": auto_tokens_of(val_sd.metadata)}
-    (plan,) = sweeps.plan_runs({"s": sae_spec}, {"tr": train_sd.hash, "va": val_sd.hash}, auto_tokens)
-    return runs.create_run(runs_root, plan.train_config.to_dict(), train_sd.dpath, val_sd.dpath)
+    hashes = {"tr": train_sd.hash, "va": val_sd.hash}
+    if target_sd is not None:
+        hashes.update(tg=target_sd.hash, vt=val_target_sd.hash)
+    auto_tokens = {name: "content" for name in hashes} | {"tr": auto_tokens_of(train_sd.metadata),
+                                                          "va": auto_tokens_of(val_sd.metadata)}  # fmt: skip
+    (plan,) = sweeps.plan_runs({"s": sae_spec}, hashes, auto_tokens)
+    pair = None if target_sd is None else (target_sd.dpath, val_target_sd.dpath)
+    return runs.create_run(runs_root, plan.train_config.to_dict(), train_sd.dpath, val_sd.dpath, target_shards=pair)
+
+
+def planted_pairs(n: int, d_in: int, d_out: int, n_atoms: int, k: int, seed: int = 0, noise: float = 0.0):
+    """A transcoder's planted data: inputs that are sums of k of n_atoms random unit input directions with positive
+    weights, targets the same weights on the atoms' unit output directions (plus Gaussian `noise` on each):
+    (x_nd, y_nd, atoms_in_ad, atoms_out_ad)."""
+    rng = np.random.default_rng(seed)
+    atoms_in_ad = rng.standard_normal((n_atoms, d_in)).astype(np.float32)
+    atoms_in_ad /= np.linalg.norm(atoms_in_ad, axis=1, keepdims=True)
+    atoms_out_ad = rng.standard_normal((n_atoms, d_out)).astype(np.float32)
+    atoms_out_ad /= np.linalg.norm(atoms_out_ad, axis=1, keepdims=True)
+    idx_nk = np.argsort(rng.random((n, n_atoms)), axis=1)[:, :k]
+    coef_nk = rng.uniform(1.0, 3.0, size=(n, k)).astype(np.float32)
+    x_nd = np.einsum("nk,nkd->nd", coef_nk, atoms_in_ad[idx_nk]) + noise * rng.standard_normal((n, d_in))
+    y_nd = np.einsum("nk,nkd->nd", coef_nk, atoms_out_ad[idx_nk]) + noise * rng.standard_normal((n, d_out))
+    return x_nd.astype(np.float32), y_nd.astype(np.float32), atoms_in_ad, atoms_out_ad
 
 
 def run_around_sae(

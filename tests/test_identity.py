@@ -71,6 +71,16 @@ CASES = {
             "gated": {"train": "vit", "layer": 1, "arch": "gated", "gate_l1_coeff": [8.0, 10.0], "expansion": 4},
         },
     },
+    # Added with transcoders (issue 35): MLP input -> output of one pass, plain and skip, two architectures.
+    "transcoders": {
+        **ROOTS,
+        "activations": {"vit-in": {**RANDOM_VIT, "hook": "mlp_in"}, "vit-out": {**RANDOM_VIT, "hook": "mlp_out"}},
+        "saes": {
+            "tc": {"train": "vit-in", "target": "vit-out", "layer": 1, "arch": ["topk", "relu"], "k": 8,
+                   "skip": [False, True]},
+            "mlp-out": {"train": "vit-out", "layer": 1, "k": 8},
+        },
+    },
 }  # fmt: skip
 
 

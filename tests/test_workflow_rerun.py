@@ -455,3 +455,41 @@ def test_plain_snakemake_in_a_fresh_clone_links_the_default_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     link = clone / "results" / "models" / "all-MiniLM-L6-v2"
     assert link.is_symlink() and (link / "config.json").exists()
+
+
+# --- a transcoder's row: a tree with a transcoder (mlp_in -> mlp_out of the same pass) beside the TopK sweep ---------
+
+def _with_transcoder(target: str):
+    def edit(cfg):
+        for point in ("mlp_in", "mlp_out"):
+            cfg["activations"][f"text_{point}"] = {**cfg["activations"]["text"], "hook": point}
+        cfg["saes"]["tc"] = {"train": "text_mlp_in", "target": target, "layer": 1, "arch": "topk", "expansion": 2,
+                             "k": 4, "aux_k": 8, "batch_size": 64}  # fmt: skip
+
+    return edit
+
+
+@pytest.fixture(scope="module")
+def tc_tree(tmp_path_factory):
+    """The complete tree of BASE plus a transcoder, built by saeflow's own Snakefile."""
+    workdir = tmp_path_factory.mktemp("tc")
+    cfg = variant(_with_transcoder("text_mlp_out"))
+    snakemake(workdir, write_config(workdir, cfg, "tc.yaml"))
+    return {"workdir": workdir, "plan": plan_of(cfg)}
+
+
+def test_changing_a_transcoders_target_retrains_only_that_transcoder(tc_tree):
+    """The target's shard hash is in the transcoder's run config: another target is a new run (create_run, train,
+    inference; a transcoder gets no splice evaluation), nothing is extracted (the residual directory is published),
+    and the TopK runs are untouched."""
+    before = tc_tree["plan"]
+    (old_tc,) = [r for r, p in before.runs.items() if p.sae_name == "tc"]
+    assert dry_run(tc_tree["workdir"], variant(_with_transcoder("text_mlp_out"))) == set()
+    cfg = variant(_with_transcoder("text"))
+    plan = plan_of(cfg)
+    (new_tc,) = set(plan.runs) - set(before.runs)
+    assert plan.runs[new_tc].sae_name == "tc" and old_tc not in plan.runs
+    assert set(plan.runs) - {new_tc} == set(before.runs) - {old_tc}
+    shard_hash = plan.shard_hash["text_mlp_in"]
+    assert dry_run(tc_tree["workdir"], cfg) == {f"create_run:{new_tc}", f"train:{new_tc}",
+                                                f"inference:{new_tc}/{shard_hash}", "summary", "all"}  # fmt: skip

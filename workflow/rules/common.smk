@@ -142,12 +142,13 @@ def get_pass_configs(run_id):
 
 
 def get_pass_shards(run_id):
-    """Every member's train and val shards.json while its sae.pt is missing (get_shards_if_missing)."""
+    """Every member's train and val shards.json (a transcoder's targets too) while its sae.pt is missing
+    (get_shards_if_missing)."""
     shards = []
     for member in get_pass(run_id):
         plan = PLAN.runs[member]
         member_shards = get_shards_if_missing(
-            PLAN.run(member).sae_fpath, plan.train_activation, plan.val_activation
+            PLAN.run(member).sae_fpath, *plan.read_activations
         )
         shards += [f for f in member_shards if f not in shards]
     return shards

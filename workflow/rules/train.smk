@@ -5,7 +5,7 @@
 # shard directory purged from scratch, or a moved shards_root, is extracted again only for a job that must read
 # its bytes; complete runs are never touched. Training depends on the run's own config.json (ancient).
 # One pass, one job: untrained runs that read identical batches (same train shards, layer, tokens, batch size, data
-# seed and length) train together, up to `train.runs_per_pass` (WorkflowPlan.train_passes). The job is the
+# seed and length, and a transcoder's target) train together, up to `train.runs_per_pass` (WorkflowPlan.train_passes). The job is the
 # pass's representative run's; it declares that run's sae.pt, which saeflow publishes after every other member's,
 # and the jobs that read a member's checkpoint ask for the representative's (get_trained_sae). Trained runs are in
 # no pass: a new sweep point trains alone (or with other new points), never the existing ones; their sae.pt is no
@@ -19,8 +19,7 @@ rule create_run:
     input:
         lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).config_fpath,
-            PLAN.runs[wc.run_id].train_activation,
-            PLAN.runs[wc.run_id].val_activation,
+            *PLAN.runs[wc.run_id].read_activations,  # train, val (a transcoder's targets of them)
         ),
     output:
         RUNS.config_fpath,

@@ -64,9 +64,10 @@ class WorkflowConfig:
 
 def sae_subconfig(config: dict, sae_name: str) -> dict:
     """The part of a validated config that plans the runs of SAE `sae_name` alone: its train and validation
-    activations (only those are planned), no other SAE, no export."""
+    activations (a transcoder's targets too; only those are planned), no other SAE, no export."""
     sae = config["saes"][sae_name]
-    names = dict.fromkeys((sae["train"], sae.get("val") or sae["train"]))
+    names = dict.fromkeys((sae["train"], sae.get("val") or sae["train"], *(
+        name for name in (sae.get("target"), sae.get("val_target")) if name is not None)))
     activations = {name: config["activations"][name] for name in names if name in config["activations"]}
     return {**config, "activations": activations, "saes": {sae_name: sae}, "exports": {}}
 
@@ -146,8 +147,7 @@ class WorkflowPlan:
         self.shard_parts = {h: n for h, n in n_parts.items() if n > 1}
         auto_tokens = {name: sweeps.auto_tokens_of(md) for name, md in self.metadata.items()}
         self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash, auto_tokens)}
-        for plan in self.runs.values():
-            sweeps.check_run(plan, *(self.metadata[a] for a in plan.activations), cfg.settings["train"])
+        check_runs(self)
 
     @classmethod
     def from_config(cls, config: dict, planned: dict[str, dict] | None = None) -> "WorkflowPlan":
@@ -250,6 +250,14 @@ class WorkflowPlan:
         check_published_shards(self)
 
 
+def check_runs(plan: WorkflowPlan) -> None:
+    """What training would refuse of every run, from the planned shard metadata (`sweeps.check_run`)."""
+    for run in plan.runs.values():
+        targets = None if run.target_activation is None else (
+            plan.metadata[run.target_activation], plan.metadata[run.val_target_activation])
+        sweeps.check_run(run, *(plan.metadata[a] for a in run.activations), plan.cfg.settings["train"], targets)
+
+
 def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
     """Pass key -> the hashes of an extraction pass whose directories are not published yet (a stat each), for passes
     with any: one job extracts them (rule extract_pass_<key>), reusing the published ones, never rewriting them."""
@@ -259,9 +267,11 @@ def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
 
 
 def evaluations(plan: WorkflowPlan) -> list[tuple[str, str]]:
-    """(run_id, shard_hash) of every dump, whose SAE `saeflow evaluate` splices into its model at the hook point its
-    shard metadata holds (the residual stream, an attention or MLP output, the MLP's input)."""
-    return list(plan.dumps())
+    """(run_id, shard_hash) of every dump whose SAE `saeflow evaluate` splices into its model at the hook point its
+    shard metadata holds (the residual stream, an attention or MLP output, the MLP's input). A transcoder in place of
+    its MLP is not spliced yet."""
+    return [(run_id, shard_hash) for run_id, shard_hash in plan.dumps()
+            if not plan.runs[run_id].train_config.transcoder]  # fmt: skip
 
 
 def extraction_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
@@ -297,7 +307,7 @@ def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
         users = [
             run_id
             for run_id, run_plan in plan.runs.items()
-            if name in (run_plan.train_activation, run_plan.val_activation) and plan.run(run_id).config_fpath.exists()
+            if name in run_plan.read_activations and plan.run(run_id).config_fpath.exists()
         ]
         if users:
             warnings.append(
@@ -325,18 +335,18 @@ def check_published_shards(plan: WorkflowPlan) -> None:
 
 def shard_hashes_to_read(plan: WorkflowPlan) -> list[str]:
     """The shard directories that jobs still have to read, in plan order: a run's train and validation directories
-    while its run config or checkpoint is missing (create_run, train), its validation directory while its dump or
-    its probe (labelled shards) is missing (inference, probe). The same conditions as common.smk's
-    get_shards_if_missing, which asks for them."""
+    (a transcoder's targets too) while its run config or checkpoint is missing (create_run, train), its validation
+    directory (and target) while its dump or its probe (labelled shards) is missing (inference, probe). The same
+    conditions as common.smk's get_shards_if_missing, which asks for them."""
     hashes: dict[str, None] = {}
     probed = set(plan.probes())
     for run_id, run_plan in plan.runs.items():
         run = plan.run(run_id)
-        train_hash, val_hash = (plan.shard_hash[run_plan.train_activation], plan.shard_hash[run_plan.val_activation])
+        val_hash = plan.shard_hash[run_plan.val_activation]
         if not run.config_fpath.exists() or not run.sae_fpath.exists():
-            hashes.update(dict.fromkeys((train_hash, val_hash)))
+            hashes.update(dict.fromkeys(plan.shard_hash[name] for name in run_plan.read_activations))
         elif not run.dump(val_hash).metrics_fpath.exists():
-            hashes[val_hash] = None
+            hashes.update(dict.fromkeys(plan.shard_hash[name] for name in run_plan.val_activations))
         elif (run_id, val_hash) in probed and not run.probe_fpath(val_hash).exists():
             hashes[val_hash] = None
     return list(hashes)
@@ -382,7 +392,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         names = [plan.hash_activation[h] for h in hashes]
         configs[plan.cli_config("passes", key)] = {**roots, "activations": {n: activation(n) for n in names}}
     for run_id, run_plan in plan.runs.items():
-        names = (run_plan.train_activation, run_plan.val_activation)
+        names = dict.fromkeys(run_plan.read_activations)
         configs[plan.cli_config("runs", run_id)] = {
             **roots,
             "activations": {name: activation(name) for name in names},

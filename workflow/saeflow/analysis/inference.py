@@ -11,7 +11,8 @@
                        fewer than k examples); l0_hist[n] = those rows with n active latents
     metrics.json       NMSE, L0 (the mean over rows; its spread: l0_std, l0_p10, l0_p50, l0_p90), explained variance,
                        dead/dense counts (training.metrics definitions) on the tokens the SAE trained on (`tokens`,
-                       the run's config: the headline), and the same over every stored token under `all_tokens`
+                       the run's config: the headline), and the same over every stored token under `all_tokens`; a
+                       transcoder's NMSE is of its target (the shards' pair, `target_shards`)
     provenance.json    versions, host, times (not part of the result)
 
 The directory is built in a hidden staging sibling and renamed into place once complete (saeflow.store.atomic), under
@@ -42,7 +43,7 @@ from saeflow.training import loaders, metrics, sae
 logger = logging.getLogger(__name__)
 
 # config.json keys that change the result; an existing dump must agree on them to be reused.
-RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k", "tokens", "top_k_of")
+RESULT_KEYS = ("shard_hash", "layer", "sae_sha256", "top_k", "tokens", "top_k_of", "target_hash")
 TOP_K_OF = "examples"  # what inference.top_k counts: distinct examples per latent (an older dump counted rows)
 DEFAULTS = config.section_defaults("inference")
 
@@ -139,9 +140,26 @@ def open_inputs(run_dpath: pathlib.Path, shards_dpath: pathlib.Path) -> tuple[ru
     return run, model, sd, layer
 
 
+def target_of(run: runs.Run, sd: ShardDir) -> ShardDir | None:
+    """A transcoder's target directory paired with shards `sd` (its train or validation shards, by the run's links);
+    None for an SAE. One line when the run pairs no target with them."""
+    cfg = run.config()
+    if cfg.get("target") is None:
+        return None
+    for shards_key, link in (("val_shards", run.VAL_TARGET_SHARDS), ("train_shards", run.TARGET_SHARDS)):
+        if cfg.get(shards_key) == sd.hash:
+            target = ShardDir(run.link(link).resolve())
+            if target.hash != cfg["val_target" if shards_key == "val_shards" else "target"]:
+                raise SaeflowError(f"{run.link(link)}: does not point to the target shards of {run.config_fpath}")
+            return target
+    raise SaeflowError(f"{sd.dpath}: the transcoder {run.root} predicts its targets of its train and validation shards "
+                       "only; no target is paired with these")  # fmt: skip
+
+
 def run_inference(cfg: InferenceConfig) -> pathlib.Path:
     """Write (or reuse) RUN/inference/<shard_hash>/ and return its path."""
     run, model, sd, layer = open_inputs(cfg.run, cfg.shards)
+    target = target_of(run, sd)
     dump_config = {
         "run": str(run.root.resolve()),
         "sae_sha256": file_sha256(run.sae_fpath),
@@ -158,6 +176,8 @@ def run_inference(cfg: InferenceConfig) -> pathlib.Path:
         "n_ex": sd.n_ex,
         "tokens_per_ex": sd.metadata.tokens_per_ex,
         "row_order": "row = example * tokens_per_ex + token",
+        **({} if target is None else {"target_shards": str(target.dpath.resolve()), "target_hash": target.hash,
+                                      "d_out": model.d_out}),  # fmt: skip
     }
     final = run.dump(sd.hash)
     with atomic.no_space_as_error(final.dpath), atomic.exclusive_lock(run.dump_lock_fpath(sd.hash)):
@@ -178,7 +198,7 @@ def run_inference(cfg: InferenceConfig) -> pathlib.Path:
                 staging = layout.DumpLayout(staging_dpath)
                 started_at = provenance.utc_now()
                 atomic.write_json(staging.config_fpath, dump_config)
-                _dump(model, sd, layer, dump_config["tokens"], cfg, staging)
+                _dump(model, sd, layer, dump_config["tokens"], cfg, staging, target)
                 atomic.write_json(
                     staging.provenance_fpath,
                     {**provenance.collect(), "started_at": started_at, "finished_at": provenance.utc_now()},
@@ -207,7 +227,7 @@ def check_reusable(dump: layout.DumpLayout, dump_config: dict) -> None:
         existing = json.loads(dump.config_fpath.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise SaeflowError(f"{dump.config_fpath}: unreadable ({err}); remove {dpath} to redo it") from None
-    differ = [k for k in RESULT_KEYS if existing.get(k) != dump_config[k]]
+    differ = [k for k in RESULT_KEYS if existing.get(k) != dump_config.get(k)]
     if differ:
         raise SaeflowError(
             f"{dpath} already exists but was made with different {', '.join(differ)} "
@@ -283,21 +303,24 @@ def l0_spread(l0_hist: np.ndarray) -> dict:
 
 
 @torch.no_grad()
-def _dump(model: sae.SAE, sd: ShardDir, layer: int, tokens: str, cfg: InferenceConfig, out: layout.DumpLayout) -> None:
-    """One streaming pass over every stored token: CSR rows, per-latent statistics, top-k and metrics."""
+def _dump(model: sae.SAE, sd: ShardDir, layer: int, tokens: str, cfg: InferenceConfig, out: layout.DumpLayout,
+          target: ShardDir | None = None) -> None:  # fmt: skip
+    """One streaming pass over every stored token: CSR rows, per-latent statistics, top-k and metrics (a transcoder's,
+    `target` its targets' directory: of its predictions)."""
     n_rows = sd.n_ex * sd.metadata.tokens_per_ex
     csr = CsrWriter(out.acts_fpath, model.d_sae)
-    stats = LatentStats(sd, tokens, model.d_model, model.d_sae, cfg)
+    stats = LatentStats(sd, tokens, model.d_out, model.d_sae, cfg)
     device = resolve_device(cfg.device)
     model = model.to(device)
     # pread into reused buffers (training.loaders): a memmap would keep every page read resident, so RSS would grow
     # with the dataset.
-    loader = loaders.OrderedLoader(sd, layer, cfg.batch_size, tokens="all", borrowed=True)  # each batch used at once
+    loader = loaders.ordered_loader(sd, target, layer, cfg.batch_size, "all", borrowed=True)  # each batch used at once
     try:
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
-            for x_bd in loader.iter_batches():
-                x_bd = x_bd.to(device, torch.float32)
+            for batch in loader.iter_batches():
+                x_bd, y_bd = loaders.pairs.split(loaders.pairs.to_device(batch, device))
                 x_hat_bd, f_bs = model(x_bd)
+                x_bd = x_bd if y_bd is None else y_bd  # what the metrics compare the output with
                 f_np = f_bs.cpu().numpy()
                 rows_n, cols_n = np.nonzero(f_np)  # row-major: the CSR order
                 vals_n = f_np[rows_n, cols_n]

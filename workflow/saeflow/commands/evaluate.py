@@ -43,6 +43,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from saeflow.store import runs
 
     run = runs.open_run(args.run)
+    if run.config().get("target") is not None:  # a transcoder (its run config names the target's shards)
+        raise SaeflowError(f"{args.run}: a transcoder; evaluate splices an SAE into its model and cannot yet put a "
+                           "transcoder in place of its MLP (the workflow plans no evaluation of it)")  # fmt: skip
     cfg_dict = config.load(args.config)
     activations = cfg_dict["activations"]
     if args.activation is None and len(activations) > 1:

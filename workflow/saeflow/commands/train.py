@@ -71,6 +71,10 @@ def cmd_create_run(args: argparse.Namespace) -> int:
     shards_root = config_mod.root(cfg, "shards_root", args.shards_root, "--shards-root")
     train_shards = layout.ShardLayout.at(shards_root, train_config.train_shards)
     val_shards = layout.ShardLayout.at(shards_root, train_config.val_shards)
+    targets = None  # a transcoder's target shard directories (train, val)
+    if train_config.transcoder:
+        targets = tuple(layout.ShardLayout.at(shards_root, h).dpath for h in (train_config.target,
+                                                                              train_config.val_target))  # fmt: skip
     run = runs.create_run(
         config_mod.root(cfg, "runs_root", args.runs_root, "--runs-root"),
         train_config.to_dict(),
@@ -78,6 +82,7 @@ def cmd_create_run(args: argparse.Namespace) -> int:
         val_shards=val_shards.dpath,
         train_dataset=_dataset_of(train_shards),
         val_dataset=_dataset_of(val_shards),
+        target_shards=targets,
     )
     print(run.root)
     return 0

@@ -104,6 +104,8 @@ def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: d
 
     _check_format(fmt)
     out_dpath = pathlib.Path(out_dpath)
+    if model.cfg.transcoder:  # its target's scale, output width and skip path have no place in these files yet
+        raise SaeflowError(f"{out_dpath}: a transcoder; saeflow exports SAEs to {fmt} (transcoders: not yet)")
     if out_dpath.exists():
         raise SaeflowError(f"{out_dpath} already exists; exports never overwrite")
     cfg, tensors = (_saelens_files if fmt == "saelens" else _sparsify_files)(model, origin or {})

@@ -210,6 +210,9 @@ class RunLayout(_ContentAddressed):
     TRAIN_SHARDS, TRAIN_DATASET = "train-shards", "train-dataset"  # links/: symlinks to the shard dirs and datasets
     VAL_SHARDS, VAL_DATASET = "val-shards", "val-dataset"
     LINK_NAMES = (TRAIN_SHARDS, TRAIN_DATASET, VAL_SHARDS, VAL_DATASET)
+    # a transcoder's too: the shard directories of its targets, paired with train-shards and val-shards
+    TARGET_SHARDS, VAL_TARGET_SHARDS = "target-shards", "val-target-shards"
+    TARGET_LINK_NAMES = (TARGET_SHARDS, VAL_TARGET_SHARDS)
 
     @property
     def run_id(self) -> str:
@@ -239,9 +242,10 @@ class RunLayout(_ContentAddressed):
         return self.resume_shards_dpath / f"step{step:09d}-{lo}-{hi}.pt"
 
     def link(self, name: str) -> pathlib.Path:
-        """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset."""
-        if name not in self.LINK_NAMES:
-            raise ValueError(f"unknown run link {name!r}; the layout has {self.LINK_NAMES}")
+        """links/train-shards, links/train-dataset, links/val-shards or links/val-dataset (a transcoder's also
+        links/target-shards and links/val-target-shards)."""
+        if name not in self.LINK_NAMES + self.TARGET_LINK_NAMES:
+            raise ValueError(f"unknown run link {name!r}; the layout has {self.LINK_NAMES + self.TARGET_LINK_NAMES}")
         return self.links_dpath / name
 
     def dump(self, shard_hash: str) -> DumpLayout:

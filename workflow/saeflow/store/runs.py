@@ -78,6 +78,7 @@ def create_run(
     val_shards: str | os.PathLike | None = None,
     train_dataset: str | os.PathLike | None = None,
     val_dataset: str | os.PathLike | None = None,
+    target_shards: tuple[str | os.PathLike, str | os.PathLike] | None = None,
 ) -> Run:
     """Create (or find, unchanged) `<runs_root>/<run_id>/` with checkpoint/config.json and links/.
 
@@ -98,4 +99,6 @@ def create_run(
         _symlink(val_shards, run.link(run.VAL_SHARDS))
         _symlink(train_dataset, run.link(run.TRAIN_DATASET))
         _symlink(val_dataset, run.link(run.VAL_DATASET))
+        for name, target in zip(run.TARGET_LINK_NAMES, target_shards or ()):  # a transcoder's targets (train, val)
+            _symlink(target, run.link(name))
     return run

@@ -17,6 +17,7 @@ from saeflow.training import objectives, resume, train
 from saeflow.training.archs import Selection
 from saeflow.training.distloader import slice_bounds
 from saeflow.training.distributed import Comm
+from saeflow.training.loaders import pairs
 from saeflow.training.objectives import Codes, Loss
 from saeflow.training.sae import SAE
 
@@ -46,10 +47,11 @@ def global_batch_topk(pre_bs: torch.Tensor, n_keep: int, comm: Comm) -> torch.Te
 
 def data_parallel_loss(
     objective: objectives.Objective, sae: SAE, x_bd: torch.Tensor, batch_size: int, step: int,
-    dead: objectives.DeadLatents, comm: Comm,
+    dead: objectives.DeadLatents, comm: Comm, y_bd: torch.Tensor | None = None,
 ) -> Loss:  # fmt: skip
     """This rank's share of the global batch's loss (`objectives.Objective` on the slice, each term weighted by
-    slice / batch). Every rank makes the same collective calls, an empty slice included."""
+    slice / batch; a transcoder's targets `y_bd`). Every rank makes the same collective calls, an empty slice
+    included."""
     cfg, n = objective.cfg, x_bd.shape[0]
     xn_bd = x_bd * sae.scale
     pre_bs = sae.pre_acts_normed(xn_bd)
@@ -60,32 +62,41 @@ def data_parallel_loss(
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
     else:
         codes, aux_pre_bk = objective.encode(sae, pre_bs, aux_ids_bk)
+    recon_bd, yn_bd = objectives.latent_target(sae, xn_bd, y_bd)
     if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
         if pick_bk is not None:
             comm.all_reduce(torch.zeros(1, device=x_bd.device))
         zero = sum(p.sum() for p in sae.parameters()) * 0.0
-        return Loss(zero, dict.fromkeys(sae.arch.term_names, zero), codes.decode(sae), codes)
-    mse, xn_hat_bd = objectives.reconstruction_loss(sae, codes, xn_bd)
+        empty = {"total": zero, "terms": dict.fromkeys(sae.arch.term_names, zero), "xn_hat_bd": codes.decode(sae),
+                 "codes": codes}  # fmt: skip
+        return objectives.transcoder_loss(empty, recon_bd, yn_bd)
+    mse, xn_hat_bd = objectives.reconstruction_loss(sae, codes, recon_bd)
 
     def aux_error():
         if pick_bk is None:
             return None
-        resid_bd = xn_bd - xn_hat_bd
+        resid_bd = recon_bd - xn_hat_bd
         energy = comm.all_reduce(resid_bd.detach().square().sum().reshape(1))[0] / batch_size
         return objectives.aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, resid_bd, sae.arch.ghost_aux, energy)
 
     terms = objectives.loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, objective.n_steps,
-                                  weight=n / batch_size, dead_s=dead.dead_s)  # fmt: skip
-    return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
+                                  weight=n / batch_size, dead_s=dead.dead_s,
+                                  target_bd=None if yn_bd is None else recon_bd)  # fmt: skip
+    return objectives.transcoder_loss({"total": sum(terms.values()), "terms": terms, "xn_hat_bd": xn_hat_bd,
+                                       "codes": codes}, recon_bd, yn_bd)  # fmt: skip
 
 
 @torch.no_grad()
 def global_record(trainer, x_part: torch.Tensor, batch_size: int, xn_hat_part: torch.Tensor, loss: Loss,
                   n_active) -> dict:  # fmt: skip
     """A metrics.jsonl record over the global batch: loss terms, counts, the squared error and the batch's sums
-    (of x and of |x|^2, for its variance) summed over the ranks in one all-reduce (each rank holds its slice)."""
+    (of x and of |x|^2, for its variance; a transcoder's: of its target) summed over the ranks in one all-reduce
+    (each rank holds its slice)."""
     comm, sae = trainer.comm, trainer.sae
-    xn_bd = (x_part * sae.scale).double()
+    if loss.yn_bd is None:
+        xn_bd = (x_part * sae.scale).double()
+    else:  # a transcoder: the NMSE of its target
+        xn_bd, xn_hat_part = loss.yn_bd.detach().double(), loss.yn_hat_bd
     err = (xn_bd - xn_hat_part.double()).square().sum()
     sums = torch.cat([torch.stack([loss.total.double(), *(t.double() for t in loss.terms.values()),
                                    torch.as_tensor(n_active, dtype=torch.float64, device=x_part.device), err,
@@ -130,15 +141,20 @@ class DataParallelTrainer(train.Trainer):
         if self.writes:
             self.checkpoint.save(self.state_dict())
 
-    def train_step(self, x_bd: torch.Tensor) -> None:
-        """One step on the global batch `x_bd` held whole by every rank (`train_slice` on this rank's rows)."""
-        self.train_slice(x_bd[rank_slice(x_bd.shape[0], self.comm)], x_bd.shape[0])
+    def train_step(self, batch) -> None:
+        """One step on the global batch (an SAE's inputs or a transcoder's pairs) held whole by every rank
+        (`train_slice` on this rank's rows)."""
+        n = pairs.n_rows(batch)
+        part = rank_slice(n, self.comm)
+        self.train_slice(tuple(t[part] for t in batch) if isinstance(batch, tuple) else batch[part], n)
 
-    def train_slice(self, x_part: torch.Tensor, batch_size: int) -> None:
-        """One step on a global batch of `batch_size` rows, of which this rank holds and computes `x_part`."""
+    def train_slice(self, part, batch_size: int) -> None:
+        """One step on a global batch of `batch_size` rows, of which this rank holds and computes `part` (inputs, or
+        a transcoder's (inputs, targets))."""
         comm, sae = self.comm, self.sae
+        x_part, y_part = pairs.split(part)
         self.set_lr()
-        loss = data_parallel_loss(self.objective, sae, x_part, batch_size, self.step, self.dead, comm)
+        loss = data_parallel_loss(self.objective, sae, x_part, batch_size, self.step, self.dead, comm, y_part)
         self.opt.zero_grad()
         loss.total.backward()
         for param in sae.parameters():

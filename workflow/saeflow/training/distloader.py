@@ -97,16 +97,21 @@ class DistributedShuffledLoader(ShuffledLoader):
         for part_nd, owner_b in self._parts(epoch, start_batch):
             yield self._route(part_nd, owner_b), owner_b.size
 
-    def _assemble(self, part_nd: torch.Tensor, owner_b: np.ndarray) -> torch.Tensor:
-        """The whole batch from every rank's part (each in batch order), rows back at their places."""
+    def _assemble(self, part_nd, owner_b: np.ndarray):
+        """The whole batch from every rank's part (each in batch order), rows back at their places (a pair: both)."""
+        if isinstance(part_nd, tuple):
+            return tuple(self._assemble(t, owner_b) for t in part_nd)
         comm = self.comm
         counts = np.bincount(owner_b, minlength=comm.world_size).tolist()
         gathered_nd = comm.all_gather_rows(part_nd.to(comm.device), counts)  # rank 0's rows, then rank 1's, ...
         return _in_batch_order(gathered_nd, owner_b)
 
-    def _route(self, part_nd: torch.Tensor, owner_b: np.ndarray) -> torch.Tensor:
+    def _route(self, part_nd, owner_b: np.ndarray):
         """This rank's slice of the batch: each rank sends every other rank the rows of its part in that rank's slice
-        (contiguous in the part, which is in batch order), then the slice's rows are put back in place."""
+        (contiguous in the part, which is in batch order), then the slice's rows are put back in place (a pair:
+        both)."""
+        if isinstance(part_nd, tuple):
+            return tuple(self._route(t, owner_b) for t in part_nd)
         comm, n = self.comm, self.comm.world_size
         bounds = [slice_bounds(owner_b.size, r, n) for r in range(n)]
         dest_b = np.concatenate([np.full(hi - lo, r) for r, (lo, hi) in enumerate(bounds)]).astype(np.int64)

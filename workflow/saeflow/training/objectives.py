@@ -18,6 +18,7 @@ import typing
 import torch
 
 from saeflow.training.archs import Selection, TermInputs
+from saeflow.training.metrics import batch_nmse
 from saeflow.training.sae import SAE
 from saeflow.training.sweeps import TrainConfig
 
@@ -140,27 +141,58 @@ class Loss:
 
     total: torch.Tensor  # what the optimizer minimizes: the sum of `terms`
     terms: dict[str, torch.Tensor]  # Arch.term_names: mse, the architecture's sparsity terms, aux; weights applied
-    xn_hat_bd: torch.Tensor  # the full reconstruction
+    xn_hat_bd: torch.Tensor  # the full reconstruction (a transcoder's: of its target less the skip path)
     codes: Codes  # the activations (firing counts, threshold statistics, metrics)
+    yn_bd: torch.Tensor | None = None  # a transcoder's target, normalized; None: an SAE, whose target is its input
+    yn_hat_bd: torch.Tensor | None = None  # its whole prediction, skip path included
+
+    def nmse(self, xn_bd: torch.Tensor) -> float:
+        """The batch's NMSE (progress and metrics.jsonl): of the input's reconstruction, or of a transcoder's target."""
+        if self.yn_bd is None:
+            return batch_nmse(xn_bd, self.xn_hat_bd)
+        return batch_nmse(self.yn_bd, self.yn_hat_bd)
+
+
+def latent_target(sae: SAE, xn_bd: torch.Tensor, y_bd: torch.Tensor | None) -> tuple:
+    """(what the latents decode toward, the normalized target): the input itself for an SAE (y_bd None: no target),
+    a transcoder's normalized target less its skip path (whose gradient reaches W_skip through this difference, the
+    same loss as adding the path to the prediction)."""
+    if y_bd is None:
+        return xn_bd, None
+    yn_bd = y_bd * sae.target_scale
+    skip_bd = sae.skip_normed(xn_bd)
+    return (yn_bd if skip_bd is None else yn_bd - skip_bd), yn_bd
+
+
+def transcoder_loss(loss_args: dict, recon_bd: torch.Tensor, yn_bd: torch.Tensor | None) -> Loss:
+    """A Loss (`loss_args`: total, terms, xn_hat_bd, codes) with a transcoder's target and whole prediction."""
+    loss = Loss(**loss_args)
+    if yn_bd is None:
+        return loss
+    return dataclasses.replace(loss, yn_bd=yn_bd, yn_hat_bd=yn_bd - (recon_bd - loss.xn_hat_bd))
 
 
 def loss_terms(
     cfg: TrainConfig, model, xn_bd: torch.Tensor, pre_bs: torch.Tensor, f_bs: torch.Tensor | None, mse: torch.Tensor,
     aux_error: typing.Callable[[], torch.Tensor | None], step: int, n_steps: int, weight: float | None = None,
-    dead_s: torch.Tensor | None = None, over_latents: typing.Callable | None = None,
+    dead_s: torch.Tensor | None = None, target_bd: torch.Tensor | None = None,
+    over_latents: typing.Callable | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The loss terms of one step, the one definition every trainer uses: `mse` (the Matryoshka reconstruction
     error), the architecture's sparsity terms (`Arch.sparsity_terms`: ReLU's L1, ...), then AuxK's error
     (`aux_error()`, None when no latent is dead) weighted by `aux_alpha`; each times `weight` when given (a
     data-parallel rank's share of the batch). `model` is the SAE or a rank's latent shard (its terms cover its own
-    latents; `over_latents` sums a partial decode over the ranks: `TermInputs.over_latents`). The terms are built in
-    this order, which fixes the order their gradients are summed in."""
+    latents; `over_latents` sums a partial decode over the ranks: `TermInputs.over_latents`). `target_bd`: a
+    transcoder's (`latent_target`), which an architecture's own reconstruction terms aim at (without gradient: the
+    skip path learns from `mse`). The terms are built in this order, which fixes the order their gradients are summed
+    in."""
 
     def weighted(term: torch.Tensor) -> torch.Tensor:
         return term if weight is None else term * weight
 
     terms = {"mse": weighted(mse)}
-    batch = TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps, dead_s)
+    target_bd = None if target_bd is None else target_bd.detach()
+    batch = TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps, dead_s, target_bd)
     if over_latents is not None:
         batch = dataclasses.replace(batch, over_latents=over_latents)
     for name, term in model.arch.sparsity_terms(batch).items():
@@ -183,18 +215,23 @@ class Objective:
         """`encode` in training, with this run's SAE and config."""
         return encode(sae, pre_bs, aux_ids_bk, self.cfg)
 
-    def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents) -> Loss:
+    def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents, y_bd: torch.Tensor | None = None
+                 ) -> Loss:  # fmt: skip
+        """One step's loss on inputs `x_bd` (and a transcoder's targets `y_bd`, raw)."""
         cfg = self.cfg
         xn_bd = x_bd * sae.scale
         pre_bs = sae.pre_acts_normed(xn_bd)
         dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
         codes, aux_pre_bk = self.encode(sae, pre_bs, None if pick_bk is None else dead_z[pick_bk])
-        mse, xn_hat_bd = reconstruction_loss(sae, codes, xn_bd)
+        recon_bd, yn_bd = latent_target(sae, xn_bd, y_bd)
+        mse, xn_hat_bd = reconstruction_loss(sae, codes, recon_bd)
 
         def aux_error():
             if pick_bk is None:
                 return None
-            return aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, xn_bd - xn_hat_bd, sae.arch.ghost_aux)
+            return aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, recon_bd - xn_hat_bd, sae.arch.ghost_aux)
 
-        terms = loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, self.n_steps, None, dead.dead_s)
-        return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
+        terms = loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, self.n_steps, None, dead.dead_s,
+                           None if yn_bd is None else recon_bd)  # fmt: skip
+        return transcoder_loss({"total": sum(terms.values()), "terms": terms, "xn_hat_bd": xn_hat_bd, "codes": codes},
+                               recon_bd, yn_bd)  # fmt: skip

@@ -25,7 +25,7 @@ from saeflow import preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import archs, memory, train
+from saeflow.training import archs, loaders, memory, train
 from saeflow.training.dataparallel import DataParallelTrainer
 from saeflow.training.distloader import DistributedShuffledLoader
 from saeflow.training.distributed import Comm
@@ -99,14 +99,18 @@ def _plan_passes(opened: dict[str, runs.Run], runs_per_pass: int, locks: context
     return [group[i : i + runs_per_pass] for group in todo.values() for i in range(0, len(group), runs_per_pass)]
 
 
-def _make_trainers(mode: str, comm: Comm, group, val_dirs, d_model: int, n_steps: int) -> list[tuple]:
-    """(trainer, validation shards) of each run this rank trains: its share of the pass (sweep), or every run."""
+def _make_trainers(mode: str, comm: Comm, group, val_dirs, d_model: int, n_steps: int, d_out: int) -> list[tuple]:
+    """(trainer, validation shards) of each run this rank trains: its share of the pass (sweep), or every run
+    (`d_out`: a transcoder's target width)."""
     members = list(zip(group, val_dirs))
     if mode == "sweep":
         mine = members[comm.rank :: comm.world_size]
-        return [(train.Trainer(run, cfg, d_model, n_steps, comm.device), val_dir) for (run, cfg), val_dir in mine]
-    cls = DataParallelTrainer if mode == "data" else ShardedTrainer
-    return [(cls(comm, run, cfg, d_model, n_steps, comm.device), val_dir) for (run, cfg), val_dir in members]
+        return [(train.Trainer(run, cfg, d_model, n_steps, comm.device, d_out), val_dir)
+                for (run, cfg), val_dir in mine]  # fmt: skip
+    if mode == "data":
+        return [(DataParallelTrainer(comm, run, cfg, d_model, n_steps, comm.device, d_out), val_dir)
+                for (run, cfg), val_dir in members]  # fmt: skip
+    return [(ShardedTrainer(comm, run, cfg, d_model, n_steps, comm.device), val_dir) for (run, cfg), val_dir in members]
 
 
 def _restore(t) -> bool:
@@ -130,19 +134,19 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
     biggest = max(memory.state_bytes(cfg, d_model) for _, cfg in group)
     mode = comm.on_root(lambda: choose_mode(settings.parallel, len(group), comm.world_size, biggest, dev_bytes))
     for run, cfg in group:  # an architecture trains in the modes it names (training/archs), or is refused here
-        archs.check_mode(cfg.arch, mode, f"{run.config_fpath}: arch")
+        archs.check_mode(cfg.arch, mode, f"{run.config_fpath}: arch", cfg.transcoder)
     pool = memory.pool_bytes(group, settings.buffer_bytes, mode, train_dir, comm)
 
-    def make_loader(shard_dir: ShardDir, cfg: TrainConfig):
+    def make_loader(shard_dir: ShardDir, cfg: TrainConfig, target_dir: ShardDir | None):
         return DistributedShuffledLoader(comm, shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens,
-                                         buffer_bytes=pool)  # fmt: skip
+                                         buffer_bytes=pool, target_dir=target_dir)  # fmt: skip
 
     loader, val_dirs = train._open_data(group, settings.local_copy, make_loader)
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     here = loader.rank_plan(0)
     train.logger.info("pass of %d run(s) on %d ranks: %s mode, pool of %d rows (%d here)", len(group),
                       comm.world_size, mode, here.plan.n_pool, here.n_pool)  # fmt: skip
-    pairs = _make_trainers(mode, comm, group, val_dirs, d_model, n_steps)
+    pairs = _make_trainers(mode, comm, group, val_dirs, d_model, n_steps, loader.views[-1].d_model)
     for t, _ in pairs:
         t.pool_rows = loader.n_pool
     fresh = [t for t, _ in pairs if not _restore(t)]
@@ -151,7 +155,7 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
         for t in fresh:
             if _writes(t):
                 t.checkpoint.restart_log()
-            t.init_from_data(init_nd)
+            t.init_from_data(*loaders.pairs.parts(init_nd))
     start = comm.min_int(min((t.step for t, _ in pairs), default=n_steps))
     stop = n_steps if settings.max_steps is None else min(n_steps, start + settings.max_steps)
     with contextlib.ExitStack() as trackers:
@@ -199,9 +203,9 @@ def _run_steps(comm: Comm, trainers: list, loader, start: int, stop: int, checkp
             if slices:  # data parallelism: each rank receives only the rows it trains on
                 batches = loader.iter_slices(epoch, batch_idx)
             else:
-                batches = ((x_bd, x_bd.shape[0]) for x_bd in loader.iter_batches(epoch, batch_idx))
-            for x_nd, batch_size in batches:
-                x_nd = x_nd.to(comm.device, torch.float32)
+                batches = ((batch, loaders.pairs.n_rows(batch)) for batch in loader.iter_batches(epoch, batch_idx))
+            for x_nd, batch_size in batches:  # a transcoder's: (inputs, targets)
+                x_nd = loaders.pairs.to_device(x_nd, comm.device)
                 for t in trainers:
                     if t.step == step:
                         t.train_slice(x_nd, batch_size) if slices else t.train_step(x_nd)

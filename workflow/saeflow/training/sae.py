@@ -10,10 +10,22 @@ squared norm is d_model (so hyper-parameters transfer across models and layers):
 
 `encode`/`decode`/`forward` take and return RAW activations; the `*_normed` methods are what training uses.
 `sae.pt` holds the architecture, the weights and the normalization, so `load_sae` needs nothing else.
+
+A transcoder (`SAEConfig.d_out`: Dunefsky et al. 2024) predicts a target y (d_out wide, e.g. an MLP's output) from its
+input x (d_model wide, e.g. the MLP's input). Input and target are normalized separately (`scale`, `target_scale`:
+each to mean squared norm = its width), so hyper-parameters transfer as they do for SAEs; the input is not centred
+by b_dec (which lives in the target's space), and a skip transcoder (`SAEConfig.skip`, Paulo et al. 2025) adds a
+learned linear path:
+
+    pre   = x_n @ W_enc + b_enc                                   (b, s)
+    y_hat = (f_bs @ W_dec + b_dec + x_n @ W_skip) / target_scale  back in RAW target space
+
+`decode` is the latents' part (no skip path, which needs x); `forward` is the whole prediction.
 """
 
 import dataclasses
 import errno
+import math
 import os
 import pathlib
 import shutil
@@ -27,7 +39,39 @@ from saeflow.training import archs
 from saeflow.training.sweeps import SAEConfig
 
 FORMAT = "saeflow-sae"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what an SAE's sae.pt says (unchanged since the first release: every earlier file loads)
+TRANSCODER_VERSION = 2  # a transcoder's (its config has d_out and skip, which a version-1 reader would refuse)
+READ_VERSIONS = (FORMAT_VERSION, TRANSCODER_VERSION)
+
+
+def sae_from_weights(
+    cls: type,
+    W_enc_ds: torch.Tensor,
+    b_enc_s: torch.Tensor,
+    W_dec_sd: torch.Tensor,
+    b_dec_d: torch.Tensor,
+    arch: str,
+    k: int,
+    scale: float = 1.0,
+    threshold: float = 0.0,
+    matryoshka: tuple[int, ...] = (),
+    extra: dict | None = None,
+) -> "SAE":
+    """`SAE.from_weights`: an SAE (class `cls`) with given weights (normalized space), e.g. for tests with known
+    codes; `extra`: the architecture's own parameters (`Arch.parameters`, e.g. JumpReLU's log_threshold)."""
+    d_model, d_sae = W_enc_ds.shape
+    sae = cls(SAEConfig(d_model=d_model, d_sae=d_sae, arch=arch, k=k, matryoshka=matryoshka))
+    state = {
+        "W_enc": W_enc_ds,
+        "b_enc": b_enc_s,
+        "W_dec": W_dec_sd,
+        "b_dec": b_dec_d,
+        "scale": torch.tensor(float(scale)),
+        "threshold": torch.tensor(float(threshold)),
+        **(extra or {}),
+    }
+    sae.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()})
+    return sae.eval()
 
 
 class SAE(torch.nn.Module):
@@ -36,52 +80,40 @@ class SAE(torch.nn.Module):
     def __init__(self, cfg: SAEConfig):
         super().__init__()
         self.cfg = cfg
-        self.d_model, self.d_sae = cfg.d_model, cfg.d_sae
+        self.d_model, self.d_sae, self.d_out = cfg.d_model, cfg.d_sae, cfg.d_target
         self.W_enc = torch.nn.Parameter(torch.zeros(cfg.d_model, cfg.d_sae))
         self.b_enc = torch.nn.Parameter(torch.zeros(cfg.d_sae))
-        self.W_dec = torch.nn.Parameter(torch.zeros(cfg.d_sae, cfg.d_model))
-        self.b_dec = torch.nn.Parameter(torch.zeros(cfg.d_model))
+        self.W_dec = torch.nn.Parameter(torch.zeros(cfg.d_sae, self.d_out))
+        self.b_dec = torch.nn.Parameter(torch.zeros(self.d_out))
         # Raw -> normalized multiplier; an inference threshold (Arch.has_threshold), in normalized pre-activation units.
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("threshold", torch.zeros(()))
         for name, zeros in self.arch.parameters(cfg.d_sae).items():  # e.g. JumpReLU's thresholds (training/archs)
             self.register_parameter(name, torch.nn.Parameter(zeros))
+        if cfg.transcoder:  # after everything an SAE has, so an SAE's state and Adam's parameter order are unchanged
+            self.register_buffer("target_scale", torch.ones(()))  # raw target -> normalized
+        if cfg.skip:
+            self.W_skip = torch.nn.Parameter(torch.zeros(cfg.d_model, self.d_out))
 
-    @classmethod
-    def from_weights(
-        cls,
-        W_enc_ds: torch.Tensor,
-        b_enc_s: torch.Tensor,
-        W_dec_sd: torch.Tensor,
-        b_dec_d: torch.Tensor,
-        arch: str,
-        k: int,
-        scale: float = 1.0,
-        threshold: float = 0.0,
-        matryoshka: tuple[int, ...] = (),
-        extra: dict | None = None,
-    ) -> "SAE":
-        """An SAE with given weights (normalized space), e.g. for tests with known codes; `extra`: the architecture's
-        own parameters (`Arch.parameters`, e.g. JumpReLU's log_threshold)."""
-        d_model, d_sae = W_enc_ds.shape
-        sae = cls(SAEConfig(d_model=d_model, d_sae=d_sae, arch=arch, k=k, matryoshka=matryoshka))
-        state = {
-            "W_enc": W_enc_ds,
-            "b_enc": b_enc_s,
-            "W_dec": W_dec_sd,
-            "b_dec": b_dec_d,
-            "scale": torch.tensor(float(scale)),
-            "threshold": torch.tensor(float(threshold)),
-            **(extra or {}),
-        }
-        sae.load_state_dict({k: torch.as_tensor(v, dtype=torch.float32) for k, v in state.items()})
-        return sae.eval()
+    @property
+    def out_scale(self) -> torch.Tensor:
+        """Raw -> normalized multiplier of what the SAE outputs: its input's (an SAE) or its target's."""
+        return self.target_scale if self.cfg.transcoder else self.scale
+
+    from_weights = classmethod(sae_from_weights)
 
     # -- normalized space (training) ------------------------------------------------------------------------
 
     def pre_acts_normed(self, xn_bd: torch.Tensor) -> torch.Tensor:
-        """(x_n - b_dec) @ W_enc + b_enc, written so b_dec's gradient costs a vector product, not a third matmul."""
+        """(x_n - b_dec) @ W_enc + b_enc, written so b_dec's gradient costs a vector product, not a third matmul; a
+        transcoder's b_dec is in its target's space, so its input is not centred by it: x_n @ W_enc + b_enc."""
+        if self.cfg.transcoder:
+            return xn_bd @ self.W_enc + self.b_enc
         return xn_bd @ self.W_enc + (self.b_enc - self.b_dec @ self.W_enc)
+
+    def skip_normed(self, xn_bd: torch.Tensor) -> torch.Tensor | None:
+        """A skip transcoder's linear path x_n @ W_skip (normalized target space); None without one."""
+        return xn_bd @ self.W_skip if self.cfg.skip else None
 
     @property
     def arch(self) -> archs.Arch:
@@ -116,12 +148,18 @@ class SAE(torch.nn.Module):
         return self.activate(self.pre_acts_normed(x_bd * self.scale))
 
     def decode(self, f_bs: torch.Tensor) -> torch.Tensor:
-        """Codes (b, d_sae) -> reconstruction (b, d_model) in RAW activation space."""
-        return self.decode_normed(f_bs) / self.scale
+        """Codes (b, d_sae) -> reconstruction (b, d_out) in RAW activation space (a skip transcoder's latents' part)."""
+        return self.decode_normed(f_bs) / self.out_scale
 
     def forward(self, x_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        f_bs = self.encode(x_bd)
-        return self.decode(f_bs), f_bs
+        """(reconstruction or a transcoder's prediction, skip path included; codes), in RAW space."""
+        xn_bd = x_bd * self.scale
+        f_bs = self.activate(self.pre_acts_normed(xn_bd))
+        yn_hat_bd = self.decode_normed(f_bs)
+        skip_bd = self.skip_normed(xn_bd)
+        if skip_bd is not None:
+            yn_hat_bd = yn_hat_bd + skip_bd
+        return yn_hat_bd / self.out_scale, f_bs
 
     # -- decoder geometry -----------------------------------------------------------------------------------
 
@@ -152,6 +190,44 @@ class SAE(torch.nn.Module):
         self.W_dec.grad.sub_(parallel_s1 * self.W_dec)
 
 
+@torch.no_grad()
+def init_normalization(sae: SAE, x_nd: torch.Tensor, y_nd: torch.Tensor | None, root) -> None:
+    """The data-based start of the normalization: `scale` (and a transcoder's `target_scale`, `y_nd` its targets)
+    to mean squared norm = width, b_dec = the mean of what the SAE outputs (normalized)."""
+    sae.scale.fill_(norm_scale(x_nd, sae.d_model, root))
+    if y_nd is None:
+        sae.b_dec.copy_((x_nd * sae.scale).mean(0))
+        return
+    sae.target_scale.fill_(norm_scale(y_nd, sae.d_out, root))
+    sae.b_dec.copy_((y_nd * sae.target_scale).mean(0))
+
+
+def norm_scale(x_nd: torch.Tensor, width: int, root) -> float:
+    """The multiplier that brings vectors of `width` to mean squared norm `width` (SAE.scale, SAE.target_scale)."""
+    mean_sq = x_nd.square().sum(-1).mean()
+    if not torch.isfinite(mean_sq) or mean_sq <= 0:
+        raise SaeflowError(f"{root}: training vectors are all zero or not finite; cannot normalize")
+    return math.sqrt(width / float(mean_sq))
+
+
+@torch.no_grad()
+def init_transcoder(sae: SAE, xn_nd: torch.Tensor, gen: torch.Generator) -> None:
+    """A transcoder at the start (`xn_nd`: the normalized input sample), as sparsify starts one: random unit encoder
+    columns in its input's space (of the architecture's initial decoder row norm), biases that centre the
+    pre-activations on the sample (its input is not centred by b_dec, which lives in the target's space), decoder
+    rows and the skip path at zero. The decoder rows then train freely (`Arch.unit_rows`): each first learns what its
+    latent predicts, then the encoder learns through it (benchmarks/bench_planted.py --transcoder: 93.6% of the planted
+    output atoms, against 80.2% with unit rows started at random and 85.0% started at what their encoder column
+    predicts linearly, at twice the learning rate)."""
+    W_ds = torch.randn(sae.d_sae, sae.d_model, generator=gen).to(sae.W_enc.device)
+    W_ds = W_ds / W_ds.norm(dim=-1, keepdim=True).clamp_min(1e-8) * sae.arch.decoder_init_norm
+    sae.W_enc.copy_(W_ds.T)
+    sae.b_enc.copy_(-(xn_nd.mean(0) @ sae.W_enc))
+    sae.W_dec.zero_()
+    if sae.cfg.skip:
+        sae.W_skip.zero_()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sae.pt
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,10 +235,13 @@ class SAE(torch.nn.Module):
 
 def save_sae(sae: SAE, fpath: str | os.PathLike, readonly: bool = False) -> None:
     """Write `sae.pt` atomically (read-only when `readonly`): weights + architecture + normalization."""
+    config = dataclasses.asdict(sae.cfg)
+    if not sae.cfg.transcoder:  # an SAE's file as saeflow always wrote it, readable by every earlier saeflow
+        config = {key: value for key, value in config.items() if key not in ("d_out", "skip")}
     obj = {
         "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "config": dataclasses.asdict(sae.cfg),
+        "version": TRANSCODER_VERSION if sae.cfg.transcoder else FORMAT_VERSION,
+        "config": config,
         "state_dict": {name: t.detach().cpu().clone() for name, t in sae.state_dict().items()},
     }
     save_atomic(obj, fpath, readonly=readonly)
@@ -215,8 +294,8 @@ def load_sae(fpath: str | os.PathLike) -> SAE:
         ) from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise SaeflowError(f"{fpath}: not a saeflow SAE checkpoint (no format={FORMAT!r} marker)")
-    if obj.get("version") != FORMAT_VERSION:
-        raise SaeflowError(f"{fpath}: checkpoint version {obj.get('version')}, this saeflow reads {FORMAT_VERSION}")
+    if obj.get("version") not in READ_VERSIONS:
+        raise SaeflowError(f"{fpath}: checkpoint version {obj.get('version')}, this saeflow reads {READ_VERSIONS}")
     try:
         sae = SAE(SAEConfig(**obj["config"]))
         sae.load_state_dict(obj["state_dict"])

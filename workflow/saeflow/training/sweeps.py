@@ -18,13 +18,13 @@ import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.extraction import tokenization
+from saeflow.extraction import hooks, tokenization
 from saeflow.store import runs
 from saeflow.training import archs
 
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures (each one module of training/archs)
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
-NOT_SWEPT = ("train", "val")
+NOT_SWEPT = ("train", "val", "target", "val_target")  # activation names (a run config holds their shard hashes)
 SEED_KEYS = ("seed", "data_seed")  # what may differ between the runs of one seed group (saeflow.analysis.stability)
 # Keys added to the training config after saeflow-train-3's first release, each with the value it was introduced at
 # (docs/contracts.md, "Identities that outlive upgrades"). The canonical form (config.json, whose sha256 is the run
@@ -45,6 +45,11 @@ INTRODUCED: dict[str, typing.Any] = {
     # JumpReLU and Gated (issue 34, where codes switch on): their thresholds' learning rate, a multiple of the run's
     "threshold_lr_scale": 4.0,
     "gate_bias_lr_scale": 4.0,
+    # Transcoders (issue 35): the target activation's shard hash (train and validation) and the linear skip path;
+    # at these values the run is a plain SAE
+    "target": None,
+    "val_target": None,
+    "skip": False,
 }
 
 
@@ -101,16 +106,36 @@ class SAESpec:
     train: str  # activation name (under `activations`) trained on
     val: str | None  # activation name validated on; None: the training one
     hyper: dict[str, typing.Any]  # every other key, in the spec's order (the sweep order); list values are swept
+    target: str | None = None  # a transcoder's: the activation it predicts from `train`'s; None: an SAE
+    val_target: str | None = None  # the target validated on, paired with `val`; None: `target`
 
     @classmethod
     def from_dict(cls, name: str, obj: typing.Mapping[str, typing.Any]) -> "SAESpec":
-        """From a schema-validated entry (the schema fills the defaults)."""
+        """From a schema-validated entry (the schema fills the defaults); refuses, in one line naming the key, a
+        `skip` or `val_target` without a `target`, and a transcoder validated on another activation without the
+        target of it (`val_target`)."""
         hyper = {key: value for key, value in obj.items() if key not in NOT_SWEPT}
-        return cls(name=name, train=obj["train"], val=obj.get("val"), hyper=hyper)
+        spec = cls(name=name, train=obj["train"], val=obj.get("val"), hyper=hyper, target=obj.get("target"),
+                   val_target=obj.get("val_target"))  # fmt: skip
+        skips = hyper.get("skip", False)
+        if spec.target is None and (skips is True or (isinstance(skips, list) and True in skips)):
+            raise SaeflowError("skip: the linear skip path is a transcoder's (set target: <activation>); a plain SAE "
+                               "reconstructs its own input")  # fmt: skip
+        if spec.target is None and spec.val_target is not None:
+            raise SaeflowError("val_target: a plain SAE has no target (set target: <activation> for a transcoder)")
+        if spec.target is not None and spec.val not in (None, spec.train) and spec.val_target is None:
+            raise SaeflowError(f"val_target: the transcoder validates on {spec.val!r}; name the activation it "
+                               "predicts there (val_target: <activation>)")  # fmt: skip
+        return spec
 
     @property
     def val_activation(self) -> str:
         return self.val or self.train
+
+    @property
+    def val_target_activation(self) -> str | None:
+        """The target paired with `val_activation` (None: an SAE)."""
+        return self.val_target or self.target
 
     def points(self) -> list[dict]:
         """The hyper-parameters of each run of the sweep, in run-index order."""
@@ -159,6 +184,14 @@ class TrainConfig:
     gate_l1_coeff: float = INTRODUCED["gate_l1_coeff"]
     threshold_lr_scale: float = INTRODUCED["threshold_lr_scale"]
     gate_bias_lr_scale: float = INTRODUCED["gate_bias_lr_scale"]
+    target: str | None = INTRODUCED["target"]  # a transcoder's target shard hash (train_shards' pair); None: an SAE
+    val_target: str | None = INTRODUCED["val_target"]  # the target shard hash paired with val_shards
+    skip: bool = INTRODUCED["skip"]  # a transcoder's learned linear skip path (d_in x d_out)
+
+    @property
+    def transcoder(self) -> bool:
+        """A transcoder (it predicts `target` from `train_shards`), not an SAE (which reconstructs its input)."""
+        return self.target is not None
 
     @classmethod
     def from_dict(cls, obj: dict, where: str) -> "TrainConfig":
@@ -181,15 +214,18 @@ class TrainConfig:
         introduced keys at their introduction value left out (`INTRODUCED`)."""
         return canonical_spec({**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)})
 
-    def sae_config(self, d_model: int) -> "SAEConfig":
+    def sae_config(self, d_model: int, d_out: int | None = None) -> "SAEConfig":
         """The SAE this run trains on vectors of width `d_model`: d_sae = expansion x d_model, the Matryoshka
-        fractions of d_sae as latent counts. SAEConfig refuses a k above d_sae (planning finds it before any job)."""
+        fractions of d_sae as latent counts; a transcoder's outputs are `d_out` wide (its target's width). SAEConfig
+        refuses a k above d_sae (planning finds it before any job)."""
         d_sae = self.expansion * d_model
         prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
         if self.arch in ARCHS:
             archs.get(self.arch).check(self)  # its own hyper-parameters (e.g. a JumpReLU bandwidth)
+        d_out = (d_model if d_out is None else d_out) if self.transcoder else None
         try:
-            return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes)
+            return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes, d_out=d_out,
+                             skip=self.skip)  # fmt: skip
         except SaeflowError as err:
             raise SaeflowError(f"{err} (d_sae = expansion {self.expansion} x d_model {d_model})") from None
 
@@ -203,6 +239,7 @@ class TrainConfig:
             self.data_seed,
             self.n_epochs,
             self.n_train_vectors,
+            self.target,  # a transcoder's batches are pairs: its target's rows ride along
         )
 
 
@@ -217,6 +254,8 @@ class RunPlan:
     train_activation: str  # activation name trained on
     val_activation: str  # activation name validated on
     varying: dict = dataclasses.field(default_factory=dict)  # the point's values of the swept keys (its name)
+    target_activation: str | None = None  # a transcoder's target activation name (paired with train)
+    val_target_activation: str | None = None  # and the one paired with val
 
     @property
     def name(self) -> str:
@@ -233,6 +272,18 @@ class RunPlan:
         """(trained on, validated on)."""
         return self.train_activation, self.val_activation
 
+    @property
+    def val_activations(self) -> tuple[str, ...]:
+        """What its validation (and inference) reads: the validation activation, and a transcoder's target of it."""
+        return (self.val_activation,) if self.val_target_activation is None else (self.val_activation,
+                                                                                    self.val_target_activation)
+
+    @property
+    def read_activations(self) -> tuple[str, ...]:
+        """Every activation the run reads: trained and validated on, then a transcoder's targets of them."""
+        targets = (self.target_activation, self.val_target_activation)
+        return (*self.activations, *(name for name in targets if name is not None))
+
 
 def plan_runs(
     saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
@@ -242,24 +293,29 @@ def plan_runs(
     holds the resolved choice, so `auto` and the choice it stands for name the same run."""
     plans = []
     for sae_name, spec in saes.items():
-        for name in (spec.train, spec.val_activation):
-            if name not in shard_hashes:
-                raise SaeflowError(
-                    f"saes.{sae_name}: activation {name!r} is not defined; known: {', '.join(shard_hashes) or 'none'}"
-                )
+        roles = {"train": spec.train, "val": spec.val_activation, "target": spec.target,
+                 "val_target": spec.val_target_activation}  # fmt: skip
+        for role, name in roles.items():
+            if name is not None and name not in shard_hashes:
+                key = f"saes.{sae_name}" + (f".{role}" if "target" in role else "")  # as before transcoders
+                raise SaeflowError(f"{key}: activation {name!r} is not defined; known: "
+                                   f"{', '.join(shard_hashes) or 'none'}")  # fmt: skip
+        targets = {} if spec.target is None else {"target": shard_hashes[spec.target],
+                                                  "val_target": shard_hashes[spec.val_target_activation]}  # fmt: skip
         for index, hyper in enumerate(spec.points()):
             obj = {
                 "trainer": TRAINER,
                 "train_shards": shard_hashes[spec.train],
                 "val_shards": shard_hashes[spec.val_activation],
                 **hyper,
+                **targets,  # none for an SAE, whose config then has no target key (INTRODUCED)
             }
             if obj.get("tokens") == "auto":
                 obj["tokens"] = auto_tokens[spec.train]
             train_config = TrainConfig.from_dict(obj, f"saes.{sae_name}[{index}]")
             run_id = runs.run_id(train_config.to_dict())
             plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation,
-                                 spec.varying(hyper)))  # fmt: skip
+                                 spec.varying(hyper), spec.target, spec.val_target_activation))  # fmt: skip
     return plans
 
 
@@ -272,6 +328,17 @@ class SAEConfig:
     arch: str  # one of ARCHS
     k: int  # active latents per vector (topk) or on average per vector (batchtopk); unused where not Arch.uses_k
     matryoshka: tuple[int, ...] = ()  # nested prefix sizes, ascending, each < d_sae; () = plain SAE
+    d_out: int | None = None  # a transcoder's output width (its target's); None: an SAE, whose output is its input
+    skip: bool = False  # a transcoder's learned linear skip path, d_model x d_out
+
+    @property
+    def transcoder(self) -> bool:
+        return self.d_out is not None
+
+    @property
+    def d_target(self) -> int:
+        """The width of what the decoder writes: the target's (a transcoder) or the input's (an SAE)."""
+        return self.d_model if self.d_out is None else self.d_out
 
     def __post_init__(self):
         """Refuse what the SAE cannot compute; each message starts with the key at fault (planning prefixes it
@@ -279,8 +346,11 @@ class SAEConfig:
         object.__setattr__(self, "matryoshka", tuple(int(m) for m in self.matryoshka))
         if self.arch not in ARCHS:
             raise SaeflowError(f"arch: unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")
-        if self.d_model < 1 or self.d_sae < 1:
-            raise SaeflowError(f"d_model and d_sae must be positive, got {self.d_model}, {self.d_sae}")
+        if self.d_model < 1 or self.d_sae < 1 or self.d_target < 1:
+            raise SaeflowError(f"d_model, d_out and d_sae must be positive, got {self.d_model}, {self.d_out}, "
+                               f"{self.d_sae}")  # fmt: skip
+        if self.skip and not self.transcoder:
+            raise SaeflowError("skip: the linear skip path is a transcoder's; an SAE has no d_out")
         if archs.get(self.arch).uses_k and not 1 <= self.k <= self.d_sae:
             raise SaeflowError(f"k: k={self.k} must be in [1, d_sae={self.d_sae}] for {self.arch}")
         prefixes = list(self.matryoshka)
@@ -300,12 +370,17 @@ class SAEConfig:
         return (*self.matryoshka, self.d_sae)
 
 
-def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[str, typing.Any] | None = None) -> None:
+def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[str, typing.Any] | None = None,
+              targets: tuple | None = None) -> None:  # fmt: skip
     """What training would refuse, found at plan time from the shard metadata (no extraction has to run first):
     a layer the activation does not extract, k above d_sae, CLS tokens the model has none of, train and
     validation activations of different widths, a parallel mode the architecture does not train in (`check_parallel`,
-    given the `train` settings). The error names the key, as `saes.<name>[<sweep index>].<key>`."""
+    given the `train` settings), a transcoder's target that is not the same examples and tokens as its input
+    (`targets`: the metadata of the target and of the validation target; `check_pairs`). The error names the key,
+    as `saes.<name>[<sweep index>].<key>`."""
     cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
+    if targets is not None:
+        check_pairs(plan, (train_md, val_md), targets)
     for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
         if cfg.layer not in md.layers:
             raise SaeflowError(f"{where}.layer: layer {cfg.layer} is not extracted by the {role} activation "
@@ -320,7 +395,7 @@ def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[st
         raise SaeflowError(f"{where}.val: activation {plan.val_activation!r} has d_model {val_md.d_model}, but the "
                            f"train activation {plan.train_activation!r} has {train_md.d_model}")  # fmt: skip
     try:
-        cfg.sae_config(train_md.d_model)  # what training builds: k must fit d_sae
+        cfg.sae_config(train_md.d_model, targets[0].d_model if targets else None)  # k must fit d_sae
     except SaeflowError as err:
         raise SaeflowError(f"{where}.{err}") from None
     if train_settings is not None:
@@ -328,11 +403,38 @@ def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[st
 
 
 def check_parallel(plan: RunPlan, train_settings: typing.Mapping[str, typing.Any]) -> None:
-    """Refuse at plan time, in one line, a parallel mode (`train.parallel`) the run's architecture does not train in,
-    when the job has several ranks (`train.gpus` x `train.nodes`; one process trains every architecture)."""
+    """Refuse at plan time, in one line, a parallel mode (`train.parallel`) the run's architecture (as an SAE or as a
+    transcoder) does not train in, when the job has several ranks (`train.gpus` x `train.nodes`; one process trains
+    every architecture)."""
     if train_settings["gpus"] * train_settings["nodes"] > 1:
         where = f"saes.{plan.sae_name}[{plan.index}].arch"
-        archs.check_mode(plan.train_config.arch, train_settings["parallel"], where)
+        cfg = plan.train_config
+        archs.check_mode(cfg.arch, train_settings["parallel"], where, cfg.transcoder)
+
+
+def _pair_identity(md) -> dict:
+    """What a transcoder's input and target must share to be the same examples and tokens: all of their metadata
+    but the hook point (and the width, which a hook may change)."""
+    obj = md.to_dict()
+    obj["data"] = {key: value for key, value in obj["data"].items() if key != hooks.HOOK_KEY}
+    return {key: value for key, value in obj.items() if key != "d_model"}
+
+
+def check_pairs(plan: RunPlan, inputs: tuple, targets: tuple) -> None:
+    """Refuse, in one line, a transcoder whose target (or validation target) is not its input's examples and tokens:
+    another model, checkpoint, dataset, example count, token layout, layers or shard layout. One forward pass of
+    specs that differ in `hook` alone (`ActivationSpec.shares_pass`) always pairs."""
+    where = f"saes.{plan.sae_name}[{plan.index}]"
+    roles = (("target", plan.train_activation, plan.target_activation),
+             ("val_target", plan.val_activation, plan.val_target_activation))  # fmt: skip
+    for (key, source, target), source_md, target_md in zip(roles, inputs, targets):
+        a, b = _pair_identity(source_md), _pair_identity(target_md)
+        if a != b:
+            differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            raise SaeflowError(f"{where}.{key}: activation {target!r} is not the same examples and tokens as "
+                               f"{source!r} (their shard metadata differ in {', '.join(differ)} beyond the hook); a "
+                               "transcoder's target comes from the same model, dataset and tokens (e.g. one spec "
+                               "with another hook)")  # fmt: skip
 
 
 def auto_tokens_of(md) -> str:

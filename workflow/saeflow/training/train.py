@@ -29,10 +29,10 @@ from saeflow.store.shards import ShardDir
 from saeflow.training import localcopy, memory, resume, tracking
 from saeflow.training.adam import Adam
 from saeflow.training.distributed import Comm
-from saeflow.training.loaders import OrderedLoader, ShuffledLoader
-from saeflow.training.metrics import MetricsAccumulator, batch_nmse
+from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
+from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, Loss, Objective
-from saeflow.training.sae import SAE, save_atomic, save_sae
+from saeflow.training.sae import SAE, init_normalization, init_transcoder, save_atomic, save_sae
 from saeflow.training.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
@@ -85,10 +85,10 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
 
 
 def adam_step(opt: Adam, sae) -> None:
-    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_decoder`; see
-    Trainer.init_from_data) lose the gradient along themselves first and are renormalized after. `sae` is a whole
-    SAE or a rank's latent shard."""
-    unit_rows = sae.arch.unit_decoder
+    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_rows`: an SAE's
+    `unit_decoder`, never a transcoder's; see Trainer.init_from_data) lose the gradient along themselves first and
+    are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
+    unit_rows = sae.arch.unit_rows(sae.cfg)
     if unit_rows:
         sae.remove_parallel_grad()
     opt.step()
@@ -221,10 +221,11 @@ class Checkpoint:
 class Trainer:
     """One SAE being trained: its weights, optimizer, step and dead-latent counters."""
 
-    def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device):
+    def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device,
+                 d_out: int | None = None):  # fmt: skip
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
         self.checkpoint = Checkpoint(run)
-        self.sae = SAE(cfg.sae_config(d_model)).to(device).train()
+        self.sae = SAE(cfg.sae_config(d_model, d_out)).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
         self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=lr_scales(self.sae, cfg))
         self.objective = Objective(cfg, n_steps)
@@ -236,8 +237,9 @@ class Trainer:
         self.tracker = tracking.Tracker([])  # W&B / TensorBoard mirrors of the metrics, opened by `_train_group`
 
     @torch.no_grad()
-    def init_from_data(self, x_nd: torch.Tensor) -> None:
-        """Scale so mean ||x||^2 = d_model; b_dec = mean; random decoder rows; encoder = decoder transpose.
+    def init_from_data(self, x_nd: torch.Tensor, y_nd: torch.Tensor | None = None) -> None:
+        """Scale so mean ||x||^2 = d_model; b_dec = mean; random decoder rows; encoder = decoder transpose (a
+        transcoder, `y_nd` its targets: the targets' scale and mean, `init_transcoder`).
 
         TopK/BatchTopK decoder rows are unit vectors and stay so (the top-k choice keeps codes honest). ReLU rows
         start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
@@ -249,18 +251,17 @@ class Trainer:
         """
         sae = self.sae
         x_nd = x_nd.to(self.device, torch.float32)
-        mean_sq = x_nd.square().sum(-1).mean()
-        if not torch.isfinite(mean_sq) or mean_sq <= 0:
-            raise SaeflowError(f"{self.run.root}: training vectors are all zero or not finite; cannot normalize")
-        sae.scale.fill_(math.sqrt(sae.d_model / float(mean_sq)))
-        sae.b_dec.copy_((x_nd * sae.scale).mean(0))
+        init_normalization(sae, x_nd, None if y_nd is None else y_nd.to(self.device, torch.float32), self.run.root)
         gen = torch.Generator().manual_seed(self.cfg.seed)
-        sae.W_dec.copy_(torch.randn(sae.d_sae, sae.d_model, generator=gen))
+        sae.W_dec.copy_(torch.randn(sae.d_sae, sae.d_out, generator=gen))
         sae.normalize_decoder()
         if sae.arch.decoder_init_norm != 1.0:
             sae.W_dec.mul_(sae.arch.decoder_init_norm)
-        sae.W_enc.copy_(sae.W_dec.T)
-        sae.b_enc.zero_()
+        if y_nd is None:
+            sae.W_enc.copy_(sae.W_dec.T)
+            sae.b_enc.zero_()
+        else:
+            init_transcoder(sae, x_nd * sae.scale, gen)
         sae.arch.init_parameters(sae, self.cfg)  # its own parameters (e.g. JumpReLU's thresholds)
 
     def state_dict(self) -> dict:
@@ -292,10 +293,11 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
 
-    def train_step(self, x_bd: torch.Tensor) -> None:
-        sae = self.sae
+    def train_step(self, batch: pairs.Batch) -> None:
+        """One step on a batch: an SAE's inputs, or a transcoder's (inputs, targets)."""
+        sae, (x_bd, y_bd) = self.sae, pairs.split(batch)
         self.set_lr()
-        loss = self.objective(sae, x_bd, self.step, self.dead)
+        loss = self.objective(sae, x_bd, self.step, self.dead, y_bd)
         self.opt.zero_grad()
         loss.total.backward()
         adam_step(self.opt, sae)
@@ -316,17 +318,19 @@ class Trainer:
             "lr": self.opt.param_groups[0]["lr"],
             "loss": float(loss.total),
             **{name: float(value) for name, value in loss.terms.items()},
-            "nmse": batch_nmse(x_bd * self.sae.scale, loss.xn_hat_bd),
+            "nmse": loss.nmse(x_bd * self.sae.scale),
             "l0": loss.codes.l0(),
             "n_dead": int(self.dead.dead_s.sum()),
         }
 
-    def finish(self, val_dir: ShardDir) -> dict:
-        """Validation metrics in raw space, then the run's final files (sae.pt last)."""
+    def finish(self, val: "ShardDir | tuple[ShardDir, ShardDir]") -> dict:
+        """Validation metrics in raw space (`val`: the validation shards, or a transcoder's pair of them), then the
+        run's final files (sae.pt last)."""
+        val_dir, target_dir = val if isinstance(val, tuple) else (val, None)
         self.sae.eval()
         if not self.sae.arch.unit_decoder:
-            self.sae.fold_decoder_norms()  # sae.pt always has unit decoder rows
-        metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device)
+            self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
+        metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
         result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}
         self.sae.cpu()
         prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
@@ -337,15 +341,17 @@ class Trainer:
 
 
 @torch.no_grad()
-def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device) -> dict:
-    """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order."""
-    acc = MetricsAccumulator(sae.d_model, sae.d_sae)
-    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens, borrowed=True)  # used at once
+def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device,
+                       target_dir: ShardDir | None = None) -> dict:  # fmt: skip
+    """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order; a
+    transcoder's (`target_dir`: its validation targets) of its predictions of the targets."""
+    acc = MetricsAccumulator(sae.d_out, sae.d_sae)
+    loader = ordered_loader(val_dir, target_dir, cfg.layer, cfg.batch_size, cfg.tokens, borrowed=True)  # used at once
     n_max = cfg.n_val_vectors or loader.n_vectors
-    for x_bd in loader:
-        x_bd = x_bd[: n_max - acc.n_vectors].to(device, torch.float32)
+    for batch in loader:
+        x_bd, y_bd = pairs.split(pairs.to_device(pairs.head(batch, n_max - acc.n_vectors), device))
         x_hat_bd, f_bs = sae(x_bd)
-        acc.update(x_bd, x_hat_bd, f_bs)
+        acc.update(x_bd if y_bd is None else y_bd, x_hat_bd, f_bs)
         if acc.n_vectors >= n_max:
             break
     loader.close()
@@ -381,24 +387,32 @@ def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSet
     return results
 
 
-def _open_shards(run: runs.Run, link: str) -> ShardDir:
-    return ShardDir(run.link(link).resolve())
+def _open_shards(run: runs.Run, link: str, shard_hash: str | None = None) -> ShardDir:
+    """The shard directory a run's link points to, refused unless it is `shard_hash` (when given)."""
+    shard_dir = ShardDir(run.link(link).resolve())
+    if shard_hash is not None and shard_dir.hash != shard_hash:
+        raise SaeflowError(f"{run.link(link)}: does not point to shards {shard_hash}")
+    return shard_dir
 
 
 def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str, make_loader) -> tuple[ShuffledLoader, list]:
-    """The group's shared training loader (`make_loader(shard_dir, config)`) and each run's validation shards,
-    checked against the configs."""
+    """The group's shared training loader (`make_loader(shard_dir, config, target_dir)`) and each run's validation
+    shards (a transcoder's: the pair of them), checked against the configs."""
     run0, cfg0 = group[0]
-    train_dir = _open_shards(run0, run0.TRAIN_SHARDS)
+    train_dir = _open_shards(run0, run0.TRAIN_SHARDS, cfg0.train_shards)
+    target_dir = _open_shards(run0, run0.TARGET_SHARDS, cfg0.target) if cfg0.transcoder else None
     for run, _ in group:
-        if _open_shards(run, run.TRAIN_SHARDS).hash != cfg0.train_shards or train_dir.hash != cfg0.train_shards:
-            raise SaeflowError(f"{run.link(run.TRAIN_SHARDS)}: does not point to shards {cfg0.train_shards}")
-    val_dirs = [_open_shards(run, run.VAL_SHARDS) for run, _ in group]
+        _open_shards(run, run.TRAIN_SHARDS, cfg0.train_shards)
+    val_dirs = [_open_shards(run, run.VAL_SHARDS) if not cfg.transcoder else
+                (_open_shards(run, run.VAL_SHARDS), _open_shards(run, run.VAL_TARGET_SHARDS, cfg.val_target))
+                for run, cfg in group]  # fmt: skip
     if local_copy:  # read the training shards from node-local disk (checked copy, made once per node)
         train_dir = ShardDir(localcopy.local_copy(train_dir.dpath, local_copy))
-    loader = make_loader(train_dir, cfg0)
+        target_dir = target_dir and ShardDir(localcopy.local_copy(target_dir.dpath, local_copy))
+    loader = make_loader(train_dir, cfg0, target_dir)
     d_model = train_dir.metadata.d_model
-    for (run, _), val_dir in zip(group, val_dirs):
+    for (run, _), val in zip(group, val_dirs):
+        val_dir = val[0] if isinstance(val, tuple) else val
         if val_dir.metadata.d_model != d_model:
             raise SaeflowError(
                 f"{run.link(run.VAL_SHARDS)}: d_model {val_dir.metadata.d_model} differs from training's {d_model}"
@@ -411,14 +425,14 @@ def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, s
     train_dir = _open_shards(group[0][0], runs.Run.TRAIN_SHARDS)
     pool = memory.pool_bytes(group, settings.buffer_bytes, "sweep", train_dir, Comm.alone(dev))
 
-    def make_loader(shard_dir: ShardDir, cfg: TrainConfig) -> ShuffledLoader:
+    def make_loader(shard_dir: ShardDir, cfg: TrainConfig, target_dir: ShardDir | None) -> ShuffledLoader:
         return ShuffledLoader(shard_dir, cfg.layer, cfg.batch_size, cfg.data_seed, tokens=cfg.tokens, buffer_bytes=pool,
-                              borrowed=True)  # each batch is used before the next is asked for (train_pass)
+                              borrowed=True, target_dir=target_dir)  # each batch is used before the next is asked for
 
     loader, val_dirs = _open_data(group, settings.local_copy, make_loader)
-    d_model = loader.view.d_model
+    d_model, d_out = loader.views[0].d_model, loader.views[-1].d_model
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
-    trainers = [Trainer(run, cfg, d_model, n_steps, dev) for run, cfg in group]
+    trainers = [Trainer(run, cfg, d_model, n_steps, dev, d_out) for run, cfg in group]
     for t in trainers:
         t.pool_rows = loader.n_pool
     fresh = [t for t in trainers if not t.checkpoint.restore(t)]
@@ -426,7 +440,7 @@ def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, s
         init_nd = _first_vectors(loader, N_INIT_VECTORS)
         for t in fresh:
             t.checkpoint.restart_log()
-            t.init_from_data(init_nd)
+            t.init_from_data(*pairs.parts(init_nd))
     start = min(t.step for t in trainers)
     stop = n_steps if settings.max_steps is None else min(n_steps, start + settings.max_steps)
     with contextlib.ExitStack() as trackers:
@@ -454,16 +468,16 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
     try:
         while step < stop:
             epoch, batch_idx = divmod(step, per_epoch)
-            for x_bd in loader.iter_batches(epoch, batch_idx):
+            for batch in loader.iter_batches(epoch, batch_idx):
                 # Blocking: the batch is a view of a pageable buffer the loader recycles two batches later.
-                x_bd = x_bd.to(trainers[0].device, torch.float32)
+                batch = pairs.to_device(batch, trainers[0].device)
                 for t in trainers:
                     if t.step == step:
-                        t.train_step(x_bd)
+                        t.train_step(batch)
                         if t.step % checkpoint_every == 0 and t.step < n_steps:
                             t.checkpoint.save(t.state_dict())
                 step += 1
-                bar.update(x_bd.shape[0])
+                bar.update(pairs.n_rows(batch))
                 if trainers[0].last and step % LOG_EVERY == 0:
                     last = trainers[0].last
                     bar.set_postfix(loss=f"{last['loss']:.4g}", L0=f"{last['l0']:.1f}", NMSE=f"{last['nmse']:.3f}")
@@ -477,12 +491,12 @@ def _run_steps(trainers: list[Trainer], loader: ShuffledLoader, start: int, stop
     return stop
 
 
-def _first_vectors(loader: ShuffledLoader, n: int) -> torch.Tensor:
-    """The first `n` vectors of epoch 0 (the data-based initialization sample)."""
+def _first_vectors(loader: ShuffledLoader, n: int) -> pairs.Batch:
+    """The first `n` vectors (a transcoder's: pairs) of epoch 0 (the data-based initialization sample)."""
     parts, got = [], 0
-    for x_bd in loader.iter_batches(0):
-        parts.append(x_bd[: n - got].clone())
-        got += parts[-1].shape[0]
+    for batch in loader.iter_batches(0):
+        parts.append(pairs.copy(pairs.head(batch, n - got)))  # the loader reuses its buffers
+        got += pairs.n_rows(parts[-1])
         if got >= n:
             break
-    return torch.cat(parts)
+    return pairs.cat(parts)

@@ -29,12 +29,14 @@ def get(name: str) -> Arch:
         raise SaeflowError(f"arch: unknown SAE architecture {name!r}; choose one of {tuple(REGISTRY)}") from None
 
 
-def check_mode(name: str, mode: str, where: str = "arch") -> None:
-    """Refuse, in one line, a parallel mode the architecture does not train in."""
+def check_mode(name: str, mode: str, where: str = "arch", transcoder: bool = False) -> None:
+    """Refuse, in one line, a parallel mode the architecture does not train in (as a transcoder: `transcoder`)."""
     arch = get(name)
-    if mode in MODES and mode not in arch.modes:
-        raise SaeflowError(f"{where}: {name} SAEs do not train with parallel: {mode} (they train with "
-                           f"{', '.join(arch.modes)})")  # fmt: skip
+    modes = [m for m in arch.modes if m in arch.transcoder_modes] if transcoder else arch.modes
+    if mode in MODES and mode not in modes:
+        what = f"{name} transcoders" if transcoder else f"{name} SAEs"
+        raise SaeflowError(f"{where}: {what} do not train with parallel: {mode} (they train with "
+                           f"{', '.join(modes)})")  # fmt: skip
 
 
 def from_saelens(saelens_name: str, cfg: dict) -> Arch:

@@ -59,9 +59,15 @@ class TermInputs:
     step: int
     n_steps: int
     dead_s: typing.Any = None  # (s,) bool: the latents dead now (objectives.DeadLatents), where the trainer has them
+    target_bd: typing.Any = None  # a transcoder's: what its latents decode to (normalized target less the skip path)
     # A (b, d) sum over the latents (a decode) made whole: the identity on one SAE; on a latent shard
     # (training.sharded) the sum over the ranks' parts, whose backward is the identity.
     over_latents: typing.Callable = lambda partial_bd: partial_bd  # noqa: E731
+
+    @property
+    def recon_bd(self):
+        """What the latents' decode is trained toward: the input (an SAE) or a transcoder's `target_bd`."""
+        return self.xn_bd if self.target_bd is None else self.target_bd
 
 
 class Arch:
@@ -70,6 +76,9 @@ class Arch:
     name: str = ""  # the schema's sae_spec.arch value
     selection: Selection = Selection.DENSE
     modes: tuple[str, ...] = MODES  # the parallel modes it trains in; the plan refuses the others
+    # ... and as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path): the latent-sharded
+    # trainer decodes and validates against its input, so a transcoder trains in one process, sweep or data mode
+    transcoder_modes: tuple[str, ...] = ("sweep", "data")
     uses_k: bool = True  # k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)
     hyper: tuple[str, ...] = ()  # the sae_spec keys only it reads (beyond the common ones)
     unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
@@ -82,6 +91,12 @@ class Arch:
     has_threshold: bool = False  # the `threshold` buffer is its inference threshold (threshold statistics)
     saelens: str | None = None  # the SAELens architecture it is saved as
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
+
+    def unit_rows(self, sae_cfg) -> bool:
+        """Whether the trainer keeps this SAE's decoder rows at unit norm (`unit_decoder`); a transcoder's train
+        freely from zero, as sparsify trains them (`sae.init_transcoder` has the measurements), whatever the
+        architecture: its decoder maps into another space than its encoder reads, so no row norm is the encoder's."""
+        return self.unit_decoder and not sae_cfg.transcoder
 
     def activate(self, sae, pre_bs):
         """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""

@@ -10,7 +10,7 @@ The gate has no gradient; it learns through the sparsity term on relu(pi_gate) a
 from it, as SAELens 6.54.12's GatedTrainingSAE defines them (its decoder is not detached in that term):
 
     l1  = gate_l1_coeff x ramp x mean_b sum_s relu(pi_gate) ||W_dec[s]||
-    aux = mean_b || relu(pi_gate) @ W_dec + b_dec - x_n ||^2
+    aux = mean_b || relu(pi_gate) @ W_dec + b_dec - x_n ||^2      (a transcoder: its target, less the skip path)
 
 Decoder rows start short and their norms train, as ReLU's (the L1 weighs each code by its row's norm); they are
 folded into the encoder, r_mag's path and b_mag when the SAE is published. On a latent shard the auxiliary
@@ -68,7 +68,7 @@ class Gated(Arch):
         gate_bs = torch.relu(batch.pre_bs)
         via_gate_bd = batch.over_latents(gate_bs @ model.W_dec.detach()) + model.b_dec.detach()  # stop-gradient
         return {"l1": cfg.gate_l1_coeff * ramp * l1_penalty(model.W_dec, gate_bs),
-                "gate_recon": (via_gate_bd - batch.xn_bd).square().sum(-1).mean()}  # fmt: skip
+                "gate_recon": (via_gate_bd - batch.recon_bd).square().sum(-1).mean()}  # fmt: skip
 
     def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
         out = {("b_gate" if name == "b_enc" else name): t for name, t in tensors.items()}

@@ -19,7 +19,7 @@ import torch
 from saeflow.errors import SaeflowError
 from saeflow.store.shards import ShardDir
 from saeflow.training.loaders.ordered import _Stoppable, _Stopped
-from saeflow.training.loaders.view import DEFAULT_BLOCK_BYTES, Block, LayerView, first_vectors
+from saeflow.training.loaders.view import DEFAULT_BLOCK_BYTES, Block, LayerView, first_vectors, paired_view
 
 DEFAULT_BUFFER_BYTES = 1 << 30  # the shuffled loader's pool (RAM budget)
 MAX_IOV = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers per preadv call (Linux: 1024)
@@ -260,9 +260,9 @@ class _ReservoirPipeline(_Stoppable):
     N_OUT = 4  # batch buffers: the consumer holds two, the workers fill the next two
 
     def __init__(self, loader: "ShuffledLoader", plan: EpochPlan, start_batch: int):
-        self.plan, self.start_batch, self.view = plan, start_batch, loader.view
-        self.pool = loader._pool_for(plan.n_pool, self.N_WORKERS)
-        self.bufs = loader._batch_bufs(self.N_OUT)
+        self.plan, self.start_batch, self.views = plan, start_batch, loader.views
+        self.pools = loader._pools_for(plan.n_pool, self.N_WORKERS)  # one per directory read (input, target)
+        self.bufs = loader._batch_bufs(self.N_OUT)  # per batch buffer, one tensor per directory
         self.out_q: queue.Queue = queue.Queue()  # (buffer, rows) in batch order, then None or the error
         self.cond = threading.Condition()
         self.refilled = [0] * self.N_WORKERS  # reads each worker finished: the pool's load, then one per batch
@@ -273,7 +273,7 @@ class _ReservoirPipeline(_Stoppable):
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
-    def _signal(self, worker: int, batch: int | None = None, buf: torch.Tensor | None = None, n: int = 0) -> None:
+    def _signal(self, worker: int, batch: int | None = None, buf: list | None = None, n: int = 0) -> None:
         """Count a finished read of `worker`, or its half of `batch` (the second half publishes the batch)."""
         with self.cond:
             if batch is None:
@@ -302,27 +302,27 @@ class _ReservoirPipeline(_Stoppable):
 
     def _worker(self, w: int) -> None:
         other = 1 - w
-        stage = self.pool.stages[w]
-        advised = -1 if w == 0 else len(self.plan.blocks)  # worker 0 advises the kernel of blocks ahead, for both
+        advised = [-1 if w == 0 else len(self.plan.blocks)] * len(self.views)  # worker 0 advises blocks ahead
         try:
             steps = self._steps(w)
             load = next(steps, None)
             if load is not None:
                 part = _half(load[0].size, w)
-                advised = _read_rows(self.view, self.plan, self.pool, stage, load[0][part], load[1][part], advised)
+                _read_each(self, w, load[0][part], load[1][part], advised)
             self._signal(w)
             for t, step in enumerate(steps):
                 drain = not step.refill_slots.size
                 need = t + 1 if drain else max(t, 1)
                 self._wait(self.cond, functools.partial(self._may_gather, other, need, t))
-                buf, n = self.bufs[t % self.N_OUT], step.slots.size
+                bufs, n = self.bufs[t % self.N_OUT], step.slots.size
                 part = _half(n, w)
-                torch.index_select(self.pool.rows, 0, torch.from_numpy(step.slots[part]), out=buf[part])
-                self._signal(w, t, buf, n)
+                slots = torch.from_numpy(step.slots[part])
+                for pool, buf in zip(self.pools, bufs):
+                    torch.index_select(pool.rows, 0, slots, out=buf[part])
+                self._signal(w, t, bufs, n)
                 k = step.refill_slots.size  # the first k of the batch's slots; each worker refills those it emptied
                 part = slice(min(part.start, k), min(part.stop, k))
-                rows = step.refill_rows[part]
-                advised = _read_rows(self.view, self.plan, self.pool, stage, step.refill_slots[part], rows, advised)
+                _read_each(self, w, step.refill_slots[part], step.refill_rows[part], advised)
                 self._signal(w)
         except _Stopped:
             return
@@ -334,7 +334,8 @@ class _ReservoirPipeline(_Stoppable):
             if self.n_finished == self.N_WORKERS:
                 self.out_q.put(None)
 
-    def __iter__(self) -> typing.Iterator[torch.Tensor]:
+    def __iter__(self) -> typing.Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        """Each batch: the input's rows, or (input, target) rows of a paired loader."""
         self.threads = [
             threading.Thread(target=_one_torch_thread, args=(self._worker, w), name=f"saeflow-shuffle{w}", daemon=True)
             for w in range(self.N_WORKERS)
@@ -347,8 +348,8 @@ class _ReservoirPipeline(_Stoppable):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                buf, n = item
-                yield buf[:n]
+                bufs, n = item
+                yield bufs[0][:n] if len(bufs) == 1 else tuple(buf[:n] for buf in bufs)
                 with self.cond:  # asked for batch i + 1, the consumer may still hold batch i but no earlier one
                     self.released = i
                     self.cond.notify_all()
@@ -365,6 +366,13 @@ class _ReservoirPipeline(_Stoppable):
                 thread.join()
 
 
+def _read_each(pipe: _ReservoirPipeline, w: int, slots: np.ndarray, rows: np.ndarray, advised: list[int]) -> None:
+    """Worker `w` reads stream `rows` into pool `slots` of every directory (a pair's rows land in the same slots of
+    the input's and the target's pools, so they stay paired)."""
+    for i, (view, pool) in enumerate(zip(pipe.views, pipe.pools)):
+        advised[i] = _read_rows(view, pipe.plan, pool, pool.stages[w], slots, rows, advised[i])
+
+
 def _half(n: int, worker: int) -> slice:
     """Worker `worker`'s half of n items (the first half: worker 0)."""
     return slice(0, n // 2) if worker == 0 else slice(n // 2, n)
@@ -376,6 +384,11 @@ class ShuffledLoader:
     Batches are drawn uniformly from a pool of `buffer_bytes` of rows (the RAM budget; see EpochPlan), refilled from
     ~`block_bytes` blocks of consecutive examples read in a random order. A pool that holds the whole layer gives
     uniform shuffling; a smaller one mixes less (docs/training.md has the figures).
+
+    With `target_dir` (a transcoder's target: the same examples and tokens at another hook point) every batch is a
+    pair (input rows, target rows): row i of both is the same token. The pairs follow one plan, the input's blocks
+    read from both directories into the same pool slots, so they mix exactly as the input alone would with a pool of
+    as many rows; `buffer_bytes` holds both (rows = buffer_bytes / both rows' bytes).
     """
 
     def __init__(
@@ -388,15 +401,18 @@ class ShuffledLoader:
         block_bytes: int = DEFAULT_BLOCK_BYTES,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         borrowed: bool = False,
+        target_dir: ShardDir | None = None,
     ):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
         self.view = LayerView(shard_dir, layer, tokens)
+        self.views = [self.view] + ([] if target_dir is None else [paired_view(self.view, target_dir)])
         self.batch_size, self.seed, self.borrowed = batch_size, seed, borrowed
         self.block_list = self.view.blocks(block_bytes)
-        self.n_pool = max(1, buffer_bytes // self.view.row_bytes)  # rows (EpochPlan keeps >= 2 batches)
-        self._pool: _Pool | None = None
-        self._bufs: list[torch.Tensor] = []
+        row_bytes = sum(view.row_bytes for view in self.views)
+        self.n_pool = max(1, buffer_bytes // row_bytes)  # rows (EpochPlan keeps >= 2 batches)
+        self._pools: list[_Pool] = []
+        self._bufs: list[list[torch.Tensor]] = []
         self._current: _ReservoirPipeline | None = None
 
     @property
@@ -412,15 +428,15 @@ class ShuffledLoader:
         return EpochPlan(self.block_list, view.sd.shard_starts, view.n_tok, self.n_pool, self.batch_size, self.seed,
                          epoch, view.ex_starts)  # fmt: skip
 
-    def _pool_for(self, n_rows: int, n_workers: int) -> "_Pool":
-        if self._pool is None or self._pool.n_rows != n_rows:
-            self._pool = _Pool(n_rows, self.view, n_workers, stage_rows=self.batch_size)
-        return self._pool
+    def _pools_for(self, n_rows: int, n_workers: int) -> list[_Pool]:
+        if not self._pools or self._pools[0].n_rows != n_rows:
+            self._pools = [_Pool(n_rows, view, n_workers, stage_rows=self.batch_size) for view in self.views]
+        return self._pools
 
-    def _batch_bufs(self, n: int) -> list[torch.Tensor]:
+    def _batch_bufs(self, n: int) -> list[list[torch.Tensor]]:
         if not self._bufs:
-            shape = (self.batch_size, self.view.d_model)
-            self._bufs = [torch.from_numpy(np.empty(shape, dtype=self.view.dtype)) for _ in range(n)]
+            self._bufs = [[torch.from_numpy(np.empty((self.batch_size, view.d_model), dtype=view.dtype))
+                           for view in self.views] for _ in range(n)]  # fmt: skip
         return self._bufs
 
     def iter_batches(self, epoch: int = 0, start_batch: int = 0) -> typing.Iterator[torch.Tensor]:
@@ -433,11 +449,14 @@ class ShuffledLoader:
         if self._current is not None:
             self._current.close()
         self._current = _ReservoirPipeline(self, self.plan(epoch), start_batch)
-        return iter(self._current) if self.borrowed else (x_bd.clone() for x_bd in self._current)
+        if self.borrowed:
+            return iter(self._current)
+        return (x.clone() if isinstance(x, torch.Tensor) else tuple(t.clone() for t in x) for x in self._current)
 
     __iter__ = iter_batches
 
     def close(self) -> None:
         if self._current is not None:
             self._current.close()
-        self.view.close()
+        for view in self.views:
+            view.close()

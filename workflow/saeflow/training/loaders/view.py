@@ -244,3 +244,19 @@ class IndexedReader:
 
     def close(self) -> None:
         self.view.close()
+
+
+def paired_view(view: LayerView, target_dir: ShardDir) -> LayerView:
+    """The same layer and tokens of a transcoder's target directory, refused in one line unless its examples, tokens
+    and shards line up with `view`'s row for row (the plan checks the metadata first: sweeps.check_pairs)."""
+    target = LayerView(target_dir, view.layer, view.tokens)
+    a, b = view.md, target.md
+    layout_a = (a.n_ex, a.tokens_per_ex, a.cls_token, tuple(view.sd.shard_sizes), view.n_vectors)
+    layout_b = (b.n_ex, b.tokens_per_ex, b.cls_token, tuple(target.sd.shard_sizes), target.n_vectors)
+    same_keep = view.keep_nt is None or np.array_equal(view.keep_nt, target.keep_nt)
+    if layout_a != layout_b or not same_keep:
+        target.close()
+        raise SaeflowError(f"{target_dir.dpath}: a transcoder's target must hold the same examples, tokens and shards "
+                           f"as its input {view.sd.dpath} (examples, tokens per example, CLS, shard sizes, vectors: "
+                           f"{layout_b} vs {layout_a}{'' if same_keep else '; other special tokens'})")  # fmt: skip
+    return target
