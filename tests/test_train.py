@@ -374,10 +374,10 @@ def test_dead_latent_window_means_something_for_short_and_long_runs():
     (plan,) = sweeps.plan_runs(_cfg(a={"train": "x", "layer": 0, "batch_size": 1000}), {"x": "h" * 64}, AUTO)
     cfg = plan.train_config
     assert cfg.dead_after_vectors is None and cfg.n_val_vectors == 262144  # the schema's bounded defaults
-    assert train.dead_after_steps(cfg, n_steps=500) == 50  # 50k vectors: AuxK can switch on in a short run
-    assert train.dead_after_steps(cfg, n_steps=10**6) == 10_000  # 10M vectors of 1000
+    assert objectives.dead_after_steps(cfg, n_steps=500) == 50  # 50k vectors: AuxK can switch on in a short run
+    assert objectives.dead_after_steps(cfg, n_steps=10**6) == 10_000  # 10M vectors of 1000
     explicit = dataclasses.replace(cfg, dead_after_vectors=2500)
-    assert train.dead_after_steps(explicit, n_steps=500) == 3
+    assert objectives.dead_after_steps(explicit, n_steps=500) == 3
 
 
 def test_config_trains_on_a_converted_shard_directory(tmp_path, capsys):

@@ -22,6 +22,8 @@ from saeflow.training.metrics import batch_nmse
 from saeflow.training.sae import SAE
 from saeflow.training.sweeps import TrainConfig
 
+DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
+
 
 @dataclasses.dataclass(frozen=True)
 class Codes:
@@ -83,6 +85,14 @@ def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[to
     recon = [(codes.decode(sae, m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
     mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
     return mse, xn_hat_bd
+
+
+def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
+    """Steps a latent must stay silent to count as dead: `dead_after_vectors` in steps, or by default a tenth of
+    the run (so AuxK can revive latents in short runs too), at most 10M vectors (long runs: OpenAI's window)."""
+    if cfg.dead_after_vectors is not None:
+        return max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
+    return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
 class DeadLatents:

@@ -255,7 +255,7 @@ class ShardedTrainer(train.Trainer):
         self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=train.lr_scales(self.sae, cfg))
         self.objective = objectives.Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None
-        self.dead = objectives.DeadLatents(self.sae.d_sae, train.dead_after_steps(cfg, n_steps), device)
+        self.dead = objectives.DeadLatents(self.sae.d_sae, objectives.dead_after_steps(cfg, n_steps), device)
         self.last: dict = {}
         self.platforms = [provenance.platform()]
         self.started_at = provenance.utc_now()

@@ -162,7 +162,7 @@ class TrainConfig:
     l1_coeff: float
     aux_k: int
     aux_alpha: float
-    dead_after_vectors: int | None  # None: train.dead_after_steps' default
+    dead_after_vectors: int | None  # None: objectives.dead_after_steps' default
     lr: float | None  # None: train.auto_lr(d_sae)
     lr_warmup_frac: float
     sparsity_warmup_frac: float

@@ -31,14 +31,13 @@ from saeflow.training.adam import Adam
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import DeadLatents, Loss, Objective
+from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps
 from saeflow.training.sae import SAE, init_normalization, init_transcoder, save_atomic, save_sae
 from saeflow.training.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
 
 N_INIT_VECTORS = 16384
-DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
 LOG_EVERY = 10
 TRAIN_DEFAULTS = config.section_defaults("train")  # device, checkpoint_every: the schema's `train` section
 
@@ -74,14 +73,6 @@ def auto_lr(d_sae: int) -> float:
     0.5x 87%).
     """
     return 8e-4 * math.sqrt(16384 / d_sae)
-
-
-def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
-    """Steps a latent must stay silent to count as dead: `dead_after_vectors` in steps, or by default a tenth of
-    the run (so AuxK can revive latents in short runs too), at most 10M vectors (long runs: OpenAI's window)."""
-    if cfg.dead_after_vectors is not None:
-        return max(1, -(-cfg.dead_after_vectors // cfg.batch_size))
-    return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
 def adam_step(opt: Adam, sae) -> None:
