@@ -231,3 +231,43 @@ def test_a_splice_must_read_before_it_writes(family):
         "a splice cannot read mlp_out of block 1 to write mlp_in of block 1: the model computes mlp_in of block 1 first"
     )
     assert not any(mod._forward_hooks for mod in m.model.modules())  # every hook is removed
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"], indirect=True)
+def test_evaluate_puts_a_trained_skip_transcoder_in_place_of_its_mlp_as_plain_transformers_does(family, tmp_path):
+    """`saeflow evaluate` on a transcoder run (mlp_in -> mlp_out, skip path, trained here): its prediction replaces the
+    MLP's output, its ablations are of the target (zeros, the target shards' mean); CE, KL or cosine of every pass equal
+    plain transformers with the trained transcoder hooked here, and the evaluation names what it read and replaced."""
+    import json
+
+    from builders import run_from_sae_spec
+    from saeflow.training import sae, train
+
+    arch, plan, sds, m, plain = family
+    run = run_from_sae_spec(tmp_path / "runs", sds["mlp_in"], target_sd=sds["mlp_out"], layer=LAYER, arch="topk", k=4,
+                            expansion=2, batch_size=32, n_epochs=2, skip=True)  # fmt: skip
+    train.train_runs([run.root], train.TrainSettings(device="cpu"))
+    tc = sae.load_sae(run.sae_fpath)
+    assert tc.cfg.transcoder and tc.cfg.skip
+
+    mlp_in_spec = extract.plan(typed(spec_of(arch, hook="mlp_in"))).spec
+    cfg = evaluate.EvaluateConfig(run=run.root, spec=mlp_in_spec, progress=False, batch_size=4)
+    result = json.loads(evaluate.run_evaluation(cfg).read_text())
+    assert result["config"]["splice"] == {"read": {"hook": "mlp_in", "layer": LAYER},
+                                          "write": {"hook": "mlp_out", "layer": LAYER}}  # fmt: skip
+    assert result["config"]["hook"] == "mlp_out" and sds["mlp_out"].hash in result["config"]["mean_ablation"]
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return tc(x)[0]
+
+    mean_d = stored(sds["mlp_out"])[plain.stored_mask].double().mean(0).float()
+    outs = {"clean": plain.output(), "spliced": plain.output("mlp_in", "mlp_out", predict),
+            "ablated": plain.output("mlp_out", "mlp_out", torch.zeros_like),
+            "mean_ablated": plain.output("mlp_out", "mlp_out", lambda x: mean_d.expand_as(x))}  # fmt: skip
+    causal = arch in CAUSAL
+    want = plain.metrics(outs, plan.info.cls_token or arch in ("bert", "roberta"))
+    got = result["metrics"]
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=TOL[causal]), key
+    assert want["kl_spliced" if causal else "pooled_rel_err_spliced"] > 1e-5  # the transcoder is not the MLP

@@ -414,7 +414,8 @@ def test_a_transcoder_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
 def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     """`saeflow train`, `inference`, `visuals` and `summary` on a transcoder run: the dump's metrics are of its target
-    (its NMSE against the validation target, d_out wide); `evaluate` and the SAELens export refuse it in one line."""
+    (its NMSE against the validation target, d_out wide); the SAELens export refuses it in one line (`evaluate`:
+    test_splice)."""
     import json
 
     from saeflow import cli
@@ -438,9 +439,6 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     assert dump.index_fpath.exists()
     assert cli.main(["summary", f"--run={run.root}", "--out", str(tmp_path / "summary")]) == 0
     assert str(trained["nmse"])[:6] in (tmp_path / "summary" / "summary.csv").read_text()
-    cfg_fpath = tmp_path / "c.yaml"
-    cfg_fpath.write_text(json.dumps({"activations": {}, "saes": {}}))
-    assert cli.main(["evaluate", "--run", str(run.root), str(cfg_fpath)]) == 1
     from saeflow.interop import sae_checkpoints
 
     with pytest.raises(SaeflowError, match="a transcoder; saeflow exports SAEs to saelens"):
@@ -480,7 +478,7 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
     kinds = sorted((p.sae_name, p.train_config.layer, p.train_config.skip) for p in plan.runs.values())
     assert kinds == sorted([*(("mlp-out", layer, False) for layer in (4, 6, 8)),
                             *(("transcoder", layer, skip) for layer in (4, 6, 8) for skip in (False, True))])
-    assert evaluations(plan) == []  # splices at the residual stream only, and never a transcoder (yet)
+    assert sorted(run_id for run_id, _ in evaluations(plan)) == sorted(plan.runs)  # transcoders spliced too
     fpath = tmp_path / "example.yaml"
     fpath.write_text(yaml.safe_dump(cfg))
     assert main(["plan", str(fpath)]) == 0
@@ -491,11 +489,11 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(f"rule extract_pass_{key[:16]}:") == 1
     # one training job per layer for the SAEs, and one per layer for both transcoders (the same pairs: one pass)
-    assert proc.stdout.count("rule train:") == 6 and "rule evaluate:" not in proc.stdout
+    assert proc.stdout.count("rule train:") == 6 and proc.stdout.count("rule evaluate:") == 9
     assert sorted(len(set(members)) for members in plan.train_passes.values()) == [1] * 3 + [2] * 6
     tc_ids = [r for r, p in plan.runs.items() if p.sae_name == "transcoder"]
     for block in proc.stdout.split("\n\n"):
-        if "rule create_run:" in block and any(r in block for r in tc_ids):
+        if ("rule create_run:" in block or "rule evaluate:" in block) and any(r in block for r in tc_ids):
             assert all(f"{h}/shards.json" in block for h in hashes), block
     assert json.loads(json.dumps(plan.runs[tc_ids[0]].train_config.to_dict()))["target"] == plan.shard_hash[
         "gpt2-mlp-out"]

@@ -480,8 +480,8 @@ def tc_tree(tmp_path_factory):
 
 def test_changing_a_transcoders_target_retrains_only_that_transcoder(tc_tree):
     """The target's shard hash is in the transcoder's run config: another target is a new run (create_run, train,
-    inference; a transcoder gets no splice evaluation), nothing is extracted (the residual directory is published),
-    and the TopK runs are untouched."""
+    inference, evaluate: spliced in place of what it predicts), nothing is extracted (the residual directory is
+    published), and the TopK runs are untouched."""
     before = tc_tree["plan"]
     (old_tc,) = [r for r, p in before.runs.items() if p.sae_name == "tc"]
     assert dry_run(tc_tree["workdir"], variant(_with_transcoder("text_mlp_out"))) == set()
@@ -492,4 +492,5 @@ def test_changing_a_transcoders_target_retrains_only_that_transcoder(tc_tree):
     assert set(plan.runs) - {new_tc} == set(before.runs) - {old_tc}
     shard_hash = plan.shard_hash["text_mlp_in"]
     assert dry_run(tc_tree["workdir"], cfg) == {f"create_run:{new_tc}", f"train:{new_tc}",
-                                                f"inference:{new_tc}/{shard_hash}", "summary", "all"}  # fmt: skip
+                                                f"inference:{new_tc}/{shard_hash}", f"evaluate:{new_tc}/{shard_hash}",
+                                                "summary", "all"}  # fmt: skip

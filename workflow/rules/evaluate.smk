@@ -2,7 +2,8 @@
 # and KL for causal LMs, embedding similarity for encoders and vision towers). Path: saeflow.store.layout.RunLayout.
 # The job gets the per-shard config of the validation activations; saeflow checks it plans the run's val_shards,
 # and reads the validation shard directory (tokens.bin, and the stored activations its model check compares), asked
-# for (ancient) only while the evaluation is missing, as inference does.
+# for (ancient) only while the evaluation is missing, as inference does; a transcoder's validation target directory
+# too (the tensor its prediction replaces, found through the run's links).
 # The evaluation records the sha256 of the sae.pt it scored, and sae.pt is a plain input (get_trained_sae), so a retrained checkpoint
 # is evaluated again in the same call; the `evaluate` settings are in .snakemake/saeflow/stages/evaluate.json, an
 # input rewritten only when they change (the workflow's rerun trigger is mtime: docs/workflow.md).
@@ -16,6 +17,7 @@ rule evaluate:
         shards=lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).evaluation_fpath(wc.shard_hash),
             PLAN.hash_activation[wc.shard_hash],
+            *PLAN.runs[wc.run_id].val_activations[1:],  # a transcoder's target of them
         ),
     output:
         RUNS.evaluation_fpath(SHARD_HASH_WILDCARD),

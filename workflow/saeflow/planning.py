@@ -267,11 +267,10 @@ def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
 
 
 def evaluations(plan: WorkflowPlan) -> list[tuple[str, str]]:
-    """(run_id, shard_hash) of every dump whose SAE `saeflow evaluate` splices into its model at the hook point its
-    shard metadata holds (the residual stream, an attention or MLP output, the MLP's input). A transcoder in place of
-    its MLP is not spliced yet."""
-    return [(run_id, shard_hash) for run_id, shard_hash in plan.dumps()
-            if not plan.runs[run_id].train_config.transcoder]  # fmt: skip
+    """(run_id, shard_hash) of every dump, whose SAE `saeflow evaluate` splices into its model at the hook point its
+    shard metadata holds (the residual stream, an attention or MLP output, the MLP's input); a transcoder's prediction
+    replaces its target's tensor."""
+    return list(plan.dumps())
 
 
 def extraction_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:

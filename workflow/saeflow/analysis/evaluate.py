@@ -15,7 +15,10 @@ activation spec go through the model four times, on the same inputs:
                   vector the SAE's tokens select in the run's validation shard directory, one streamed pass)
 
 Both ablations replace the tensor the splice writes, at the same positions (`baselines`): for a transcoder (reads
-one hook point, writes another) that is its target's tensor, and the mean is that of the target's shards.
+one hook point, writes another) that is its target's tensor, and the mean is that of the target's shards. A
+transcoder (training.sae: `target`) reads its input hook point and writes its prediction (skip path included) in
+place of its target's tensor: `mlp_in` -> `mlp_out` puts it in place of its MLP, and the MLP's own output is unused.
+Its target's validation directory is the one its run links (`inference.target_of`).
 
 Exactly the positions the SAE was trained on are replaced (the run's `tokens`, selected by the loaders' own
 `LayerView` of the validation shards: `no_special` leaves the text special tokens [CLS], [SEP], BOS, EOS out,
@@ -45,7 +48,7 @@ import torch
 import tqdm
 
 from saeflow import config, devices
-from saeflow.analysis.inference import trained_layer
+from saeflow.analysis.inference import target_of, trained_layer
 from saeflow.analysis.scoring import Scores, n_spliced_scored, next_token_logp, score_embeddings, score_lm, summarize
 from saeflow.analysis.splice import Point, Prefix, Splice, Spliceable, load_model, spliced_forward
 from saeflow.errors import SaeflowError
@@ -256,14 +259,15 @@ def open_val_shards(shards_dpath: pathlib.Path, shard_hash: str) -> ShardDir:
     return sd
 
 
-def sae_splice(model: sae.SAE, point: Point) -> Splice:
-    """An SAE's splice: its reconstruction decode(encode(x)) in raw space (normalization undone) replaces the tensor
-    it was trained on. A transcoder is `Splice(Point(input hook, layer), Point(target hook, layer), predict)`."""
+def sae_splice(model: sae.SAE, read: Point, write: Point | None = None) -> Splice:
+    """The run's splice: what the model outputs in raw space (normalization undone) replaces the tensor at `write`:
+    an SAE's reconstruction decode(encode(x)) the tensor it reads (`write` None), a transcoder's prediction its
+    target's."""
 
-    def reconstruct(x_nd: torch.Tensor) -> torch.Tensor:
+    def predict(x_nd: torch.Tensor) -> torch.Tensor:
         return model(x_nd)[0]
 
-    return Splice.at(point, reconstruct)
+    return Splice(read, write or read, predict)
 
 
 def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
@@ -277,6 +281,7 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     shards_dpath = (cfg.shards or run.link(run.VAL_SHARDS)).resolve()  # messages name the directory, not a link
     shard_hash = check_spec(run, plan, model, layer, shards_dpath)
     sd = open_val_shards(shards_dpath, shard_hash)
+    written_sd = target_of(run, sd) or sd  # a transcoder writes its target's tensor
     tokens = run.tokens()
     view = loaders.LayerView(sd, layer, tokens)
     T = plan.metadata.tokens_per_ex
@@ -285,21 +290,24 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     started_at = provenance.utc_now()
     m = load_model(plan.info, cfg.spec.model, cfg.compute_dtype, device)
     point = Point(hooks.stored(sd.metadata.data), layer)
-    splice = sae_splice(model.to(device), point)
+    splice = sae_splice(model.to(device), point, Point(hooks.stored(written_sd.metadata.data), layer))
 
     def check(lo: int, clean_acts: dict) -> None:
-        check_stored(sd, plan.info, point, cfg.compute_dtype, lo, clean_acts[point])
+        for one_sd, one_point in ((sd, splice.read), (written_sd, splice.write)):
+            check_stored(one_sd, plan.info, one_point, cfg.compute_dtype, lo, clean_acts[one_point])
 
-    mean_d, n_mean = mean_activation(view)
+    written_view = view if written_sd is sd else loaders.LayerView(written_sd, layer, tokens)
+    mean_d, n_mean = mean_activation(written_view)
     metrics = three_passes(m, plan, view, splice, n_ex, cfg.batch_size, device, cfg.progress, check, mean_d)
-    view.close()
+    for one in {id(v): v for v in (view, written_view)}.values():
+        one.close()
     result = {
         "config": {
             "run": str(run.root.resolve()),
             "sae_sha256": file_sha256(sae_fpath),
             "shard_hash": shard_hash,
             "ckpt": plan.info.ckpt,
-            "hook": point.hook,
+            "hook": splice.write.hook,  # the tensor replaced (the summary's eval.hook)
             "layer": layer,
             "splice": {"read": splice.read.to_dict(), "write": splice.write.to_dict()},
             "tokens": tokens,
@@ -307,9 +315,9 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
             "tokens_per_ex": T,
             "compute_dtype": cfg.compute_dtype,
             "scored": "next-token predictions at positions 0..T-2" if m.causal else "one embedding per example",
-            "ablation": f"{point} replaced by zeros at the spliced positions",
-            "mean_ablation": f"{point} replaced by the mean of the {n_mean} vectors of the validation shards at "
-                             f"tokens={tokens!r}",
+            "ablation": f"{splice.write} replaced by zeros at the spliced positions",
+            "mean_ablation": f"{splice.write} replaced by the mean of the {n_mean} vectors of the validation shards "
+                             f"{written_sd.hash} at tokens={tokens!r}",
         },
         "metrics": metrics,
         "provenance": {**provenance.collect(), "device": str(device), "started_at": started_at,

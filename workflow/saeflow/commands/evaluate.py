@@ -13,8 +13,10 @@ def register(subparsers):
         "evaluate",
         help="splice the run's SAE into its model: CE loss recovered / KL, or embedding similarity",
         description="Run the first ceil(n_tokens / tokens per example) examples of the run's validation "
-        "activation spec through the model three times: clean, with block LAYER's output replaced by the SAE's "
-        "reconstruction on exactly the tokens the SAE trained on (the others kept clean), and zero-ablated; the clean "
+        "activation spec through the model four times: clean, with the tensor at the run's hook point (the residual "
+        "stream, an attention or MLP output, the MLP's input) replaced by the SAE's reconstruction on exactly the "
+        "tokens the SAE trained on (the others kept clean; a transcoder's prediction replaces its target's tensor, "
+        "e.g. its MLP's output), zero-ablated and mean-ablated; the clean "
         "pass's first batch must match the stored activations (else the model changed: refused). Causal language "
         "models: per-token cross-entropy of each pass, CE loss recovered = (CE_abl - CE_sae) / (CE_abl - CE_clean), "
         "KL(clean || spliced) and the KL score. Encoders and vision towers: cosine similarity and relative error of "
@@ -43,9 +45,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from saeflow.store import runs
 
     run = runs.open_run(args.run)
-    if run.config().get("target") is not None:  # a transcoder (its run config names the target's shards)
-        raise SaeflowError(f"{args.run}: a transcoder; evaluate splices an SAE into its model and cannot yet put a "
-                           "transcoder in place of its MLP (the workflow plans no evaluation of it)")  # fmt: skip
     cfg_dict = config.load(args.config)
     activations = cfg_dict["activations"]
     if args.activation is None and len(activations) > 1:
