@@ -60,9 +60,10 @@ def test_a_transcoder_plans_with_its_targets_shard_hash_in_its_run_config_and_on
     assert off.train_config.to_dict()["target"] == plan.shard_hash["out"] == off.train_config.val_target
     assert "skip" not in off.train_config.to_dict() and on.train_config.to_dict()["skip"] is True
     assert off.read_activations == ("in", "in", "out", "out") and off.varying == {"skip": False}
-    # the run's per-job config holds its target activation; evaluate plans no splice of a transcoder
+    # the run's per-job config holds its target activation; evaluate splices every run, transcoders in place of
+    # what they predict
     assert set(plan.cli_configs()[plan.cli_config("runs", on.run_id)]["activations"]) == {"in", "out"}
-    assert [plan.runs[r].sae_name for r, _ in evaluations(plan)] == ["plain"]
+    assert sorted(plan.runs[r].sae_name for r, _ in evaluations(plan)) == ["plain", "tc", "tc"]
     # another target is another run; the same target in another spec is the same run
     other = _plan({**_case(), "saes": {"tc": {"train": "in", "target": "res", "layer": 1, "expansion": 2, "k": 4}}})
     assert set(other.runs).isdisjoint(plan.runs)

@@ -306,3 +306,54 @@ def test_lm_pages_read_well_in_headless_chromium(lm_visuals, tmp_path):
         assert browser.console_errors() == []
     finally:
         browser.close()
+
+
+@pytest.mark.slow
+def test_a_transcoders_page_names_its_hook_points_and_shows_what_its_latents_predict(tiny_lm_dpath, tmp_path):
+    """A transcoder from the MLP input to the MLP output of a tiny GPT-2: its page says what it reads and what it
+    predicts, and its promoted tokens are its output direction (the decoder row, in mlp_out's space) times the
+    unembedding, ranked here independently; in headless chromium (when installed) the header and the section say so."""
+    import transformers
+
+    from builders import run_from_sae_spec
+    from saeflow.store.shards import ShardDir
+    from saeflow.training import train
+
+    base = {"model": {"name": str(tiny_lm_dpath)}, "layers": [1], "dataset": {"kind": "builtin_text", "n_ex": 24},
+            "context_length": 32}  # fmt: skip
+    x_sd, y_sd = (ShardDir(r.dpath) for r in extract.extract_pass(
+        [typed({**base, "hook": "mlp_in"}), typed({**base, "hook": "mlp_out"})], tmp_path / "shards", progress=False))
+    run = run_from_sae_spec(tmp_path / "runs", x_sd, target_sd=y_sd, layer=1, arch="topk", k=4, expansion=2,
+                            batch_size=64, n_epochs=2)  # fmt: skip
+    train.train_runs([run.root], train.TrainSettings(device="cpu"))
+    inference.run_inference(inference.InferenceConfig(run.root, x_sd.dpath, top_k=4))
+    assert cli.main(["visuals", "--run", str(run.root), "--n-latents", "3", "--top-k", "3"]) == 0
+    out = run.dump(x_sd.hash).visuals_dpath
+    data = json.loads((out / "data.js").read_text().removeprefix("window.SAEFLOW_DATA = ").rstrip(";\n"))
+    assert (data["meta"]["hook"], data["meta"]["writes"]) == ("mlp_in", "mlp_out")
+    latent, entry = next(iter(data["drawn"].items()))
+    lm = transformers.GPT2LMHeadModel.from_pretrained(tiny_lm_dpath)
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_lm_dpath)
+    model = sae.load_sae(run.sae_fpath)
+    assert model.cfg.transcoder
+    scores = lm.lm_head.weight.detach() @ model.W_dec[int(latent)].detach()
+    best = torch.argsort(scores, descending=True, stable=True)[:3].tolist()
+    assert [t for t, _ in entry["promote"][:3]] == [tok.decode([i]) for i in best]
+
+    exe = find_chromium()
+    if exe is None:
+        return
+    browser = Browser(exe, tmp_path / "chromium-profile")
+    try:
+        session = browser.open_page((out / DumpLayout.INDEX_FNAME).as_uri())
+        header = browser.evaluate(session, "document.getElementById('meta').textContent")
+        assert header.startswith("transcoder: reads mlp_in, predicts mlp_out of layer 1 |"), header
+        assert "NMSE of its prediction" in header
+        browser.evaluate(session, f"location.hash = 'latent-{latent}'")
+        browser.evaluate(session, "new Promise(r => setTimeout(r, 150))")
+        titles = browser.evaluate(session, "[...document.querySelectorAll('#latent h3')].map(h => h.textContent)")
+        assert titles[0] == ("What it predicts: the tokens its output direction (written into mlp_out) promotes and "
+                             "suppresses")  # fmt: skip
+        assert browser.console_errors() == []
+    finally:
+        browser.close()

@@ -35,6 +35,7 @@ from saeflow import config
 from saeflow.analysis.csr import CsrWriter
 from saeflow.devices import resolve_device
 from saeflow.errors import SaeflowError, unreadable
+from saeflow.extraction import hooks
 from saeflow.store import atomic, layout, provenance, runs
 from saeflow.store.hashing import file_sha256, read_json_object
 from saeflow.store.shards import ShardDir
@@ -177,6 +178,7 @@ def run_inference(cfg: InferenceConfig) -> pathlib.Path:
         "tokens_per_ex": sd.metadata.tokens_per_ex,
         "row_order": "row = example * tokens_per_ex + token",
         **({} if target is None else {"target_shards": str(target.dpath.resolve()), "target_hash": target.hash,
+                                      "target_hook": hooks.stored(target.metadata.data),
                                       "d_out": model.d_out}),  # fmt: skip
     }
     final = run.dump(sd.hash)

@@ -20,6 +20,7 @@ from saeflow.analysis.visuals.neuronpedia import neuronpedia_batch
 from saeflow.analysis.visuals.settings import DEFAULTS, VisualsConfig
 from saeflow.analysis.visuals.vocab import token_index, vocab_effects
 from saeflow.errors import SaeflowError
+from saeflow.extraction import hooks
 from saeflow.store import atomic, layout, runs
 from saeflow.training import loaders
 
@@ -134,6 +135,8 @@ def _render(cfg, dump, model, sd, layer, chosen, vis_config, out_dpath: pathlib.
             "run": str(dump.config["run"]),
             "shard_hash": dump.dpath.name,
             "layer": layer,
+            "hook": hooks.stored(md.data),  # what the latents read; a transcoder's prediction replaces `writes`
+            "writes": dump.config.get("target_hook"),
             "kind": examples.kind,
             "d_sae": dump.d_sae,
             "n_rows": dump.metrics.get("n_vectors"),

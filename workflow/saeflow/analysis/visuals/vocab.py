@@ -63,9 +63,9 @@ def vocab_effects(cfg: VisualsConfig, examples, family: str, model, chosen: list
         W_vd, what = vocab_matrix(family, examples.name)
     except Exception as err:  # noqa: BLE001 - no weights here (random-init model, offline cache miss): say why
         return {}, f"promoted tokens unavailable: cannot load the weights of {examples.name} ({type(err).__name__})"
-    if W_vd.shape[1] != model.d_model:
-        d_vocab = W_vd.shape[1]
-        return {}, f"promoted tokens unavailable: {examples.name} has d={d_vocab}, the SAE d_model={model.d_model}"
+    if W_vd.shape[1] != model.W_dec.shape[1]:  # the decoder's width: its input's (an SAE) or its target's
+        d_vocab, d_dec = W_vd.shape[1], model.W_dec.shape[1]
+        return {}, f"promoted tokens unavailable: {examples.name} has d={d_vocab}, the SAE's decoder writes d={d_dec}"
     with torch.no_grad():
         effects_sv = model.W_dec[chosen].float() @ W_vd.T  # the direction's sign and ranking (scale is positive)
     n = min(cfg.n_vocab, W_vd.shape[0])

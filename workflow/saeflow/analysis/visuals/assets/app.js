@@ -11,9 +11,14 @@
 
   function renderMeta() {
     const m = D.meta.metrics || {};
-    // The metrics and frequencies are over the tokens the SAE trained on (tokens: content, no_special, ...).
-    $("meta").textContent = `layer ${D.meta.layer} | ${nLatents} latents | on the ${D.meta.n_rows} tokens it ` +
-      `trained on (tokens: ${D.meta.tokens}): NMSE ${fmt(m.nmse)} | L0 ${fmt(m.l0)} | dead ${m.n_dead} | ` +
+    // The metrics and frequencies are over the tokens the SAE trained on (tokens: content, no_special, ...); a
+    // transcoder's NMSE is of its prediction of the tensor it writes.
+    const where = D.meta.writes
+      ? `transcoder: reads ${D.meta.hook}, predicts ${D.meta.writes} of layer ${D.meta.layer}`
+      : `${D.meta.hook} of layer ${D.meta.layer}`;
+    $("meta").textContent = `${where} | ${nLatents} latents | on the ${D.meta.n_rows} tokens it ` +
+      `trained on (tokens: ${D.meta.tokens}): NMSE${D.meta.writes ? " of its prediction" : ""} ${fmt(m.nmse)} | ` +
+      `L0 ${fmt(m.l0)} | dead ${m.n_dead} | ` +
       `dense ${m.n_dense} | shards ${D.meta.shard_hash.slice(0, 12)}`;
   }
 
@@ -91,7 +96,10 @@
   function vocabTables(d) {
     const table = (title, rows) => `<div><h4>${title}</h4><table><tr><th>token</th><th>score</th></tr>` +
       rows.map((r) => `<tr><td>${escapeHtml(r[0])}</td><td>${fmt(r[1])}</td></tr>`).join("") + "</table></div>";
-    return `<section id="vocab"><h3>Tokens the decoder direction promotes and suppresses</h3>` +
+    const title = D.meta.writes
+      ? `What it predicts: the tokens its output direction (written into ${D.meta.writes}) promotes and suppresses`
+      : "Tokens the decoder direction promotes and suppresses";
+    return `<section id="vocab"><h3>${escapeHtml(title)}</h3>` +
       `<p class="note">${escapeHtml(D.meta.vocab_note || "")}</p>` +
       `<div class="vocab">${table("promoted", d.promote)}${table("suppressed", d.suppress)}</div></section>`;
   }
