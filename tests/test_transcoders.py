@@ -414,7 +414,8 @@ def test_a_transcoder_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
 def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     """`saeflow train`, `inference`, `visuals` and `summary` on a transcoder run: the dump's metrics are of its target
-    (its NMSE against the validation target, d_out wide); `evaluate` and the SAELens export refuse it in one line."""
+    (its NMSE against the validation target, d_out wide); `evaluate` refuses it, and so do the SAELens export (no
+    TopK transcoders) and the sparsify one (d_out != d_model), each in one line."""
     import json
 
     from saeflow import cli
@@ -443,8 +444,13 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     assert cli.main(["evaluate", "--run", str(run.root), str(cfg_fpath)]) == 1
     from saeflow.interop import sae_checkpoints
 
-    with pytest.raises(SaeflowError, match="a transcoder; saeflow exports SAEs to saelens"):
+    with pytest.raises(SaeflowError, match="^SAELens has no architecture that computes a topk transcoder .*: export "
+                                           "it with --format sparsify$"):  # fmt: skip
         sae_checkpoints.export_sae(load_sae(run.sae_fpath), "saelens", tmp_path / "out")
+    with pytest.raises(SaeflowError, match="^sparsify's transcoders predict a target as wide as their input; this one "
+                                           "maps d_model=16 to d_out=12$"):  # fmt: skip
+        sae_checkpoints.export_sae(load_sae(run.sae_fpath), "sparsify", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
