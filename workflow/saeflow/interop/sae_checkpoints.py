@@ -21,6 +21,10 @@ Each architecture says how it maps (training/archs: `Arch.saelens`, `saelens_exp
     jumprelu         jumprelu, threshold = exp(log_threshold)     (none: refused)
     gated            gated (b_gate = b_enc, b_mag, r_mag)          (none: refused)
 
+Transcoders (a target other than the input, optionally a skip path) map too: sae_formats.py has their maths and
+files (SAELens transcoder / jumprelu_transcoder and their skip_ variants; sparsify transcode / skip_connection), and
+hooknames.py the other tools' names of the activations read and predicted, which exports write and imports record.
+
 An import becomes a run directory (`runs.create_run`) whose checkpoint/config.json names its origin (format, the
 source cfg.json, the sha256 of the weights file), the layer and the shard directory it is meant for; its sha256 is
 the run id, so importing the same files for the same shards and layer gives the same run.
