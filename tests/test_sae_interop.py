@@ -64,11 +64,7 @@ REFUSED = {
     ("saelens", "standard-hook-z"): "hook_z",
     ("saelens", "abstopk"): "SAELens architecture 'abstopk'",
     ("saelens", "matching-pursuit"): "SAELens architecture 'matching_pursuit'",
-    ("saelens", "transcoder"): "SAELens architecture 'transcoder'",
-    ("saelens", "skip-transcoder"): "SAELens architecture 'skip_transcoder'",
     ("sparsify", "groupmax"): "sparsify activation 'groupmax'",
-    ("sparsify", "transcoder"): "sparsify transcoders",
-    ("sparsify", "skip-connection"): "skip connections",
 }
 EXPORTS = {"saelens-relu": ("saelens", "relu"), "saelens-topk": ("saelens", "topk"),
            "saelens-batchtopk": ("saelens", "batchtopk"), "sparsify-topk": ("sparsify", "topk"),

@@ -415,8 +415,8 @@ def test_a_transcoder_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):
 
 def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     """`saeflow train`, `inference`, `visuals` and `summary` on a transcoder run: the dump's metrics are of its target
-    (its NMSE against the validation target, d_out wide); the SAELens export refuses it in one line (`evaluate`:
-    test_splice)."""
+    (its NMSE against the validation target, d_out wide); the SAELens export (no TopK transcoders) and the sparsify one
+    (d_out != d_model) refuse it, each in one line (`evaluate`: test_splice)."""
     import json
 
     from saeflow import cli
@@ -442,8 +442,13 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     assert str(trained["nmse"])[:6] in (tmp_path / "summary" / "summary.csv").read_text()
     from saeflow.interop import sae_checkpoints
 
-    with pytest.raises(SaeflowError, match="a transcoder; saeflow exports SAEs to saelens"):
+    with pytest.raises(SaeflowError, match="^SAELens has no architecture that computes a topk transcoder .*: export "
+                                           "it with --format sparsify$"):  # fmt: skip
         sae_checkpoints.export_sae(load_sae(run.sae_fpath), "saelens", tmp_path / "out")
+    with pytest.raises(SaeflowError, match="^sparsify's transcoders predict a target as wide as their input; this one "
+                                           "maps d_model=16 to d_out=12$"):  # fmt: skip
+        sae_checkpoints.export_sae(load_sae(run.sae_fpath), "sparsify", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -54,12 +54,16 @@ Write the SAE of RUN (checkpoint/sae.pt) as a directory the other library loads 
 
   saelens   cfg.json + sae_weights.safetensors: sae_lens.SAE.load_from_disk(OUT) (relu -> standard, topk -> topk,
             batchtopk -> jumprelu with the BatchTopK threshold for every latent, jumprelu -> jumprelu with its
-            per-latent thresholds, gated -> gated)
-  sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only; the others are refused)
+            per-latent thresholds, gated -> gated); transcoders: relu -> transcoder, jumprelu and batchtopk ->
+            jumprelu_transcoder, skip_transcoder / jumprelu_skip_transcoder with a skip path
+  sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only; the others are refused);
+            a topk transcoder as transcode: true (skip_connection: true with a skip path), d_out = d_model only
 
-saeflow's input scale is folded into the weights (W_enc * scale, W_dec / scale, b_dec / scale), so the codes equal
-saeflow's and the reconstruction is in raw activation space; cfg.json records the run, layer and folded scale
-(SAELens: metadata.saeflow; sparsify: saeflow). OUT must not exist; it is published in one rename.
+saeflow's input scale (and a transcoder's target scale) is folded into the weights (W_enc * scale, W_dec / out
+scale, b_dec / out scale, W_skip * scale / out scale), so the codes equal saeflow's and the output is in raw
+activation space; cfg.json records the run, layer and folded scales (SAELens: metadata.saeflow; sparsify: saeflow)
+and the other tool's names of the hook points read (SAELens: metadata.hook_name, hook_name_out; sparsify:
+saeflow.hookpoint). OUT must not exist; it is published in one rename.
 """
 
 IMPORT_CHECKPOINT_DESCRIPTION = """\
@@ -68,8 +72,10 @@ saeflow run directory ROOT/<run_id>/ (checkpoint/config.json naming the origin, 
 the shard directory; checkpoint/sae.pt; links/train-shards -> DIR), ready for
 `saeflow inference --run RUN --shards DIR` and `saeflow visuals`. The run id is the sha256 of that config, so an
 import is idempotent. Architectures: SAELens standard, topk, jumprelu (per-latent or shared thresholds; BatchTopK when
-its training metadata says so), gated; sparsify topk. The weights are read with safetensors; no code from the
-checkpoint runs.
+its training metadata says so), gated, and the transcoders transcoder, skip_transcoder, jumprelu_transcoder,
+jumprelu_skip_transcoder; sparsify topk (transcode and skip_connection too). A transcoder needs --target-shards (the
+activation it predicts; a sparsify SAE with a skip connection predicts its input: --shards). The checkpoint's hook
+names are recorded in the config. The weights are read with safetensors; no code from the checkpoint runs.
 """
 
 
@@ -155,7 +161,10 @@ def _import_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-root", required=True, type=pathlib.Path, help="where run directories <run_id>/ live")
     p.add_argument("--shards", required=True, type=pathlib.Path, help="the shard directory the SAE will read")
     p.add_argument("--layer", type=int, default=None,
-                   help="the stored layer the SAE reads (optional when the shards store one layer)")
+                   help="the stored layer the SAE reads (optional when the shards store one layer, or store the "
+                        "layer the checkpoint's hook name says)")
+    p.add_argument("--target-shards", type=pathlib.Path, default=None,
+                   help="a transcoder's: the shard directory of the activation it predicts, paired with --shards")
 
 
 def _positive_bytes(text: str) -> int:
@@ -228,6 +237,7 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
 def cmd_import_checkpoint(args: argparse.Namespace) -> int:
     from saeflow.interop import sae_checkpoints
 
-    run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format)
+    run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format,
+                                           target_shards=args.target_shards)
     print(run.root)
     return 0

@@ -21,6 +21,10 @@ Each architecture says how it maps (training/archs: `Arch.saelens`, `saelens_exp
     jumprelu         jumprelu, threshold = exp(log_threshold)     (none: refused)
     gated            gated (b_gate = b_enc, b_mag, r_mag)          (none: refused)
 
+Transcoders (a target other than the input, optionally a skip path) map too: sae_formats.py has their maths and
+files (SAELens transcoder / jumprelu_transcoder and their skip_ variants; sparsify transcode / skip_connection), and
+hooknames.py the other tools' names of the activations read and predicted, which exports write and imports record.
+
 An import becomes a run directory (`runs.create_run`) whose checkpoint/config.json names its origin (format, the
 source cfg.json, the sha256 of the weights file), the layer and the shard directory it is meant for; its sha256 is
 the run id, so importing the same files for the same shards and layer gives the same run.
@@ -35,6 +39,7 @@ import pathlib
 import torch
 
 from saeflow.errors import SaeflowError, unreadable
+from saeflow.interop import hooknames, sae_formats
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
 from saeflow.store.hashing import file_sha256
@@ -47,39 +52,7 @@ WEIGHTS_FNAMES = {"saelens": "sae_weights.safetensors", "sparsify": "sae.safeten
 IMPORT_VERSION = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class RawWeights:
-    """An SAE in raw activation space (the convention above); `threshold` the inference threshold of an architecture
-    that has one (`Arch.has_threshold`; None otherwise)."""
-
-    W_enc_ds: torch.Tensor
-    b_enc_s: torch.Tensor
-    W_dec_sd: torch.Tensor
-    b_dec_d: torch.Tensor
-    threshold: float | None = None
-    extra: dict = dataclasses.field(default_factory=dict)  # the architecture's own parameters (Arch.parameters)
-
-
-def raw_weights(model: sae.SAE) -> RawWeights:
-    """Fold saeflow's input scale into the weights: the same codes, a raw-space reconstruction."""
-    scale = float(model.scale)
-    with torch.no_grad():
-        return RawWeights(
-            W_enc_ds=(model.W_enc * scale).contiguous(),
-            b_enc_s=model.b_enc.clone(),
-            W_dec_sd=(model.W_dec / scale).contiguous(),
-            b_dec_d=model.b_dec / scale,
-            threshold=float(model.threshold) if model.arch.has_threshold else None,
-            extra={name: getattr(model, name).detach().clone() for name in model.arch.parameters(model.d_sae)},
-        )
-
-
-def from_raw(weights: RawWeights, arch: str, k: int) -> sae.SAE:
-    """A saeflow SAE (scale 1) computing exactly what the raw weights compute."""
-    return sae.SAE.from_weights(
-        weights.W_enc_ds, weights.b_enc_s, weights.W_dec_sd, weights.b_dec_d,
-        arch=arch, k=k, scale=1.0, threshold=weights.threshold or 0.0, extra=weights.extra,
-    )  # fmt: skip
+RawWeights, raw_weights, from_raw = sae_formats.RawWeights, sae_formats.raw_weights, sae_formats.from_raw
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -93,22 +66,52 @@ def export_run(run_dpath: str | os.PathLike, fmt: str, out_dpath: str | os.PathL
     model = sae.load_sae(run.require_checkpoint())
     layer = run.config().get("layer")
     origin = {"run_id": run.run_id, "layer": layer, "scale_folded": float(model.scale), "arch": model.cfg.arch}
+    if model.cfg.transcoder:
+        origin["target_scale_folded"] = float(model.target_scale)
     if model.cfg.matryoshka:
         origin["matryoshka"] = list(model.cfg.matryoshka)
-    return export_sae(model, fmt, out_dpath, origin)
+    return export_sae(model, fmt, out_dpath, origin, _run_hooks(run, layer, model.cfg.transcoder))
 
 
-def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: dict | None = None) -> pathlib.Path:
-    """Write `model` as a `fmt` directory; `origin` (JSON) is recorded in cfg.json under "saeflow"."""
+def _run_hooks(run: runs.Run, layer, transcoder: bool) -> dict:
+    """{"family", "input": (hook, layer)[, "target": ...]} of the run's linked shards; {} where they are not there
+    to read (the export then names no hook)."""
+    from saeflow.extraction import hooks
+    from saeflow.store.shards import ShardDir
+
+    links = [("input", run.TRAIN_SHARDS)] + ([("target", run.TARGET_SHARDS)] if transcoder else [])
+    found = {}
+    for role, link in links:
+        try:
+            md = ShardDir(run.link(link).resolve()).metadata
+        except (SaeflowError, OSError) as err:
+            logger.info("%s: no hook names in the export (%s)", run.root, err)
+            return {}
+        found.update({"family": md.family, role: (hooks.stored(md.data), layer)})
+    return found if isinstance(layer, int) else {}
+
+
+def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: dict | None = None,
+               where: dict | None = None) -> pathlib.Path:  # fmt: skip
+    """Write `model` as a `fmt` directory; `origin` (JSON) is recorded in cfg.json under "saeflow"; `where`: the
+    family and the (hook, layer) of its input (and target), whose names in the other tool cfg.json records."""
     import safetensors.torch
 
     _check_format(fmt)
     out_dpath = pathlib.Path(out_dpath)
-    if model.cfg.transcoder:  # its target's scale, output width and skip path have no place in these files yet
-        raise SaeflowError(f"{out_dpath}: a transcoder; saeflow exports SAEs to {fmt} (transcoders: not yet)")
     if out_dpath.exists():
         raise SaeflowError(f"{out_dpath} already exists; exports never overwrite")
-    cfg, tensors = (_saelens_files if fmt == "saelens" else _sparsify_files)(model, origin or {})
+    where, origin = where or {}, dict(origin or {})
+    if "input" in where:
+        origin["hook"] = list(where["input"])
+        origin.update({"target_hook": list(where["target"])} if "target" in where else {})
+    if fmt == "saelens":
+        names = {"hook_name": hooknames.to_transformerlens(where["input"])} if "input" in where else {}
+        names.update({"hook_name_out": hooknames.to_transformerlens(where["target"])} if "target" in where else {})
+        cfg, tensors = sae_formats.saelens_files(model, origin, names)
+    else:
+        hookpoint = hooknames.to_sparsify(where["family"], where["input"], where.get("target")) if where else None
+        cfg, tensors = sae_formats.sparsify_files(model, {**origin, **({"hookpoint": hookpoint} if hookpoint else {})})
     with atomic.building_dir(out_dpath) as staging_dpath:
         safetensors.torch.save_file(tensors, str(staging_dpath / WEIGHTS_FNAMES[fmt]))
         atomic.write_json(staging_dpath / CFG_FNAME, cfg)
@@ -118,58 +121,6 @@ def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: d
 def _check_format(fmt: str) -> None:
     if fmt not in SAE_FORMATS:
         raise SaeflowError(f"unknown SAE checkpoint format {fmt!r}; choose one of {SAE_FORMATS}")
-
-
-def _saelens_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """SAELens 6.x inference SAE: cfg.json as `SAEConfig.to_dict()` writes it, sae_weights.safetensors."""
-    if model.arch.saelens is None:
-        raise SaeflowError(f"SAELens has no architecture that computes a {model.cfg.arch} SAE")
-    weights = raw_weights(model)
-    cfg = {
-        "architecture": model.arch.saelens,
-        "d_in": model.d_model,
-        "d_sae": model.d_sae,
-        "dtype": "float32",
-        "device": "cpu",
-        "apply_b_dec_to_input": True,
-        "normalize_activations": "none",  # the scale is folded into the weights
-        "reshape_activations": "none",
-        "metadata": {"sae_lens_version": "6.0.0", "saeflow": {**origin, "arch": model.cfg.arch}},
-    }
-    tensors = {"W_enc": weights.W_enc_ds, "b_enc": weights.b_enc_s, "W_dec": weights.W_dec_sd, "b_dec": weights.b_dec_d,
-               **weights.extra}  # fmt: skip
-    cfg_extra, tensors = model.arch.saelens_export(model, tensors, weights.threshold)
-    cfg.update(cfg_extra)
-    return cfg, {name: t.detach().float().contiguous() for name, t in tensors.items()}
-
-
-def _sparsify_files(model: sae.SAE, origin: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """sparsify `Sae.save_to_disk`'s files: cfg.json (SparseCoderConfig + d_in), sae.safetensors."""
-    if model.arch.sparsify is None:
-        raise SaeflowError(
-            f"sparsify has TopK SAEs only (activation topk or groupmax); this SAE is {model.cfg.arch}: "
-            f"export it with --format saelens"
-        )
-    weights = raw_weights(model)
-    cfg = {
-        "activation": model.arch.sparsify,
-        "expansion_factor": max(1, model.d_sae // model.d_model),
-        "normalize_decoder": False,  # decoder rows have norm 1/scale once the scale is folded
-        "num_latents": model.d_sae,
-        "k": model.cfg.k,
-        "multi_topk": False,
-        "skip_connection": False,
-        "transcode": False,
-        "d_in": model.d_model,
-        "saeflow": origin,
-    }
-    tensors = {
-        "encoder.weight": weights.W_enc_ds.T,
-        "encoder.bias": weights.b_enc_s,
-        "W_dec": weights.W_dec_sd,
-        "b_dec": weights.b_dec_d,
-    }
-    return cfg, {name: t.detach().float().contiguous() for name, t in tensors.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,6 +138,8 @@ class Imported:
     weights: RawWeights
     source_cfg: dict
     weights_fpath: pathlib.Path
+    hooks: dict = dataclasses.field(default_factory=dict)  # the names it gives its input and target (sae_formats)
+    target_is_input: bool = False  # a transcoder of its own input (a sparsify SAE with a skip connection)
 
     def sae(self) -> sae.SAE:
         return from_raw(self.weights, self.arch, self.k)
@@ -229,20 +182,17 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
     weights_fpath = src_dpath / WEIGHTS_FNAMES[fmt]
     tensors = _read_tensors(weights_fpath)
     try:
-        arch, k, weights = (_from_saelens if fmt == "saelens" else _from_sparsify)(cfg, tensors)
+        arch, k, weights = (sae_formats.from_saelens if fmt == "saelens" else sae_formats.from_sparsify)(cfg, tensors)
     except KeyError as err:
         raise SaeflowError(f"{src_dpath}: {fmt} checkpoint lacks {err}") from None
     except archs.Unsupported as err:
         raise SaeflowError(f"{src_dpath}: cannot import: {err}") from None
-    d_sae, d_model = weights.W_dec_sd.shape
-    extra_ok = all(t.shape == (d_sae,) for t in weights.extra.values())
-    if weights.W_enc_ds.shape != (d_model, d_sae) or weights.b_enc_s.shape != (d_sae,) or weights.b_dec_d.shape != (
-        d_model,
-    ) or not extra_ok:
-        raise SaeflowError(f"{weights_fpath}: inconsistent shapes (W_dec {tuple(weights.W_dec_sd.shape)}, W_enc "
-                           f"{tuple(weights.W_enc_ds.shape)}, b_enc {tuple(weights.b_enc_s.shape)}, b_dec "
-                           f"{tuple(weights.b_dec_d.shape)})")  # fmt: skip
-    return Imported(fmt, arch, k, weights, cfg, weights_fpath)
+    problem = sae_formats.check_shapes(weights)
+    if problem is not None:
+        raise SaeflowError(f"{weights_fpath}: {problem}")
+    target_is_input = fmt == "sparsify" and weights.transcoder and not cfg.get("transcode")
+    names = sae_formats.source_names(fmt, cfg, src_dpath.resolve().name, weights.transcoder, target_is_input)
+    return Imported(fmt, arch, k, weights, cfg, weights_fpath, names, target_is_input)
 
 
 def _read_cfg(fpath: pathlib.Path) -> dict:
@@ -273,82 +223,36 @@ def _read_tensors(fpath: pathlib.Path) -> dict[str, torch.Tensor]:
     return {name: t.to(torch.float32) for name, t in tensors.items()}
 
 
-def _refuse_unless(ok: bool, what: str) -> None:
-    if not ok:
-        raise archs.Unsupported(what)
-
-
-def _checked_k(k) -> int:
-    if type(k) is not int or k < 1:
-        raise archs.Unsupported(f"k={k!r} (k must be a positive integer)")
-    return k
-
-
-def _saelens_k(cfg: dict) -> int:
-    """k of a TopK SAE, or of a BatchTopK SAE saved as JumpReLU (SAELens keeps it only in the training metadata);
-    1 when unnamed (BatchTopK's k matters in training only)."""
-    metadata = cfg.get("metadata")
-    details = metadata.get("training_architecture_details") if isinstance(metadata, dict) else None
-    return _checked_k(cfg.get("k") or (details.get("k") if isinstance(details, dict) else None) or 1)
-
-
-def _from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
-    """SAELens 6.x, through the architecture saved under its name (`archs.from_saelens`, `Arch.saelens_import`)."""
-    norm = cfg.get("normalize_activations", "none")
-    arch = archs.from_saelens(cfg.get("architecture", "standard"), cfg)
-    _refuse_unless(norm in ("none", None), f"normalize_activations={norm!r}: saeflow SAEs have no run-time input "
-                   "normalization; fold it first (SAELens: sae.fold_activation_norm_scaling_factor)")  # fmt: skip
-    _refuse_unless(cfg.get("reshape_activations", "none") == "none", "hook_z (per-head) SAEs")
-    W_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "W_dec", "b_dec"))
-    common = {"W_enc": W_enc, "b_enc": tensors.get("b_enc"), "W_dec": W_dec, "b_dec": b_dec, "threshold": None}
-    weights = arch.saelens_import(cfg, tensors, common)
-    if weights["b_enc"] is None:
-        raise KeyError("b_enc")
-    if not cfg.get("apply_b_dec_to_input", True):  # x @ W_enc + b_enc == (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
-        weights["b_enc"] = weights["b_enc"] + b_dec @ weights["W_enc"]
-    k = _saelens_k(cfg) if arch.uses_k else 1
-    extra = {name: weights[name] for name in arch.parameters(W_dec.shape[0])}
-    raw = RawWeights(*(weights[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")), extra)
-    return arch.name, min(k, W_dec.shape[0]), raw
-
-
-def _from_sparsify(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
-    """sparsify SparseCoder with an activation an architecture is saved as (`Arch.sparsify`: topk), autoencoding
-    (no transcoder, no skip connection)."""
-    activation = cfg.get("activation", "topk")
-    found = [arch for arch in archs.REGISTRY.values() if arch.sparsify is not None and arch.sparsify == activation]
-    _refuse_unless(bool(found), f"sparsify activation {cfg.get('activation')!r}")
-    _refuse_unless(not cfg.get("transcode") and not cfg.get("skip_connection"), "sparsify transcoders and skip "
-                   "connections (saeflow SAEs reconstruct their input)")  # fmt: skip
-    weights = RawWeights(tensors["encoder.weight"].T.contiguous(), tensors["encoder.bias"], tensors["W_dec"],
-                         tensors["b_dec"])  # fmt: skip
-    return found[0].name, _checked_k(cfg.get("k", 32)), weights
-
-
 def import_checkpoint(
     src_dpath: str | os.PathLike,
     runs_root: str | os.PathLike,
     shards_dpath: str | os.PathLike,
     layer: int | None = None,
     fmt: str | None = None,
+    target_shards: str | os.PathLike | None = None,
 ) -> runs.Run:
-    """Make (or find) the run directory of an imported SAE, ready for `saeflow inference --run RUN --shards DIR`."""
+    """Make (or find) the run directory of an imported SAE, ready for `saeflow inference --run RUN --shards DIR`;
+    a transcoder's also links its target's shards (`target_shards`, paired with `shards_dpath`)."""
     from saeflow.store.shards import ShardDir
 
     imported = read_checkpoint(src_dpath, fmt)
     sd = ShardDir(shards_dpath)
     md = sd.metadata
-    layer = _pick_layer(layer, md.layers, sd.dpath)
-    d_sae, d_model = imported.weights.W_dec_sd.shape
+    source = imported.hooks.get("input", {})
+    layer = _pick_layer(layer, md.layers, sd.dpath, source.get("layer"))
+    d_sae, d_model = imported.weights.W_enc_ds.shape[::-1]
     if d_model != md.d_model:
         raise SaeflowError(f"{imported.weights_fpath}: the SAE takes d_model={d_model}, but {sd.dpath} has "
                            f"d_model={md.d_model}")  # fmt: skip
+    _note_hook(source, sd, layer)
+    target_sd = _target_shards(imported, src_dpath, sd, target_shards, layer)
     run_config = {
         "imported": {
             "format": imported.fmt,
             "cfg": imported.source_cfg,
             "weights_sha256": file_sha256(imported.weights_fpath),
             "importer_version": IMPORT_VERSION,
+            **({"hooks": imported.hooks} if imported.hooks else {}),
         },
         "arch": imported.arch,
         "k": imported.k,
@@ -357,7 +261,11 @@ def import_checkpoint(
         "layer": layer,
         "shards": sd.hash,
     }
-    run = runs.create_run(runs_root, run_config, train_shards=sd.dpath)
+    if target_sd is not None:  # a transcoder: what inference pairs with the shards (analysis/inference.target_of)
+        run_config.update(d_out=imported.weights.W_dec_sd.shape[1], skip=imported.weights.W_skip_dd is not None,
+                          target=target_sd.hash)  # fmt: skip
+    run = runs.create_run(runs_root, run_config, train_shards=sd.dpath,
+                          target_shards=None if target_sd is None else (target_sd.dpath, None))  # fmt: skip
     with atomic.exclusive_lock(run.lock_fpath):
         if not run.sae_fpath.exists():
             sae.save_sae(imported.sae(), run.sae_fpath, readonly=True)
@@ -365,7 +273,42 @@ def import_checkpoint(
     return run
 
 
-def _pick_layer(layer: int | None, layers: tuple[int, ...], shards_dpath: pathlib.Path) -> int:
+def _target_shards(imported: Imported, src_dpath, sd, target_shards, layer: int):
+    """A transcoder's target shard directory (its input's for a transcoder of its input), checked; None for an SAE."""
+    from saeflow.store.shards import ShardDir
+
+    if not imported.weights.transcoder:
+        if target_shards is not None:
+            raise SaeflowError(f"--target-shards: {src_dpath} is an SAE (it reconstructs its input)")
+        return None
+    if target_shards is None and not imported.target_is_input:
+        raise SaeflowError(f"{src_dpath}: a transcoder predicts another activation than it reads: give its target's "
+                           "shards (--target-shards DIR, paired with --shards)")  # fmt: skip
+    target_sd = sd if target_shards is None else ShardDir(target_shards)
+    d_out = imported.weights.W_dec_sd.shape[1]
+    if target_sd.metadata.d_model != d_out or layer not in target_sd.metadata.layers:
+        raise SaeflowError(f"{target_sd.dpath}: the transcoder predicts d_out={d_out} at layer {layer}; these target "
+                           f"shards store d_model={target_sd.metadata.d_model}, layers "
+                           f"{list(target_sd.metadata.layers)}")  # fmt: skip
+    _note_hook(imported.hooks.get("target", {}), target_sd, layer)
+    return target_sd
+
+
+def _note_hook(named: dict, sd, layer: int) -> None:
+    """Warn when the checkpoint names a hook point or layer other than the shards' (the import goes on: the names
+    are the other tool's, recorded in the run's config)."""
+    from saeflow.extraction import hooks
+
+    stored = hooks.stored(sd.metadata.data)
+    if "hook" in named and (named["hook"], named["layer"]) != (stored, layer):
+        logger.warning("%s names %s (%s layer %d), but %s stores %s and the import reads layer %d", "the checkpoint",
+                       named["name"], named["hook"], named["layer"], sd.dpath, stored, layer)
+
+
+def _pick_layer(layer: int | None, layers: tuple[int, ...], shards_dpath: pathlib.Path, named: int | None) -> int:
+    """--layer, else the one layer the shards store, else the layer the checkpoint names (`hooknames`)."""
+    if layer is None and named in layers and len(layers) > 1:
+        return named
     if layer is None:
         if len(layers) != 1:
             raise SaeflowError(f"{shards_dpath} stores layers {list(layers)}: say which one the SAE reads (--layer)")

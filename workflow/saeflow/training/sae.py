@@ -56,11 +56,23 @@ def sae_from_weights(
     threshold: float = 0.0,
     matryoshka: tuple[int, ...] = (),
     extra: dict | None = None,
+    transcoder: bool = False,
+    target_scale: float = 1.0,
+    W_skip_dd: torch.Tensor | None = None,
 ) -> "SAE":
     """`SAE.from_weights`: an SAE (class `cls`) with given weights (normalized space), e.g. for tests with known
-    codes; `extra`: the architecture's own parameters (`Arch.parameters`, e.g. JumpReLU's log_threshold)."""
+    codes; `extra`: the architecture's own parameters (`Arch.parameters`, e.g. JumpReLU's log_threshold). A
+    `transcoder` outputs W_dec's width, normalized by `target_scale`, with a skip path when `W_skip_dd` is given."""
     d_model, d_sae = W_enc_ds.shape
-    sae = cls(SAEConfig(d_model=d_model, d_sae=d_sae, arch=arch, k=k, matryoshka=matryoshka))
+    d_out = W_dec_sd.shape[1] if transcoder else None
+    sae = cls(SAEConfig(d_model=d_model, d_sae=d_sae, arch=arch, k=k, matryoshka=matryoshka, d_out=d_out,
+                        skip=W_skip_dd is not None))  # fmt: skip
+    if transcoder:
+        extra = {**(extra or {}), "target_scale": torch.tensor(float(target_scale))}
+        if W_skip_dd is not None:
+            extra["W_skip"] = W_skip_dd
+    elif W_skip_dd is not None:
+        raise SaeflowError("W_skip: the linear skip path is a transcoder's")
     state = {
         "W_enc": W_enc_ds,
         "b_enc": b_enc_s,

@@ -39,13 +39,17 @@ def check_mode(name: str, mode: str, where: str = "arch", transcoder: bool = Fal
                            f"{', '.join(modes)})")  # fmt: skip
 
 
-def from_saelens(saelens_name: str, cfg: dict) -> Arch:
-    """The architecture a SAELens checkpoint is: among those saved under its SAELens name, the first (by name) whose
-    `saelens_claims(cfg)` says so, the one whose claim is unconditional last."""
-    candidates = [arch for arch in REGISTRY.values() if arch.saelens == saelens_name]
+def from_saelens(saelens_name: str, cfg: dict, transcoder: bool = False) -> Arch:
+    """The architecture a SAELens checkpoint is (a `transcoder`: `saelens_transcoder`): among those saved under its
+    SAELens name, the first (by name) whose `saelens_claims(cfg)` says so, the one whose claim is unconditional last.
+    A skip transcoder's name is its transcoder's with `skip_` before `transcoder`."""
+    saved_as = (lambda arch: arch.saelens_transcoder) if transcoder else (lambda arch: arch.saelens)
+    lookup = saelens_name.replace("skip_transcoder", "transcoder") if transcoder else saelens_name
+    candidates = [arch for arch in REGISTRY.values() if saved_as(arch) == lookup]
     if not candidates:
-        known = sorted({arch.saelens for arch in REGISTRY.values() if arch.saelens})
-        raise Unsupported(f"SAELens architecture {saelens_name!r} (saeflow has {known})")
+        known = sorted({name for arch in REGISTRY.values() for name in (arch.saelens, arch.saelens_transcoder) if name})
+        raise Unsupported(f"SAELens architecture {saelens_name!r} (saeflow has {known}, and the skip_ variants "
+                          "of the transcoders)")  # fmt: skip
     fallback = [arch for arch in candidates if type(arch).saelens_claims is Arch.saelens_claims]
     claimed = [arch for arch in candidates if arch not in fallback and arch.saelens_claims(cfg)]
     return (claimed or fallback or candidates)[0]

@@ -90,6 +90,8 @@ class Arch:
     whole_terms: tuple[str, ...] = ()
     has_threshold: bool = False  # the `threshold` buffer is its inference threshold (threshold statistics)
     saelens: str | None = None  # the SAELens architecture it is saved as
+    # ... and as a transcoder (SAELens has ReLU and JumpReLU ones; `skip_` before `transcoder` names the skip variant)
+    saelens_transcoder: str | None = None
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
 
     def unit_rows(self, sae_cfg) -> bool:

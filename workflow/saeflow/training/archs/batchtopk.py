@@ -12,6 +12,7 @@ class BatchTopK(Arch):
     selection = Selection.BATCH_TOP_K
     has_threshold = True
     saelens = "jumprelu"
+    saelens_transcoder = "jumprelu_transcoder"
 
     def activate(self, sae, pre_bs):
         """Training: the batch's k x b largest; eval: what exceeds the threshold, per vector."""

@@ -100,6 +100,7 @@ class JumpReLU(Arch):
     ghost_aux = True  # a dead latent sits below its threshold, usually below zero: AuxK reaches it through softplus
     term_names = ("mse", "l0", "pre_act", "aux")
     saelens = "jumprelu"
+    saelens_transcoder = "jumprelu_transcoder"
 
     def parameters(self, d_sae: int) -> dict:
         return {"log_threshold": torch.zeros(d_sae)}

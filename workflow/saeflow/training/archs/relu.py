@@ -34,6 +34,7 @@ class ReLU(Arch):
     ghost_aux = True
     term_names = ("mse", "l1", "aux")
     saelens = "standard"
+    saelens_transcoder = "transcoder"
 
     def activate(self, sae, pre_bs):
         return torch.relu(pre_bs)

@@ -1,0 +1,95 @@
+"""Other tools' hook names <-> saeflow's hook points (extraction/hooks.py) and layers (docs/interop.md has the table).
+
+A `Where` is (hook point, layer): layer k is transformer block k (0-indexed), `residual` its output.
+
+SAELens names its activations as TransformerLens hooks (`hook_name`, a transcoder's `hook_name_out`):
+
+    blocks.{k}.hook_resid_post        residual k          blocks.{k}.hook_resid_pre   residual k-1 (none for k = 0)
+    blocks.{k}.hook_attn_out          attn_out k          blocks.{k}.hook_mlp_out     mlp_out k
+    blocks.{k}.ln2.hook_normalized    mlp_in k
+
+`blocks.{k}.hook_mlp_in` is NOT saeflow's mlp_in: TransformerLens records it before ln2 (it is resid_mid), so it and
+resid_mid map to nothing. sparsify names a module of the base model (`h.3.mlp`, `layers.3`, optionally `/seedN`):
+an SAE reads the module's output, a transcoder predicts its output from its input. The module's path inside a block is
+saeflow's own (`HookPoint.paths`, every block layout), so `h.3.mlp` is mlp_out 3 and, for a transcoder, mlp_in 3 ->
+mlp_out 3; a whole block `layers.3` is residual 3 (a transcoder: residual 2 -> residual 3).
+"""
+
+import re
+
+from saeflow.extraction import hooks
+from saeflow.extraction.models import MODEL_TYPES
+
+Where = tuple[str, int]  # (saeflow hook point, layer)
+
+RESIDUAL = hooks.RESIDUAL
+# TransformerLens hook (after `blocks.{k}.`) -> saeflow hook point
+_TL_HOOKS = {"hook_resid_post": RESIDUAL, "hook_attn_out": "attn_out", "hook_mlp_out": "mlp_out",
+             "ln2.hook_normalized": "mlp_in"}  # fmt: skip
+_TL_NAMES = {hook: name for name, hook in _TL_HOOKS.items()}
+# a block layout -> where its blocks live in the base model sparsify hooks (`model.base_model`)
+_BLOCKS = {"gpt2": "h", "llama": "layers", "bert": "encoder.layer", "vit": "encoder.layer", "dinov2": "encoder.layer",
+           "clip": "vision_model.encoder.layers"}  # fmt: skip
+_HOOKPOINT = re.compile(r"(?:(?P<blocks>[A-Za-z_][\w.]*?)\.)?(?P<layer>\d+)(?:\.(?P<sub>[A-Za-z_][\w.]*))?")
+MLP = "mlp"  # the one module whose input saeflow also stores (mlp_in): a transcoder of it maps both ends
+
+
+def _module_hooks() -> dict[str, str]:
+    """A submodule path inside a block -> the hook point it records, over every block layout (one meaning each)."""
+    found: dict[str, str] = {}
+    for point in hooks.HOOK_POINTS.values():
+        for paths in point.paths.values():
+            for path in filter(None, paths):
+                assert found.setdefault(path, point.name) == point.name, path
+    return found
+
+
+def from_transformerlens(name) -> Where | None:
+    """A TransformerLens hook name's (hook point, layer); None where saeflow stores no such activation."""
+    match = re.fullmatch(r"blocks\.(\d+)\.(.+)", name) if isinstance(name, str) else None
+    if match is None:
+        return None
+    layer, hook = int(match[1]), match[2]
+    if hook == "hook_resid_pre":
+        return (RESIDUAL, layer - 1) if layer > 0 else None
+    return (_TL_HOOKS[hook], layer) if hook in _TL_HOOKS else None
+
+
+def to_transformerlens(where: Where) -> str:
+    hook, layer = where
+    return f"blocks.{layer}.{_TL_NAMES[hook]}"
+
+
+def from_sparsify(hookpoint, transcode: bool) -> tuple[Where | None, Where | None]:
+    """A sparsify hookpoint's (input, target): an SAE's both are the module's output; a transcoder reads the module's
+    input (saeflow stores it for a whole block and the MLP only) and predicts its output."""
+    match = _HOOKPOINT.fullmatch(hookpoint.partition("/")[0]) if isinstance(hookpoint, str) else None
+    if match is None:
+        return None, None
+    layer, sub = int(match["layer"]), match["sub"]
+    out = (RESIDUAL, layer) if sub is None else (_module_hooks()[sub], layer) if sub in _module_hooks() else None
+    if not transcode:
+        return out, out
+    if sub is None:
+        return ((RESIDUAL, layer - 1) if layer > 0 else None), out
+    return (("mlp_in", layer) if sub == MLP else None), out
+
+
+def to_sparsify(family: str, source: Where, target: Where | None) -> str | None:
+    """The hookpoint sparsify would train this SAE (target None) or transcoder at, for a model of `family`; None
+    where no module of that family reads and writes these activations."""
+    layouts = {hooks.BLOCK_LAYOUTS[t] for t, (fam, _, _) in MODEL_TYPES.items() if fam == family}
+    layout = next(iter(layouts)) if len(layouts) == 1 else None
+    if layout not in _BLOCKS:
+        return None
+    hook, layer = source if target is None else target
+    paths = hooks.HOOK_POINTS[hook].paths.get(layout, ())
+    sub = "" if hook == RESIDUAL else f".{paths[0]}" if paths else None
+    if target is None or sub is None:
+        return None if sub is None else f"{_BLOCKS[layout]}.{layer}{sub}"
+    # a transcoder of a whole block (residual k-1 -> residual k) or of its MLP (mlp_in k -> mlp_out k) only
+    if (hook, sub) == (RESIDUAL, "") and source == (RESIDUAL, layer - 1):
+        return f"{_BLOCKS[layout]}.{layer}"
+    if sub == f".{MLP}" and source == ("mlp_in", layer):
+        return f"{_BLOCKS[layout]}.{layer}{sub}"
+    return None
