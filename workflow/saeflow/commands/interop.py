@@ -29,8 +29,11 @@ CONVERT_DESCRIPTION = """\
 Convert an lmprobe dataset, Zarr store/root or gzip-pickle shard directory (detected from its files) into
 another format, through saeflow's in-memory per-example records. `--to saev` imports fixed-length activations
 into a saev protocol 2.0 shard directory OUT/<sha256>/ (OUT is a shards root) so they can be trained on; the
-shard hash covers the source's checksums. gzip-pickle sources are checksum-verified and unpickled with an
-allow-list (numpy arrays and plain containers only), never with pickle.load.
+shard hash covers the source's checksums. `--to saev2.1` exports a saeflow shard directory (a vision model's, float32)
+as saev's own 2.1 directory OUT/<8 hex digits of saev's hash>/ (OUT ends in saev/shards) that saev's readers read:
+saev's 13 metadata keys, shards hard-linked (a short last shard copied and zero-padded to saev's full size), the hook
+point kept in saev's data; the source and its hash are untouched. gzip-pickle sources are checksum-verified and
+unpickled with an allow-list (numpy arrays and plain containers only), never with pickle.load.
 
 Sources are read as untrusted input within --memory-budget: declared sizes (pickle arrays and strings,
 safetensors headers, .zarray shapes and chunks) are checked against the budget and the file sizes before anything
@@ -101,9 +104,10 @@ def register(subparsers):
     p = subparsers.add_parser("convert", help="convert between interop formats, or import into saev shards",
                               description=CONVERT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", type=pathlib.Path, metavar="SRC",
-                   help="lmprobe dataset, Zarr store or root, or gzip-pickle directory")
+                   help="lmprobe dataset, Zarr store or root, gzip-pickle directory; for saev2.1 a shard directory")
     p.add_argument("--to", required=True, choices=SINK_FORMATS, help="output format")
-    p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (for saev: the shards root)")
+    p.add_argument("out", type=pathlib.Path, metavar="OUT",
+                   help="output directory (for saev and saev2.1: the shards root)")
     p.add_argument("--memory-budget", type=_positive_bytes, default=DEFAULT_MEMORY_BUDGET, metavar="BYTES",
                    help="refuse any source file that would need more memory than this to read: a gzip-pickle shard "
                         "(decompressed stream and unpickled objects), an lmprobe safetensors shard, a Zarr array "
@@ -222,8 +226,7 @@ def cmd_import_saev(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from saeflow.interop import convert
 
-    source = convert.open_source(args.src, memory_budget=args.memory_budget)
-    print(convert.write(source, args.to, args.out, convert.default_spec()))
+    print(convert.convert(args.src, args.to, args.out, args.memory_budget))
     return 0
 
 

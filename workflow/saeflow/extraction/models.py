@@ -174,6 +174,11 @@ class ModelInfo:
         return tuple(sorted(resolved))
 
 
+def family_modality(family: str) -> str | None:
+    """"vision" or "text" for a family saeflow extracts (`MODEL_TYPES`), None for any other (an imported one)."""
+    return _FAMILY_MODALITY.get(family)
+
+
 def is_causal_lm(family: str) -> bool:
     """Whether a family is a causal language model (GPT-2, Llama, Qwen, Mistral): a text family that is no
     bidirectional encoder. The one answer for evaluate (scored on next-token loss), the interop engine (logits,

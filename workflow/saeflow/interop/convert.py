@@ -1,7 +1,9 @@
 """Exports and conversions, always source -> `Record`s -> sink (never format-to-format special cases).
 
 Sources: a prompt dataset run through a text model (`export_records`), or an existing lmprobe / Zarr /
-gzip-pickle directory (`open_source`). Sinks: lmprobe 2.0, Zarr, gzip-pickle, saev shards (`write`).
+gzip-pickle directory (`open_source`). Sinks: lmprobe 2.0, Zarr, gzip-pickle, saev shards (`write`). `convert` is
+`saeflow convert`: those, or (--to saev2.1) a saeflow shard directory exported file by file for saev's own readers
+(`saev_export`: the same bytes under saev's names, so no records).
 """
 
 import concurrent.futures
@@ -12,10 +14,10 @@ import pathlib
 import typing
 
 from saeflow.errors import SaeflowError
-from saeflow.interop import lmprobe, pickle_shards, saev_import, saev_sink, zarr_store
+from saeflow.interop import lmprobe, pickle_shards, saev_export, saev_import, saev_sink, zarr_store
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
 from saeflow.interop.records import Record, read_prompts
-from saeflow.interop.spec import SINK_FORMATS, ExportSpec
+from saeflow.interop.spec import SAEV_EXPORT_FORMAT, SINK_FORMATS, ExportSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,9 @@ def detect(dpath: pathlib.Path) -> str:
     if (dpath / zarr_store.MANIFEST_FNAME).exists() or (dpath / ".zmetadata").exists():
         return "zarr"
     zarr_store.refuse_format_3(dpath)
+    if saev_export.looks_like_shard_dir(dpath):
+        raise SaeflowError(f"{dpath}: a saeflow shard directory (protocol 2.0), which training reads as it is; convert "
+                           f"exports it only --to {SAEV_EXPORT_FORMAT} (for saev's own readers)")
     if saev_import.looks_like_saev(dpath):
         raise SaeflowError(f"{dpath}: a saev shard directory (protocol 2.1), not an interop format; import it into "
                            "the shard store with `saeflow import saev DIR --shards-root ROOT`")
@@ -78,6 +83,19 @@ def open_source(dpath: str | pathlib.Path, memory_budget: int = DEFAULT_MEMORY_B
                   ec.get("dataset_name", dpath.name), ec.get("model_architecture", "text"), ident)
 
 
+def convert(src: str | pathlib.Path, fmt: str, out: pathlib.Path,
+            memory_budget: int = DEFAULT_MEMORY_BUDGET) -> pathlib.Path:
+    """`saeflow convert`: the directory at `src` written as `fmt` at `out` (see `write`); --to saev2.1 exports a
+    saeflow shard directory into the saev shards root `out` (`saev_export`), returning <out>/<saev name>."""
+    src = pathlib.Path(src)
+    if fmt == SAEV_EXPORT_FORMAT:
+        if not saev_export.looks_like_shard_dir(src):
+            raise SaeflowError(f"{src}: --to {fmt} exports a saeflow shard directory (protocol 2.0 metadata.json), and "
+                               f"this is none; convert it --to saev first, then that directory --to {fmt}")
+        return saev_export.export_saev(src, out)[0]
+    return write(open_source(src, memory_budget), fmt, out, default_spec())
+
+
 def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> pathlib.Path:
     """Write `source` as `fmt` at `out` (for saev: into the shards root `out`, returning <out>/<hash>).
 
@@ -85,6 +103,8 @@ def write(source: Source, fmt: str, out: pathlib.Path, spec: ExportSpec) -> path
     """
     if fmt not in SINK_FORMATS:
         raise SaeflowError(f"unknown output format {fmt!r}; choose one of {SINK_FORMATS}")
+    if fmt == SAEV_EXPORT_FORMAT:
+        raise SaeflowError(f"{fmt} output is exported from a saeflow shard directory (`convert`), not from records")
     records = source.records()
     first = next(records, None)
     if first is None:

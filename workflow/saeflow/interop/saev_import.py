@@ -74,7 +74,7 @@ def _int_ok(value, low: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _check_md(md_obj, where: str) -> None:
+def check_md(md_obj, where: str) -> None:
     """saev's `Metadata.load`: exactly its keys, its protocol, its types."""
     if not isinstance(md_obj, dict):
         raise SaeflowError(f"{where}: not a JSON object, so not saev metadata")
@@ -101,9 +101,10 @@ def _check_md(md_obj, where: str) -> None:
         raise SaeflowError(f"{where}: saev metadata has invalid {', '.join(bad)}")
 
 
-def _check_name(dpath: pathlib.Path, md_obj: dict, where: str) -> str:
-    """The directory's name, if it is saev's for this metadata (either era); else a one-line error naming both."""
-    name = dpath.resolve().name
+def _check_name(dpath: pathlib.Path, md_obj: dict, where: str, name: str | None = None) -> str:
+    """The directory's name (`name` when given), if it is saev's for this metadata (either era); else a one-line error
+    naming both."""
+    name = name or dpath.resolve().name
     try:
         digest = saev_digest(md_obj)
     except UnicodeEncodeError:
@@ -168,15 +169,16 @@ def _check_files(dpath: pathlib.Path, md: Metadata, n_shards: int) -> tuple[path
 
 
 def read_saev(dpath: str | os.PathLike, limit_bytes: int = DEFAULT_MEMORY_BUDGET,
-              allow_empty_extra_shard: bool = False) -> SaevDir:
-    """Check a saev 2.1 directory by saev's rules (a one-line SaeflowError for the first problem) and map it."""
+              allow_empty_extra_shard: bool = False, name: str | None = None) -> SaevDir:
+    """Check a saev 2.1 directory by saev's rules (a one-line SaeflowError for the first problem) and map it. `name`
+    is the name it must carry, when it is still a staging sibling (default: its own)."""
     dpath = pathlib.Path(dpath)
     if not dpath.is_dir():
         raise SaeflowError(f"{dpath}: does not exist or is not a directory")
     layout = ShardLayout(dpath)
     md_obj = read_json(layout.metadata_fpath, limit_bytes, "saev metadata")
-    _check_md(md_obj, str(layout.metadata_fpath))
-    saev_name = _check_name(dpath, md_obj, str(layout.metadata_fpath))
+    check_md(md_obj, str(layout.metadata_fpath))
+    saev_name = _check_name(dpath, md_obj, str(layout.metadata_fpath), name)
     md = to_metadata(md_obj, saev_name, limit_bytes, str(layout.metadata_fpath))
     listed = read_json(layout.shards_fpath, limit_bytes, "saev shard list")
     n_shards = _check_shards_json(listed, md, str(layout.shards_fpath), allow_empty_extra_shard)

@@ -16,8 +16,10 @@ if typing.TYPE_CHECKING:  # imported when an export is typed: a config without e
     from saeflow.interop.pickle_shards import PickleOptions
     from saeflow.interop.zarr_store.format import ZarrOptions
 
-# What `saeflow convert --to` writes: an export format, or (saev) a shard directory that training reads.
-SINK_FORMATS = (*config.enum("export_spec", "format"), "saev")
+# What `saeflow convert --to` writes: an export format, (saev) a shard directory that training reads, or (saev2.1) a
+# saeflow shard directory as saev's own 2.1 directory, for saev's readers (interop.saev_export; no records involved).
+SAEV_EXPORT_FORMAT = "saev2.1"
+SINK_FORMATS = (*config.enum("export_spec", "format"), "saev", SAEV_EXPORT_FORMAT)
 # The SAE checkpoints `saeflow export-checkpoint` writes and `import-checkpoint` reads (interop.sae_checkpoints).
 SAE_FORMATS = ("saelens", "sparsify")
 
