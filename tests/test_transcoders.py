@@ -460,24 +460,13 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
     import subprocess
     import sys
 
-    import transformers
     import yaml
 
     from saeflow.cli import main
     from saeflow.planning import extraction_passes
-    from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env
+    from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, local_gpt2_example
 
-    model_dpath = tmp_path / "gpt2"
-    torch.manual_seed(0)
-    transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=12, n_head=2, vocab_size=300)).save_pretrained(
-        model_dpath
-    )
-    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "examples" / "gpt2-transcoders.yaml").read_text())
-    for spec in cfg["activations"].values():
-        spec.update(model={"name": str(model_dpath)}, tokenizer="bytes")
-        spec["dataset"].update(path=str(tmp_path / "corpus.txt"))
-    cfg.update(shards_root=str(tmp_path / "shards"), runs_root=str(tmp_path / "runs"))
+    cfg = local_gpt2_example(tmp_path, "gpt2-transcoders.yaml")
     plan = _plan(cfg)
     ((key, hashes),) = extraction_passes(plan).items()
     assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2

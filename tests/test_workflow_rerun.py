@@ -25,6 +25,7 @@ from saeflow.planning import WorkflowPlan, extraction_passes
 from saeflow.store.layout import RunLayout, ShardLayout
 from saeflow.training import sweeps
 from test_faults_cli import _drop_dac_capabilities
+from test_identity import RANDOM_GPT2
 from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, tree_state, write_config
 
 pytestmark = pytest.mark.slow  # every test here runs Snakemake or the CLI end to end
@@ -33,17 +34,7 @@ BASE = {
     "shards_root": "shards",
     "runs_root": "runs",
     "summary_dir": "summary",
-    "activations": {
-        "text": {
-            "model": {"random": {"arch": "gpt2", "config": {"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 300,
-                                                            "n_positions": 32, "bos_token_id": 1, "eos_token_id": 2}}},
-            "tokenizer": "bytes",
-            "layers": [1],
-            "dataset": {"kind": "builtin_text", "n_ex": 16},
-            "context_length": 16,
-            "device": "cpu",
-        }
-    },
+    "activations": {"text": copy.deepcopy(RANDOM_GPT2)},  # the pinned tiny GPT-2 (test_identity)
     "saes": {"topk": {"train": "text", "layer": 1, "arch": "topk", "expansion": 2, "k": [4, 8], "aux_k": 8,
                       "batch_size": 64}},
     "visuals": {"n_latents": 2, "top_k": 2},

@@ -78,6 +78,25 @@ def tiny_config(n_ex: int = 24, layer: int = 1, k=(4, 8), patches_per_shard: int
     }
 
 
+def local_gpt2_example(tmp_path: pathlib.Path, name: str) -> dict:
+    """config/examples/<name> with a local 12-block random GPT-2 for `gpt2` (no download), byte tokens and a small
+    corpus for every activation, and roots under `tmp_path`."""
+    import torch
+    import transformers
+
+    model_dpath = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=12, n_head=2, vocab_size=300))
+    gpt2.save_pretrained(model_dpath)
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "examples" / name).read_text())
+    for spec in cfg["activations"].values():
+        spec.update(model={"name": str(model_dpath)}, tokenizer="bytes")
+        spec["dataset"].update(path=str(tmp_path / "corpus.txt"))
+    cfg.update(shards_root=str(tmp_path / "shards"), runs_root=str(tmp_path / "runs"))
+    return cfg
+
+
 def write_config(workdir: pathlib.Path, cfg: dict, name: str = "config.yaml") -> pathlib.Path:
     fpath = workdir / name
     fpath.write_text(yaml.safe_dump(cfg, sort_keys=False), encoding="utf-8")

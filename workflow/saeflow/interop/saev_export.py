@@ -45,14 +45,8 @@ LINK_FALLBACK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP)
 
 def looks_like_shard_dir(dpath: pathlib.Path) -> bool:
     """True for a directory whose metadata.json is protocol 2.0's (what `saeflow convert` exports --to saev2.1)."""
-    fpath = ShardLayout(dpath).metadata_fpath
-    try:
-        if fpath.stat().st_size > 1 << 20:
-            return False
-        obj = json.loads(fpath.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(obj, dict) and obj.get("protocol") == PROTOCOL and "patches_per_shard" in obj
+    obj = saev_import.sniff_metadata(dpath)
+    return obj.get("protocol") == PROTOCOL and "patches_per_shard" in obj
 
 
 def _refuse_family(md: Metadata, where: pathlib.Path) -> None:

@@ -46,16 +46,22 @@ def saev_digest(md_obj: dict) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def looks_like_saev(dpath: pathlib.Path) -> bool:
-    """True for a directory with saev's metadata keys (what `saeflow convert` must not read as gzip-pickle)."""
+def sniff_metadata(dpath: pathlib.Path) -> dict:
+    """The metadata.json object of `dpath` when it is a small readable JSON object, else {}: enough to tell which
+    format a directory is in (`looks_like_saev`, `saev_export.looks_like_shard_dir`), never an error."""
     fpath = ShardLayout(dpath).metadata_fpath
     try:
         if fpath.stat().st_size > 1 << 20:
-            return False
+            return {}
         obj = json.loads(fpath.read_bytes())
     except (OSError, ValueError):
-        return False
-    return isinstance(obj, dict) and {"max_tokens_per_shard", "content_tokens_per_example"} <= obj.keys()
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def looks_like_saev(dpath: pathlib.Path) -> bool:
+    """True for a directory with saev's metadata keys (what `saeflow convert` must not read as gzip-pickle)."""
+    return {"max_tokens_per_shard", "content_tokens_per_example"} <= sniff_metadata(dpath).keys()
 
 
 @dataclasses.dataclass(frozen=True)
