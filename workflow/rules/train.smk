@@ -19,7 +19,8 @@ rule create_run:
     input:
         lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).config_fpath,
-            *PLAN.runs[wc.run_id].read_activations,  # train, val (a transcoder's targets of them)
+            # train, val (a transcoder's targets of them)
+            *PLAN.runs[wc.run_id].read_activations,
         ),
     output:
         RUNS.config_fpath,
