@@ -134,7 +134,7 @@ class DataParallelTrainer(train.Trainer):
             found = self.checkpoint.restore(self)
         found = self.comm.broadcast_object(found if self.comm.is_root else None)
         if found and not self.comm.is_root:
-            self.load_state_dict(resume.read_resume(self.run, self.device, self.sae.arch.latent_axes()))
+            self.load_state_dict(resume.read_resume(self.run, self.device, self.sae.latent_axes()))
         return found
 
     def save_resume(self) -> None:

@@ -127,6 +127,11 @@ class SAE(torch.nn.Module):
         """A skip transcoder's linear path x_n @ W_skip (normalized target space); None without one."""
         return xn_bd @ self.W_skip if self.cfg.skip else None
 
+    def latent_axes(self) -> dict:
+        """Each parameter, in this SAE's order, -> its latent axis (`Arch.latent_axes`), a skip transcoder's W_skip
+        (held whole, after the architecture's own) included: what a latent shard and a resume checkpoint cut."""
+        return {**self.arch.latent_axes(), **({"W_skip": None} if self.cfg.skip else {})}
+
     @property
     def arch(self) -> archs.Arch:
         """This SAE's architecture (training/archs): its activation, losses, decoder policy and formats."""
@@ -223,15 +228,16 @@ def norm_scale(x_nd: torch.Tensor, width: int, root) -> float:
 
 
 @torch.no_grad()
-def init_transcoder(sae: SAE, xn_nd: torch.Tensor, gen: torch.Generator) -> None:
-    """A transcoder at the start (`xn_nd`: the normalized input sample), as sparsify starts one: random unit encoder
+def init_transcoder(sae: SAE, xn_nd: torch.Tensor, W_ds: torch.Tensor) -> None:
+    """A transcoder at the start (`xn_nd`: the normalized input sample; `W_ds`: the random draw of its encoder
+    columns, a row per latent: a latent shard's rows of one process's draw), as sparsify starts one: random unit encoder
     columns in its input's space (of the architecture's initial decoder row norm), biases that centre the
     pre-activations on the sample (its input is not centred by b_dec, which lives in the target's space), decoder
     rows and the skip path at zero. The decoder rows then train freely (`Arch.unit_rows`): each first learns what its
     latent predicts, then the encoder learns through it (benchmarks/bench_planted.py --transcoder: 93.6% of the planted
     output atoms, against 80.2% with unit rows started at random and 85.0% started at what their encoder column
     predicts linearly, at twice the learning rate)."""
-    W_ds = torch.randn(sae.d_sae, sae.d_model, generator=gen).to(sae.W_enc.device)
+    W_ds = W_ds.to(sae.W_enc.device)
     W_ds = W_ds / W_ds.norm(dim=-1, keepdim=True).clamp_min(1e-8) * sae.arch.decoder_init_norm
     sae.W_enc.copy_(W_ds.T)
     sae.b_enc.copy_(-(xn_nd.mean(0) @ sae.W_enc))

@@ -116,7 +116,7 @@ class Checkpoint:
         atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
         self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
         # resume.pt, or the ranks' files of a latent-sharded checkpoint
-        state = resume.read_resume(self.run, trainer.device, trainer.sae.arch.latent_axes(),
+        state = resume.read_resume(self.run, trainer.device, trainer.sae.latent_axes(),
                                    getattr(trainer, "latents", None))  # fmt: skip
         if state is None:
             return False
@@ -252,7 +252,7 @@ class Trainer:
             sae.W_enc.copy_(sae.W_dec.T)
             sae.b_enc.zero_()
         else:
-            init_transcoder(sae, x_nd * sae.scale, gen)
+            init_transcoder(sae, x_nd * sae.scale, torch.randn(sae.d_sae, sae.d_model, generator=gen))
         sae.arch.init_parameters(sae, self.cfg)  # its own parameters (e.g. JumpReLU's thresholds)
 
     def state_dict(self) -> dict:
