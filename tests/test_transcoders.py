@@ -377,25 +377,104 @@ def test_a_skip_transcoder_on_two_ranks_matches_one_process(tmp_path, mode):
     assert result["nmse"] == pytest.approx(want["nmse"], rel=1e-3) and result["n_vectors"] == want["n_vectors"]
 
 
+def _init_differences(name: str, skip: bool) -> list[str]:
+    """On each rank: the parameters and buffers in which a latent shard's start (`ShardedTrainer.init_from_data`)
+    differs from its latents' part of one process's start (`Trainer.init_from_data`) from the same sample."""
+    import types
+
+    from saeflow.training import distributed
+    from saeflow.training.sharded import ShardedTrainer
+
+    comm = distributed.init("cpu")
+    cfg = _train_config(name, True, k=4, expansion=4, skip=skip)
+    run, cpu = types.SimpleNamespace(root="tc"), torch.device("cpu")
+    gen = torch.Generator().manual_seed(3)
+    x_nd, y_nd = torch.randn(256, 16, generator=gen) * 3, torch.randn(256, 12, generator=gen) + 1
+    whole, shard = train.Trainer(run, cfg, 16, 100, cpu, 12), ShardedTrainer(comm, run, cfg, 16, 100, cpu, 12)
+    whole.init_from_data(x_nd, y_nd)
+    shard.init_from_data(x_nd, y_nd)
+    lo, hi = shard.latents
+    axes = {**whole.sae.latent_axes(), "scale": None, "target_scale": None, "threshold": None}
+    differ = []
+    for key, axis in axes.items():
+        want = getattr(whole.sae, key)
+        if not torch.equal(getattr(shard.sae, key), want if axis is None else want.narrow(axis, lo, hi - lo)):
+            differ.append(key)
+    comm.close()
+    return differ
+
+
 @pytest.mark.slow
-def test_saeflow_train_on_the_ranks_refuses_a_latent_sharded_transcoder_in_one_line(tmp_path):
+@pytest.mark.parametrize("name", ARCH_NAMES)
+def test_a_latent_shard_of_a_transcoder_starts_as_its_latents_of_one_process(name):
+    """Each rank's encoder columns are its rows of one process's draw (made after the decoder's, which the shard
+    draws and drops), its biases centre the pre-activations the same way, and the scales, b_dec and W_skip are one
+    process's: bitwise."""
+    from _ranks import run_ranks
+
+    assert run_ranks(2, _init_differences, name, True) == [[], []]
+
+
+LATENT_SPECS = {"topk": {"k": 2, "matryoshka": [0.25]}, "batchtopk": {"k": 2}, "relu": {"l1_coeff": 2.0},
+                "jumprelu": {}, "gated": {}}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "skip"), [*((name, True) for name in ARCH_NAMES), ("topk", False)])
+def test_a_transcoder_on_two_ranks_in_latents_mode_matches_one_process(tmp_path, arch, skip):
+    """Latent sharding: each rank holds half the latents (encoder columns reading the input, decoder rows writing the
+    target; W_skip and target_scale whole on both) and the ranks' partial decodes are summed. The published sae.pt is
+    a transcoder (the skip path too) and ends where one process ends: every weight within 1e-3 of its largest
+    magnitude, the validation NMSE of the target within 1e-3 relative."""
+    from _ranks import run_ranks
+
+    assert arch in LATENT_SPECS, f"{arch}: give it a spec in LATENT_SPECS"
+    x_sd, y_sd = _small_pairs(tmp_path / "s")
+    spec = dict(arch=arch, expansion=2, batch_size=64, n_epochs=2, skip=skip, **LATENT_SPECS[arch])
+    split = run_from_sae_spec(tmp_path / "split", x_sd, target_sd=y_sd, **spec)
+    alone = run_from_sae_spec(tmp_path / "alone", x_sd, target_sd=y_sd, **spec)
+    results = run_ranks(2, _train, [split.root], "latents")
+    (want,) = _train([alone.root], "sweep")
+    (result,), rest = results
+    assert rest == []
+    sae = load_sae(split.sae_fpath)
+    assert sae.cfg.transcoder and sae.cfg.skip == skip and (sae.d_model, sae.d_out) == (16, 12)
+    a, b = sae.state_dict(), load_sae(alone.sae_fpath).state_dict()
+    assert a.keys() == b.keys() and ("W_skip" in a) == skip and "target_scale" in a
+    worst = {key: float((a[key] - b[key]).abs().max()) / max(float(b[key].abs().max()), 1e-6) for key in b}
+    assert max(worst.values()) <= 1e-3, worst
+    assert result["nmse"] == pytest.approx(want["nmse"], rel=1e-3) and result["n_vectors"] == want["n_vectors"]
+    assert result["nmse"] < 1.0  # of the target: better than its mean
+
+
+@pytest.mark.slow
+def test_a_latent_sharded_skip_transcoder_resumes_to_the_bytes_of_an_uninterrupted_run(tmp_path):
+    """Stopped after 13 of 32 steps on 2 ranks (one file per rank and a manifest; each rank's holds the whole W_skip,
+    b_dec and their Adam moments, bitwise the same on both ranks: no rank's update of them differs), then resumed on
+    2 ranks: the same sae.pt bytes as the 2-rank run never stopped."""
+    import json
+
     from _ranks import run_ranks
 
     x_sd, y_sd = _small_pairs(tmp_path / "s")
-    run = run_from_sae_spec(tmp_path / "runs", x_sd, target_sd=y_sd, arch="topk", k=2, expansion=2, batch_size=64)
-
-    def refusal(root):
-        try:
-            _train([root], "latents")
-        except SaeflowError as err:
-            return str(err)
-        return None
-
-    want = (f"{run.config_fpath}: arch: topk transcoders do not train with parallel: latents (they train with sweep, "
-            "data)")
-    for message in run_ranks(2, refusal, run.root):
-        assert message == want, message
-    assert not run.sae_fpath.exists() and not run.resume_fpath.exists()
+    spec = dict(arch="batchtopk", k=2, expansion=2, batch_size=64, n_epochs=2, skip=True)
+    clean = run_from_sae_spec(tmp_path / "clean", x_sd, target_sd=y_sd, **spec)
+    stopped = run_from_sae_spec(tmp_path / "stopped", x_sd, target_sd=y_sd, **spec)
+    run_ranks(2, _train, [clean.root], "latents")
+    assert run_ranks(2, _train, [stopped.root], "latents", max_steps=13, checkpoint_every=5) == [[], []]
+    manifest = json.loads(stopped.resume_manifest_fpath.read_text())
+    assert manifest["step"] == 13 and not stopped.sae_fpath.exists()
+    parts = [torch.load(stopped.resume_shards_dpath / shard["fname"], weights_only=True)
+             for shard in manifest["shards"]]  # fmt: skip
+    axes = load_sae(clean.sae_fpath).latent_axes()
+    assert list(axes)[-1] == "W_skip" and float(parts[0]["sae"]["W_skip"].abs().max()) > 0
+    for name, axis in axes.items():
+        if axis is None:
+            moments = [part["opt"]["state"][list(axes).index(name)] for part in parts]
+            assert torch.equal(parts[0]["sae"][name], parts[1]["sae"][name]), name
+            assert all(torch.equal(moments[0][key], moments[1][key]) for key in moments[0]), name
+    run_ranks(2, _train, [stopped.root], "latents")
+    assert stopped.sae_fpath.read_bytes() == clean.sae_fpath.read_bytes()
 
 
 def test_a_transcoder_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path):

@@ -110,7 +110,8 @@ def _make_trainers(mode: str, comm: Comm, group, val_dirs, d_model: int, n_steps
     if mode == "data":
         return [(DataParallelTrainer(comm, run, cfg, d_model, n_steps, comm.device, d_out), val_dir)
                 for (run, cfg), val_dir in members]  # fmt: skip
-    return [(ShardedTrainer(comm, run, cfg, d_model, n_steps, comm.device), val_dir) for (run, cfg), val_dir in members]
+    return [(ShardedTrainer(comm, run, cfg, d_model, n_steps, comm.device, d_out), val_dir)
+            for (run, cfg), val_dir in members]  # fmt: skip
 
 
 def _restore(t) -> bool:

@@ -1,17 +1,21 @@
 """Latent-sharded training: rank r holds latents [lo_r, hi_r) of each SAE, so its weights and Adam moments are 1/N.
 
-Shapes: b batch, d d_model, s this rank's latents (hi - lo), k picks per vector, p Matryoshka prefixes + the full.
+Shapes: b batch, d d_model (a transcoder's decodes: its target's width), s this rank's latents (hi - lo), k picks per
+vector, p Matryoshka prefixes + the full.
 
 A rank holds W_enc[:, lo:hi], b_enc[lo:hi], W_dec[lo:hi], the architecture's own per-latent parameters (each cut
 along the axis `Arch.latent_axes` names) and their Adam moments; b_dec, the scale and the BatchTopK threshold are
-whole on every rank. Every rank holds the whole batch (the loader all-gathers it). One step:
+whole on every rank, and so are a transcoder's target_scale and skip path W_skip (its encoder columns read the input,
+its decoder rows write the target: `objectives.latent_target`). Every rank holds the whole batch (the loader
+all-gathers it; a transcoder's pairs). One step:
   - pre-activations of this rank's latents, (b, s): no communication;
   - TopK: each rank's top k per vector (values and global ids) are all-gathered and the top k of those are the
     picks (the global top k, exactly the unsharded SAE's choice); BatchTopK: each rank's top k x b activations are
     all-gathered and the (k x b)-th largest is the threshold; AuxK picks among the dead latents the same way;
   - each rank decodes its own picks and the partial outputs are summed, an all-reduce of (p, b, d) (`sum_over_ranks`,
     whose backward is the identity: every rank computes the same loss from the same sum);
-  - the b_dec gradient is all-reduced (its decoder term is counted on rank 0 only).
+  - the b_dec gradient is all-reduced (its decoder term is counted on rank 0 only); W_skip's needs nothing: it comes
+    from the reconstruction error alone, the same sum on every rank, so every rank makes the same update.
 Per step that moves about b x (p d + 2 k N) values (docs/distributed.md). The resume checkpoint is one file per rank
 with a manifest (saeflow.training.resume: `write_resume`), readable at any world size and by one process
 (`read_resume`); sae.pt is assembled on rank 0 at the end (the Adam moments are dropped first).
@@ -22,18 +26,17 @@ import math
 
 import torch
 
-from saeflow.errors import SaeflowError
 from saeflow.store import provenance
 from saeflow.training import objectives, train
 from saeflow.training.adam import Adam
 from saeflow.training.archs import Selection
 from saeflow.training.dataparallel import global_kth_largest
 from saeflow.training.distributed import Comm
-from saeflow.training.loaders import OrderedLoader
-from saeflow.training.metrics import MetricsAccumulator, batch_nmse
+from saeflow.training.loaders import ordered_loader, pairs
+from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import Loss
 from saeflow.training.resume import read_resume, write_resume
-from saeflow.training.sae import SAE, SAEConfig
+from saeflow.training.sae import SAE, SAEConfig, init_normalization, init_transcoder
 
 RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
 SEND_CHUNK_BYTES = 64 << 20  # latents sent to rank 0 at a time when sae.pt is assembled
@@ -55,15 +58,19 @@ class LatentShard(SAE):
     def __init__(self, cfg: SAEConfig, lo: int, hi: int):
         torch.nn.Module.__init__(self)
         self.cfg, self.lo, self.hi = cfg, lo, hi
-        self.d_model, self.d_sae = cfg.d_model, hi - lo
+        self.d_model, self.d_sae, self.d_out = cfg.d_model, hi - lo, cfg.d_target
         self.W_enc = torch.nn.Parameter(torch.zeros(cfg.d_model, hi - lo))  # same order as SAE: the Adam state maps
         self.b_enc = torch.nn.Parameter(torch.zeros(hi - lo))
-        self.W_dec = torch.nn.Parameter(torch.zeros(hi - lo, cfg.d_model))
-        self.b_dec = torch.nn.Parameter(torch.zeros(cfg.d_model))
+        self.W_dec = torch.nn.Parameter(torch.zeros(hi - lo, self.d_out))
+        self.b_dec = torch.nn.Parameter(torch.zeros(self.d_out))
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("threshold", torch.zeros(()))
         for name, zeros in self.arch.parameters(hi - lo).items():  # its own, cut as `Arch.latent_axes` says
             self.register_parameter(name, torch.nn.Parameter(zeros))
+        if cfg.transcoder:  # whole on every rank, as in SAE after everything else
+            self.register_buffer("target_scale", torch.ones(()))
+        if cfg.skip:
+            self.W_skip = torch.nn.Parameter(torch.zeros(cfg.d_model, self.d_out))
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -187,29 +194,34 @@ def aux_loss(shard: LatentShard, pre_bs, gids_bk, resid_bd, ghost: bool, comm: C
     return err / resid_bd.square().sum(-1).mean().clamp_min(1e-12)
 
 
-def sharded_loss(trainer: "ShardedTrainer", x_bd: torch.Tensor) -> Loss:
-    """This rank's loss: the (replicated) reconstruction and AuxK terms, and the architecture's sparsity terms on
-    its own latents (a term made from a whole decode, e.g. Gated's auxiliary reconstruction, sums the ranks' parts:
-    `Arch.whole_terms`), so its gradient is the unsharded SAE's gradient on its parameters (b_dec's after the
-    all-reduce)."""
+def sharded_loss(trainer: "ShardedTrainer", batch: pairs.Batch) -> Loss:
+    """This rank's loss on a batch (an SAE's inputs or a transcoder's pairs): the (replicated) reconstruction and AuxK
+    terms, and the architecture's sparsity terms on its own latents (a term made from a whole decode, e.g. Gated's
+    auxiliary reconstruction, sums the ranks' parts: `Arch.whole_terms`), so its gradient is the unsharded SAE's
+    gradient on its parameters (b_dec's after the all-reduce). A transcoder's latents decode toward its target less
+    the skip path (`objectives.latent_target`), as in one process."""
     shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
+    x_bd, y_bd = pairs.split(batch)
     xn_bd = x_bd * shard.scale
     pre_bs = shard.pre_acts_normed(xn_bd)
     picks_bk = dead_picks(shard, pre_bs, trainer.dead.dead_s, cfg.aux_k, comm)
     codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=True, train_cfg=cfg)
     recon_pbd = decode(shard, codes, comm, shard.cfg.matryoshka)
+    target_bd, yn_bd = objectives.latent_target(shard, xn_bd, y_bd)
     xn_hat_bd = recon_pbd[-1]
-    mse = torch.stack([(r_bd - xn_bd).square().sum(-1).mean() for r_bd in recon_pbd]).mean()
+    mse = torch.stack([(r_bd - target_bd).square().sum(-1).mean() for r_bd in recon_pbd]).mean()
 
     def aux_error():
         if picks_bk is None:
             return None
-        return aux_loss(shard, pre_bs, picks_bk, xn_bd - xn_hat_bd, shard.arch.ghost_aux, comm)
+        return aux_loss(shard, pre_bs, picks_bk, target_bd - xn_hat_bd, shard.arch.ghost_aux, comm)
 
     terms = objectives.loss_terms(cfg, shard, xn_bd, pre_bs, codes.f_bs, mse, aux_error, trainer.step,
                                   trainer.n_steps, dead_s=trainer.dead.dead_s,
+                                  target_bd=None if yn_bd is None else target_bd,
                                   over_latents=lambda partial_bd: sum_over_ranks(partial_bd, comm))  # fmt: skip
-    return Loss(sum(terms.values()), terms, xn_hat_bd, codes)
+    return objectives.transcoder_loss({"total": sum(terms.values()), "terms": terms, "xn_hat_bd": xn_hat_bd,
+                                       "codes": codes}, target_bd, yn_bd)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,14 +229,16 @@ def sharded_loss(trainer: "ShardedTrainer", x_bd: torch.Tensor) -> Loss:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def randn_rows(seed: int, n_rows: int, d: int, lo: int, hi: int) -> torch.Tensor:
-    """Rows [lo, hi) of `torch.randn(n_rows, d, generator=torch.Generator().manual_seed(seed))`, drawn in chunks.
+def randn_rows(seed: int | torch.Generator, n_rows: int, d: int, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of `torch.randn(n_rows, d, generator=torch.Generator().manual_seed(seed))`, drawn in chunks (from
+    `seed` itself when it is a generator: with lo = hi = n_rows, the whole draw is made and nothing kept, which leaves
+    the generator where one call would).
 
     torch's CPU normal sampler turns each 16 uniforms into 16 normals (and redraws the last 16 of a tensor whose
     size is no multiple of 16), so chunks of whole 16-value groups, the tail kept with the last one, give the same
     values as one call; only rows before `hi` are drawn and only [lo, hi) kept.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
     group = 16 // math.gcd(d, 16)  # rows per whole number of 16-value groups
     step = max(group, RANDN_CHUNK_ELEMS // d // group * group)
     starts = list(range(0, n_rows, step))
@@ -244,11 +258,12 @@ class ShardedTrainer(train.Trainer):
     """One run trained latent-sharded. It keeps Trainer's state layout (state_dict, load_state_dict work on the
     shard's tensors) but never builds the whole SAE: its own __init__ makes the shard, its optimizer and counters."""
 
-    def __init__(self, comm: Comm, run, cfg, d_model: int, n_steps: int, device: torch.device):
+    def __init__(self, comm: Comm, run, cfg, d_model: int, n_steps: int, device: torch.device,
+                 d_out: int | None = None):  # fmt: skip
         self.comm, self.run, self.cfg, self.n_steps, self.device = comm, run, cfg, n_steps, device
         self.writes = comm.is_root
         self.checkpoint = train.Checkpoint(run)
-        sae_cfg = cfg.sae_config(d_model)
+        sae_cfg = cfg.sae_config(d_model, d_out)
         bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
         self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
         self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
@@ -266,21 +281,23 @@ class ShardedTrainer(train.Trainer):
         return self.sae.lo, self.sae.hi
 
     @torch.no_grad()
-    def init_from_data(self, x_nd: torch.Tensor) -> None:
-        """Trainer.init_from_data on this rank's latents: the same scale and b_dec, its rows of the same draw."""
+    def init_from_data(self, x_nd: torch.Tensor, y_nd: torch.Tensor | None = None) -> None:
+        """Trainer.init_from_data on this rank's latents: the same scales and b_dec, its rows of the same draws (a
+        transcoder, `y_nd` its targets: the encoder's draw follows the decoder's, which is made and dropped)."""
         shard, cfg = self.sae, self.sae.cfg
         x_nd = x_nd.to(self.device, torch.float32)
-        mean_sq = x_nd.square().sum(-1).mean()
-        if not torch.isfinite(mean_sq) or mean_sq <= 0:
-            raise SaeflowError(f"{self.run.root}: training vectors are all zero or not finite; cannot normalize")
-        shard.scale.fill_(math.sqrt(shard.d_model / float(mean_sq)))
-        shard.b_dec.copy_((x_nd * shard.scale).mean(0))
-        shard.W_dec.copy_(randn_rows(self.cfg.seed, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
-        shard.normalize_decoder()
-        if shard.arch.decoder_init_norm != 1.0:
-            shard.W_dec.mul_(shard.arch.decoder_init_norm)
-        shard.W_enc.copy_(shard.W_dec.T)
-        shard.b_enc.zero_()
+        init_normalization(shard, x_nd, None if y_nd is None else y_nd.to(self.device, torch.float32), self.run.root)
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        if y_nd is not None:
+            randn_rows(gen, cfg.d_sae, shard.d_out, cfg.d_sae, cfg.d_sae)  # the decoder's draw, zeroed in one process
+            init_transcoder(shard, x_nd * shard.scale, randn_rows(gen, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
+        else:
+            shard.W_dec.copy_(randn_rows(gen, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
+            shard.normalize_decoder()
+            if shard.arch.decoder_init_norm != 1.0:
+                shard.W_dec.mul_(shard.arch.decoder_init_norm)
+            shard.W_enc.copy_(shard.W_dec.T)
+            shard.b_enc.zero_()
         shard.arch.init_parameters(shard, self.cfg)  # its own parameters, on this rank's latents
 
     def restore(self) -> bool:
@@ -289,18 +306,21 @@ class ShardedTrainer(train.Trainer):
             found = self.checkpoint.restore(self)
         found = self.comm.broadcast_object(found if self.comm.is_root else None)
         if found and not self.comm.is_root:
-            self.load_state_dict(read_resume(self.run, self.device, self.sae.arch.latent_axes(), self.latents))
+            self.load_state_dict(read_resume(self.run, self.device, self.sae.latent_axes(), self.latents))
         return found
 
     def save_resume(self) -> None:
         write_resume(self)
 
-    def train_step(self, x_bd: torch.Tensor) -> None:
+    def train_step(self, batch: pairs.Batch) -> None:
+        """One step on the whole batch (an SAE's inputs or a transcoder's pairs), held by every rank."""
         comm, shard = self.comm, self.sae
         self.set_lr()
-        loss = sharded_loss(self, x_bd)
+        loss = sharded_loss(self, batch)
         self.opt.zero_grad()
         loss.total.backward()
+        if shard.b_dec.grad is None:  # a transcoder's reaches the loss through rank 0's decode only
+            shard.b_dec.grad = torch.zeros_like(shard.b_dec)
         comm.all_reduce(shard.b_dec.grad)
         train.adam_step(self.opt, shard)
         with torch.no_grad():
@@ -310,17 +330,19 @@ class ShardedTrainer(train.Trainer):
                                         lambda t: comm.all_reduce(t.reshape(1).clone(), "min")[0])  # fmt: skip
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
-            self.last = sharded_record(self, x_bd, loss)
+            self.last = sharded_record(self, pairs.split(batch)[0], loss)
             if self.writes:
                 self.checkpoint.log(self.last)
                 self.tracker.log(self.last)
 
-    def finish(self, val_dir) -> dict | None:
-        """Validation over every rank's latents, sae.pt assembled and published by rank 0 (Trainer.finish)."""
+    def finish(self, val) -> dict | None:
+        """Validation over every rank's latents (`val`: the validation shards, or a transcoder's pair of them), sae.pt
+        assembled and published by rank 0 (Trainer.finish)."""
+        val_dir = val[0] if isinstance(val, tuple) else val
         self.sae.eval()
         if not self.sae.arch.unit_decoder:
             self.sae.fold_decoder_norms()
-        metrics = sharded_validation(self, val_dir)
+        metrics = sharded_validation(self, val)
         self.opt = None  # the Adam moments go before the weights are gathered
         sae = gather_sae(self.sae, self.comm)
         result = None
@@ -351,25 +373,30 @@ def sharded_record(trainer: ShardedTrainer, x_bd: torch.Tensor, loss: Loss) -> d
         "lr": trainer.opt.param_groups[0]["lr"],
         "loss": float(sum(float(t) for t in terms.values())),
         **{name: float(value) for name, value in terms.items()},
-        "nmse": batch_nmse(x_bd * trainer.sae.scale, loss.xn_hat_bd),
+        "nmse": loss.nmse(x_bd * trainer.sae.scale),
         "l0": float(sums[0]) / x_bd.shape[0],
         "n_dead": int(sums[1]),
     }
 
 
 @torch.no_grad()
-def sharded_validation(trainer: ShardedTrainer, val_dir) -> dict:
-    """train.validation_metrics with the latents spread over the ranks (every rank reads the same vectors)."""
+def sharded_validation(trainer: ShardedTrainer, val) -> dict:
+    """train.validation_metrics with the latents spread over the ranks (every rank reads the same vectors; `val`: the
+    validation shards, or a transcoder's pair of them, whose metrics are of its predictions of the targets)."""
     shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
-    acc = MetricsAccumulator(shard.d_model, shard.d_sae)  # this rank's latents' firing counts
-    loader = OrderedLoader(val_dir, cfg.layer, cfg.batch_size, tokens=cfg.tokens, borrowed=True)  # used at once
+    val_dir, target_dir = val if isinstance(val, tuple) else (val, None)
+    acc = MetricsAccumulator(shard.d_out, shard.d_sae)  # this rank's latents' firing counts
+    loader = ordered_loader(val_dir, target_dir, cfg.layer, cfg.batch_size, cfg.tokens, borrowed=True)  # used at once
     n_max = cfg.n_val_vectors or loader.n_vectors
-    for x_bd in loader:
-        x_bd = x_bd[: n_max - acc.n_vectors].to(trainer.device, torch.float32)
-        pre_bs = shard.pre_acts_normed(x_bd * shard.scale)
+    for batch in loader:
+        x_bd, y_bd = pairs.split(pairs.to_device(pairs.head(batch, n_max - acc.n_vectors), trainer.device))
+        xn_bd = x_bd * shard.scale
+        pre_bs = shard.pre_acts_normed(xn_bd)
         codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=False)
-        x_hat_bd = decode(shard, codes, comm)[-1] / shard.scale
-        acc.update(x_bd, x_hat_bd, codes.dense(shard))
+        yn_hat_bd = decode(shard, codes, comm)[-1]
+        skip_bd = shard.skip_normed(xn_bd)
+        yn_hat_bd = yn_hat_bd if skip_bd is None else yn_hat_bd + skip_bd
+        acc.update(x_bd if y_bd is None else y_bd, yn_hat_bd / shard.out_scale, codes.dense(shard))
         if acc.n_vectors >= n_max:
             break
     loader.close()
@@ -384,7 +411,7 @@ def _latent_rows(shard: LatentShard, lo: int, hi: int) -> torch.Tensor:
     """Latents [lo, hi) of this shard (local ids) as rows: each per-latent parameter (`Arch.latent_axes`) with its
     latent axis first, flattened, side by side."""
     parts = [getattr(shard, name).movedim(axis, 0)[lo:hi].reshape(hi - lo, -1)
-             for name, axis in shard.arch.latent_axes().items() if axis is not None]  # fmt: skip
+             for name, axis in shard.latent_axes().items() if axis is not None]  # fmt: skip
     return torch.cat(parts, 1)
 
 
@@ -393,7 +420,7 @@ def gather_sae(shard: LatentShard, comm: Comm) -> SAE | None:
     """The whole SAE on rank 0's CPU (None elsewhere): each rank sends its latents (every per-latent parameter's
     entries: `_latent_rows`) in chunks of SEND_CHUNK_BYTES; what is whole (b_dec, the buffers) is rank 0's."""
     cfg = shard.cfg
-    axes = shard.arch.latent_axes()
+    axes = shard.latent_axes()
     width = sum(math.prod(n for i, n in enumerate(getattr(shard, name).shape) if i != axis)
                 for name, axis in axes.items() if axis is not None)  # fmt: skip
     rows = max(1, SEND_CHUNK_BYTES // (width * 4))

@@ -76,9 +76,9 @@ class Arch:
     name: str = ""  # the schema's sae_spec.arch value
     selection: Selection = Selection.DENSE
     modes: tuple[str, ...] = MODES  # the parallel modes it trains in; the plan refuses the others
-    # ... and as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path): the latent-sharded
-    # trainer decodes and validates against its input, so a transcoder trains in one process, sweep or data mode
-    transcoder_modes: tuple[str, ...] = ("sweep", "data")
+    # ... and as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path): every mode (a latent
+    # shard's decoder rows write the target's space, its skip path is whole on every rank)
+    transcoder_modes: tuple[str, ...] = MODES
     uses_k: bool = True  # k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)
     hyper: tuple[str, ...] = ()  # the sae_spec keys only it reads (beyond the common ones)
     unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
