@@ -571,3 +571,13 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
             assert all(f"{h}/shards.json" in block for h in hashes), block
     assert json.loads(json.dumps(plan.runs[tc_ids[0]].train_config.to_dict()))["target"] == plan.shard_hash[
         "gpt2-mlp-out"]
+
+
+def test_a_skip_transcoders_memory_estimate_counts_its_skip_path():
+    """`auto` mode and the shuffle pool are sized by memory.state_bytes: W_skip (d_in x d_out, the target taken as
+    wide as the input) is 16 bytes a parameter of training state beside the SAE's."""
+    from saeflow.training import memory
+
+    plain, skip = _train_config("topk", True), _train_config("topk", True, skip=True)
+    assert memory.sae_params(skip, 64) - memory.sae_params(plain, 64) == 64 * 64
+    assert memory.state_bytes(skip, 64) - memory.state_bytes(plain, 64) == 16 * 64 * 64

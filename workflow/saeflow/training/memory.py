@@ -119,9 +119,11 @@ def auto_pool_share(limit_bytes: int, local_ranks: int, room_bytes: int) -> int:
 
 
 def sae_params(cfg: TrainConfig, d_model: int) -> int:
-    """One SAE's parameters: W_enc, W_dec, b_enc, b_dec."""
+    """One SAE's parameters: W_enc, W_dec, b_enc, b_dec, and a skip transcoder's W_skip. A transcoder's target is
+    taken as wide as its input (the mode and the pool are chosen before its target directory is opened; an MLP's
+    output is)."""
     d_sae = cfg.expansion * d_model
-    return 2 * d_model * d_sae + d_sae + d_model
+    return 2 * d_model * d_sae + d_sae + d_model + (d_model * d_model if cfg.skip else 0)
 
 
 def state_bytes(cfg: TrainConfig, d_model: int) -> int:
