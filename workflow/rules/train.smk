@@ -23,7 +23,9 @@ rule create_run:
             *PLAN.runs[wc.run_id].read_activations,
         ),
     output:
-        RUNS.config_fpath,
+        # update(): Snakemake does not delete a config.json before the job (saeflow create-run finds an identical
+        # run unchanged); deleting it left a window in which another workflow's train job found it missing
+        update(RUNS.config_fpath),
     log:
         "logs/create_run/{run_id}.log",
     localrule: True
