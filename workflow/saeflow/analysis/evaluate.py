@@ -292,15 +292,18 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     point = Point(hooks.stored(sd.metadata.data), layer)
     splice = sae_splice(model.to(device), point, Point(hooks.stored(written_sd.metadata.data), layer))
 
+    stored_at = {splice.read: sd, splice.write: written_sd}  # one point for an SAE: checked once
+
     def check(lo: int, clean_acts: dict) -> None:
-        for one_sd, one_point in ((sd, splice.read), (written_sd, splice.write)):
+        for one_point, one_sd in stored_at.items():
             check_stored(one_sd, plan.info, one_point, cfg.compute_dtype, lo, clean_acts[one_point])
 
     written_view = view if written_sd is sd else loaders.LayerView(written_sd, layer, tokens)
     mean_d, n_mean = mean_activation(written_view)
     metrics = three_passes(m, plan, view, splice, n_ex, cfg.batch_size, device, cfg.progress, check, mean_d)
-    for one in {id(v): v for v in (view, written_view)}.values():
-        one.close()
+    view.close()
+    if written_view is not view:
+        written_view.close()
     result = {
         "config": {
             "run": str(run.root.resolve()),
