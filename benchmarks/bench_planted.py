@@ -7,7 +7,8 @@
 Data: `benchmarks/planted.py` (unit atoms, `n_active` per vector, coefficients in [0.5, 2.5]); every trainer reads
 the identical stream of `steps` batches. Each SAE has d_sae = n_atoms (expansion n_atoms / d_model) and k =
 n_active. saeflow trains with its real `Trainer.train_step` at its defaults (lr null = auto, warm-ups, AuxK); ReLU
-is swept over `--l1` and its best point (most atoms recovered) is shown, as is sae-lens' over the same grid.
+is swept over `--l1` (and Gated over `--gate-l1`, when given); each point is printed and the best (most atoms
+recovered) goes in the table, as does sae-lens' best over the same grid.
 
 Peers (`--peers`) run in a subprocess (`_planted_peers.py`) with SAELens and sparsify on PYTHONPATH (the dir of
 tests/_sae_peers.py's install, `$SAEFLOW_TEST_CACHE`, default ~/.cache/saeflow-tests/sae-lens-6.54.12+eai-sparsify-
@@ -122,6 +123,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--l1", default="1,2,5", help="ReLU L1 coefficients swept (saeflow and sae-lens)")
+    parser.add_argument("--gate-l1", default=None, help="gated gate_l1_coeff values swept (default: its default)")
     parser.add_argument("--seed", type=int, default=0, help="data seed")
     parser.add_argument("--only", default=",".join(SAEFLOW_ARCHS), help="architectures to run")
     parser.add_argument("--peers", action="store_true", help="also train sae-lens and sparsify")
@@ -145,9 +147,14 @@ def main():
     rows = {}
     for name in args.only.split(","):
         t0 = time.perf_counter()
-        if name == "relu":
-            sweep = [dict(train_saeflow(atoms_ad, args, n_steps, l1_coeff=float(c), **SAEFLOW_ARCHS[name]), l1=c)
-                     for c in args.l1.split(",")]  # fmt: skip
+        swept = {"relu": ("l1_coeff", args.l1), "gated": ("gate_l1_coeff", args.gate_l1)}.get(name, (None, None))
+        if swept[1]:
+            key, values = swept
+            sweep = []
+            for c in values.split(","):
+                scores = train_saeflow(atoms_ad, args, n_steps, **{key: float(c)}, **SAEFLOW_ARCHS[name])
+                sweep.append(dict(scores, swept=f"{key} {c}"))
+                print(f"    {key} {c}: {scores}", flush=True)
             rows[f"saeflow {name}"] = best_of(sweep)
         else:
             rows[f"saeflow {name}"] = train_saeflow(atoms_ad, args, n_steps, **SAEFLOW_ARCHS[name])
@@ -163,7 +170,7 @@ def _print_table(rows: dict, peers: dict) -> None:
         arch = name.split(" ", 1)[1].split(" ")[0]
         same = [p["recovered"] for n, p in peers.items() if n.split(" ", 1)[1].split(" ")[0] == arch]
         ratio = f"{r['recovered'] / max(same):.2f}x" if name in rows and same and max(same) > 0 else ""
-        extra = f" (l1 {r['l1']})" if "l1" in r else ""
+        extra = f" ({r['swept']})" if "swept" in r else f" (l1 {r['l1']})" if "l1" in r else ""
         print(
             f"{name + extra:34s} {r['recovered']:9.1%} {r['mean_max_cos']:12.3f} {r['nmse']:7.3f} {r['l0']:7.1f}  "
             f"{ratio}"
