@@ -3,8 +3,9 @@
     python _sae_peers.py JOB.json
 
 JOB: {"inputs": x.npy, "out": results.npz, "load": {name: [library, dir]}}. Each directory (a saeflow export) is
-loaded with the library's own loader and run on the inputs. results.npz holds <name>.codes (dense) and
-<name>.recon for every name, and versions.
+loaded with the library's own loader and run on the inputs. results.npz holds <name>.codes (dense), <name>.recon
+(the codes decoded) and <name>.forward (the model's forward output: a transcoder's prediction, skip path included) for
+every name, and versions.
 """
 
 import json
@@ -31,9 +32,9 @@ def load(library, dpath):
 def run(model, x):
     out = model.encode(x)
     if isinstance(out, torch.Tensor):  # SAELens: dense codes
-        return out, model.decode(out)
+        return out, model.decode(out), model(x)
     codes = torch.zeros(x.shape[0], model.num_latents).scatter_(-1, out.top_indices, out.top_acts)
-    return codes, model.decode(out.top_acts, out.top_indices)
+    return codes, model.decode(out.top_acts, out.top_indices), model(x).sae_out
 
 
 def main(job_fpath):
@@ -41,8 +42,8 @@ def main(job_fpath):
     x = torch.from_numpy(np.load(job["inputs"]))
     results = {}
     for name, spec in job["load"].items():
-        codes, recon = run(load(*spec), x)
-        results[f"{name}.codes"], results[f"{name}.recon"] = codes.float().numpy(), recon.float().numpy()
+        for key, value in zip(("codes", "recon", "forward"), run(load(*spec), x)):
+            results[f"{name}.{key}"] = value.float().numpy()
     import sae_lens
     import sparsify
 
