@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from builders import ARCH_CONFIGS, TINY_TEXT, file_bytes, text_spec, typed, vision_spec
+from builders import ARCH_CONFIGS, MINILM, TINY_TEXT, file_bytes, text_spec, typed, vision_spec
 from saeflow import config
 from saeflow.cli import main
 from saeflow.errors import SaeflowError
@@ -77,10 +77,9 @@ def plain_model(arch: str):
     return transformers.AutoModel.from_config(transformers.AutoConfig.for_model(arch, **CONFIGS[arch])).eval()
 
 
-def hooked_reference(arch: str, plan_: extract.Plan, sd: shards.ShardDir) -> dict:
-    """{(hook point, layer): (n, T, D)}: forward hooks on the documented submodules of plain transformers' model, run
-    on the extraction's inputs in its batches (whole model, no early exit)."""
-    model = plain_model(arch)
+def hooked_reference(model, arch: str, plan_: extract.Plan, sd: shards.ShardDir) -> dict:
+    """{(hook point, layer): (n, T, D)}: forward hooks on the documented submodules of plain transformers' `model`,
+    run on the extraction's inputs in its batches (whole model, no early exit)."""
     blocks = adapters.find_blocks(model)
     recorded: dict = {}
 
@@ -122,7 +121,11 @@ def test_each_hook_point_equals_a_forward_hook_on_its_submodule(arch, shards_roo
     md = shards.ShardDir(results[0].dpath).metadata
     n_batches = len(extract.batches(md.n_ex, md.ex_per_shard, specs_[0].batch_size, 0))
     assert calls == [n_batches, n_batches, 0]
-    reference = hooked_reference(arch, extract.plan(specs_[0]), shards.ShardDir(results[0].dpath))
+    reference = hooked_reference(plain_model(arch), arch, extract.plan(specs_[0]), shards.ShardDir(results[0].dpath))
+    assert_hooks_equal(specs_, results, reference)
+
+
+def assert_hooks_equal(specs_, results, reference) -> None:
     for spec, result in zip(specs_, results):
         sd = shards.ShardDir(result.dpath)
         assert sd.metadata.data.get("hook") == (None if spec.hook == hooks.RESIDUAL else spec.hook)
@@ -130,6 +133,19 @@ def test_each_hook_point_equals_a_forward_hook_on_its_submodule(arch, shards_roo
             stored_ntd = torch.from_numpy(np.stack([sd.example(i, layer) for i in range(sd.n_ex)]))
             ref_ntd = reference[spec.hook, layer].float()
             assert stored_ntd.shape == ref_ntd.shape and torch.equal(stored_ntd, ref_ntd), (spec.hook, layer)
+
+
+def test_the_real_minilm_checkpoint_at_every_hook_point_equals_forward_hooks_on_its_submodules(shards_root):
+    """Real weights at their real width (all-MiniLM-L6-v2: post-norm BERT, d 384, 6 blocks; its WordPiece tokenizer),
+    not a random toy: one pass, every hook point of blocks 2 and 5, bit for bit plain transformers' submodules."""
+    spec = {"model": {"name": MINILM}, "layers": [2, -1], "dataset": {"kind": "builtin_text", "n_ex": 3},
+            "context_length": 24, "batch_size": 2, "device": "cpu"}  # fmt: skip
+    specs_ = [typed({**spec, "hook": name}) for name in hooks.HOOK_POINTS]
+    results = extract.extract_pass(specs_, shards_root, progress=False)
+    sd = shards.ShardDir(results[0].dpath)
+    assert sd.metadata.d_model == 384 and sd.metadata.layers == (2, 5)
+    model = transformers.AutoModel.from_pretrained(MINILM).eval()
+    assert_hooks_equal(specs_, results, hooked_reference(model, "bert", extract.plan(specs_[0]), sd))
 
 
 def test_the_hook_is_hashed_only_when_it_is_not_the_residual_stream():
