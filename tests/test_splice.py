@@ -1,15 +1,18 @@
-"""The splice at every hook point of every family (analysis/splice.py, docs/inference.md "Splice evaluation"): known
+"""The splice at every hook point of every family, and of the real all-MiniLM-L6-v2 checkpoint (analysis/splice.py,
+docs/inference.md "Splice evaluation"): known
 answers (an exact reconstruction recovers everything, zeros or the mean recover nothing), and evaluate's numbers
 against an independent computation: plain transformers, a forward hook written here on the submodule the docs name,
 torch's own cross-entropy, KL and cosine. The same for a transcoder-like splice that reads the MLP's input and writes
 its output: the block's own MLP recovers everything, and a linear map fitted here agrees with the plain model."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from builders import typed
+from builders import MINILM, typed
 from saeflow.analysis import evaluate, splice
 from saeflow.errors import SaeflowError
 from saeflow.extraction import adapters, extract
@@ -37,24 +40,36 @@ def mlp(arch: str, block, x_nd: torch.Tensor) -> torch.Tensor:
     return block.mlp.forward(x_nd)
 
 
+REAL = {"minilm": "bert"}  # a real checkpoint (all-MiniLM-L6-v2: real weights, d 384, its own tokenizer) -> family
+
+
+def family_spec(name: str, hook: str):
+    if name in REAL:
+        return typed({"model": {"name": MINILM}, "layers": [0, LAYER], "dataset": {"kind": "builtin_text", "n_ex": 6},
+                      "context_length": 16, "batch_size": 4, "device": "cpu", "hook": hook})  # fmt: skip
+    return typed(spec_of(name, hook=hook))
+
+
 @pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
-    """One family's model, its three hook points of blocks 0 and 1 extracted in one pass, and the plain model."""
-    arch = request.param
-    specs_ = [typed(spec_of(arch, hook=name)) for name in POINTS]
-    results = extract.extract_pass(specs_, tmp_path_factory.mktemp(arch), progress=False)
+    """One family's model (a random one, or the real MiniLM), its three hook points of blocks 0 and 1 extracted in
+    one pass, and the plain model."""
+    name = request.param
+    arch = REAL.get(name, name)
+    specs_ = [family_spec(name, hook) for hook in POINTS]
+    results = extract.extract_pass(specs_, tmp_path_factory.mktemp(name), progress=False)
     plan = extract.plan(specs_[0])
-    sds = {name: shards.ShardDir(r.dpath) for name, r in zip(POINTS, results)}
+    sds = {hook: shards.ShardDir(r.dpath) for hook, r in zip(POINTS, results)}
     m = splice.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
-    return arch, plan, sds, m, Plain(arch, plan, sds[POINTS[0]])
+    base = transformers.AutoModel.from_pretrained(MINILM).eval() if name in REAL else plain_model(arch)
+    return arch, plan, sds, m, Plain(arch, plan, sds[POINTS[0]], base)
 
 
 class Plain:
-    """The same model built by plain transformers (saeflow seeds a random model's base, then its LM head, with the
-    spec's seed), run on the shards' inputs with hooks written here."""
+    """The same model built by plain transformers (`base`; saeflow seeds a random model's base, then its LM head, with
+    the spec's seed), run on the shards' inputs with hooks written here."""
 
-    def __init__(self, arch: str, plan: extract.Plan, sd: shards.ShardDir):
-        base = plain_model(arch)
+    def __init__(self, arch: str, plan: extract.Plan, sd: shards.ShardDir, base):
         self.model = base
         if arch in CAUSAL:
             torch.manual_seed(0)
@@ -146,7 +161,7 @@ def recovered(metrics: dict, causal: bool) -> tuple[str, ...]:
     return ("ce_loss_recovered", "kl_score") if causal else ("pooled_cos_recovered", "pooled_rel_err_recovered")
 
 
-ARCHS = sorted(CONFIGS)
+ARCHS = [*sorted(CONFIGS), *REAL]
 
 
 @pytest.mark.parametrize("family", ARCHS, indirect=True)
@@ -233,7 +248,7 @@ def test_a_splice_must_read_before_it_writes(family):
     assert not any(mod._forward_hooks for mod in m.model.modules())  # every hook is removed
 
 
-@pytest.mark.parametrize("family", ["gpt2", "bert"], indirect=True)
+@pytest.mark.parametrize("family", ["gpt2", "bert", "minilm"], indirect=True)
 def test_evaluate_puts_a_trained_skip_transcoder_in_place_of_its_mlp_as_plain_transformers_does(family, tmp_path):
     """`saeflow evaluate` on a transcoder run (mlp_in -> mlp_out, skip path, trained here): its prediction replaces the
     MLP's output, its ablations are of the target (zeros, the target shards' mean); CE, KL or cosine of every pass equal
@@ -250,7 +265,7 @@ def test_evaluate_puts_a_trained_skip_transcoder_in_place_of_its_mlp_as_plain_tr
     tc = sae.load_sae(run.sae_fpath)
     assert tc.cfg.transcoder and tc.cfg.skip
 
-    mlp_in_spec = extract.plan(typed(spec_of(arch, hook="mlp_in"))).spec
+    mlp_in_spec = extract.plan(dataclasses.replace(plan.spec, hook="mlp_in")).spec
     cfg = evaluate.EvaluateConfig(run=run.root, spec=mlp_in_spec, progress=False, batch_size=4)
     result = json.loads(evaluate.run_evaluation(cfg).read_text())
     assert result["config"]["splice"] == {"read": {"hook": "mlp_in", "layer": LAYER},
