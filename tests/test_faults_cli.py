@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -361,3 +362,27 @@ def test_python_dash_m_saeflow_is_the_cli(tmp_path, monkeypatch, capsys):
     assert stopped.value.code == 1
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("saeflow validate: error: ") and str(missing) in line, line
+
+
+def test_error_lines_of_processes_sharing_stderr_never_interleave(tmp_path):
+    """Ranks share their launcher's stderr (a terminal, a Slurm log). Each error line is one write: with `print` (the
+    text, then its newline: two writes, Python's stderr is unbuffered) two ranks' lines ran together in one line.
+    The writers start together (each says it is ready, then waits for the gate) and write 1,000 lines each."""
+    code = ("import os, sys, time; from saeflow import cli; rank, gate = sys.argv[1], sys.argv[2]\n"
+            "open(gate + rank, 'w').close()\n"
+            "while not os.path.exists(gate): time.sleep(0.001)\n"
+            "for _ in range(1000): cli.error('train', f'rank {rank}: ' + 'x' * 200)")  # fmt: skip
+    gate = str(tmp_path / "gate")
+    r, w = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), gate], stderr=w) for rank in range(4)]
+    os.close(w)
+    deadline = time.monotonic() + HANG_SEC
+    while not all(os.path.exists(gate + str(rank)) for rank in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pathlib.Path(gate).touch()
+    with os.fdopen(r, encoding="utf-8") as shared:
+        lines = shared.read().splitlines()
+    for proc in procs:
+        proc.wait(timeout=HANG_SEC)
+    want = {f"saeflow train: error: rank {rank}: " + "x" * 200 for rank in range(4)}
+    assert len(lines) == 4000 and set(lines) == want, [line[:60] for line in lines if line not in want][:3]

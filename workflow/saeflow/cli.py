@@ -7,7 +7,7 @@ import os
 import sys
 
 from saeflow import __version__, devices, numerics, preempt
-from saeflow.errors import SaeflowError, one_line
+from saeflow.errors import SaeflowError, one_line, say
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
 COMMAND_MODULES = ("store", "extract", "train", "inference", "evaluate", "probe", "stability", "interop", "workflow")
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             raise
         return error(args.command, one_line(err))
     except KeyboardInterrupt as err:  # Ctrl-C; a stage that kept work says what and how to resume (extract)
-        print(f"saeflow {args.command}: interrupted" + (f": {err}" if str(err) else ""), file=sys.stderr)
+        say(f"saeflow {args.command}: interrupted" + (f": {err}" if str(err) else ""))
         return 130
     except BrokenPipeError:  # the reader went away (`saeflow plan ... | head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
 def error(command: str, message: str) -> int:
     """Print the one-line error of a failed command and return its exit code."""
-    print(f"saeflow {command}: error: {message}", file=sys.stderr)
+    say(f"saeflow {command}: error: {message}")
     return 1
 
 

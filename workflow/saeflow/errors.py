@@ -1,6 +1,7 @@
 """User-facing errors: the CLI prints them as one line without a traceback and exits 1."""
 
 import errno
+import sys
 
 # What an OSError on reading a file means to the user, by errno (the rest: the system's own words).
 _READ_REASONS = {
@@ -12,6 +13,13 @@ _READ_REASONS = {
     errno.EIO: "cannot read (I/O error: the disk or file system failed)",
     errno.ELOOP: "cannot read (too many levels of symbolic links)",
 }
+
+
+def say(line: str) -> None:
+    """Write one line to stderr in a single write: Python's stderr writes through unbuffered, so `print` is two writes
+    (the text, then its newline), and the lines of ranks sharing a terminal or a log interleave between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class SaeflowError(Exception):

@@ -6,7 +6,7 @@ import os
 import pathlib
 
 from saeflow import config
-from saeflow.errors import SaeflowError
+from saeflow.errors import SaeflowError, say
 
 
 def register(subparsers):
@@ -117,7 +117,6 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-    import sys
 
     from saeflow.extraction import extract, fingerprints, specs
 
@@ -140,8 +139,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
                                        part=args.part, expect_hashes=args.expect_hash)  # fmt: skip
     for name, result in zip(named, results):
         if result.reused:
-            print(f"activation {name}: {result.dpath} already exists and is valid; nothing to do", file=sys.stderr)
+            say(f"activation {name}: {result.dpath} already exists and is valid; nothing to do")
         elif result.resumed_from:
-            print(f"activation {name}: resumed from example {result.resumed_from}; published", file=sys.stderr)
+            say(f"activation {name}: resumed from example {result.resumed_from}; published")
         print(result.dpath)
     return 0

@@ -4,6 +4,7 @@ import argparse
 import pathlib
 
 from saeflow import config
+from saeflow.errors import say
 
 # probe imports scikit-learn, scipy and torch (the loaders): load it only when the command runs.
 
@@ -34,12 +35,11 @@ def register(subparsers):
 
 def cmd_probe(args: argparse.Namespace) -> int:
     import json
-    import sys
 
     from saeflow.analysis import probe
 
     out_fpath = probe.run_probe(config.from_args(probe.ProbeConfig, args))
     for line in probe.skip_warnings(json.loads(out_fpath.read_text())):
-        print(f"saeflow probe: warning: {line}", file=sys.stderr)
+        say(f"saeflow probe: warning: {line}")
     print(out_fpath)
     return 0

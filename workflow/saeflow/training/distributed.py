@@ -24,7 +24,6 @@ import datetime
 import math
 import os
 import re
-import sys
 import threading
 import time
 import typing
@@ -32,7 +31,7 @@ import typing
 import torch
 
 from saeflow import devices
-from saeflow.errors import SaeflowError, one_line
+from saeflow.errors import SaeflowError, one_line, say
 
 RANK_TIMEOUT_SEC = float(os.environ.get("SAEFLOW_RANK_TIMEOUT_SEC", 120))  # a silent peer is dead after this
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)  # a live peer may spend this long validating or publishing
@@ -180,8 +179,7 @@ class Heartbeat:
             gone = [r for r in silent if r not in left]
         why = _gone(gone) if gone else f"rank {silent[0]} stopped (its own line says why)"
         line = f"{why} (no heartbeat for {self.timeout_sec:g} s); this rank stops too, {publish_note(self.published())}"
-        print(f"saeflow train: error: rank {self.rank}: {line}", file=sys.stderr)
-        sys.stderr.flush()
+        say(f"saeflow train: error: rank {self.rank}: {line}")
         os._exit(EXIT_PEER_GONE)
 
     def gone(self, wait_sec: float = 4 * HEARTBEAT_SEC) -> list[int] | None:
