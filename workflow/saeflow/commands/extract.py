@@ -117,7 +117,6 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
 
 
 def cmd_extract(args: argparse.Namespace) -> int:
-
     from saeflow.extraction import extract, fingerprints, specs
 
     cfg = config.load(args.config)
