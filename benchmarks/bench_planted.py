@@ -97,11 +97,17 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         return {**planted.score(truth_ad, sae.W_dec.detach()), **planted.nmse_l0(y_bd, y_hat_bd, f_bs)}
 
 
-def run_peers(args, n_steps: int) -> dict:
+def peers_site(instead: str) -> pathlib.Path:
+    """The SAELens + sparsify install tests/test_sae_interop.py makes under $SAEFLOW_TEST_CACHE, or exit saying so."""
     cache = pathlib.Path(os.environ.get("SAEFLOW_TEST_CACHE", pathlib.Path.home() / ".cache" / "saeflow-tests"))
-    peers_dpath = cache / PEERS_DNAME
-    if not peers_dpath.is_dir():
-        sys.exit(f"{peers_dpath}: no SAELens/sparsify install (run tests/test_sae_interop.py once, or drop --peers)")
+    site = cache / PEERS_DNAME
+    if not site.is_dir():
+        sys.exit(f"{site}: no SAELens/sparsify install (run tests/test_sae_interop.py once, or {instead})")
+    return site
+
+
+def run_peers(args, n_steps: int) -> dict:
+    peers_dpath = peers_site("drop --peers")
     job = {**vars(args), "n_steps": n_steps}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(peers_dpath), str(pathlib.Path(__file__).parent)])}
     script = pathlib.Path(__file__).parent / "_planted_peers.py"

@@ -37,12 +37,12 @@ import torch
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 from _ranks import run_ranks  # noqa: E402
+from bench_planted import peers_site  # noqa: E402
 from builders import run_from_sae_spec, write_shards  # noqa: E402
 from saeflow.interop import sae_checkpoints  # noqa: E402
 from saeflow.training import entry, sae  # noqa: E402
 from saeflow.training.sae import load_sae  # noqa: E402
 
-PEERS_DNAME = "sae-lens-6.54.12+eai-sparsify-1.3.3"
 CASES = (("topk", "sparsify"), ("jumprelu", "saelens"))  # arch -> the format whose library computes it
 METRICS_LIMIT, PEERS_LIMIT = 1e-4, 1e-5
 LATENT_TOL = 1e-3  # a latent's parameters differ when off by more than this of their tensor's largest entry
@@ -82,10 +82,7 @@ def relative(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def peers_outputs(root: pathlib.Path, load: dict, x_nd: np.ndarray) -> dict:
-    cache = pathlib.Path(os.environ.get("SAEFLOW_TEST_CACHE", pathlib.Path.home() / ".cache" / "saeflow-tests"))
-    site = cache / PEERS_DNAME
-    if not site.is_dir():
-        sys.exit(f"{site}: no SAELens/sparsify install (run tests/test_sae_interop.py once, or pass --no-peers)")
+    site = peers_site("pass --no-peers")
     np.save(root / "x.npy", x_nd)
     job = {"inputs": str(root / "x.npy"), "out": str(root / "peers.npz"), "load": load}
     (root / "job.json").write_text(json.dumps(job))
