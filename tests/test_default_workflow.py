@@ -55,7 +55,7 @@ def test_default_vision_pages_show_nine_distinct_images_and_trained_token_metric
     distinct = [len({ex for ex, _, _ in page["top"]}) for page in data["drawn"].values()]
     assert len(distinct) == cfg["visuals"]["n_latents"] and set(distinct) == {cfg["visuals"]["top_k"]}
     metrics = json.loads(dump.metrics_fpath.read_text())
-    md = plan.metadata["vit-shapes"]
+    md = plan.activation_metadata["vit-shapes"]
     assert metrics["tokens"] == "content" and metrics["n_vectors"] == md.n_ex * (md.tokens_per_ex - 1)
     assert metrics["all_tokens"]["n_vectors"] == md.n_ex * md.tokens_per_ex
 

@@ -116,7 +116,8 @@ def test_ctrl_c_says_what_was_kept_and_how_to_resume(tmp_path, monkeypatch, caps
 
     from test_preempt import _signal_self_at
 
-    spec = vision_spec(batch_size=2)  # 3 examples per shard, 2 batches each: batch 4 would end shard 1
+    # 3 examples per shard, 2 batches each: batch 4 would end shard 1 (one layer: the CLI's directories are per layer)
+    spec = vision_spec(batch_size=2, layers=[-1], patches_per_shard=17 * 3)
     clean = extract.extract(typed(spec), tmp_path / "clean", progress=False)
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))
@@ -236,10 +237,13 @@ def test_cli_plan_and_extract(tmp_path, capsys):
     config_fpath = _write_config(tmp_path, spec)
     assert cli.main(["plan", str(config_fpath), "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
-    assert planned["hash"] == extract.plan_activation(typed(spec)).hash and planned["metadata"]["layers"] == [0, 2]
+    # a directory per layer (issue 40), each what the spec of that layer alone plans
+    assert [d["metadata"]["layers"] for d in planned["directories"]] == [[0], [2]] and "hash" not in planned
+    assert [d["hash"] for d in planned["directories"]] == [
+        extract.plan_activation(typed({**spec, "layers": [layer]})).hash for layer in (0, 2)]
     assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 0
     out = capsys.readouterr()
-    assert out.out.strip() == str(tmp_path / "cfg-shards" / planned["hash"])
+    assert out.out.split() == [str(tmp_path / "cfg-shards" / d["hash"]) for d in planned["directories"]]
     assert cli.main(["extract", str(config_fpath), "--activation", "acts", "--no-progress"]) == 0
     assert "nothing to do" in capsys.readouterr().err
     assert cli.main(["plan", str(config_fpath), "--activation", "nope"]) == 1

@@ -162,18 +162,22 @@ def test_the_hook_is_hashed_only_when_it_is_not_the_residual_stream():
 
 def test_a_pass_reuses_a_published_directory_and_computes_what_one_spec_alone_would(shards_root, tmp_path, capsys):
     residual, mlp_out = typed(vision_spec()), typed(vision_spec(hook="mlp_out"))
-    published = extract.extract(residual, shards_root, progress=False).dpath
-    before = tree_state(published)
+    published = [extract.extract(unit, shards_root, progress=False).dpath for unit in extract.plan_units(residual)]
+    before = [tree_state(dpath) for dpath in published]
     cfg = {"shards_root": str(shards_root), "activations": {"res": vision_spec(), "mlp": vision_spec(hook="mlp_out")},
            "saes": {}}  # fmt: skip
     (tmp_path / "c.yaml").write_text(json.dumps(cfg))
-    assert main(["extract", str(tmp_path / "c.yaml"), "--no-progress"]) == 0  # both entries: one pass
+    assert main(["extract", str(tmp_path / "c.yaml"), "--no-progress"]) == 0  # both entries, every layer: one pass
     out, err = capsys.readouterr()
-    assert out.split() == [str(published), str(shards_root / extract.plan_activation(mlp_out).hash)]
-    assert f"activation res: {published} already exists and is valid; nothing to do" in err
-    assert tree_state(published) == before  # reused, never rewritten
-    alone = extract.extract(mlp_out, tmp_path / "alone", progress=False).dpath
-    assert file_bytes(shards_root / alone.name) == file_bytes(alone)
+    mlp_units = extract.plan_units(mlp_out)  # a directory per layer (issue 40)
+    assert len(mlp_units) == 2
+    mlp_dpaths = [str(shards_root / extract.plan_activation(unit).hash) for unit in mlp_units]
+    assert out.split() == [*map(str, published), *mlp_dpaths]
+    assert f"activation res: {published[0]} already exists and is valid; nothing to do" in err
+    assert [tree_state(dpath) for dpath in published] == before  # reused, never rewritten
+    for unit in mlp_units:  # each layer's directory from the pass is what its spec of one layer extracts alone
+        alone = extract.extract(unit, tmp_path / "alone", progress=False).dpath
+        assert file_bytes(shards_root / alone.name) == file_bytes(alone)
 
 
 def test_a_split_pass_writes_a_part_of_each_directory_per_job_and_seals_what_one_job_would(shards_root, tmp_path,
@@ -248,10 +252,13 @@ def test_a_block_without_the_submodule_is_refused_before_the_first_batch(monkeyp
     assert one_line(err.value) == "hook mlp_in: gpt2 block GPT2Block: mlp of block 0 is a GPT2MLP, not a norm"
 
 
-def test_one_pass_takes_only_specs_that_differ_in_their_hook(shards_root):
+def test_one_pass_takes_only_specs_that_differ_in_their_hook_and_layers(shards_root):
     with pytest.raises(SaeflowError) as err:
+        extract.extract_pass([typed(text_spec()), typed(text_spec(hook="mlp_out", context_length=8))], shards_root)
+    assert "differ in context_length: extract each on its own (--activation NAME)" in one_line(err.value)
+    with pytest.raises(SaeflowError) as err:  # two layers and one: shards of other sizes
         extract.extract_pass([typed(text_spec()), typed(text_spec(hook="mlp_out", layers=[0]))], shards_root)
-    assert "differ in layers: extract each on its own (--activation NAME)" in one_line(err.value)
+    assert "one extraction pass writes directories of one shard size" in one_line(err.value)
 
 
 def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directories_out(tmp_path, capsys):
@@ -263,25 +270,31 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
     raw = {"shards_root": str(tmp_path / "s"), "runs_root": str(tmp_path / "r"), "saes": saes,
            "activations": activations}  # fmt: skip
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(raw)))
-    h = plan.shard_hash
+    h, last = plan.layer_hash, plan.activation_metadata["res"].layers[-1]
+    assert last == 2 and list(h["res"]) == [0, 2]  # a directory per layer
     passes = extraction_passes(plan)
-    (key,) = [k for k, hashes in passes.items() if h["res"] in hashes]
+    (key,) = [k for k, hashes in passes.items() if h["res"][0] in hashes]
     hashes = passes[key]
-    assert hashes == tuple(sorted((h["res"], h["mlp"], h["in"])))  # another layer: alone; another `parts`: its own
-    assert sorted(passes.values()) == sorted([hashes, tuple(sorted((h["split"], h["split_in"])))])
+    # every layer of every hook point of the same inputs (another spec's other layer too): one pass; another
+    # `parts`: its own
+    assert hashes == tuple(sorted([*(h[name][layer] for name in ("res", "mlp", "in") for layer in (0, 2)),
+                                   h["other"][1]]))  # fmt: skip
+    assert sorted(passes.values()) == sorted([hashes, tuple(sorted((h["split"][1], h["split_in"][1])))])
     config_fpath = plan.cli_config("passes", key)
-    assert set(plan.cli_configs()[config_fpath]["activations"]) == {"res", "mlp", "in"}
+    assert set(plan.cli_configs()[config_fpath]["activations"]) == {"res", "mlp", "in", "other"}
     assert pending_passes(plan) == passes
-    plan.shard(h["res"]).shards_fpath.parent.mkdir(parents=True)
-    plan.shard(h["res"]).shards_fpath.write_text("[]")  # published (pending_passes only stats)
-    assert pending_passes(plan)[key] == tuple(sorted((h["mlp"], h["in"])))
+    plan.shard(h["res"][0]).shards_fpath.parent.mkdir(parents=True)
+    plan.shard(h["res"][0]).shards_fpath.write_text("[]")  # published (pending_passes only stats)
+    assert pending_passes(plan)[key] == tuple(sorted(set(hashes) - {h["res"][0]}))
     fpath = tmp_path / "c.yaml"
     fpath.write_text(json.dumps(raw))
     assert main(["plan", str(fpath)]) == 0
-    assert f"extraction pass {key[:16]}: res, mlp, in (one forward pass, a directory each)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"extraction pass {key[:16]}: res, mlp, in, other, 7 directories (one forward pass, a directory each)" in out
+    assert f"activation res layer 2: {h['res'][2]}" in out and f"activation split: {h['split'][1]}" in out
     # evaluate splices at every hook point: the run on mlp_out is evaluated too, on its own shards
     assert sorted((plan.runs[run_id].sae_name, h) for run_id, h in evaluations(plan)) == sorted(
-        [("on_res", h["res"]), ("on_mlp", h["mlp"])])
+        [("on_res", h["res"][0]), ("on_mlp", h["mlp"][0])])
     assert len(plan.dumps()) == 2
 
 

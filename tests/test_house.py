@@ -185,6 +185,7 @@ FLOORS = (
     ("saeflow.training",),
     ("saeflow.analysis", "saeflow.interop"),
     ("saeflow.planning",),
+    ("saeflow.migration",),
     ("saeflow.commands",),
     ("saeflow.cli",),
     ("saeflow.__main__",),

@@ -171,7 +171,7 @@ def test_a_data_key_added_later_changes_no_shard_hash(monkeypatch):
     monkeypatch.setitem(shards.INTRODUCED_DATA, "compute_dtype", "float32")  # as if added later at float32
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
     assert plan.shard_hash != before  # the key is left out now, so these hashes move ...
-    md = plan.metadata["vit"]
+    md = plan.activation_metadata["vit"]
     assert "compute_dtype" not in md.data and shards.data_value(md, "compute_dtype") == "float32"
     monkeypatch.setitem(shards.INTRODUCED_DATA, "compute_dtype", "bfloat16")  # ... and at another value they stay
     assert WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg))).shard_hash == before

@@ -263,7 +263,8 @@ def _extract_through_config(tmp_path, name: str, spec: dict):
     config_fpath = tmp_path / f"{name}.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "shards"), "activations": {name: spec}}))
     assert cli.main(["extract", str(config_fpath), "--activation", name, "--no-progress"]) == 0
-    return shards.ShardDir(tmp_path / "shards" / plan_activation(typed(spec)).hash)
+    last = extract.plan_units(typed(spec))[-1]  # a directory per layer: the last one's
+    return shards.ShardDir(tmp_path / "shards" / plan_activation(last).hash)
 
 
 def test_hf_datasets_saved_to_disk_extract_through_a_config_and_are_hashed_by_content(tmp_path):

@@ -210,11 +210,11 @@ def test_extract_and_create_run_expand_vars_in_roots_as_the_planner_does(tmp_pat
     assert plan.cfg.shards_root == tmp_path / "root" / "shards"
 
     assert cli.main(["extract", str(config_fpath), "--no-progress"]) == 0
-    assert capsys.readouterr().out.strip() == str(plan.activation_shards("text").dpath)
+    assert capsys.readouterr().out.strip() == str(plan.shard(plan.shard_hash["text"]).dpath)
     assert cli.main(["create-run", str(config_fpath), "--sae", "text-topk", "--index", "0"]) == 0
     run = plan.run(next(r for r, p in plan.runs.items() if p.index == 0))
     assert capsys.readouterr().out.strip() == str(run.root) and run.config_fpath.is_file()
-    assert run.link("train-shards").resolve() == plan.activation_shards("text").dpath
+    assert run.link("train-shards").resolve() == plan.shard(plan.shard_hash["text"]).dpath
     other = ["--runs-root", "$SAEFLOW_TEST_ROOT/other", "--shards-root", "~/shards"]
     monkeypatch.setenv("HOME", str(tmp_path / "root"))
     assert cli.main(["create-run", str(config_fpath), "--sae", "text-topk", "--index", "1", *other]) == 0
@@ -361,7 +361,7 @@ def test_a_jobs_parse_takes_what_the_submitting_parse_planned_and_plans_a_change
     fresh = WorkflowPlan.from_config(edited, planned)
     assert fresh.shard_hash["images"] == plan.shard_hash["images"]
     assert fresh.shard_hash["text"] != plan.shard_hash["text"]
-    assert fresh.metadata["text"].patches_per_ex == 8
+    assert fresh.activation_metadata["text"].patches_per_ex == 8
 
 
 def test_only_dumps_of_labelled_shards_are_probed(tmp_path):

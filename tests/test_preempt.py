@@ -51,7 +51,8 @@ def test_training_stopped_by_usr1_resumes_to_identical_weights(tmp_path, monkeyp
 
 
 def test_extraction_stopped_by_sigterm_keeps_its_shards_and_resumes(tmp_path, monkeypatch, capsys):
-    spec = vision_spec(batch_size=2)  # 3 examples per shard, 2 batches each: batch 4 ends shard 1
+    # 3 examples per shard, 2 batches each: batch 4 ends shard 1 (one layer: the CLI's directories are per layer)
+    spec = vision_spec(batch_size=2, layers=[-1], patches_per_shard=17 * 3)
     clean = extract.extract(ActivationSpec.from_dict(spec), tmp_path / "clean", progress=False)
     config_fpath = tmp_path / "config.yaml"
     config_fpath.write_text(yaml.safe_dump({"shards_root": str(tmp_path / "root"), "activations": {"a": spec}}))

@@ -365,8 +365,8 @@ def test_cli_create_run_takes_its_roots_from_the_config(tmp_path, monkeypatch, c
     (run_id,) = [run_id for run_id, run_plan in plan.runs.items() if run_plan.index == 1]
     run = plan.run(run_id)
     assert capsys.readouterr().out.strip() == str(run.root) == f"my/runs/{run_id}" and run.config_fpath.is_file()
-    assert run.link(run.TRAIN_SHARDS).resolve() == plan.activation_shards("vit").dpath.resolve()
-    assert plan.activation_shards("vit").dpath == pathlib.Path("my/shards", plan.shard_hash["vit"])
+    assert run.link(run.TRAIN_SHARDS).resolve() == plan.shard(plan.shard_hash["vit"]).dpath.resolve()
+    assert plan.shard(plan.shard_hash["vit"]).dpath == pathlib.Path("my/shards", plan.shard_hash["vit"])
 
 
 def test_dead_latent_window_means_something_for_short_and_long_runs():

@@ -69,6 +69,16 @@ def test_a_transcoder_plans_with_its_targets_shard_hash_in_its_run_config_and_on
     assert set(other.runs).isdisjoint(plan.runs)
 
 
+def test_a_target_of_more_layers_pairs_its_layers_directory():
+    """Issue 40: a directory per layer, so a target spec that lists more layers than the input still pairs: the run
+    reads its layer's directory of each (layout 1 refused it, the directories' layers differing)."""
+    cfg = _case(target="other")
+    cfg["activations"]["other"] = {**RANDOM_VIT, "hook": "mlp_out", "layers": [0, 1]}
+    plan = _plan(cfg)
+    (run,) = [r for r in plan.runs.values() if r.sae_name == "tc"]
+    assert run.train_config.target == plan.layer_hash["other"][1] == plan.layer_hash["out"][1]
+
+
 @pytest.mark.parametrize(("sae", "activations", "message"), [
     ({"target": None, "skip": True}, {},
      "saes.tc: skip: the linear skip path is a transcoder's (set target: <activation>); a plain SAE reconstructs its "
@@ -81,9 +91,9 @@ def test_a_transcoder_plans_with_its_targets_shard_hash_in_its_run_config_and_on
     ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "dataset": {**RANDOM_VIT["dataset"], "seed": 1}}},
      "saes.tc[0].target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
      "in data beyond the hook)"),
-    ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "layers": [0, 1]}},
-     "saes.tc[0].target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
-     "in layers beyond the hook)"),
+    ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "layers": [0]}},
+     "saes.tc[0].layer: layer 1 is not extracted by the target activation 'other' (activations.other.layers resolve "
+     "to [0])"),
 ])  # fmt: skip
 def test_a_bad_transcoder_is_refused_at_plan_time_in_one_line(sae, activations, message):
     cfg = _case(**sae)

@@ -44,7 +44,7 @@ def _train_through_the_workflow(tmp_path, cfg: dict) -> tuple[WorkflowPlan, dict
     proc = snakemake(
         tmp_path, write_config(tmp_path, cfg), *targets,
         PYTHONPATH=os.pathsep.join([str(REPO_ROOT / "tests" / "readcount"), os.environ.get("PYTHONPATH", "")]),
-        SAEFLOW_TEST_COUNT_READS=f"{plan.activation_shards('text').dpath}:{out}",
+        SAEFLOW_TEST_COUNT_READS=f"{plan.shard(plan.shard_hash['text']).dpath}:{out}",
     )  # fmt: skip
     reads = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
     return plan, job_counts(proc.stdout + proc.stderr), reads
@@ -56,11 +56,12 @@ def test_a_four_run_sweep_trains_in_one_job_reading_the_data_once(tmp_path):
     (job,) = reads  # one process read the training shards: the pass
     assert sum(arg.startswith("--run") for arg in job["argv"]) == 4, job["argv"]
 
-    shards_dpath = plan.activation_shards("text").dpath
+    shards_dpath = plan.shard(plan.shard_hash["text"]).dpath
     n_layer_bytes = sum(f.stat().st_size for f in shards_dpath.glob("acts*.bin"))  # the one layer stored
     for run_id in plan.runs:  # each run trained alone reads what the pass read, and ends with the same bytes
+        held_dpath = plan.shard(plan.shard_hash["held"]).dpath
         alone = runs.create_run(tmp_path / "alone", plan.runs[run_id].train_config.to_dict(),
-                                train_shards=shards_dpath, val_shards=plan.activation_shards("held").dpath)  # fmt: skip
+                                train_shards=shards_dpath, val_shards=held_dpath)  # fmt: skip
         with ReadCounter(shards_dpath) as counter:
             train.train_runs([alone.root], train.TrainSettings(device="cpu"))
         assert counter.n_bytes == job["n_bytes"] >= 2 * n_layer_bytes, (counter.n_bytes, job["n_bytes"])

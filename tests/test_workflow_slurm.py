@@ -354,9 +354,9 @@ def half_built(tmp_path_factory):
     k4, k8 = (plan.run(run_id) for run_id, p in sorted(plan.runs.items(), key=lambda kv: kv[1].index))
     assert cli.main(["train", "--run", str(k4.root)]) == 0
     targets = [
-        plan.activation_shards("one").shards_fpath,
-        plan.activation_shards("split").shards_fpath,
-        plan.activation_shards("sealed").shards_fpath,
+        plan.shard(plan.shard_hash["one"]).shards_fpath,
+        plan.shard(plan.shard_hash["split"]).shards_fpath,
+        plan.shard(plan.shard_hash["sealed"]).shards_fpath,
         k8.sae_fpath,
         k4.dump(plan.shard_hash["docs"]).index_fpath,
         k4.evaluation_fpath(plan.shard_hash["docs"]),
@@ -475,7 +475,7 @@ def test_a_paper_repository_with_renamed_rules_submits_the_checkouts_sbatch_line
     cfg, targets, plan = _copy_half_built(tmp_path, half_built, other_sae)
     (new_run,) = [r for r, p in plan.runs.items() if p.sae_name == "other"]
     targets.append(str(plan.run(new_run).config_fpath))
-    targets += [str(plan.activation_shards(point).shards_fpath) for point in ("mlp_in", "mlp_out")]
+    targets += [str(plan.shard(plan.shard_hash[point]).shards_fpath) for point in ("mlp_in", "mlp_out")]
     (pass_key,) = extraction_passes(plan)
     profile = install_profile("PAS1234", tmp_path / "osc", allow_cpu_torch=True)
     paper = tmp_path / "paper"

@@ -103,20 +103,14 @@ def get_cli_config(kind, key):
     return CLI_CONFIGS.fpath(kind, key)
 
 
-def get_activation_shards_json(activation):
-    """The file that stands for an activation's published shard directory."""
-    return PLAN.activation_shards(activation).shards_fpath
-
-
-def get_shards_if_missing(output_fpath, *activations):
-    """The activations' shards.json (ancient) while `output_fpath` is missing, else nothing: a job reads shard bytes
-    only when it runs, so a complete output never asks for a purged or moved shard directory to be extracted.
+def get_shards_if_missing(output_fpath, *shard_hashes):
+    """The shards.json (ancient) of the shard directories while `output_fpath` is missing, else nothing: a job reads
+    shard bytes only when it runs, so a complete output never asks for a purged or moved shard directory to be
+    extracted.
     """
     if pathlib.Path(output_fpath).exists():
         return []
-    return [
-        ancient(get_activation_shards_json(name)) for name in dict.fromkeys(activations)
-    ]
+    return [ancient(PLAN.shard(h).shards_fpath) for h in dict.fromkeys(shard_hashes)]
 
 
 def get_pass(run_id):
@@ -148,7 +142,7 @@ def get_pass_shards(run_id):
     for member in get_pass(run_id):
         plan = PLAN.runs[member]
         member_shards = get_shards_if_missing(
-            PLAN.run(member).sae_fpath, *plan.read_activations
+            PLAN.run(member).sae_fpath, *plan.read_shards
         )
         shards += [f for f in member_shards if f not in shards]
     return shards

@@ -16,8 +16,8 @@ rule evaluate:
         settings=get_cli_config("stages", "evaluate"),
         shards=lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).evaluation_fpath(wc.shard_hash),
-            PLAN.hash_activation[wc.shard_hash],
-            *PLAN.runs[wc.run_id].val_activations[1:],  # a transcoder's target of them
+            wc.shard_hash,
+            *PLAN.runs[wc.run_id].val_shards[1:],  # a transcoder's target of them
         ),
     output:
         RUNS.evaluation_fpath(SHARD_HASH_WILDCARD),

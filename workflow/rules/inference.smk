@@ -21,8 +21,8 @@ rule inference:
         settings=get_cli_config("stages", "inference"),
         shards=lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).dump(wc.shard_hash).metrics_fpath,
-            PLAN.hash_activation[wc.shard_hash],
-            *PLAN.runs[wc.run_id].val_activations[1:],  # a transcoder's target of them
+            wc.shard_hash,
+            *PLAN.runs[wc.run_id].val_shards[1:],  # a transcoder's target of them
         ),
     output:
         metrics=update(DUMPS.metrics_fpath),

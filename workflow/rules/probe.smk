@@ -11,8 +11,7 @@ rule probe:
         dump=DUMPS.metrics_fpath,
         settings=get_cli_config("stages", "probe"),
         shards=lambda wc: get_shards_if_missing(
-            PLAN.run(wc.run_id).probe_fpath(wc.shard_hash),
-            PLAN.hash_activation[wc.shard_hash],
+            PLAN.run(wc.run_id).probe_fpath(wc.shard_hash), wc.shard_hash
         ),
     output:
         RUNS.probe_fpath(SHARD_HASH_WILDCARD),

@@ -20,7 +20,7 @@ rule create_run:
         lambda wc: get_shards_if_missing(
             PLAN.run(wc.run_id).config_fpath,
             # train, val (a transcoder's targets of them)
-            *PLAN.runs[wc.run_id].read_activations,
+            *PLAN.runs[wc.run_id].read_shards,
         ),
     output:
         # update(): Snakemake does not delete a config.json before the job (saeflow create-run finds an identical

@@ -10,7 +10,9 @@ from saeflow import __version__, devices, numerics, preempt
 from saeflow.errors import SaeflowError, one_line, say
 
 # One module per stage; each defines `register(subparsers)` and sets `func` on its parsers.
-COMMAND_MODULES = ("store", "extract", "train", "inference", "evaluate", "probe", "stability", "interop", "workflow")
+COMMAND_MODULES = (
+    "store", "extract", "train", "inference", "evaluate", "probe", "stability", "interop", "workflow", "migrate",
+)
 # The commands that compute with torch: inside a job given a GPU, they check that torch sees it first.
 GPU_COMMANDS = ("extract", "train", "inference", "evaluate")
 # The commands whose work loops save their resume point and stop on Slurm's warning signal or SIGTERM.

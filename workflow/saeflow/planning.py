@@ -5,7 +5,8 @@ it for paths through a few `get_*` helpers; tests build it directly. Planning re
 datasets, never weights or activations. Paths come from `saeflow.store.layout`; nothing here spells one.
 
     plan = WorkflowPlan.from_config(config_dict)       # validated (Snakemake's validate or config.validate)
-    plan.shard_hash["minilm-docs"]                     # the content address of an activation spec
+    plan.layer_hash["minilm-docs"][3]                  # the content address of one layer's shard directory
+    plan.metadata[shard_hash]                          # what that directory holds
     plan.runs[run_id].train_activation                 # every point of every SAE sweep
     plan.write_cli_configs(".snakemake/saeflow")       # the per-job configs the rules hand to the CLI
 """
@@ -39,7 +40,7 @@ class WorkflowConfig:
     shards_root: pathlib.Path  # where shard directories <sha256>/ are published (scratch on a cluster)
     runs_root: pathlib.Path  # where run directories <run_id>/ live (project storage on a cluster)
     summary_dir: pathlib.Path  # summary.csv and pareto.png
-    activations: dict[str, ActivationSpec | ShardsSpec]  # name -> spec; each is one content-addressed shard dir
+    activations: dict[str, ActivationSpec | ShardsSpec]  # name -> spec: a content-addressed shard dir per layer
     saes: dict[str, sweeps.SAESpec]  # name -> spec; list-valued hyper-parameters expand into a sweep
     exports: dict[str, ExportSpec]  # name -> interop export
     settings: dict[str, dict]  # `train`, `inference`, `visuals`: how stages run, handed to the CLI as flags
@@ -118,7 +119,8 @@ def read_planned(raw_activations: dict, cache_dpath: pathlib.Path) -> dict[str, 
 
 
 def plan_metadata(cfg: WorkflowConfig, planned: dict[str, dict]) -> dict[str, shards.Metadata]:
-    """Activation name -> its shard metadata: from `planned` (read_planned) where it holds the spec, else planned."""
+    """Activation name -> its shard metadata, every layer: from `planned` (read_planned) where it holds the spec,
+    else planned."""
     out = {}
     for name, spec in cfg.activations.items():
         known = planned.get(activation_key(cfg.raw["activations"][name]))
@@ -129,25 +131,55 @@ def plan_metadata(cfg: WorkflowConfig, planned: dict[str, dict]) -> dict[str, sh
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardDirPlan:
+    """One shard directory the workflow reads: an activation spec's directory of one layer (`ActivationSpec.
+    per_layer`), or an existing directory (`ShardsSpec`, every layer it holds)."""
+
+    activation: str  # the first `activations.<name>` that plans it (identical specs share a directory)
+    spec: ActivationSpec | ShardsSpec  # what extracts it: a spec of its layer alone (or the existing directory)
+    metadata: shards.Metadata  # its metadata.json; its hash names the directory
+    raw: dict  # the `activations.<name>` entry of its spec, as the per-job configs hold it (canonical_spec)
+
+
+def plan_shard_dirs(cfg: WorkflowConfig, activation_metadata: dict[str, shards.Metadata]):
+    """(shard hash -> its directory's plan, activation name -> {layer: shard hash}): a directory per layer of a spec,
+    an existing directory for every layer it holds (`extract.directories`). Activation specs with identical content
+    share their directories; the first name speaks for each."""
+    shard_dirs: dict[str, ShardDirPlan] = {}
+    layer_hash: dict[str, dict[int, str]] = {}
+    for name, md in activation_metadata.items():
+        layer_hash[name] = {}
+        for layer, (spec, dir_md, raw) in extract.directories(cfg.activations[name], md,
+                                                               cfg.raw["activations"][name]).items():  # fmt: skip
+            shard_dirs.setdefault(dir_md.hash, ShardDirPlan(name, spec, dir_md, raw))
+            layer_hash[name][layer] = dir_md.hash
+    return shard_dirs, layer_hash
+
+
 class WorkflowPlan:
     """Every job of the workflow and every path it writes, computed from the config alone."""
 
     def __init__(self, cfg: WorkflowConfig, planned: dict[str, dict] | None = None):
         """`planned`: shard metadata an earlier parse planned (read_planned), taken as it is."""
         self.cfg = cfg
-        self.metadata = plan_metadata(cfg, planned or {})
-        self.shard_hash = {name: md.hash for name, md in self.metadata.items()}
-        # Two activation specs with identical content share one shard directory; the first name speaks for it.
-        self.hash_activation: dict[str, str] = {}
-        for name, shard_hash in self.shard_hash.items():
-            self.hash_activation.setdefault(shard_hash, name)
+        self.activation_metadata = plan_metadata(cfg, planned or {})  # name -> what its spec plans, every layer
+        self.shard_dirs, self.layer_hash = plan_shard_dirs(cfg, self.activation_metadata)
+        self.metadata = {shard_hash: d.metadata for shard_hash, d in self.shard_dirs.items()}
+        self.hash_activation = {shard_hash: d.activation for shard_hash, d in self.shard_dirs.items()}
         # Split extraction: hash -> number of part jobs (> 1 only; capped at the shard count). Not hashed.
-        n_parts = {h: parts.n_parts_of(self.metadata[name], cfg.activations[name].parts)
-                   for h, name in self.hash_activation.items()}  # fmt: skip
+        n_parts = {h: parts.n_parts_of(d.metadata, cfg.activations[d.activation].parts)
+                   for h, d in self.shard_dirs.items()}  # fmt: skip
         self.shard_parts = {h: n for h, n in n_parts.items() if n > 1}
-        auto_tokens = {name: sweeps.auto_tokens_of(md) for name, md in self.metadata.items()}
-        self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.shard_hash, auto_tokens)}
+        auto_tokens = {name: sweeps.auto_tokens_of(md) for name, md in self.activation_metadata.items()}
+        self.runs = {plan.run_id: plan for plan in sweeps.plan_runs(cfg.saes, self.layer_hash, auto_tokens)}
         check_runs(self)
+
+    @property
+    def shard_hash(self) -> dict[str, str]:
+        """Activation name -> its shard hash, for the activations of one directory (one layer, or an existing
+        directory); `layer_hash` names every directory."""
+        return single_directories(self.layer_hash)
 
     @classmethod
     def from_config(cls, config: dict, planned: dict[str, dict] | None = None) -> "WorkflowPlan":
@@ -161,17 +193,14 @@ class WorkflowPlan:
     def run(self, run_id: str) -> layout.RunLayout:
         return layout.RunLayout.at(self.cfg.runs_root, run_id)
 
-    def activation_shards(self, activation: str) -> layout.ShardLayout:
-        return self.shard(self.shard_hash[activation])
-
     def dumps(self) -> list[tuple[str, str]]:
-        """(run_id, shard_hash) of every inference dump: each run on its validation activations."""
-        return [(run_id, self.shard_hash[plan.val_activation]) for run_id, plan in self.runs.items()]
+        """(run_id, shard_hash) of every inference dump: each run on its validation shards (its layer's)."""
+        return [(run_id, plan.train_config.val_shards) for run_id, plan in self.runs.items()]
 
     def probes(self) -> list[tuple[str, str]]:
         """(run_id, shard_hash) of every dump whose shards carry labels (labels.bin, classes.bin): saeflow probe."""
         return [(run_id, shard_hash) for run_id, shard_hash in self.dumps()
-                if has_labels(self.cfg.activations[self.hash_activation[shard_hash]], self.shard(shard_hash))]
+                if has_labels(self.shard_dirs[shard_hash].spec, self.shard(shard_hash))]
 
     @functools.cached_property
     def train_passes(self) -> dict[str, tuple[str, ...]]:
@@ -250,12 +279,18 @@ class WorkflowPlan:
         check_published_shards(self)
 
 
+def single_directories(layer_hash: dict[str, dict[int, str]]) -> dict[str, str]:
+    """Activation name -> its shard hash, for the activations held in one directory."""
+    return {name: next(iter(hashes.values())) for name, hashes in layer_hash.items() if len(set(hashes.values())) == 1}
+
+
 def check_runs(plan: WorkflowPlan) -> None:
     """What training would refuse of every run, from the planned shard metadata (`sweeps.check_run`)."""
     for run in plan.runs.values():
-        targets = None if run.target_activation is None else (
-            plan.metadata[run.target_activation], plan.metadata[run.val_target_activation])
-        sweeps.check_run(run, *(plan.metadata[a] for a in run.activations), plan.cfg.settings["train"], targets)
+        cfg = run.train_config
+        targets = None if cfg.target is None else (plan.metadata[cfg.target], plan.metadata[cfg.val_target])
+        sweeps.check_run(run, plan.metadata[cfg.train_shards], plan.metadata[cfg.val_shards],
+                         plan.cfg.settings["train"], targets)  # fmt: skip
 
 
 def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
@@ -274,16 +309,16 @@ def evaluations(plan: WorkflowPlan) -> list[tuple[str, str]]:
 
 
 def extraction_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
-    """Pass key -> the shard hashes (two or more, sorted) that one job extracts from one forward pass: the activation
-    specs that differ only in the hook point (`ActivationSpec.shares_pass`). The key is the sha256 of the hashes, so
-    it names the same pass in every parse of the same config (a Slurm job's own, a retry's)."""
+    """Pass key -> the shard hashes (two or more, sorted) that one job extracts from one forward pass: the layers of
+    one spec, and of the specs that differ from it only in the hook point (`ActivationSpec.shares_pass`). The key is
+    the sha256 of the hashes, so it names the same pass in every parse of the same config (a Slurm job's own, a
+    retry's)."""
     groups: list[list[str]] = []
-    for shard_hash, name in plan.hash_activation.items():
-        spec = plan.cfg.activations[name]
-        if not isinstance(spec, ActivationSpec):
+    for shard_hash, shard_dir in plan.shard_dirs.items():
+        if not isinstance(shard_dir.spec, ActivationSpec):
             continue
         for group in groups:
-            if plan.cfg.activations[plan.hash_activation[group[0]]].shares_pass(spec):
+            if plan.shard_dirs[group[0]].spec.shares_pass(shard_dir.spec):
                 group.append(shard_hash)
                 break
         else:
@@ -306,7 +341,7 @@ def purged_shard_warnings(plan: WorkflowPlan) -> list[str]:
         users = [
             run_id
             for run_id, run_plan in plan.runs.items()
-            if name in run_plan.read_activations and plan.run(run_id).config_fpath.exists()
+            if shard_hash in run_plan.read_shards and plan.run(run_id).config_fpath.exists()
         ]
         if users:
             warnings.append(
@@ -324,7 +359,7 @@ def check_published_shards(plan: WorkflowPlan) -> None:
         shards, name = plan.shard(shard_hash), plan.hash_activation[shard_hash]
         if not shards.shards_fpath.exists():
             continue  # not published: its extraction job makes it
-        if problem := stat_problem(shards.dpath, plan.metadata[name]):
+        if problem := stat_problem(shards.dpath, plan.metadata[shard_hash]):
             raise SaeflowError(
                 f"shard directory {shards.dpath} (activation {name!r}) is damaged and a job needs it: {problem}. "
                 f"Remove it to extract it again (chmod -R u+w {shards.dpath} && rm -rf {shards.dpath}; runs "
@@ -341,11 +376,11 @@ def shard_hashes_to_read(plan: WorkflowPlan) -> list[str]:
     probed = set(plan.probes())
     for run_id, run_plan in plan.runs.items():
         run = plan.run(run_id)
-        val_hash = plan.shard_hash[run_plan.val_activation]
+        val_hash = run_plan.train_config.val_shards
         if not run.config_fpath.exists() or not run.sae_fpath.exists():
-            hashes.update(dict.fromkeys(plan.shard_hash[name] for name in run_plan.read_activations))
+            hashes.update(dict.fromkeys(run_plan.read_shards))
         elif not run.dump(val_hash).metrics_fpath.exists():
-            hashes.update(dict.fromkeys(plan.shard_hash[name] for name in run_plan.val_activations))
+            hashes.update(dict.fromkeys(run_plan.val_shards))
         elif (run_id, val_hash) in probed and not run.probe_fpath(val_hash).exists():
             hashes[val_hash] = None
     return list(hashes)
@@ -385,8 +420,8 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     def activation(name: str) -> dict:  # as written before keys were added to it: no rerun on an upgrade
         return canonical_spec(raw["activations"][name])
 
-    for shard_hash, name in plan.hash_activation.items():
-        configs[plan.cli_config("shards", shard_hash)] = {**roots, "activations": {name: activation(name)}}
+    for shard_hash, shard_dir in plan.shard_dirs.items():  # its layer's spec alone: the job extracts that directory
+        configs[plan.cli_config("shards", shard_hash)] = {**roots, "activations": {shard_dir.activation: shard_dir.raw}}
     for key, hashes in extraction_passes(plan).items():  # one job, one forward pass, a directory each
         names = [plan.hash_activation[h] for h in hashes]
         configs[plan.cli_config("passes", key)] = {**roots, "activations": {n: activation(n) for n in names}}
@@ -400,7 +435,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)
         if isinstance(spec, ActivationSpec):
             key = activation_key(raw["activations"][name])
-            configs[plan.cli_config("planned", key)] = plan.metadata[name].to_dict()
+            configs[plan.cli_config("planned", key)] = plan.activation_metadata[name].to_dict()
     for name in plan.cfg.exports:
         configs[plan.cli_config("exports", name)] = {"activations": {}, "exports": {name: raw["exports"][name]}}
     # What else decides a rerun, as inputs of those jobs (the workflow's rerun trigger is the files' content):

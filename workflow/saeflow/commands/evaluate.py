@@ -67,7 +67,8 @@ def _validation_activation(run, activations: dict, config_fpath: pathlib.Path) -
     run_cfg = run.config()
     val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
     for name, spec in activations.items():
-        if extract.plan_activation(specs.ActivationSpec.from_dict(spec)).hash == val_hash:
+        typed = specs.ActivationSpec.from_dict(spec)
+        if val_hash in (md.hash for _, md in extract.per_layer(typed, extract.plan_activation(typed))):
             return name
     raise SaeflowError(
         f"{config_fpath}: none of its activations ({', '.join(activations)}) plans the run's validation shards "

@@ -88,13 +88,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.activation is None and not args.json:
         return _print_workflow_plan(*config.load_with_root_sources(args.config))
     _, name, spec = _spec(args)
-    md = extract.plan_activation(specs.ActivationSpec.from_dict(spec))
+    typed = specs.ActivationSpec.from_dict(spec)
+    mds = [md for _, md in extract.per_layer(typed, extract.plan_activation(typed))]  # a directory per layer
     if args.json:
-        print(json.dumps({"name": name, "hash": md.hash, "metadata": md.to_dict()}, indent=2, sort_keys=True))
+        directories = [{"hash": md.hash, "metadata": md.to_dict()} for md in mds]
+        print(json.dumps({"name": name, "directories": directories, **(directories[0] if len(mds) == 1 else {})},
+                         indent=2, sort_keys=True))  # fmt: skip
         return 0
-    print(f"activation {name}: {md.hash}")
-    print(f"  {md.describe()}")
-    print(json.dumps(md.to_dict(), indent=2, sort_keys=True))
+    for md in mds:
+        print(f"activation {name}: {md.hash}")
+        print(f"  {md.describe()}")
+        print(json.dumps(md.to_dict(), indent=2, sort_keys=True))
     return 0
 
 
@@ -106,11 +110,12 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     plan = WorkflowPlan.from_config(cfg)
     for line in config.describe_roots(cfg, root_sources):
         print(line)
-    for name, shard_hash in plan.shard_hash.items():
-        print(f"activation {name}: {shard_hash}")
+    for name, hashes in plan.layer_hash.items():  # a directory per layer (one for an existing directory)
+        for layer, shard_hash in hashes.items() if len(set(hashes.values())) > 1 else [(None, *hashes.values())]:
+            print(f"activation {name}{'' if layer is None else f' layer {layer}'}: {shard_hash}")
     for key, hashes in extraction_passes(plan).items():
-        names = ", ".join(name for name, shard_hash in plan.shard_hash.items() if shard_hash in hashes)
-        print(f"extraction pass {key[:16]}: {names} (one forward pass, a directory each)")
+        names = ", ".join(dict.fromkeys(plan.hash_activation[h] for h in hashes))
+        print(f"extraction pass {key[:16]}: {names}, {len(hashes)} directories (one forward pass, a directory each)")
     for run_id, run in plan.runs.items():
         print(f"run {run.name}: {run_id} (train {run.train_activation}, val {run.val_activation})")
     return 0
@@ -125,7 +130,9 @@ def cmd_extract(args: argparse.Namespace) -> int:
     else:
         named = dict([config.pick(cfg["activations"], args.activation, "activation")])
     shards_root = config.root(cfg, "shards_root", args.shards_root, "--shards-root")
-    typed = [specs.ActivationSpec.from_dict(spec) for spec in named.values()]
+    units = [(name, unit) for name, spec in named.items()  # a directory per layer, every one of them from the pass
+             for unit in extract.plan_units(specs.ActivationSpec.from_dict(spec))]  # fmt: skip
+    typed = [unit for _, unit in units]
     if args.seal is None and fingerprints.recheck_mode() == "auto":  # about to read the dataset: stat every file
         os.environ[fingerprints.RECHECK_ENV] = "files"
     if args.seal is not None:
@@ -136,7 +143,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     else:
         results = extract.extract_pass(typed, shards_root, device=args.device, progress=not args.no_progress,
                                        part=args.part, expect_hashes=args.expect_hash)  # fmt: skip
-    for name, result in zip(named, results):
+    for (name, _), result in zip(units, results):
         if result.reused:
             say(f"activation {name}: {result.dpath} already exists and is valid; nothing to do")
         elif result.resumed_from:

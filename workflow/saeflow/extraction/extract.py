@@ -118,6 +118,30 @@ def plan_activation(spec: specs.ActivationSpec) -> shards.Metadata:
     return plan(spec).metadata
 
 
+def per_layer(spec: specs.ActivationSpec, md: shards.Metadata) -> list[tuple[specs.ActivationSpec, shards.Metadata]]:
+    """Each shard directory of `spec` (a directory per layer: `ActivationSpec.per_layer`) with its metadata, from
+    the spec's own (`plan_activation`, every layer): what `plan` plans for each, with no model config read again."""
+    return [(unit, dataclasses.replace(md, layers=unit.layers)) for unit in spec.per_layer(md.layers)]
+
+
+def directories(spec: specs.ActivationSpec | specs.ShardsSpec, md: shards.Metadata,
+                raw_spec: dict) -> dict[int, tuple[specs.ActivationSpec | specs.ShardsSpec, shards.Metadata, dict]]:
+    """Layer -> (spec, metadata, `activations` entry) of the shard directory that holds it, from the whole spec's
+    (`md`, every layer; `raw_spec` its validated entry): `per_layer`'s directories, or for an existing directory
+    (`ShardsSpec`) itself for every layer. A spec of one layer keeps its entry as written (its directory is the one
+    earlier saeflow planned, and so is the per-job config that extracts it)."""
+    if isinstance(spec, specs.ShardsSpec) or len(spec.layers) == 1:
+        return dict.fromkeys(md.layers, (spec, md, specs.canonical_spec(raw_spec)))
+    return {unit_md.layers[0]: (unit, unit_md, specs.canonical_spec({**raw_spec, "layers": list(unit.layers)}))
+            for unit, unit_md in per_layer(spec, md)}  # fmt: skip
+
+
+def plan_units(spec: specs.ActivationSpec) -> tuple[specs.ActivationSpec, ...]:
+    """The spec of each of `spec`'s shard directories (`ActivationSpec.per_layer`), its layers resolved from the
+    model's config (no weights): what `saeflow extract` extracts in one pass."""
+    return spec.per_layer(models.describe(spec.model).resolve_layers(spec.layers))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Extraction
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,10 +256,11 @@ def extract_pass(
     part: tuple[int, int] | None = None,
     expect_hashes: typing.Sequence[str] | None = None,
 ) -> list[Result]:
-    """Write (or reuse) the directory of every spec from one forward pass: specs that differ only in `hook`
-    (`ActivationSpec.shares_pass`), one directory each. A published directory is reused, never rewritten: only the
-    others are computed, and the pass stops after the deepest block. `expect_hashes` (the workflow's plan) must be
-    the hashes planned here, in any order. Each Result of the pass carries the pass's times."""
+    """Write (or reuse) the directory of every spec from one forward pass: specs that differ only in `hook` and
+    `layers` (`ActivationSpec.shares_pass`; the workflow's are one per layer), one directory each. A published
+    directory is reused, never rewritten: only the others are computed, and the pass stops after the deepest block.
+    `expect_hashes` (the workflow's plan) must be the hashes planned here, in any order. Each Result of the pass
+    carries the pass's times."""
     t0 = time.perf_counter()
     plans = [plan(spec, device=device) for spec in specs_]
     _check_pass(plans, part, expect_hashes)
@@ -255,16 +280,22 @@ def extract_pass(
 
 
 def _check_pass(plans: list[Plan], part: tuple[int, int] | None, expect_hashes: typing.Sequence[str] | None) -> None:
-    """One pass extracts specs that differ only in `hook` (the same part of each, for a split extraction); the
-    workflow's planned hashes must be these."""
-    first = plans[0].spec
+    """One pass extracts specs that differ only in `hook` and `layers`, into directories of one shard size (the same
+    part of each, for a split extraction); the workflow's planned hashes must be these."""
+    first = plans[0]
     for plan_ in plans[1:]:
-        if not first.shares_pass(plan_.spec):
-            keys = [f.name for f in dataclasses.fields(first)
-                    if f.name != "hook" and getattr(first, f.name) != getattr(plan_.spec, f.name)]  # fmt: skip
+        if not first.spec.shares_pass(plan_.spec):
+            keys = [f.name for f in dataclasses.fields(first.spec) if f.name not in ("hook", "layers")
+                    and getattr(first.spec, f.name) != getattr(plan_.spec, f.name)]  # fmt: skip
             raise SaeflowError(
-                "one extraction pass takes activation specs that differ only in `hook`, these differ in "
+                "one extraction pass takes activation specs that differ only in `hook` and `layers`, these differ in "
                 f"{', '.join(keys)}: extract each on its own (--activation NAME)"
+            )
+        if plan_.metadata.ex_per_shard != first.metadata.ex_per_shard:
+            raise SaeflowError(
+                f"one extraction pass writes directories of one shard size: layers {list(first.spec.layers)} and "
+                f"{list(plan_.spec.layers)} give {first.metadata.ex_per_shard} and {plan_.metadata.ex_per_shard} "
+                "examples per shard (extract them one layer a directory: ActivationSpec.per_layer)"
             )
     check_hashes([p.metadata.hash for p in plans], expect_hashes)
 
@@ -273,7 +304,7 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
     """Extract the (unpublished) directories of `plans` from one forward pass over their common inputs."""
     from tqdm import tqdm
 
-    first, md = plans[0], plans[0].metadata  # every plan has the same examples, layers and shard sizes
+    first, md = plans[0], plans[0].metadata  # every plan has the same examples and shard sizes (_check_pass)
     if first.info.modality == "vision":
         first.dataset.check(progress)  # unreadable images fail here, before any weights are loaded
     device_name = str(devices.resolve_device(first.device))  # adapters.load and provenance.json take the name
@@ -308,7 +339,7 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
         ex_stop = writers[0].ex_stop  # a part stops at its last shard (the same one in every directory of the pass)
         spans = [s for s in batches(md.n_ex, md.ex_per_shard, first.spec.batch_size, min(s for *_, s in live))
                  if s[0] < ex_stop]  # fmt: skip
-        points = [(p.spec.hook, layer) for p, _, _ in live for layer in md.layers]
+        points = list(dict.fromkeys((p.spec.hook, layer) for p, _, _ in live for layer in p.metadata.layers))
         source = _image_batches if first.info.modality == "vision" else _text_batches
         forward_sec = write_sec = 0.0
         bar = tqdm(total=ex_stop, initial=spans[0][0] if spans else ex_stop, unit="ex", desc=f"extract {md.hash[:12]}",
@@ -325,7 +356,7 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
                 t = time.perf_counter()
                 for p, w, start in live:
                     if lo >= start:  # batches never cross a shard; a writer resumes at a shard boundary
-                        acts_nltd = np.stack([acts[p.spec.hook, layer].numpy() for layer in md.layers], axis=1)
+                        acts_nltd = np.stack([acts[p.spec.hook, layer].numpy() for layer in p.metadata.layers], axis=1)
                         w.write(acts_nltd, aux={fname: aux_rows for fname in p.aux_fnames})
                 write_sec += time.perf_counter() - t
                 n = inputs.shape[0]

@@ -42,8 +42,9 @@ def canonical_spec(raw_spec: typing.Mapping[str, typing.Any]) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSpec:
-    """One `activations.<name>` entry: one model + layers + hook point + dataset -> one content-addressed shard
-    directory (entries that differ only in `hook` share one forward pass: `shares_pass`).
+    """One `activations.<name>` entry: one model + layers + hook point + dataset -> a content-addressed shard
+    directory per layer (`per_layer`; one forward pass extracts every layer, and entries that differ only in `hook`
+    share it: `shares_pass`).
 
     Everything but batch_size, device, n_workers and parts changes the stored bytes, and so the shard hash.
     """
@@ -85,10 +86,19 @@ class ActivationSpec:
             parts=spec["parts"],
         )
 
+    def per_layer(self, layers: typing.Sequence[int] | None = None) -> tuple["ActivationSpec", ...]:
+        """The spec of each of its shard directories: one directory per layer (docs/contracts.md, "One directory per
+        layer"), so adding a layer extracts only that layer and retrains nothing built on the others. `layers`: the
+        spec's layers as planning resolved them (absolute, sorted: `ModelInfo.resolve_layers`); default as written.
+        A spec of one layer is its own directory's, as written (its hash is the one earlier saeflow gave it)."""
+        if len(self.layers) == 1:
+            return (self,)
+        return tuple(dataclasses.replace(self, layers=(layer,)) for layer in (layers or self.layers))
+
     def shares_pass(self, other: "ActivationSpec") -> bool:
-        """Whether `other` differs from this spec in `hook` alone, so one forward pass extracts both (one job, a
-        directory each: extract.extract_pass; split into the same `parts`, one job per part, a part of each)."""
-        return dataclasses.replace(other, hook=self.hook) == self
+        """Whether `other` differs from this spec in `hook` and `layers` alone, so one forward pass extracts both (one
+        job, a directory each: extract.extract_pass; split into the same `parts`, one job per part, a part of each)."""
+        return dataclasses.replace(other, hook=self.hook, layers=self.layers) == self
 
 
 @dataclasses.dataclass(frozen=True)

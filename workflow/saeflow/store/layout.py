@@ -40,6 +40,11 @@ import os
 import pathlib
 
 HASH_REGEX = "[0-9a-f]{64}"  # a shard hash or a run id (the workflow's wildcard constraint)
+# How the workflow lays activation specs out in shard directories. 1: one directory per spec, every layer in it.
+# 2 (issue 40): one directory per layer (ActivationSpec.per_layer), so adding a layer extracts only that layer and
+# retrains nothing built on the others; a spec of one layer keeps its layout-1 directory. `saeflow migrate` moves a
+# layout-1 tree (saeflow.migration), and layout-1 directories stay readable as `shards:` activations.
+LAYOUT_VERSION = 2
 SHARD_HASH_WILDCARD = "{shard_hash}"
 RUN_ID_WILDCARD = "{run_id}"
 PROVENANCE_FNAME = "provenance.json"

@@ -8,7 +8,8 @@ sha256 of `TrainConfig.to_dict()` (`runs.run_id`): the train/val shard hashes, t
 hyper-parameter exactly as the config spells it, so the same config and data always name the same run directory.
 
     specs = {name: SAESpec.from_dict(name, obj) for name, obj in validated_config["saes"].items()}
-    plans = plan_runs(specs, {"vit": shard_hash}, {"vit": "content"})
+    plans = plan_runs(specs, {"vit": {11: shard_hash}}, {"vit": "content"})  # activation -> {layer: its directory}
+    plans = plan_runs(specs, {"vit": shard_hash}, {"vit": "content"})  # or -> one directory of every layer
 """
 
 import dataclasses
@@ -284,39 +285,73 @@ class RunPlan:
         targets = (self.target_activation, self.val_target_activation)
         return (*self.activations, *(name for name in targets if name is not None))
 
+    @property
+    def read_shards(self) -> tuple[str, ...]:
+        """The shard directories the run reads (its layer's), in `read_activations`' order, each once."""
+        cfg = self.train_config
+        return tuple(dict.fromkeys(h for h in (cfg.train_shards, cfg.val_shards, cfg.target, cfg.val_target) if h))
+
+    @property
+    def val_shards(self) -> tuple[str, ...]:
+        """The shard directories its validation (and inference) reads: the validation one, then a transcoder's
+        target of it."""
+        cfg = self.train_config
+        return (cfg.val_shards,) if cfg.val_target is None else (cfg.val_shards, cfg.val_target)
+
 
 def plan_runs(
-    saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
+    saes: typing.Mapping[str, SAESpec],
+    layer_hashes: typing.Mapping[str, str | typing.Mapping[int, str]],
+    auto_tokens: typing.Mapping[str, str],
 ) -> list[RunPlan]:
-    """Every run of every SAE spec; `shard_hashes` maps activation names to shard hashes, `auto_tokens` to what
-    `tokens: auto` means for their shards (`no_special` for text saeflow extracted, else `content`). The run config
-    holds the resolved choice, so `auto` and the choice it stands for name the same run."""
+    """Every run of every SAE spec; `layer_hashes` maps activation names to {layer: the shard hash of the directory
+    holding it} (the workflow's: a directory per layer), or to the hash of one directory holding every layer (which
+    `check_run` then checks), `auto_tokens` to what `tokens: auto` means for their shards (`no_special` for text
+    saeflow extracted, else `content`). The run config holds the resolved choice, so `auto` and the choice it stands
+    for name the same run."""
     plans = []
     for sae_name, spec in saes.items():
         roles = {"train": spec.train, "val": spec.val_activation, "target": spec.target,
                  "val_target": spec.val_target_activation}  # fmt: skip
         for role, name in roles.items():
-            if name is not None and name not in shard_hashes:
+            if name is not None and name not in layer_hashes:
                 key = f"saes.{sae_name}" + (f".{role}" if "target" in role else "")  # as before transcoders
                 raise SaeflowError(f"{key}: activation {name!r} is not defined; known: "
-                                   f"{', '.join(shard_hashes) or 'none'}")  # fmt: skip
-        targets = {} if spec.target is None else {"target": shard_hashes[spec.target],
-                                                  "val_target": shard_hashes[spec.val_target_activation]}  # fmt: skip
+                                   f"{', '.join(layer_hashes) or 'none'}")  # fmt: skip
         for index, hyper in enumerate(spec.points()):
+            where = f"saes.{sae_name}[{index}]"
+
+            def shards_of(role: str, name: str, layer=hyper["layer"], where=where) -> str:
+                return layer_shards(layer_hashes[name], layer, f"{where}.layer: layer {layer} is not extracted "
+                                    f"by the {role} activation {name!r} (activations.{name}.layers resolve to")
+
+            targets = {} if spec.target is None else {"target": shards_of("target", spec.target),
+                                                      "val_target": shards_of("val_target",
+                                                                              spec.val_target_activation)}  # fmt: skip
             obj = {
                 "trainer": TRAINER,
-                "train_shards": shard_hashes[spec.train],
-                "val_shards": shard_hashes[spec.val_activation],
+                "train_shards": shards_of("train", spec.train),
+                "val_shards": shards_of("val", spec.val_activation),
                 **hyper,
                 **targets,  # none for an SAE, whose config then has no target key (INTRODUCED)
             }
             if obj.get("tokens") == "auto":
                 obj["tokens"] = auto_tokens[spec.train]
-            train_config = TrainConfig.from_dict(obj, f"saes.{sae_name}[{index}]")
+            train_config = TrainConfig.from_dict(obj, where)
             run_id = runs.run_id(train_config.to_dict())
             plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation,
                                  spec.varying(hyper), spec.target, spec.val_target_activation))  # fmt: skip
     return plans
+
+
+def layer_shards(hashes: str | typing.Mapping[int, str], layer: int, refusal: str) -> str:
+    """The shard hash of the directory holding `layer` (`hashes`: {layer: hash}, or one hash for every layer, which
+    `check_run` checks); a layer none holds is `refusal` and the layers there are, in one line."""
+    if isinstance(hashes, str):
+        return hashes
+    if layer not in hashes:
+        raise SaeflowError(f"{refusal} {sorted(hashes)})")
+    return hashes[layer]
 
 
 @dataclasses.dataclass(frozen=True)
