@@ -260,6 +260,47 @@ def test_a_schema_error_says_in_one_line_what_is_valid(tmp_path, capsys, key, va
     assert err.startswith(prefix + line), err
 
 
+MERGED = """\
+base: &base {layers: [4], hook: mlp_in, batch_size: 8}
+other: &other {hook: attn_out, context_length: 16}
+one:
+  <<: *base
+  layers: [5]
+both:
+  <<: [*base, *other]
+  hook: mlp_out
+  batch_size: 4
+"""
+
+
+def test_merge_keys_are_read_as_yaml_defines_them_and_as_snakemake_reads_them(tmp_path):
+    """A mapping's own key overrides one it merges (`<<: *base`, `<<: [*a, *b]`): not a repeated key (issue 40)."""
+    from snakemake.common.configfile import load_configfile
+
+    fpath = tmp_path / "merged.yaml"
+    fpath.write_text(MERGED)
+    read = config.read_yaml(fpath)
+    assert read["one"] == {"layers": [5], "hook": "mlp_in", "batch_size": 8}
+    assert read["both"] == {"layers": [4], "hook": "mlp_out", "batch_size": 4, "context_length": 16}
+    assert read == load_configfile(str(fpath)) == yaml.safe_load(MERGED)
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    (MERGED + "  batch_size: 2\n", "line 10, column 3: found duplicate key 'batch_size' (first given on line 9)"),
+    (MERGED + "  <<: *other\n", "line 10, column 3: found duplicate key '<<' (first given on line 7)"),
+    (MERGED.replace("  hook: mlp_out\n", ""), "line 7, column 7: key 'hook' is merged from two mappings (lines 1 "
+     "and 2), which YAML and PyYAML resolve differently: set it in the mapping itself"),
+    ("one:\n  <<: {hook: mlp_in, hook: mlp_out}\n", "line 2, column 22: found duplicate key 'hook' (first given on "
+     "line 2)"),
+], ids=["own_key_twice", "merge_key_twice", "merged_twice_unset", "twice_in_a_merged_mapping"])  # fmt: skip
+def test_a_key_written_twice_in_one_mapping_is_refused_with_its_line(tmp_path, text, line):
+    fpath = tmp_path / "twice.yaml"
+    fpath.write_text(text)
+    with pytest.raises(SaeflowError) as err:
+        config.read_yaml(fpath)
+    assert str(err.value) == f"config file {fpath}: not valid YAML: {line}"
+
+
 def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
     cfg = copy.deepcopy(TEST_CONFIG)
     del cfg["runs_root"], cfg["summary_dir"]
