@@ -7,6 +7,7 @@ cost no model weights; the workflow tests run the same plans through Snakemake.
 import argparse
 import copy
 import os
+import subprocess
 
 import pytest
 import yaml
@@ -17,7 +18,7 @@ from saeflow.errors import SaeflowError
 from saeflow.extraction.specs import ShardsSpec
 from saeflow.planning import WorkflowPlan, expand_path, has_labels, read_planned, sae_subconfig
 from saeflow.store.layout import ShardLayout
-from workflow_helpers import REPO_ROOT, minilm_path
+from workflow_helpers import REPO_ROOT, VENV_BIN, env, minilm_path, snakemake_cmd
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
 
@@ -299,6 +300,29 @@ def test_a_key_written_twice_in_one_mapping_is_refused_with_its_line(tmp_path, t
     with pytest.raises(SaeflowError) as err:
         config.read_yaml(fpath)
     assert str(err.value) == f"config file {fpath}: not valid YAML: {line}"
+
+
+@pytest.mark.parametrize("command", ["saeflow", pytest.param("snakemake", marks=pytest.mark.slow)])
+def test_an_exponent_number_yaml_reads_as_a_string_is_refused_saying_how_to_write_it(tmp_path, command):
+    """Unquoted `lr: 3e-4` is a string in YAML 1.1 (PyYAML, so saeflow and Snakemake alike): the one line says to
+    write 3.0e-4 (issue 40), in the file as a user writes it."""
+    cfg = copy.deepcopy(TEST_CONFIG)
+    cfg["saes"]["text-topk"]["lr"] = 0.000123
+    cfg["saes"]["text-topk"]["n_train_vectors"] = [4096, 12345]
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg).replace("0.000123", "3e-4").replace("12345", "1e5"))
+    assert "lr: 3e-4\n" in config_fpath.read_text()
+    argv = {"saeflow": [str(VENV_BIN / "saeflow"), "plan", str(config_fpath)],
+            "snakemake": [*snakemake_cmd(tmp_path, config_fpath), "-n"]}[command]  # fmt: skip
+    proc = subprocess.run(argv, env=env(), capture_output=True, text=True, cwd=REPO_ROOT)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith({"saeflow": "saeflow plan: error: ", "snakemake": "saeflow: "}[command] + f"config file "
+                           f"{config_fpath}: config does not match the schema: "), line  # fmt: skip
+    assert "saes.text-topk.lr: '3e-4' is not valid: expected null, a number >= 0, or a non-empty list of (a number " \
+        ">= 0, or null); write 3.0e-4 (YAML 1.1 reads 3e-4 as a string)" in line
+    assert "saes.text-topk.n_train_vectors[1]: '1e5' is not an integer >= 1, or null; write 100000 (YAML 1.1 reads " \
+        "1e5 as a string)" in line
 
 
 def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):
