@@ -219,25 +219,47 @@ def check(config: dict, fpaths: list[str]) -> None:
     try:
         validate(copy.deepcopy(config))
     except SaeflowError as err:
-        where = f"config file {fpaths[0]}" if len(fpaths) == 1 else f"config files {', '.join(fpaths)}"
-        raise SaeflowError(f"{where if fpaths else 'the config'}: {one_line(err)}") from None
+        raise SaeflowError(f"{_files_named(fpaths)}: {one_line(err)}") from None
 
 
-def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
-    """Read a YAML/JSON config file (`read_yaml`), apply top-level overrides and `default_roots`, validate and fill
+def _files_named(fpaths: list) -> str:
+    if not fpaths:
+        return "the config"
+    return f"config file {fpaths[0]}" if len(fpaths) == 1 else f"config files {', '.join(map(str, fpaths))}"
+
+
+ConfigFiles = str | pathlib.Path | list[str | pathlib.Path]
+
+
+def load(fpaths: ConfigFiles, overrides: dict | None = None) -> dict:
+    """Read YAML/JSON config files (`read_files`), apply top-level overrides and `default_roots`, validate and fill
     defaults."""
-    return load_with_root_sources(fpath, overrides)[0]
+    return load_with_root_sources(fpaths, overrides)[0]
 
 
-def load_with_root_sources(fpath: str | pathlib.Path, overrides: dict | None = None) -> tuple[dict, dict[str, str]]:
+def read_files(fpaths: ConfigFiles) -> tuple[dict, list[tuple[str, dict]]]:
+    """Config files, each read strictly (`read_yaml`), merged as Snakemake merges the files of `--configfile A B`
+    (its own `update_config`: a mapping key by key, recursively; any other value of a later file replaces the
+    earlier one): the merged config, and (path, content) of each file, in order. One file is read as it is."""
+    from snakemake.utils import update_config
+
+    fpaths = [fpaths] if isinstance(fpaths, (str, pathlib.Path)) else list(fpaths)
+    files = [(str(fpath), read_yaml(fpath)) for fpath in fpaths]
+    merged = {}
+    for _, content in files:
+        update_config(merged, copy.deepcopy(content))
+    return merged, files
+
+
+def load_with_root_sources(fpaths: ConfigFiles, overrides: dict | None = None) -> tuple[dict, dict[str, str]]:
     """`load`, and where each root comes from (`resolve_roots`)."""
-    config = read_yaml(fpath)
-    sources = resolve_roots(config, [(str(fpath), dict(config))], overrides or {})
+    config, files = read_files(fpaths)
+    sources = resolve_roots(config, files, overrides or {})
     config.update(overrides or {})
     try:
         return validate(config), sources
     except SaeflowError as err:
-        raise SaeflowError(f"config file {fpath}: {err}") from None
+        raise SaeflowError(f"{_files_named([fpath for fpath, _ in files])}: {err}") from None
 
 
 def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:
