@@ -299,25 +299,22 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
 
 
 @pytest.mark.slow
-def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path):
-    """config/examples/gpt2-hooks.yaml, with a local 12-block random GPT-2 for `gpt2` (no download) and a small
-    corpus for its dataset: one extraction pass of both hook points, three runs, and `snakemake -n` plans one
-    extract_pass job with both directories as its outputs, and an evaluate job per run (at its hook point)."""
+def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path, monkeypatch):
+    """config/examples/gpt2-hooks.yaml as shipped, with a 12-block random GPT-2 as `gpt2` in a Hugging Face cache
+    (no download) and a small corpus for its dataset: one extraction pass of both hook points, three runs, and
+    `snakemake -n` plans one extract_pass job with both directories as its outputs, and an evaluate job per run
+    (at its hook point)."""
     import subprocess
     import sys
 
-    import yaml
-
     from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, local_gpt2_example
 
-    cfg = local_gpt2_example(tmp_path, "gpt2-hooks.yaml")
+    fpaths, cfg = local_gpt2_example(tmp_path, "gpt2-hooks.yaml", monkeypatch)
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
     ((key, hashes),) = extraction_passes(plan).items()
     assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2 and len(plan.runs) == 3
-    fpath = tmp_path / "example.yaml"
-    fpath.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
-                           str(tmp_path), "--configfile", str(fpath), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
+                           str(tmp_path), "--configfile", *map(str, fpaths), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
                           capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rule = f"extract_pass_{key[:16]}"

@@ -7,6 +7,7 @@ cost no model weights; the workflow tests run the same plans through Snakemake.
 import argparse
 import copy
 import os
+import subprocess
 
 import pytest
 import yaml
@@ -17,7 +18,7 @@ from saeflow.errors import SaeflowError
 from saeflow.extraction.specs import ShardsSpec
 from saeflow.planning import WorkflowPlan, expand_path, has_labels, read_planned, sae_subconfig
 from saeflow.store.layout import ShardLayout
-from workflow_helpers import REPO_ROOT, minilm_path
+from workflow_helpers import REPO_ROOT, VENV_BIN, env, minilm_path, snakemake_cmd
 
 TEST_CONFIG = yaml.safe_load((REPO_ROOT / ".test" / "config" / "config.yaml").read_text())
 
@@ -258,6 +259,70 @@ def test_a_schema_error_says_in_one_line_what_is_valid(tmp_path, capsys, key, va
     assert err.count("\n") == 1, err
     prefix = f"saeflow plan: error: config file {config_fpath}: config does not match the schema: "
     assert err.startswith(prefix + line), err
+
+
+MERGED = """\
+base: &base {layers: [4], hook: mlp_in, batch_size: 8}
+other: &other {hook: attn_out, context_length: 16}
+one:
+  <<: *base
+  layers: [5]
+both:
+  <<: [*base, *other]
+  hook: mlp_out
+  batch_size: 4
+"""
+
+
+def test_merge_keys_are_read_as_yaml_defines_them_and_as_snakemake_reads_them(tmp_path):
+    """A mapping's own key overrides one it merges (`<<: *base`, `<<: [*a, *b]`): not a repeated key (issue 40)."""
+    from snakemake.common.configfile import load_configfile
+
+    fpath = tmp_path / "merged.yaml"
+    fpath.write_text(MERGED)
+    read = config.read_yaml(fpath)
+    assert read["one"] == {"layers": [5], "hook": "mlp_in", "batch_size": 8}
+    assert read["both"] == {"layers": [4], "hook": "mlp_out", "batch_size": 4, "context_length": 16}
+    assert read == load_configfile(str(fpath)) == yaml.safe_load(MERGED)
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    (MERGED + "  batch_size: 2\n", "line 10, column 3: found duplicate key 'batch_size' (first given on line 9)"),
+    (MERGED + "  <<: *other\n", "line 10, column 3: found duplicate key '<<' (first given on line 7)"),
+    (MERGED.replace("  hook: mlp_out\n", ""), "line 7, column 7: key 'hook' is merged from two mappings (lines 1 "
+     "and 2), which YAML and PyYAML resolve differently: set it in the mapping itself"),
+    ("one:\n  <<: {hook: mlp_in, hook: mlp_out}\n", "line 2, column 22: found duplicate key 'hook' (first given on "
+     "line 2)"),
+], ids=["own_key_twice", "merge_key_twice", "merged_twice_unset", "twice_in_a_merged_mapping"])  # fmt: skip
+def test_a_key_written_twice_in_one_mapping_is_refused_with_its_line(tmp_path, text, line):
+    fpath = tmp_path / "twice.yaml"
+    fpath.write_text(text)
+    with pytest.raises(SaeflowError) as err:
+        config.read_yaml(fpath)
+    assert str(err.value) == f"config file {fpath}: not valid YAML: {line}"
+
+
+@pytest.mark.parametrize("command", ["saeflow", pytest.param("snakemake", marks=pytest.mark.slow)])
+def test_an_exponent_number_yaml_reads_as_a_string_is_refused_saying_how_to_write_it(tmp_path, command):
+    """Unquoted `lr: 3e-4` is a string in YAML 1.1 (PyYAML, so saeflow and Snakemake alike): the one line says to
+    write 3.0e-4 (issue 40), in the file as a user writes it."""
+    cfg = copy.deepcopy(TEST_CONFIG)
+    cfg["saes"]["text-topk"]["lr"] = 0.000123
+    cfg["saes"]["text-topk"]["n_train_vectors"] = [4096, 12345]
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg).replace("0.000123", "3e-4").replace("12345", "1e5"))
+    assert "lr: 3e-4\n" in config_fpath.read_text()
+    argv = {"saeflow": [str(VENV_BIN / "saeflow"), "plan", str(config_fpath)],
+            "snakemake": [*snakemake_cmd(tmp_path, config_fpath), "-n"]}[command]  # fmt: skip
+    proc = subprocess.run(argv, env=env(), capture_output=True, text=True, cwd=REPO_ROOT)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith({"saeflow": "saeflow plan: error: ", "snakemake": "saeflow: "}[command] + f"config file "
+                           f"{config_fpath}: config does not match the schema: "), line  # fmt: skip
+    assert "saes.text-topk.lr: '3e-4' is not valid: expected null, a number >= 0, or a non-empty list of (a number " \
+        ">= 0, or null); write 3.0e-4 (YAML 1.1 reads 3e-4 as a string)" in line
+    assert "saes.text-topk.n_train_vectors[1]: '1e5' is not an integer >= 1, or null; write 100000 (YAML 1.1 reads " \
+        "1e5 as a string)" in line
 
 
 def test_saeflow_plan_prints_each_root_and_where_it_came_from(tmp_path, capsys):

@@ -541,21 +541,20 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, capsys):
-    """config/examples/gpt2-transcoders.yaml, with a local 12-block random GPT-2 for `gpt2` (no download) and a small
-    corpus: one extraction pass of both hook points, 3 MLP-output SAEs and 6 transcoders (3 layers, plain and skip),
-    `saeflow plan` and `snakemake -n` plan it: each transcoder's run waits for both directories."""
+def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, capsys, monkeypatch):
+    """config/examples/gpt2-transcoders.yaml as shipped, with a 12-block random GPT-2 as `gpt2` in a Hugging Face
+    cache (no download) and a small corpus: one extraction pass of both hook points, 3 MLP-output SAEs and 6
+    transcoders (3 layers, plain and skip), `saeflow plan` and `snakemake -n` plan it: each transcoder's run waits
+    for both directories."""
     import json
     import subprocess
     import sys
-
-    import yaml
 
     from saeflow.cli import main
     from saeflow.planning import extraction_passes
     from workflow_helpers import REPO_ROOT, SNAKEMAKE_TEST_ARGS, env, local_gpt2_example
 
-    cfg = local_gpt2_example(tmp_path, "gpt2-transcoders.yaml")
+    fpaths, cfg = local_gpt2_example(tmp_path, "gpt2-transcoders.yaml", monkeypatch)
     plan = _plan(cfg)
     ((key, hashes),) = extraction_passes(plan).items()
     assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2
@@ -563,12 +562,10 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
     assert kinds == sorted([*(("mlp-out", layer, False) for layer in (4, 6, 8)),
                             *(("transcoder", layer, skip) for layer in (4, 6, 8) for skip in (False, True))])
     assert sorted(run_id for run_id, _ in evaluations(plan)) == sorted(plan.runs)  # transcoders spliced too
-    fpath = tmp_path / "example.yaml"
-    fpath.write_text(yaml.safe_dump(cfg))
-    assert main(["plan", str(fpath)]) == 0
+    assert main(["plan", *map(str, fpaths)]) == 0
     assert "transcoder[layer=4,skip=true]" in capsys.readouterr().out
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
-                           str(tmp_path), "--configfile", str(fpath), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
+                           str(tmp_path), "--configfile", *map(str, fpaths), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
                           capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(f"rule extract_pass_{key[:16]}:") == 1

@@ -28,6 +28,7 @@ ROOT_KEYS = ("shards_root", "runs_root", "summary_dir")  # where the workflow wr
 ENV_ROOTS = {"shards_root": ("SAEV_SCRATCH", "saev/shards"), "runs_root": ("SAEV_NFS", "saev/runs")}
 # libyaml's parser where PyYAML has it: every CLI and Snakemake process reads the schema (0.06 s in Python, 0.005 in C)
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+MERGE_TAG = "tag:yaml.org,2002:merge"  # the key `<<` (YAML 1.1 merge)
 
 
 @functools.cache
@@ -75,25 +76,62 @@ def validate(config: dict, schema: dict | None = None) -> dict:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """The safe loader, refusing a mapping that repeats a key (plain YAML keeps the last one, silently)."""
+    """The safe loader, refusing a mapping that writes a key twice (plain YAML keeps the last one, silently).
 
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            self.flatten_mapping(node)
-            first_line = {}
-            for key_node, _ in node.value:
+    Only a mapping's own keys count: a key it also merges (`<<: *base` or `<<: [*a, *b]`) is YAML's ordinary
+    override, read as PyYAML reads it (its own key wins). The check runs in `flatten_mapping`, which PyYAML calls on
+    every mapping, merged ones included, before it puts their entries in front of the mapping's own."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._checked_node_ids = set()  # a merged mapping is flattened again each time it is merged: check it once
+
+    def flatten_mapping(self, node):
+        if id(node) not in self._checked_node_ids:
+            self._checked_node_ids.add(id(node))
+            own_keys = self._refuse_repeated_keys(node)
+            for key_node, value_node in node.value:
+                if key_node.tag == MERGE_TAG and isinstance(value_node, yaml.SequenceNode):
+                    self._refuse_conflicting_merges(value_node, own_keys)
+        super().flatten_mapping(node)
+
+    def _refuse_repeated_keys(self, node) -> set:
+        """The mapping's own keys; a ConstructorError naming both lines when one is written twice."""
+        first_line = {}
+        for key_node, _ in node.value:
+            key = "<<" if key_node.tag == MERGE_TAG else self.construct_object(key_node, deep=True)
+            try:
+                seen = first_line.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if seen is not None:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r} (first given on line {seen})", key_node.start_mark,
+                )  # fmt: skip
+            first_line[key] = key_node.start_mark.line + 1
+        return set(first_line)
+
+    def _refuse_conflicting_merges(self, sequence_node, own_keys: set) -> None:
+        """`<<: [*a, *b]` where a and b both give a key the mapping does not set itself: YAML takes a's value,
+        PyYAML (so Snakemake, which reads the same file) mostly b's, so either reading could be wrong."""
+        first_given = {}  # key -> its key node in the first mapping that gives it
+        for sub_node in sequence_node.value:
+            if not isinstance(sub_node, yaml.MappingNode):
+                continue  # the base class reports it
+            self.flatten_mapping(sub_node)
+            for key_node, _ in sub_node.value:
                 key = self.construct_object(key_node, deep=True)
-                try:
-                    seen = first_line.get(key)
-                except TypeError:  # an unhashable key: the base class reports it
+                if not isinstance(key, typing.Hashable) or key in own_keys:
                     continue
-                if seen is not None:
+                first = first_given.setdefault(key, key_node)
+                if first is not key_node:
                     raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"found duplicate key {key!r} (first given on line {seen})", key_node.start_mark,
+                        "while constructing a mapping", sequence_node.start_mark,
+                        f"key {key!r} is merged from two mappings (lines {first.start_mark.line + 1} and "
+                        f"{key_node.start_mark.line + 1}), which YAML and PyYAML resolve differently: set it in "
+                        "the mapping itself", sequence_node.start_mark,
                     )  # fmt: skip
-                first_line[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -181,25 +219,48 @@ def check(config: dict, fpaths: list[str]) -> None:
     try:
         validate(copy.deepcopy(config))
     except SaeflowError as err:
-        where = f"config file {fpaths[0]}" if len(fpaths) == 1 else f"config files {', '.join(fpaths)}"
-        raise SaeflowError(f"{where if fpaths else 'the config'}: {one_line(err)}") from None
+        raise SaeflowError(f"{_files_named(fpaths)}: {one_line(err)}") from None
 
 
-def load(fpath: str | pathlib.Path, overrides: dict | None = None) -> dict:
-    """Read a YAML/JSON config file (`read_yaml`), apply top-level overrides and `default_roots`, validate and fill
+def _files_named(fpaths: list) -> str:
+    if not fpaths:
+        return "the config"
+    return f"config file {fpaths[0]}" if len(fpaths) == 1 else f"config files {', '.join(map(str, fpaths))}"
+
+
+ConfigFiles = str | pathlib.Path | list[str | pathlib.Path]
+
+
+def load(fpaths: ConfigFiles, overrides: dict | None = None) -> dict:
+    """Read YAML/JSON config files (`read_files`), apply top-level overrides and `default_roots`, validate and fill
     defaults."""
-    return load_with_root_sources(fpath, overrides)[0]
+    return load_with_root_sources(fpaths, overrides)[0]
 
 
-def load_with_root_sources(fpath: str | pathlib.Path, overrides: dict | None = None) -> tuple[dict, dict[str, str]]:
+def read_files(fpaths: ConfigFiles) -> tuple[dict, list[tuple[str, dict]]]:
+    """Config files, each read strictly (`read_yaml`), merged as Snakemake merges the files of `--configfile A B`
+    (its own `update_config`: a mapping key by key, recursively; any other value of a later file replaces the
+    earlier one): the merged config, and (path, content) of each file, in order. One file is read as it is."""
+    fpaths = [fpaths] if isinstance(fpaths, (str, pathlib.Path)) else list(fpaths)
+    files = [(str(fpath), read_yaml(fpath)) for fpath in fpaths]
+    merged = copy.deepcopy(files[0][1]) if files else {}
+    if len(files) > 1:
+        from snakemake.utils import update_config  # 0.05 s to import: only when there is something to merge
+
+        for _, content in files[1:]:
+            update_config(merged, copy.deepcopy(content))
+    return merged, files
+
+
+def load_with_root_sources(fpaths: ConfigFiles, overrides: dict | None = None) -> tuple[dict, dict[str, str]]:
     """`load`, and where each root comes from (`resolve_roots`)."""
-    config = read_yaml(fpath)
-    sources = resolve_roots(config, [(str(fpath), dict(config))], overrides or {})
+    config, files = read_files(fpaths)
+    sources = resolve_roots(config, files, overrides or {})
     config.update(overrides or {})
     try:
         return validate(config), sources
     except SaeflowError as err:
-        raise SaeflowError(f"config file {fpath}: {err}") from None
+        raise SaeflowError(f"{_files_named([fpath for fpath, _ in files])}: {err}") from None
 
 
 def pick(section: dict, name: str | None, what: str) -> tuple[str, typing.Any]:

@@ -4,14 +4,24 @@ jsonschema's own messages name a sweepable key's failure as "'top-k' is not vali
 (a sweepable key is `oneOf` a value and a list of values) and a misspelt key as "Additional properties are not
 allowed". Here every error on an enumerated key lists the valid values, a value of the wrong kind names the
 expected type (and, in a sweep's list, which element), and an unknown key gets the nearest known key (difflib).
+A number YAML 1.1 reads as a string (`3e-4`: PyYAML, so Snakemake too, wants `3.0e-4`) gets the form to write.
 """
 
 import difflib
+import re
 
 import jsonschema
+import yaml
 
 _TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string", "boolean": "true or false",
                "null": "null", "object": "a mapping", "array": "a list"}  # fmt: skip
+# A number with an exponent: YAML 1.1 reads it as one only with a dot in the mantissa and a sign in the exponent.
+_EXPONENT_NUMBER = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([-+]?)(\d+)")
+# "integer" as a config key means it: 1.0e+8 (a float) is no integer here, though JSON Schema would accept it.
+_STRICT_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool)
+)
+_StrictValidator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_STRICT_TYPES)
 
 
 def explain(err: jsonschema.ValidationError) -> tuple[str, str]:
@@ -27,7 +37,23 @@ def explain(err: jsonschema.ValidationError) -> tuple[str, str]:
             return (where or "(top level)") + found[0], found[1]
         if isinstance(err.instance, dict) and err.schema.get("description"):  # a choice between sets of keys
             return where or "(top level)", f"this entry matches none of its forms: {err.schema['description']}"
-    return where or "(top level)", err.message
+    return where or "(top level)", err.message + _yaml11_number(err.instance, err.schema)
+
+
+def _yaml11_number(value, schema: dict) -> str:
+    """"; write 3.0e-4 (YAML 1.1 reads 3e-4 as a string)" when `value` is a number PyYAML read as a string and the
+    schema takes the number it spells (as a float, else as an integer: `1e8` for an integer key is `100000000`)."""
+    match = _EXPONENT_NUMBER.fullmatch(value) if isinstance(value, str) else None
+    if match is None or not isinstance(yaml.safe_load(value), str):  # a quoted "1.5e-1": no YAML 1.1 surprise
+        return ""
+    mantissa, sign, exponent = match.groups()
+    mantissa += "0" if mantissa.endswith(".") else "" if "." in mantissa else ".0"  # 3 -> 3.0, 1. -> 1.0
+    written = [f"{mantissa}e{sign or '+'}{exponent}"]
+    if float(value).is_integer():
+        written.append(str(int(float(value))))
+    check = _StrictValidator(schema).is_valid  # and each form checked as PyYAML reads it
+    fit = next((text for text in written if check(yaml.safe_load(text))), None)
+    return f"; write {fit} (YAML 1.1 reads {value} as a string)" if fit else ""
 
 
 def describe(schema: dict) -> str | None:
@@ -115,10 +141,11 @@ def _no_branch_matches(value, branches: list[dict]) -> tuple[str, str] | None:
                 and (j := _first_invalid(element, items["items"])) < len(element)
             ):
                 where, element, items = f"{where}[{j}]", element[j], items["items"]
-            near = _nearest(element, items.get("enum", ()))
-            return where, f"{element!r} is not {describe(items)}{near} (the key takes {expected})"
+            hint = _nearest(element, items.get("enum", ())) or _yaml11_number(element, items)
+            return where, f"{element!r} is not {describe(items)}{hint} (the key takes {expected})"
     known = [v for b in branches for v in b.get("enum", ())]
-    return "", f"{value!r} is not valid: expected {expected}{_nearest(value, known)}"
+    hint = _nearest(value, known) or _yaml11_number(value, {"oneOf": branches})
+    return "", f"{value!r} is not valid: expected {expected}{hint}"
 
 
 def _first_invalid(values: list, items: dict) -> int:

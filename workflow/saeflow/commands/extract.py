@@ -72,7 +72,11 @@ def _part_arg(text: str) -> tuple[int, int]:
 
 
 def _common_args(p: argparse.ArgumentParser):
-    p.add_argument("config", type=pathlib.Path, metavar="CONFIG", help="the workflow config (YAML)")
+    p.add_argument(
+        "config", type=pathlib.Path, nargs="+", metavar="CONFIG", help="the workflow config (YAML); several files are "
+        "merged as `snakemake --configfile A B` merges them (mapping by mapping, a later file winning), so a small "
+        "file can point one dataset's path: `saeflow plan example.yaml paths.yaml`",
+    )  # fmt: skip
     p.add_argument("--activation", metavar="NAME", help="which `activations` entry (optional when there is one)")
 
 
