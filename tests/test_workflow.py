@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from hang import HANG_SEC
 from saeflow import cli, config
 from saeflow.analysis import report
 from saeflow.extraction.extract import plan_activation
+from saeflow.planning import WorkflowPlan
 from saeflow.store import shards
 from saeflow.store.layout import RunLayout, ShardLayout
 from saeflow.training.sweeps import SAESpec, plan_runs
@@ -136,6 +138,27 @@ def test_layer_change_makes_a_new_shard_dir_and_keeps_the_old(prepared, tmp_path
     assert shards.validate(workdir / "shards" / new_hash).ok
     assert tree_state(old_dpath) == before, "the old shard directory was touched"
     assert all(not mode & 0o222 for mode, _, _ in before.values()), "the old shard directory must stay read-only"
+
+
+@pytest.mark.slow
+def test_adding_a_layer_extracts_only_that_layer_and_retrains_nothing(prepared, tmp_path):
+    """Issue 40: `layers: [1]` -> `[1, 3]` (and then back) on the finished default-workflow tree. A directory per
+    layer: layer 1's is the published one, every run id stays, the dry run plans nothing; asking for every
+    directory of the spec plans the new layer's extraction alone. Removing the layer again plans nothing."""
+    workdir = prepared["workdir"]
+    cfg = tiny_config()
+    cfg["activations"]["docs"]["layers"] = [1, 3]
+    plan = WorkflowPlan.from_config(config.validate(json.loads(json.dumps(cfg))))
+    assert plan.layer_hash["docs"][1] == prepared["hash"] and sorted(plan.runs) == sorted(prepared["run_ids"])
+    config_fpath = write_config(tmp_path, cfg)
+    assert "Nothing to be done" in snakemake(workdir, config_fpath, "-n").stdout
+    targets = [f"shards/{shard_hash}/shards.json" for shard_hash in plan.layer_hash["docs"].values()]
+    proc = snakemake(workdir, config_fpath, "-n", *targets)
+    ((rule, n_jobs),) = job_counts(proc.stdout).items()  # one job: the pass of the spec's layers, layer 1 reused
+    outputs = re.findall(r"output: (.*)", proc.stdout)
+    assert rule.startswith("extract_pass_") and n_jobs == 1, proc.stdout
+    assert outputs == [str(plan.shard(plan.layer_hash["docs"][3]).shards_fpath)], proc.stdout
+    assert "Nothing to be done" in snakemake(workdir, write_config(tmp_path, tiny_config(), "back.yaml"), "-n").stdout
 
 
 @pytest.mark.slow

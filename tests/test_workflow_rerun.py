@@ -469,6 +469,29 @@ def tc_tree(tmp_path_factory):
     return {"workdir": workdir, "plan": plan_of(cfg)}
 
 
+def test_adding_a_layer_to_three_hook_specs_extracts_only_that_layer_in_one_pass(tc_tree):
+    """Issue 40: the three hook specs of one model and dataset (residual, mlp_in, mlp_out) get layer 0 besides 1:
+    nothing is planned for the finished tree (no run id moves), and asking for every directory plans one pass job
+    whose outputs are the three new layer-0 directories alone."""
+    before = tc_tree["plan"]
+
+    def add_layer(cfg):
+        _with_transcoder("text_mlp_out")(cfg)
+        for spec in cfg["activations"].values():
+            spec["layers"] = [0, 1]
+
+    cfg = variant(add_layer)
+    plan = plan_of(cfg)
+    assert sorted(plan.runs) == sorted(before.runs)
+    assert dry_run(tc_tree["workdir"], cfg) == set()
+    new = {plan.layer_hash[name][0] for name in cfg["activations"]}
+    targets = [str(plan.shard(h).shards_fpath) for hashes in plan.layer_hash.values() for h in hashes.values()]
+    fpath = write_config(tc_tree["workdir"], cfg, "layers.yaml")
+    output = snakemake(tc_tree["workdir"], fpath, "-n", *targets).stdout
+    ((rule, outputs),) = pass_outputs(output).items()
+    assert outputs == new and planned_jobs(output) == {rule}
+
+
 def test_changing_a_transcoders_target_retrains_only_that_transcoder(tc_tree):
     """The target's shard hash is in the transcoder's run config: another target is a new run (create_run, train,
     inference, evaluate: spliced in place of what it predicts), nothing is extracted (the residual directory is
