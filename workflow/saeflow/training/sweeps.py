@@ -120,9 +120,9 @@ class SAESpec:
         return {key: point[key] for key in swept_keys(self.hyper)}
 
     def values(self, key: str) -> list:
-        """The values the sweep gives `key` (one when not swept; the fixed unread value when not given)."""
+        """The values the sweep gives `key` (one when not swept, none when not given)."""
         if key not in self.hyper:
-            return [unread_value(key)]
+            return []
         return list(self.hyper[key]) if _is_sweep(key, self.hyper[key]) else [self.hyper[key]]
 
     def unread_values(self) -> dict[str, typing.Any]:
@@ -135,7 +135,7 @@ class SAESpec:
         out = {}
         for key in ARCH_KEYS:
             fixed, values = unread_value(key), self.values(key)
-            if key not in declared or any(same_value(value, fixed) for value in values):
+            if key not in declared or not values or any(same_value(value, fixed) for value in values):
                 out[key] = fixed
             else:
                 out[key] = min(values)
