@@ -201,6 +201,8 @@ NAMES_ONLY = {"summary", "all"}  # what a change of names or of the set of runs 
         # made before the upgrade is still complete (tests/test_identity.py pins the ids and per-job configs).
         pytest.param(lambda cfg: cfg["saes"]["topk"].update(sweeps.INTRODUCED), set(), id="upgrade-added-keys"),
         pytest.param(_k([8, 4]), set(), id="reorder-sweep"),  # points are named by their values, not their order
+        # A key topk does not read, given or swept: the same runs (docs/contracts.md), so nothing reruns
+        pytest.param(lambda cfg: cfg["saes"]["topk"].update(l1_coeff=[5.0, 6.0]), set(), id="unread-key"),
         pytest.param(_k([4]), NAMES_ONLY, id="remove-sweep-value"),
         pytest.param(_rename_sae, NAMES_ONLY, id="rename-sae"),
         pytest.param(_rename_activation, set(), id="rename-activation"),

@@ -2,7 +2,7 @@
 
 Each run contributes one row per inference directory `<run>/inference/<shard_hash>/metrics.json` (its headline
 metrics are over the tokens the SAE trained on, named in the `tokens` column; `all_tokens.*` over every stored token);
-the row also carries the run's training hyper-parameters (flattened `checkpoint/config.json`) so a sweep can be read
+the row also carries every value the run trained with (`sweeps.readable_config`, flattened) so a sweep can be read
 as a table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
 seed/data_seed). The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per (evaluation
 shard directory, layer, architecture): lower-left is better, and the points no other on the same series beats on both
@@ -26,6 +26,7 @@ from saeflow.extraction import hooks
 from saeflow.store import atomic
 from saeflow.store.hashing import read_json_object
 from saeflow.store.runs import open_run
+from saeflow.training import sweeps
 
 # The metric names inference writes; the first present one is used for each axis of the Pareto plot.
 L0_KEYS = ("l0", "L0")
@@ -65,12 +66,13 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
     Columns: `name` (a label such as the sweep point's name, saeflow.training.sweeps.point_name; run ids are content
     hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), the inference
     metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
-    `config.*` (the run's training config), and `eval.*` (the splice evaluation of the SAE on the same
+    `config.*` (every value the run trained with, `sweeps.readable_config`: blank where its architecture does not
+    read the key, which `config.not_read` lists), and `eval.*` (the splice evaluation of the SAE on the same
     activations, `<run>/evaluation/<shard_hash>.json`, when present; `eval.hook` names the hook point it spliced).
     """
     run = open_run(run_dpath)
     group = stability.group_key(run.config())
-    hparams = flatten(run.config(), "config.")
+    hparams = flatten(sweeps.readable_config(run.config(), str(run.config_fpath)), "config.")
     train_fpath = run.final_metrics_fpath
     train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
     return [

@@ -122,7 +122,36 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
         print(f"extraction pass {key[:16]}: {names}, {len(hashes)} directories (one forward pass, a directory each)")
     for run_id, run in plan.runs.items():
         print(f"run {run.name}: {run_id} (train {run.train_activation}, val {run.val_activation})")
+    for line in _unread_sweeps(plan):
+        print(line)
     return 0
+
+
+def _unread_sweeps(plan) -> list[str]:
+    """One line per SAE spec and architecture of the WorkflowPlan `plan` whose swept keys it does not read made
+    several points one run: `saes.minilm-topk: l1_coeff is swept but topk does not read it: 3 points are one run`."""
+    from saeflow.training import sweeps
+
+    plans, groups = list(plan.runs.values()), {}
+    for run in plans:
+        read = run.train_config.read_keys()
+        unread = tuple(key for key in sweeps.swept_keys(plan.cfg.saes[run.sae_name].hyper) if key not in read)
+        if unread:
+            groups.setdefault((run.sae_name, run.train_config.arch, unread), []).append(run)
+    lines = []
+    for (sae_name, arch, keys), members in groups.items():
+        n_points = sum(1 + len(run.same_points) for run in members)
+        if n_points == len(members):
+            continue
+        named, it = (keys[0], "it") if len(keys) == 1 else (", ".join(keys), "them")
+        swept = f"saes.{sae_name}: {named} {'is' if len(keys) == 1 else 'are'} swept but"
+        runs_text = "one run" if len(members) == 1 else f"{len(members)} runs"
+        if any(p.sae_name == sae_name and p.train_config.arch == arch and set(keys) & set(p.train_config.read_keys())
+               for p in plans):  # read in another mode of the architecture
+            lines.append(f"{swept} {n_points} of its {arch} points do not read {it}: they are {runs_text}")
+        else:
+            lines.append(f"{swept} {arch} does not read {it}: {n_points} points are {runs_text}")
+    return lines
 
 
 def cmd_extract(args: argparse.Namespace) -> int:

@@ -14,8 +14,9 @@ def register(subparsers):
         "create-run",
         help="create (or find) the run directory of one sweep point; prints its path",
         description="Expand the SAE spec NAME of CONFIG into its sweep (the cartesian product of list-valued keys), "
-        "take point INDEX, and create <runs-root>/<run_id>/ with checkpoint/config.json (the hashed training config) "
-        "and links/ to the train/val shard directories and their source datasets. Idempotent; prints the run dir. "
+        "take point INDEX, and create <runs-root>/<run_id>/ with checkpoint/config.json (the hashed training config), "
+        "checkpoint/hyperparameters.json (every value the run trains with, for people) and links/ to the train/val "
+        "shard directories and their source datasets. Idempotent; prints the run dir. "
         "Roots default to the config's; $VARS and ~ in them are expanded as the workflow expands them.",
     )
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG", help="workflow config (YAML)")
@@ -64,10 +65,12 @@ def cmd_create_run(args: argparse.Namespace) -> int:
         train_config = planned[args.run_id].train_config
     else:
         name, _ = config_mod.pick(cfg["saes"], args.sae, "SAE spec")
-        plans = list(WorkflowPlan.from_config(sae_subconfig(cfg, name)).runs.values())
-        if not 0 <= args.index < len(plans):
-            raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {len(plans)} runs")
-        train_config = plans[args.index].train_config
+        plan = WorkflowPlan.from_config(sae_subconfig(cfg, name))
+        n_points = len(plan.cfg.saes[name].points())
+        if not 0 <= args.index < n_points:
+            raise SaeflowError(f"--index {args.index} is out of range: saes.{name} expands into {n_points} points")
+        train_config = next(run.train_config for run in plan.runs.values()
+                            if args.index in (run.index, *run.same_points))  # fmt: skip
     shards_root = config_mod.root(cfg, "shards_root", args.shards_root, "--shards-root")
     train_shards = layout.ShardLayout.at(shards_root, train_config.train_shards)
     val_shards = layout.ShardLayout.at(shards_root, train_config.val_shards)
@@ -83,6 +86,7 @@ def cmd_create_run(args: argparse.Namespace) -> int:
         train_dataset=_dataset_of(train_shards),
         val_dataset=_dataset_of(val_shards),
         target_shards=targets,
+        readable=train_config.readable(),
     )
     print(run.root)
     return 0

@@ -225,6 +225,8 @@ class RunLayout(_ContentAddressed):
 
     checkpoint_dpath = _path("root", CHECKPOINT_DNAME)
     config_fpath = _path("root", CHECKPOINT_DNAME, "config.json", doc="the training config; its sha256 = run id")
+    hyperparameters_fpath = _path("root", CHECKPOINT_DNAME, "hyperparameters.json",
+                                  doc="every value the run trains with (its readable config): not hashed")
     sae_fpath = _path("root", CHECKPOINT_DNAME, "sae.pt", doc="the trained SAE, renamed in last: present = trained")
     resume_fpath = _path("root", CHECKPOINT_DNAME, "resume.pt")
     resume_shards_dpath = _path("root", CHECKPOINT_DNAME, "resume-shards", doc="a latent-sharded resume checkpoint")

@@ -79,8 +79,10 @@ def create_run(
     train_dataset: str | os.PathLike | None = None,
     val_dataset: str | os.PathLike | None = None,
     target_shards: tuple[str | os.PathLike, str | os.PathLike] | None = None,
+    readable: dict | None = None,
 ) -> Run:
-    """Create (or find, unchanged) `<runs_root>/<run_id>/` with checkpoint/config.json and links/.
+    """Create (or find, unchanged) `<runs_root>/<run_id>/` with checkpoint/config.json and links/, and the
+    `readable` view of its config (`TrainConfig.readable`) as checkpoint/hyperparameters.json when given and absent.
 
     Idempotent: the same training config gives the same run and rewrites nothing. Runs under the run's lock, so
     two workflows creating the same run do not race on its links.
@@ -95,6 +97,9 @@ def create_run(
         else:
             config_bytes = (json.dumps(train_config, indent=2, sort_keys=True) + "\n").encode()
             atomic.write_file_atomic(run.config_fpath, config_bytes, readonly=True)
+        if readable is not None and not run.hyperparameters_fpath.exists():
+            readable_bytes = (json.dumps(readable, indent=2, sort_keys=True) + "\n").encode()
+            atomic.write_file_atomic(run.hyperparameters_fpath, readable_bytes, readonly=True)
         _symlink(train_shards, run.link(run.TRAIN_SHARDS))
         _symlink(val_shards, run.link(run.VAL_SHARDS))
         _symlink(train_dataset, run.link(run.TRAIN_DATASET))

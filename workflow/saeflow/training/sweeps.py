@@ -5,7 +5,8 @@ planned shard metadata (`check_run`). No torch, no data.
 Snakemake imports this at parse time (and in every Slurm job), so it stays cheap: `plan_runs` turns typed SAE specs
 and the shard hashes of the activations into `RunPlan`s, each with its `TrainConfig` and run id. The run id is the
 sha256 of `TrainConfig.to_dict()` (`runs.run_id`): the train/val shard hashes, the trainer version and every
-hyper-parameter exactly as the config spells it, so the same config and data always name the same run directory.
+hyper-parameter exactly as the config spells it, so the same config and data always name the same run directory;
+a key the run's architecture does not read is hashed at a fixed value (`TrainConfig.canonical`), so it names no run.
 
     specs = {name: SAESpec.from_dict(name, obj) for name, obj in validated_config["saes"].items()}
     plans = plan_runs(specs, {"vit": {11: shard_hash}}, {"vit": "content"})  # activation -> {layer: its directory}
@@ -22,50 +23,23 @@ from saeflow.errors import SaeflowError
 from saeflow.extraction import hooks, tokenization
 from saeflow.store import runs
 from saeflow.training import archs
+from saeflow.training.keys import ARCH_KEYS, COMMON, INTRODUCED, canonical_spec, same_value
 
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures (each one module of training/archs)
 TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val", "target", "val_target")  # activation names (a run config holds their shard hashes)
 SEED_KEYS = ("seed", "data_seed")  # what may differ between the runs of one seed group (saeflow.analysis.stability)
-# Keys added to the training config after saeflow-train-3's first release, each with the value it was introduced at
-# (docs/contracts.md, "Identities that outlive upgrades"). The canonical form (config.json, whose sha256 is the run
-# id) leaves out a key at that value, and a config.json that lacks it reads as that value, so adding a key with a
-# default changes no run id and every earlier run still loads and trains. The one table of these values: a key's
-# schema default may change later (it then names new runs), its introduction value never does.
-INTRODUCED: dict[str, typing.Any] = {
-    # JumpReLU (issue 34): its sparsity term and the straight-through estimator's kernel
-    "jumprelu_loss": "step",
-    "l0_coeff": 2.0,
-    "bandwidth": 1.0,
-    "threshold_init": 2.0,
-    "tanh_coeff": 0.35,
-    "tanh_scale": 4.0,
-    "pre_act_coeff": 3.0e-6,
-    # Gated (issue 34): the L1 on its gate
-    "gate_l1_coeff": 7.0,
-    # JumpReLU and Gated (issue 34, where codes switch on): their thresholds' learning rate, a multiple of the run's
-    "threshold_lr_scale": 4.0,
-    "gate_bias_lr_scale": 4.0,
-    # Transcoders (issue 35): the target activation's shard hash (train and validation) and the linear skip path;
-    # at these values the run is a plain SAE
-    "target": None,
-    "val_target": None,
-    "skip": False,
-}
 
 
-def at_introduction(key: str, value) -> bool:
-    """True when `key` is an introduced key and `value` is the value it was introduced at (left out when hashed)."""
-    if key not in INTRODUCED:
-        return False
-    default = INTRODUCED[key]
-    return value == default and isinstance(value, bool) == isinstance(default, bool)
+# The value a run hashes a first-release key its architecture does not read at (an INTRODUCED key's is its
+# introduction value, so it is left out): the schema defaults when unread keys stopped naming runs, so every run
+# planned with them there kept its id. Fixed, as INTRODUCED is: a schema default may change later, these never do.
+UNREAD: dict[str, typing.Any] = {"k": 32, "l1_coeff": 3.0, "sparsity_warmup_frac": 0.05}
 
 
-def canonical_spec(obj: typing.Mapping[str, typing.Any]) -> dict:
-    """An `saes.<name>` entry (or a run's hyper-parameters) without the introduced keys at their introduction value:
-    what a per-job config holds, so an upgrade that adds a key with a default leaves it byte for byte unchanged."""
-    return {key: value for key, value in obj.items() if not at_introduction(key, value)}
+def unread_value(key: str):
+    """The fixed value an architecture's key is hashed at by a run that does not read it (`UNREAD`, `INTRODUCED`)."""
+    return INTRODUCED[key] if key in INTRODUCED else UNREAD[key]
 
 
 def _is_sweep(key: str, value) -> bool:
@@ -146,6 +120,28 @@ class SAESpec:
         """What names a point of the sweep: its values of the swept keys."""
         return {key: point[key] for key in swept_keys(self.hyper)}
 
+    def values(self, key: str) -> list:
+        """The values the sweep gives `key` (one when not swept, none when not given)."""
+        if key not in self.hyper:
+            return []
+        return list(self.hyper[key]) if _is_sweep(key, self.hyper[key]) else [self.hyper[key]]
+
+    def unread_values(self) -> dict[str, typing.Any]:
+        """Architecture key -> the value a point of this sweep that does not read it is hashed at
+        (`TrainConfig.canonical`). A key none of the sweep's architectures declares: its fixed value
+        (`unread_value`), so it names no run. A key one of them reads (another architecture of the sweep, or this one
+        in another mode: JumpReLU's l0_coeff under tanh): one of the sweep's values, the fixed one when among them,
+        else the smallest, so a point keeps the id it had when such keys named runs, and a sweep of it is one run."""
+        declared = {key for arch in self.values("arch") for key in archs.get(arch).hyper}
+        out = {}
+        for key in ARCH_KEYS:
+            fixed, values = unread_value(key), self.values(key)
+            if key not in declared or not values or any(same_value(value, fixed) for value in values):
+                out[key] = fixed
+            else:
+                out[key] = min(values)
+        return out
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -213,7 +209,28 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list, the
         introduced keys at their introduction value left out (`INTRODUCED`)."""
-        return canonical_spec({**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)})
+        return canonical_spec(self._values())
+
+    def _values(self) -> dict:
+        return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
+
+    def read_keys(self) -> tuple[str, ...]:
+        """The keys this run reads: the common ones and its architecture's in its mode (`Arch.reads`)."""
+        return (*COMMON, *archs.get(self.arch).reads(self))
+
+    def canonical(self, unread_values: typing.Mapping[str, typing.Any]) -> "TrainConfig":
+        """This run with every key its architecture does not read at its value in `unread_values`
+        (`SAESpec.unread_values`): what planning hashes, so points that differ only there are one run."""
+        read = self.read_keys()
+        return dataclasses.replace(self, **{key: value for key, value in unread_values.items() if key not in read})
+
+    def readable(self) -> dict:
+        """The run as a person reads it (checkpoint/hyperparameters.json, summary.csv's config.* columns): every key
+        it reads at the value it trained with, the introduced keys included, and `not_read`, the keys it does not
+        read (their values mean nothing to it). Never hashed."""
+        read = self.read_keys()
+        values = self._values()
+        return {**{key: values[key] for key in read}, "not_read": sorted(values.keys() - set(read))}
 
     def sae_config(self, d_model: int, d_out: int | None = None) -> "SAEConfig":
         """The SAE this run trains on vectors of width `d_model`: d_sae = expansion x d_model, the Matryoshka
@@ -244,6 +261,15 @@ class TrainConfig:
         )
 
 
+def readable_config(run_config: dict, where: str) -> dict:
+    """A run's config (its config.json, at `where`) as a person reads it: this trainer's runs as
+    `TrainConfig.readable` (what the run's readable file holds, computed again, so a run made before that file
+    existed reads the same); any other (an import, an earlier trainer) as it is."""
+    if run_config.get("trainer") != TRAINER:
+        return run_config
+    return TrainConfig.from_dict(run_config, where).readable()
+
+
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
     """One point of one SAE sweep, planned without touching data."""
@@ -254,9 +280,11 @@ class RunPlan:
     train_config: TrainConfig
     train_activation: str  # activation name trained on
     val_activation: str  # activation name validated on
-    varying: dict = dataclasses.field(default_factory=dict)  # the point's values of the swept keys (its name)
+    varying: dict = dataclasses.field(default_factory=dict)  # the point's values of the swept keys it reads (its name)
     target_activation: str | None = None  # a transcoder's target activation name (paired with train)
     val_target_activation: str | None = None  # and the one paired with val
+    # the later points of the sweep that are this run: they differ from it only in keys its architecture does not read
+    same_points: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -318,6 +346,7 @@ def plan_runs(
                 key = f"saes.{sae_name}" + (f".{role}" if "target" in role else "")  # as before transcoders
                 raise SaeflowError(f"{key}: activation {name!r} is not defined; known: "
                                    f"{', '.join(layer_hashes) or 'none'}")  # fmt: skip
+        unread, planned = spec.unread_values(), {}  # planned: run id -> its position in plans
         for index, hyper in enumerate(spec.points()):
             where = f"saes.{sae_name}[{index}]"
 
@@ -337,10 +366,16 @@ def plan_runs(
             }
             if obj.get("tokens") == "auto":
                 obj["tokens"] = auto_tokens[spec.train]
-            train_config = TrainConfig.from_dict(obj, where)
+            train_config = TrainConfig.from_dict(obj, where).canonical(unread)
             run_id = runs.run_id(train_config.to_dict())
-            plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation,
-                                 spec.varying(hyper), spec.target, spec.val_target_activation))  # fmt: skip
+            if run_id in planned:  # an earlier point differs from it only in keys the architecture does not read
+                first = plans[planned[run_id]]
+                plans[planned[run_id]] = dataclasses.replace(first, same_points=(*first.same_points, index))
+                continue
+            planned[run_id] = len(plans)
+            varying = {key: value for key, value in spec.varying(hyper).items() if key in train_config.read_keys()}
+            plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation, varying,
+                                 spec.target, spec.val_target_activation))  # fmt: skip
     return plans
 
 

@@ -79,8 +79,9 @@ class Arch:
     # ... and as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path): every mode (a latent
     # shard's decoder rows write the target's space, its skip path is whole on every rank)
     transcoder_modes: tuple[str, ...] = MODES
-    uses_k: bool = True  # k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)
-    hyper: tuple[str, ...] = ()  # the sae_spec keys only it reads (beyond the common ones)
+    # The training keys it may read beyond the ones every run reads (`sweeps.COMMON`), in any mode: a key no
+    # architecture of a run declares is hashed at a fixed value (`sweeps.TrainConfig.canonical`), so it names no run.
+    hyper: tuple[str, ...] = ()
     unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
     decoder_init_norm: float = 1.0  # the norm decoder rows start at
     ghost_aux: bool = False  # AuxK's dead latents act through softplus (their pre-activations are negative)
@@ -93,6 +94,16 @@ class Arch:
     # ... and as a transcoder (SAELens has ReLU and JumpReLU ones; `skip_` before `transcoder` names the skip variant)
     saelens_transcoder: str | None = None
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
+
+    @property
+    def uses_k(self) -> bool:
+        """k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)."""
+        return "k" in self.hyper
+
+    def reads(self, cfg) -> tuple[str, ...]:
+        """The keys of `hyper` the run `cfg` (a sweeps.TrainConfig) reads: all of them, unless a mode of the
+        architecture leaves some unread (JumpReLU's `jumprelu_loss`)."""
+        return self.hyper
 
     def unit_rows(self, sae_cfg) -> bool:
         """Whether the trainer keeps this SAE's decoder rows at unit norm (`unit_decoder`); a transcoder's train

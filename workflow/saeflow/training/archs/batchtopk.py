@@ -10,6 +10,7 @@ from saeflow.training.archs.base import Arch, Selection, Unsupported, torch
 class BatchTopK(Arch):
     name = "batchtopk"
     selection = Selection.BATCH_TOP_K
+    hyper = ("k",)
     has_threshold = True
     saelens = "jumprelu"
     saelens_transcoder = "jumprelu_transcoder"

@@ -32,7 +32,6 @@ from saeflow.training.archs.relu import l1_penalty, l1_ramp
 class Gated(Arch):
     name = "gated"
     selection = Selection.DENSE
-    uses_k = False
     hyper = ("gate_l1_coeff", "gate_bias_lr_scale", "sparsity_warmup_frac")
     ghost_aux = True  # a dead latent's gate is shut (pi_gate < 0): AuxK reaches it through softplus
     unit_decoder = False  # as ReLU: rows start short, their norms train (the L1 weighs them in), folded at publish

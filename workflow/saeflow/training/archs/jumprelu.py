@@ -27,6 +27,9 @@ from saeflow.errors import SaeflowError
 from saeflow.training.archs.base import Arch, Selection, TermInputs, Unsupported, torch
 from saeflow.training.archs.relu import l1_ramp
 
+# The keys only the step loss reads, and only the tanh loss (`JumpReLU.hyper`'s others both read)
+STEP_KEYS, TANH_KEYS = ("l0_coeff",), ("tanh_coeff", "tanh_scale", "pre_act_coeff")
+
 
 def _rectangle(u):
     return ((u > -0.5) & (u < 0.5)).to(u.dtype)
@@ -94,13 +97,17 @@ def _functions():
 class JumpReLU(Arch):
     name = "jumprelu"
     selection = Selection.DENSE
-    uses_k = False
     hyper = ("jumprelu_loss", "l0_coeff", "tanh_coeff", "bandwidth", "threshold_init", "tanh_scale", "pre_act_coeff",
              "threshold_lr_scale", "sparsity_warmup_frac")  # fmt: skip
     ghost_aux = True  # a dead latent sits below its threshold, usually below zero: AuxK reaches it through softplus
     term_names = ("mse", "l0", "pre_act", "aux")
     saelens = "jumprelu"
     saelens_transcoder = "jumprelu_transcoder"
+
+    def reads(self, cfg) -> tuple[str, ...]:
+        """Its loss's own keys and not the other loss's (`STEP_KEYS`, `TANH_KEYS`), as `sparsity_terms` reads them."""
+        other = STEP_KEYS if cfg.jumprelu_loss == "tanh" else TANH_KEYS
+        return tuple(key for key in self.hyper if key not in other)
 
     def parameters(self, d_sae: int) -> dict:
         return {"log_threshold": torch.zeros(d_sae)}

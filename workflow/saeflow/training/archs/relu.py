@@ -27,7 +27,6 @@ def l1_penalty(W_dec_sd, f_bs):
 class ReLU(Arch):
     name = "relu"
     selection = Selection.DENSE
-    uses_k = False
     hyper = ("l1_coeff", "sparsity_warmup_frac")
     unit_decoder = False
     decoder_init_norm = DECODER_INIT_NORM

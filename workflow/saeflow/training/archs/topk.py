@@ -11,6 +11,7 @@ from saeflow.training.archs.base import Arch, Selection, torch
 class TopK(Arch):
     name = "topk"
     selection = Selection.TOP_K
+    hyper = ("k",)
     saelens = "topk"
     sparsify = "topk"
 
