@@ -349,7 +349,7 @@ def test_cli_create_run(tmp_path, capsys):
     )
     assert cli.main(args) == 0 and capsys.readouterr().out.strip().endswith(run_dpath.name)  # idempotent
     assert cli.main([*args[:3], "2", *args[4:]]) == 1
-    assert "--index 2 is out of range: saes.sweep expands into 2 runs" in capsys.readouterr().err
+    assert "--index 2 is out of range: saes.sweep expands into 2 points" in capsys.readouterr().err
 
 
 def test_cli_create_run_takes_its_roots_from_the_config(tmp_path, monkeypatch, capsys):

@@ -28,7 +28,7 @@ from saeflow.store import hashing, layout, shards
 from saeflow.store.atomic import write_file_atomic
 from saeflow.store.shards import parts
 from saeflow.store.shards.validate import stat_problem
-from saeflow.training import sweeps
+from saeflow.training import run_checks, sweeps
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate", "probe")  # CLI flags (config.section_flags)
 
@@ -285,11 +285,11 @@ def single_directories(layer_hash: dict[str, dict[int, str]]) -> dict[str, str]:
 
 
 def check_runs(plan: WorkflowPlan) -> None:
-    """What training would refuse of every run, from the planned shard metadata (`sweeps.check_run`)."""
+    """What training would refuse of every run, from the planned shard metadata (`run_checks.check_run`)."""
     for run in plan.runs.values():
         cfg = run.train_config
         targets = None if cfg.target is None else (plan.metadata[cfg.target], plan.metadata[cfg.val_target])
-        sweeps.check_run(run, plan.metadata[cfg.train_shards], plan.metadata[cfg.val_shards],
+        run_checks.check_run(run, plan.metadata[cfg.train_shards], plan.metadata[cfg.val_shards],
                          plan.cfg.settings["train"], targets)  # fmt: skip
 
 

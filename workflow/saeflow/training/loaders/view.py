@@ -248,7 +248,7 @@ class IndexedReader:
 
 def paired_view(view: LayerView, target_dir: ShardDir) -> LayerView:
     """The same layer and tokens of a transcoder's target directory, refused in one line unless its examples, tokens
-    and shards line up with `view`'s row for row (the plan checks the metadata first: sweeps.check_pairs)."""
+    and shards line up with `view`'s row for row (the plan checks the metadata first: run_checks.check_pairs)."""
     target = LayerView(target_dir, view.layer, view.tokens)
     a, b = view.md, target.md
     layout_a = (a.n_ex, a.tokens_per_ex, a.cls_token, tuple(view.sd.shard_sizes), view.n_vectors)
