@@ -23,6 +23,7 @@ import io
 import pathlib
 
 from saeflow.analysis import stability, summary
+from saeflow.errors import say
 from saeflow.store import atomic, layout
 from saeflow.store.hashing import read_json_object
 
@@ -184,6 +185,8 @@ def write_summary(
     atomically; the seed groups' `saeflow stability` results from `stability_fpaths`; `names` and `group_names` map
     run ids to the names of their sweep points and seed groups). Returns the first two."""
     rows = summary.collect(run_dpaths, names, group_names)
+    for line in summary.warning_lines(rows):
+        say(line)
     out_dpath.mkdir(parents=True, exist_ok=True)
     out = layout.SummaryLayout(out_dpath)
     csv_fpath, png_fpath = out.csv_fpath, out.pareto_fpath

@@ -26,13 +26,17 @@ from saeflow.extraction import hooks
 from saeflow.store import atomic
 from saeflow.store.hashing import read_json_object
 from saeflow.store.runs import open_run
+from saeflow.training import degenerate
 
 # The metric names inference writes; the first present one is used for each axis of the Pareto plot.
 L0_KEYS = ("l0", "L0")
 NMSE_KEYS = ("nmse", "normalized_mse")
 # Splice evaluation (saeflow.analysis.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
 SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
-HEAD = ("name", "run_id", "shard_hash", "group", "group_name")  # summary.csv's first columns: which run, which group
+# summary.csv's first columns: which run, which group, and why its result is degenerate (blank when it is not)
+HEAD = ("name", "run_id", "shard_hash", "group", "group_name", "warning")
+# Metrics-file keys that are settings, not measurements: the tokens measured on, the firing rate that counts as dense.
+MEASURED_WITH = ("dense_freq", "tokens")
 POINT_LABEL_GID = "saeflow-point-label"  # the Pareto points' labels (place_point_labels moves them apart)
 LABEL_OFFSET = (4, 4)  # a point label's place beside its point, in points
 # Where a label may go, in order: right of its point, then left, then a line (9 points) lower, higher, ...
@@ -63,7 +67,9 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
     """One row per inference directory of the run (a run without inference yet gives no row).
 
     Columns: `name` (a label such as the sweep point's name, saeflow.training.sweeps.point_name; run ids are content
-    hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), the inference
+    hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), `warning`
+    (saeflow.training.degenerate.reason of the inference metrics: every latent dead or dense, or L0 above a
+    fraction of d_sae; blank when healthy), the inference
     metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
     `config.*` (the run's training config), and `eval.*` (the splice evaluation of the SAE on the same
     activations, `<run>/evaluation/<shard_hash>.json`, when present; `eval.hook` names the hook point it spliced).
@@ -73,22 +79,42 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
     hparams = flatten(run.config(), "config.")
     train_fpath = run.final_metrics_fpath
     train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
-    return [
-        {
+    rows = []
+    for dump_dpath in sorted(run.inference_dpath.glob("*")):
+        dump = run.dump(dump_dpath.name)
+        if not dump.metrics_fpath.exists():
+            continue
+        inferred = read_metrics(dump.metrics_fpath)
+        rows.append({
             "name": name,
             "run_id": run.root.name,
             "shard_hash": dump_dpath.name,
             "group": group,
             "group_name": group_name or name,
-            **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
+            "warning": _warning(dump, inferred),
+            **flatten(inferred),
             **train,
             **_evaluation(run, dump_dpath.name),
             **_probe(run, dump_dpath.name),
             **hparams,
-        }
-        for dump_dpath in sorted(run.inference_dpath.glob("*"))
-        if run.dump(dump_dpath.name).metrics_fpath.exists()
-    ]
+        })  # fmt: skip
+    return rows
+
+
+def _warning(dump, inferred: dict) -> str:
+    """Why the dump's headline metrics are degenerate (degenerate.reason, with the d_sae its config.json records);
+    blank when they are not, or when the dump records no latent counts to judge by."""
+    dump_config = read_json_object(dump.config_fpath, "inference config") if dump.config_fpath.exists() else {}
+    if "d_sae" not in dump_config or not all(key in inferred for key in ("n_dead", "n_dense", "l0", "dense_freq")):
+        return ""
+    return degenerate.reason(inferred, dump_config["d_sae"])
+
+
+def warning_lines(rows: list[dict]) -> list[str]:
+    """One line per degenerate row (`warning`), naming the run and the shard directory it was measured on."""
+    return [f"saeflow summary: run {row['name'] or row['run_id'][:12]} ({row['run_id'][:12]}) on shards "
+            f"{row['shard_hash'][:8]}: degenerate result: {row['warning']}"
+            for row in rows if row["warning"]]  # fmt: skip
 
 
 def _evaluation(run, shard_hash: str) -> dict:
@@ -130,17 +156,24 @@ def collect(
     return rows
 
 
+def _column_order(column: str) -> tuple[bool, str]:
+    """Inside a group of columns, the metrics first (sorted), then the settings they were measured with."""
+    return column.rpartition(".")[2] in MEASURED_WITH, column
+
+
 def to_csv(rows: list[dict]) -> str:
-    """Columns: name, run_id, shard_hash, group, group_name, the inference metrics on the tokens each SAE trained on
-    (`tokens` names them), all_tokens.* (the same over every stored token), eval.*, probe.*, train.*, config.* (union
-    over rows, sorted)."""
+    """Columns: name, run_id, shard_hash, group, group_name, warning, the inference metrics on the tokens each SAE
+    trained on, then what they were measured with (`tokens` names those tokens, `dense_freq`), all_tokens.* (the same
+    over every stored token), eval.*, probe.*, train.*, config.* (union over rows; in each group metrics sorted,
+    then settings)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
     head, groups = list(HEAD), ("all_tokens.", "eval.", "probe.", "train.", "config.")
-    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(groups))
+    metric_cols = sorted((c for c in columns if c not in head and not c.startswith(groups)), key=_column_order)
     buf = io.StringIO()
-    fieldnames = head + metric_cols + [c for group in groups for c in sorted(c for c in columns if c.startswith(group))]
+    grouped = [c for group in groups for c in sorted((c for c in columns if c.startswith(group)), key=_column_order)]
+    fieldnames = head + metric_cols + grouped
     writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)

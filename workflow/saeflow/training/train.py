@@ -26,7 +26,7 @@ from saeflow import config, devices, numerics, preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import localcopy, memory, resume, tracking
+from saeflow.training import degenerate, localcopy, memory, resume, tracking
 from saeflow.training.adam import Adam
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
@@ -322,13 +322,27 @@ class Trainer:
         if not self.sae.arch.unit_decoder:
             self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
-        result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}
+        result = {"split": split_of(self.cfg, val_dir), "shards": val_dir.hash, "step": self.step,
+                  "peak_lr": self.peak_lr, **metrics}  # fmt: skip
+        warn_if_degenerate(self.run, metrics, self.sae.d_sae)
         self.sae.cpu()
         prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                 "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
         self.checkpoint.publish(result, self.sae, prov)
         self.tracker.close(final=result)
         return result
+
+
+def split_of(cfg: TrainConfig, val_dir: ShardDir) -> str:
+    """What the final metrics (metrics.json `split`) were measured on: "val" shards of their own, or "train" where
+    the run validates on its training shards (no `val` given)."""
+    return "train" if val_dir.hash == cfg.train_shards else "val"
+
+
+def warn_if_degenerate(run: runs.Run, metrics: dict, d_sae: int) -> None:
+    """One line in the training log when the final validation metrics are degenerate (degenerate.reason)."""
+    if problem := degenerate.reason(metrics, d_sae):
+        logger.warning("%s: degenerate result: %s", run.root, problem)
 
 
 @torch.no_grad()
