@@ -6,6 +6,7 @@ import csv
 import io
 import json
 
+import numpy as np
 import pytest
 
 from saeflow import cli
@@ -33,7 +34,8 @@ def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     csv_fpath, png_fpath = report.write_summary(run_dpaths, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
     assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
-    assert list(rows[0])[:8] == ["name", "run_id", "shard_hash", "group", "group_name", "warning", "l0", "nmse"]
+    assert list(rows[0])[:10] == ["name", "run_id", "shard_hash", "group", "group_name", "kind", "activation",
+                                  "warning", "l0", "nmse"]  # fmt: skip
     assert "config.k" in rows[0]
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
 
@@ -47,7 +49,7 @@ def test_the_headline_metrics_are_the_trained_tokens_and_say_so(tmp_path):
                "all_tokens": {"tokens": "all", "l0": 4.1, "nmse": 0.3, "dense_freq": 0.1}}  # fmt: skip
     rows = summary.collect([make_run(tmp_path, 4, metrics)])
     columns = summary.to_csv(rows).splitlines()[0].split(",")
-    assert columns[5:14] == ["warning", "l0", "nmse", "dense_freq", "tokens", "all_tokens.l0", "all_tokens.nmse",
+    assert columns[7:16] == ["warning", "l0", "nmse", "dense_freq", "tokens", "all_tokens.l0", "all_tokens.nmse",
                              "all_tokens.dense_freq", "all_tokens.tokens"]  # fmt: skip
     import matplotlib.pyplot as plt
 
@@ -182,9 +184,51 @@ def test_one_pareto_front_per_shard_directory_layer_and_architecture(tmp_path):
                   for k, layer, arch in specs]  # fmt: skip
     rows = summary.collect(run_dpaths)
     lines, _ = _panel_lines(rows)
-    assert sorted(lines) == [f"shards {'b' * 8} layer 3 relu (1 runs)", f"shards {'b' * 8} layer 3 topk (2 runs)",
-                             f"shards {'b' * 8} layer 5 topk (2 runs)"]  # fmt: skip
-    assert lines[f"shards {'b' * 8} layer 5 topk (2 runs)"][0] == [8.0, 32.0]
+    assert sorted(lines) == [f"SAE: shards {'b' * 8} L3 relu (1 runs)", f"SAE: shards {'b' * 8} L3 topk (2 runs)",
+                             f"SAE: shards {'b' * 8} L5 topk (2 runs)"]  # fmt: skip
+    assert lines[f"SAE: shards {'b' * 8} L5 topk (2 runs)"][0] == [8.0, 32.0]
+
+
+def test_the_pareto_plot_keeps_saes_transcoders_and_skip_transcoders_apart_and_names_what_they_read(tmp_path):
+    """Issue 40: a skip transcoder sat among the SAEs as one series, named "shards 54e56f25 layer 4 topk". SAEs,
+    transcoders and skip transcoders of one shard directory are series of their own (kind first in the legend, a
+    marker each), named by the model, dataset and hook point their shard directory records (a transcoder's target
+    hook point too), the layer and the architecture; two directories alike to a person also say their hash."""
+    from builders import write_shards
+
+    acts = np.zeros((4, 1, 2, 8), dtype=np.float32)
+    mlp_in = write_shards(tmp_path / "shards", acts, layers=(4,), data={"hook": "mlp_in"}, tag="docs",
+                          ckpt="sentence-transformers/all-MiniLM-L6-v2")  # fmt: skip
+    other = write_shards(tmp_path / "shards", acts, layers=(4,), data={"hook": "mlp_in"}, tag="other",
+                         ckpt="sentence-transformers/all-MiniLM-L6-v2")  # fmt: skip
+    target = {"target": "c" * 64, "val_target": "c" * 64}
+    kinds = [(4, {}, mlp_in, None), (16, {}, mlp_in, None), (8, target, mlp_in, "mlp_out"),
+             (8, {**target, "skip": True}, mlp_in, "mlp_out"), (4, {}, other, None)]  # fmt: skip
+    run_dpaths = []
+    for k, extra, sd, target_hook in kinds:
+        run = runs.open_run(make_run(tmp_path, k, None, layer=4, seed=len(run_dpaths), **extra))
+        dump = run.dump(sd.hash)
+        dump.dpath.mkdir(parents=True)
+        dump.metrics_fpath.write_text(json.dumps({"l0": float(k), "nmse": 1.0 / k}))
+        dump.config_fpath.write_text(json.dumps({"shards": str(sd.dpath), **({"target_hook": target_hook}
+                                                                              if target_hook else {})}))  # fmt: skip
+        run_dpaths.append(run.root)
+    rows = summary.collect(run_dpaths)
+    name = "all-MiniLM-L6-v2/nonexistent mlp_in"  # write_shards' dataset is /nonexistent
+    assert sorted((r["kind"], r["activation"]) for r in rows) == [
+        *[("SAE", name)] * 3, ("skip transcoder", f"{name}->mlp_out"), ("transcoder", f"{name}->mlp_out")]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    summary.nmse_panel(ax, rows)
+    legend = [(line.get_label(), line.get_marker()) for line in ax.get_lines() if not line.get_label().startswith("_")]
+    plt.close(fig)
+    assert legend == [
+        *sorted([(f"SAE: {name} L4 topk [shards {mlp_in.hash[:8]}] (2 runs)", "o"),
+                 (f"SAE: {name} L4 topk [shards {other.hash[:8]}] (1 runs)", "o")]),
+        (f"transcoder: {name}->mlp_out L4 topk (1 runs)", "s"),
+        (f"skip transcoder: {name}->mlp_out L4 topk (1 runs)", "^"),
+    ]  # fmt: skip
 
 
 def test_seed_groups_are_one_point_with_error_bars_and_one_grouped_row(tmp_path):

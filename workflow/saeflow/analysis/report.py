@@ -10,7 +10,7 @@ the pages, one figure per metric (each a page of the Snakemake report, with its 
                          (`config.*`), and the group's seed stability (`stability.*`: fractions of live latents
                          matched above cosine 0.7 and 0.9, the one-to-one matched mean cosine and the MMCS, mean
                          and std over the pairs of runs)
-    pareto_nmse.png      L0 against normalized MSE, a front per (shard directory, layer, architecture)
+    pareto_nmse.png      L0 against normalized MSE, a front per (kind, shard directory, layer, architecture)
     pareto_splice.png    L0 against the splice score (CE loss recovered, or pooled cosine recovered)
     probe.png            sparse probing: held-out accuracy against k, the dense probe dashed, per seed group
     stability.png        per seed group, the fraction of latents matched above cosine 0.7 and 0.9

@@ -46,8 +46,10 @@ def register(subparsers):
         "evaluation and probe results) into summary.csv (one row per run and inference shard; hyper-parameters as "
         "config.* columns), summary_grouped.csv (per seed group: each metric's mean and std over runs that differ "
         "only in seed/data_seed, with their stability) and draw pareto.png (L0 against normalized MSE and the splice "
-        "score, a front per shard directory, layer and architecture, seed groups with error bars) and one page per "
-        "metric (pareto_nmse.png, pareto_splice.png, probe.png, stability.png).",
+        "score, a front per kind (SAE, transcoder, skip transcoder), shard directory, layer and architecture, seed "
+        "groups with error bars) and one page per metric (pareto_nmse.png, pareto_splice.png, probe.png, "
+        "stability.png). A degenerate run (every latent dead or dense, or L0 above 0.1 of d_sae) gets summary.csv's "
+        "`warning` and one line on stderr.",
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--runs-root", type=pathlib.Path, help="summarize every run directory under this root")
