@@ -347,8 +347,7 @@ class ShardedTrainer(train.Trainer):
         sae = gather_sae(self.sae, self.comm)
         result = None
         if self.writes:
-            result = {"split": train.split_of(self.cfg, val_dir), "shards": val_dir.hash, "step": self.step, **metrics}
-            train.warn_if_degenerate(self.run, metrics, sae.d_sae)
+            result = {**train.measured_on(self.cfg, val_dir), "step": self.step, **metrics}
             prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                     "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
             self.checkpoint.publish(result, sae, prov)

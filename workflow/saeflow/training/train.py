@@ -163,13 +163,15 @@ class Checkpoint:
 
     def publish(self, result: dict, sae: SAE, prov: dict) -> None:
         """Stage metrics.jsonl (with the final line), metrics.json, provenance.json and sae.pt together, then rename
-        them out.
+        them out; a degenerate result (saeflow.training.degenerate) is said in one line of the log.
 
         The staging directory is sealed once its sae.pt exists (written last, after the other two are fsynced);
         `finish_pending` completes a sealed publish after a crash and an unsealed one is redone, so a run never
         shows metrics.json without sae.pt. sae.pt is renamed out last: its presence means "done". All three are
         published read-only.
         """
+        if problem := degenerate.reason(result, sae.d_sae):  # one line per run, in the training log
+            logger.warning("%s: degenerate result: %s", self.run.root, problem)
         staging = self.run.publish_dpath
         atomic.remove_staging(staging)
         log_fpath = self.run.metrics_log_fpath
@@ -322,9 +324,7 @@ class Trainer:
         if not self.sae.arch.unit_decoder:
             self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
-        result = {"split": split_of(self.cfg, val_dir), "shards": val_dir.hash, "step": self.step,
-                  "peak_lr": self.peak_lr, **metrics}  # fmt: skip
-        warn_if_degenerate(self.run, metrics, self.sae.d_sae)
+        result = {**measured_on(self.cfg, val_dir), "step": self.step, "peak_lr": self.peak_lr, **metrics}
         self.sae.cpu()
         prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                 "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
@@ -333,16 +333,9 @@ class Trainer:
         return result
 
 
-def split_of(cfg: TrainConfig, val_dir: ShardDir) -> str:
-    """What the final metrics (metrics.json `split`) were measured on: "val" shards of their own, or "train" where
-    the run validates on its training shards (no `val` given)."""
-    return "train" if val_dir.hash == cfg.train_shards else "val"
-
-
-def warn_if_degenerate(run: runs.Run, metrics: dict, d_sae: int) -> None:
-    """One line in the training log when the final validation metrics are degenerate (degenerate.reason)."""
-    if problem := degenerate.reason(metrics, d_sae):
-        logger.warning("%s: degenerate result: %s", run.root, problem)
+def measured_on(cfg: TrainConfig, val_dir: ShardDir) -> dict:
+    """What the final metrics were measured on: `shards`, and `split` "val", or "train" where no `val` was given."""
+    return {"split": "train" if val_dir.hash == cfg.train_shards else "val", "shards": val_dir.hash}
 
 
 @torch.no_grad()
