@@ -77,12 +77,12 @@ def test_a_transcoder_plans_with_its_targets_shard_hash_in_its_run_config_and_on
     ({"target": "nope"}, {}, "saes.tc.target: activation 'nope' is not defined"),
     ({"val": "res"}, {}, "saes.tc: val_target: the transcoder validates on 'res'; name the activation it predicts"),
     ({"target": None, "val_target": "out"}, {}, "saes.tc: val_target: a plain SAE has no target"),
-    ({"target": "text"}, {}, "saes.tc[0].target: activation 'text' is not the same examples and tokens as 'in'"),
+    ({"target": "text"}, {}, "saes.tc.target: activation 'text' is not the same examples and tokens as 'in'"),
     ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "dataset": {**RANDOM_VIT["dataset"], "seed": 1}}},
-     "saes.tc[0].target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
+     "saes.tc.target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
      "in data beyond the hook)"),
     ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "layers": [0, 1]}},
-     "saes.tc[0].target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
+     "saes.tc.target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
      "in layers beyond the hook)"),
 ])  # fmt: skip
 def test_a_bad_transcoder_is_refused_at_plan_time_in_one_line(sae, activations, message):
@@ -106,7 +106,7 @@ def test_a_mode_a_transcoder_does_not_train_in_is_refused_at_plan_time_in_one_li
         return
     with pytest.raises(SaeflowError) as err:
         _plan(cfg)
-    assert str(err.value) == (f"saes.tc[0].arch: {name} transcoders do not train with parallel: {mode} (they train "
+    assert str(err.value) == (f"saes.tc.arch: {name} transcoders do not train with parallel: {mode} (they train "
                               f"with {', '.join(modes)})")  # fmt: skip
     _plan({**cfg, "train": {"parallel": mode, "gpus": 1}})
 

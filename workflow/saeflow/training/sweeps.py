@@ -285,6 +285,12 @@ class RunPlan:
         return (*self.activations, *(name for name in targets if name is not None))
 
 
+def config_key(sae_name: str, index: int, swept: bool) -> str:
+    """A run's place in the config, for errors: `saes.<name>[<sweep index>]`, or `saes.<name>` when nothing of the
+    spec is swept (an index the user never wrote names nothing)."""
+    return f"saes.{sae_name}[{index}]" if swept else f"saes.{sae_name}"
+
+
 def plan_runs(
     saes: typing.Mapping[str, SAESpec], shard_hashes: typing.Mapping[str, str], auto_tokens: typing.Mapping[str, str]
 ) -> list[RunPlan]:
@@ -312,7 +318,7 @@ def plan_runs(
             }
             if obj.get("tokens") == "auto":
                 obj["tokens"] = auto_tokens[spec.train]
-            train_config = TrainConfig.from_dict(obj, f"saes.{sae_name}[{index}]")
+            train_config = TrainConfig.from_dict(obj, config_key(sae_name, index, bool(spec.varying(hyper))))
             run_id = runs.run_id(train_config.to_dict())
             plans.append(RunPlan(sae_name, index, run_id, train_config, spec.train, spec.val_activation,
                                  spec.varying(hyper), spec.target, spec.val_target_activation))  # fmt: skip
@@ -342,7 +348,7 @@ class SAEConfig:
 
     def __post_init__(self):
         """Refuse what the SAE cannot compute; each message starts with the key at fault (planning prefixes it
-        with `saes.<name>[<index>].`)."""
+        with `config_key`, `saes.<name>[<index>].`)."""
         object.__setattr__(self, "matryoshka", tuple(int(m) for m in self.matryoshka))
         if self.arch not in ARCHS:
             raise SaeflowError(f"arch: unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")
@@ -377,8 +383,8 @@ def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[st
     validation activations of different widths, a parallel mode the architecture does not train in (`check_parallel`,
     given the `train` settings), a transcoder's target that is not the same examples and tokens as its input
     (`targets`: the metadata of the target and of the validation target; `check_pairs`). The error names the key,
-    as `saes.<name>[<sweep index>].<key>`."""
-    cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
+    as `saes.<name>[<sweep index>].<key>` (`config_key`)."""
+    cfg, where = plan.train_config, config_key(plan.sae_name, plan.index, bool(plan.varying))
     if targets is not None:
         check_pairs(plan, (train_md, val_md), targets)
     for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
@@ -407,7 +413,7 @@ def check_parallel(plan: RunPlan, train_settings: typing.Mapping[str, typing.Any
     transcoder) does not train in, when the job has several ranks (`train.gpus` x `train.nodes`; one process trains
     every architecture)."""
     if train_settings["gpus"] * train_settings["nodes"] > 1:
-        where = f"saes.{plan.sae_name}[{plan.index}].arch"
+        where = f"{config_key(plan.sae_name, plan.index, bool(plan.varying))}.arch"
         cfg = plan.train_config
         archs.check_mode(cfg.arch, train_settings["parallel"], where, cfg.transcoder)
 
@@ -424,7 +430,7 @@ def check_pairs(plan: RunPlan, inputs: tuple, targets: tuple) -> None:
     """Refuse, in one line, a transcoder whose target (or validation target) is not its input's examples and tokens:
     another model, checkpoint, dataset, example count, token layout, layers or shard layout. One forward pass of
     specs that differ in `hook` alone (`ActivationSpec.shares_pass`) always pairs."""
-    where = f"saes.{plan.sae_name}[{plan.index}]"
+    where = config_key(plan.sae_name, plan.index, bool(plan.varying))
     roles = (("target", plan.train_activation, plan.target_activation),
              ("val_target", plan.val_activation, plan.val_target_activation))  # fmt: skip
     for (key, source, target), source_md, target_md in zip(roles, inputs, targets):
