@@ -6,6 +6,7 @@ import getpass
 import json
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -297,5 +298,13 @@ def cmd_install_profile(args: argparse.Namespace) -> int:
     )
     print(f"installed the OSC profile for {args.cluster}, account {args.account} (user {getpass.getuser()}) at {dest}")
     print(f"jobs run saeflow with {args.python}")
-    print("run the workflow on Slurm with:  snakemake --profile osc")
+    print(f"run the workflow on Slurm with:  snakemake --profile {profile_arg(dest)}")
     return 0
+
+
+def profile_arg(dest_dpath: pathlib.Path) -> str:
+    """What `snakemake --profile` takes for a profile installed at `dest_dpath`: `osc` where Snakemake looks it up
+    by name (the default place), else its absolute path (shell-quoted)."""
+    if dest_dpath.resolve() == DEFAULT_PROFILE_DPATH.resolve():
+        return DEFAULT_PROFILE_DPATH.name
+    return shlex.quote(str(dest_dpath.resolve()))
