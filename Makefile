@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:   make run   (set up + run the default workflow)   make test   (set up + tests)
-# make test-fast: the tests not marked slow (~2 min on 2 cores), failing if any saeflow module never ran in them.
+# make test-fast: the tests not marked slow, in one process (minutes: its time depends on the machine and its load),
+# failing if any saeflow module never ran in them.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin

@@ -74,6 +74,32 @@ def test_different_datasets_differ(tmp_path):
     assert len(hashes) == 2
 
 
+def test_a_shard_hash_covers_the_corpus_content_and_its_real_absolute_path(tmp_path):
+    """What README and docs/contracts.md say a shard hash covers (issue 40): the corpus' content fingerprint and its
+    absolute path with symlinks resolved (the saev protocol's `dataset`, repeated as `data.path`). A copy of the
+    corpus elsewhere is another directory; a symlink to the corpus is the corpus; a symlink at the same place to a
+    copy is the copy. So two machines share hashes when the corpus is at the same real path on both."""
+    import shutil
+
+    corpus = _mkdir(tmp_path / "laptop" / "docs")
+    (corpus / "a.txt").write_text("The same words on both machines. " * 8)
+
+    def metadata(path: pathlib.Path) -> dict:
+        return extract.plan_activation(typed(text_spec(dataset={"kind": "text", "path": str(path)}))).to_dict()
+
+    here = metadata(corpus)
+    assert here["dataset"] == here["data"]["path"] == str(corpus.resolve())
+    copy = pathlib.Path(shutil.copytree(corpus, tmp_path / "osc" / "docs"))
+    moved = metadata(copy)
+    assert shards.Metadata.from_dict(moved).hash != shards.Metadata.from_dict(here).hash
+    assert moved["data"]["sha256"] == here["data"]["sha256"]  # the same content: only the path differs
+    assert {**moved, "dataset": here["dataset"], "data": {**moved["data"], "path": here["dataset"]}} == here
+    (tmp_path / "link").symlink_to(corpus)
+    assert metadata(tmp_path / "link") == here  # resolved: the symlinked corpus is the corpus
+    (tmp_path / "link-to-copy").symlink_to(copy)
+    assert metadata(tmp_path / "link-to-copy") == moved
+
+
 def _mkdir(dpath: pathlib.Path) -> pathlib.Path:
     dpath.mkdir(parents=True, exist_ok=True)
     return dpath

@@ -65,6 +65,31 @@ def test_sweep_points_are_named_by_what_varies(tmp_path, capsys):
     assert sorted(printed) == sorted(f"run {name}" for name in names)
 
 
+def test_saeflow_plan_and_snakemake_n_name_each_run_beside_its_id_with_a_transcoders_target(tmp_path, capsys):
+    """Issue 40: `snakemake -n` named runs only by 64-hex ids, and a transcoder's `saeflow plan` line did not show its
+    target. Both now print `run <name>: <run id> (train .., val .., target .., val_target ..)` (planning.describe_run),
+    the dry run for each run still to train."""
+    from workflow_helpers import snakemake, write_config
+
+    mlp_out = {**TEST_CONFIG["activations"]["text"], "hook": "mlp_out"}
+    transcoder = {**TEST_CONFIG["saes"]["text-topk"], "k": 4, "target": "text-mlp-out", "skip": [False, True]}
+    cfg = smallest_config(tmp_path, activations={**TEST_CONFIG["activations"], "text-mlp-out": mlp_out},
+                          saes={**TEST_CONFIG["saes"], "transcoder": transcoder})  # fmt: skip
+    plan = WorkflowPlan.from_config(cfg)
+    expected = {f"run transcoder[skip={skip}]: {run_id} (train text, val text, target text-mlp-out, val_target "
+                f"text-mlp-out)" for run_id, p in plan.runs.items() if p.sae_name == "transcoder"
+                for skip in [str(p.train_config.skip).lower()]}  # fmt: skip
+    expected |= {f"run {p.name}: {run_id} (train {p.train_activation}, val {p.val_activation})"
+                 for run_id, p in plan.runs.items() if p.sae_name != "transcoder"}  # fmt: skip
+    config_fpath = write_config(tmp_path, cfg)
+    assert cli.main(["plan", str(config_fpath)]) == 0
+    assert {line for line in capsys.readouterr().out.splitlines() if line.startswith("run ")} == expected
+    proc = snakemake(tmp_path, config_fpath, "-n")
+    said = {line.removeprefix("saeflow: to train: ") for line in (proc.stdout + proc.stderr).splitlines()
+            if line.startswith("saeflow: to train: ")}  # fmt: skip
+    assert said == expected and len(said) == len(plan.runs) == 5
+
+
 def test_identical_activation_specs_share_one_shard_directory_named_for_the_first():
     cfg = smallest_config()
     cfg["activations"]["text-again"] = copy.deepcopy(cfg["activations"]["text"])

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from saeflow.training import degenerate
 from saeflow.training.metrics import MetricsAccumulator, batch_nmse
 
 
@@ -32,3 +33,27 @@ def test_float64_accumulation_is_stable_for_large_offsets():
         x_bd = 1000.0 + torch.randn(1000, 4)
         acc.update(x_bd, x_bd + 0.1, torch.ones(1000, 2))
     assert acc.result()["nmse"] == pytest.approx(0.01, rel=0.02)
+
+
+def _result(f_bs: torch.Tensor) -> dict:
+    acc = MetricsAccumulator(d_model=1, d_sae=f_bs.shape[1])
+    acc.update(torch.zeros(len(f_bs), 1), torch.zeros(len(f_bs), 1), f_bs)
+    return acc.result()
+
+
+def test_degenerate_results_are_every_latent_dead_or_dense_or_l0_above_a_tenth_of_d_sae():
+    """Issue 40: a Gated SAE with every latent dense (L0 371 of 1,536) passed silently. The one judgement of training
+    and the summary names each way a result is degenerate, and finds nothing wrong with a sparse code."""
+    d_sae = 40
+    healthy = torch.zeros(100, d_sae)
+    healthy[torch.arange(100), torch.arange(100) % d_sae] = 1.0  # one latent a vector, each on 2-3% of vectors
+    assert degenerate.reason(_result(healthy), d_sae) == ""
+    assert degenerate.reason(_result(torch.zeros(100, d_sae)), d_sae) == (
+        "every latent is dead (none of the 40 fired on 100 vectors)")
+    dense = degenerate.reason(_result(torch.ones(100, d_sae)), d_sae)
+    assert dense == ("every latent is dense (all 40 fire on more than 0.1 of vectors); L0 40.0 is above 0.1 of d_sae "
+                     "40: not a sparse code")  # fmt: skip
+    wide = healthy.clone()
+    wide[:, :6] = 1.0  # 6 latents on every vector, another on 82 of them: L0 6.82 > 4
+    assert degenerate.reason(_result(wide), d_sae) == "L0 6.8 is above 0.1 of d_sae 40: not a sparse code"
+    assert degenerate.MAX_L0_FRACTION == 0.1  # the fraction docs/training.md and the README state

@@ -87,12 +87,12 @@ def test_a_target_of_more_layers_pairs_its_layers_directory():
     ({"target": "nope"}, {}, "saes.tc.target: activation 'nope' is not defined"),
     ({"val": "res"}, {}, "saes.tc: val_target: the transcoder validates on 'res'; name the activation it predicts"),
     ({"target": None, "val_target": "out"}, {}, "saes.tc: val_target: a plain SAE has no target"),
-    ({"target": "text"}, {}, "saes.tc[0].target: activation 'text' is not the same examples and tokens as 'in'"),
+    ({"target": "text"}, {}, "saes.tc.target: activation 'text' is not the same examples and tokens as 'in'"),
     ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "dataset": {**RANDOM_VIT["dataset"], "seed": 1}}},
-     "saes.tc[0].target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
+     "saes.tc.target: activation 'other' is not the same examples and tokens as 'in' (their shard metadata differ "
      "in data beyond the hook)"),
     ({"target": "other"}, {"other": {**RANDOM_VIT, "hook": "mlp_out", "layers": [0]}},
-     "saes.tc[0].layer: layer 1 is not extracted by the target activation 'other' (activations.other.layers resolve "
+     "saes.tc.layer: layer 1 is not extracted by the target activation 'other' (activations.other.layers resolve "
      "to [0])"),
 ])  # fmt: skip
 def test_a_bad_transcoder_is_refused_at_plan_time_in_one_line(sae, activations, message):
@@ -116,7 +116,7 @@ def test_a_mode_a_transcoder_does_not_train_in_is_refused_at_plan_time_in_one_li
         return
     with pytest.raises(SaeflowError) as err:
         _plan(cfg)
-    assert str(err.value) == (f"saes.tc[0].arch: {name} transcoders do not train with parallel: {mode} (they train "
+    assert str(err.value) == (f"saes.tc.arch: {name} transcoders do not train with parallel: {mode} (they train "
                               f"with {', '.join(modes)})")  # fmt: skip
     _plan({**cfg, "train": {"parallel": mode, "gpus": 1}})
 

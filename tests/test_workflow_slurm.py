@@ -17,7 +17,7 @@ import yaml
 
 from hang import HANG_SEC
 from saeflow import cli
-from saeflow.commands.workflow import install_profile
+from saeflow.commands.workflow import DEFAULT_PROFILE_DPATH, install_profile, profile_arg
 from saeflow.planning import extraction_passes
 from saeflow.store import runs
 from saeflow.training import launch, train
@@ -192,7 +192,12 @@ def test_install_profile_fills_in_the_account_and_refuses_to_overwrite(tmp_path,
     assert "already exists" in capsys.readouterr().err
     assert cli.main([*base[:2], "PAS 1", *base[3:], "--dest", str(tmp_path / "x")]) == 1
     assert "not a Slurm account name" in capsys.readouterr().err
+    capsys.readouterr()
     assert cli.main([*base, "--dest", str(dest), "--force"]) == 0
+    # Issue 40: it printed `snakemake --profile osc`, which finds the default place's profile, not this one.
+    assert capsys.readouterr().out.splitlines()[-1] == f"run the workflow on Slurm with:  snakemake --profile {dest}"
+    assert profile_arg(DEFAULT_PROFILE_DPATH) == "osc"
+    assert profile_arg(tmp_path / "a b") == f"'{tmp_path}/a b'"  # shell-quoted
     # This venv has a CPU-only torch: without --allow-cpu-torch the profile is refused, naming the problem.
     assert cli.main([*base[:-1], "--dest", str(tmp_path / "y")]) == 1
     err = capsys.readouterr().err

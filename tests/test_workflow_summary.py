@@ -6,6 +6,7 @@ import csv
 import io
 import json
 
+import numpy as np
 import pytest
 
 from saeflow import cli
@@ -33,18 +34,23 @@ def test_summary_writes_one_row_per_run_and_a_png(tmp_path):
     csv_fpath, png_fpath = report.write_summary(run_dpaths, tmp_path / "out")
     rows = list(csv.DictReader(io.StringIO(csv_fpath.read_text())))
     assert [float(r["l0"]) for r in sorted(rows, key=lambda r: float(r["l0"]))] == [4.0, 16.0]
-    assert list(rows[0])[:7] == ["name", "run_id", "shard_hash", "group", "group_name", "l0", "nmse"]
+    assert list(rows[0])[:10] == ["name", "run_id", "shard_hash", "group", "group_name", "kind", "activation",
+                                  "warning", "l0", "nmse"]  # fmt: skip
     assert "config.k" in rows[0]
     assert png_fpath.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_headline_metrics_are_the_trained_tokens_and_say_so(tmp_path):
     """metrics.json's top level (the tokens the SAE trained on, named by `tokens`) is the headline: the columns after
-    `group`, and the Pareto plot's y axis; every stored token's metrics follow as all_tokens.*."""
-    metrics = {"tokens": "content", "l0": 4.0, "nmse": 0.2, "all_tokens": {"tokens": "all", "l0": 4.1, "nmse": 0.3}}
+    `warning`, and the Pareto plot's y axis; every stored token's metrics follow as all_tokens.*. In each group the
+    settings they were measured with (`dense_freq`, `tokens`) follow the metrics (issue 40: `dense_freq` was the first
+    metric column)."""
+    metrics = {"tokens": "content", "l0": 4.0, "nmse": 0.2, "dense_freq": 0.1,
+               "all_tokens": {"tokens": "all", "l0": 4.1, "nmse": 0.3, "dense_freq": 0.1}}  # fmt: skip
     rows = summary.collect([make_run(tmp_path, 4, metrics)])
     columns = summary.to_csv(rows).splitlines()[0].split(",")
-    assert columns[5:11] == ["l0", "nmse", "tokens", "all_tokens.l0", "all_tokens.nmse", "all_tokens.tokens"]
+    assert columns[7:16] == ["warning", "l0", "nmse", "dense_freq", "tokens", "all_tokens.l0", "all_tokens.nmse",
+                             "all_tokens.dense_freq", "all_tokens.tokens"]  # fmt: skip
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
@@ -125,6 +131,36 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     assert float(rows[explicit.root.name]["train.peak_lr"]) == 3e-3
 
 
+def test_a_degenerate_run_is_said_by_training_and_by_the_summary(tmp_path, caplog, capsys):
+    """Issue 40: a run whose every latent is dense passed training and the summary silently. A ReLU SAE without its L1
+    (about half its latents on every vector) gets one line at the end of training and one from the summary, and the
+    summary's `warning` column; a sparse TopK run beside it gets neither."""
+    from builders import planted_data, run_from_sae_spec, write_shards
+    from saeflow.analysis import inference
+    from saeflow.training import train
+
+    x_nd, _ = planted_data(512, d_model=16, n_atoms=16, k=2)
+    sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), tag="degenerate")
+    dense = run_from_sae_spec(tmp_path / "runs", sd, arch="relu", l1_coeff=0.0, expansion=2, batch_size=64)
+    sparse = run_from_sae_spec(tmp_path / "runs", sd, arch="topk", k=2, expansion=2, batch_size=64)
+    caplog.set_level("WARNING", logger="saeflow.training.train")
+    train.train_runs([dense.root, sparse.root], train.TrainSettings(device="cpu"))
+    said = [r.getMessage() for r in caplog.records if "degenerate" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"{dense.root}: degenerate result: ") and "of d_sae 32" in said[0]
+    for run in (dense, sparse):
+        inference.run_inference(inference.InferenceConfig(run.root, sd.dpath))
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert cli.main(["summary", f"--run={dense.root}", f"--run={sparse.root}", f"--label={dense.root.name}=relu",
+                     "--out", str(out)]) == 0  # fmt: skip
+    rows = {r["run_id"]: r for r in csv.DictReader(io.StringIO((out / "summary.csv").read_text()))}
+    assert "is above 0.1 of d_sae 32: not a sparse code" in rows[dense.root.name]["warning"]
+    assert rows[sparse.root.name]["warning"] == ""
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"saeflow summary: run relu ({dense.root.name[:12]}) on shards {sd.hash[:8]}: degenerate result: "
+                    f"{rows[dense.root.name]['warning']}")  # fmt: skip
+
+
 def _panel_lines(rows):
     """What summary.pareto_panel draws: {legend label: (x, y) of its front}, and the error bars' half-widths."""
     import matplotlib
@@ -148,9 +184,51 @@ def test_one_pareto_front_per_shard_directory_layer_and_architecture(tmp_path):
                   for k, layer, arch in specs]  # fmt: skip
     rows = summary.collect(run_dpaths)
     lines, _ = _panel_lines(rows)
-    assert sorted(lines) == [f"shards {'b' * 8} layer 3 relu (1 runs)", f"shards {'b' * 8} layer 3 topk (2 runs)",
-                             f"shards {'b' * 8} layer 5 topk (2 runs)"]  # fmt: skip
-    assert lines[f"shards {'b' * 8} layer 5 topk (2 runs)"][0] == [8.0, 32.0]
+    assert sorted(lines) == [f"SAE: shards {'b' * 8} L3 relu (1 runs)", f"SAE: shards {'b' * 8} L3 topk (2 runs)",
+                             f"SAE: shards {'b' * 8} L5 topk (2 runs)"]  # fmt: skip
+    assert lines[f"SAE: shards {'b' * 8} L5 topk (2 runs)"][0] == [8.0, 32.0]
+
+
+def test_the_pareto_plot_keeps_saes_transcoders_and_skip_transcoders_apart_and_names_what_they_read(tmp_path):
+    """Issue 40: a skip transcoder sat among the SAEs as one series, named "shards 54e56f25 layer 4 topk". SAEs,
+    transcoders and skip transcoders of one shard directory are series of their own (kind first in the legend, a
+    marker each), named by the model, dataset and hook point their shard directory records (a transcoder's target
+    hook point too), the layer and the architecture; two directories alike to a person also say their hash."""
+    from builders import write_shards
+
+    acts = np.zeros((4, 1, 2, 8), dtype=np.float32)
+    mlp_in = write_shards(tmp_path / "shards", acts, layers=(4,), data={"hook": "mlp_in"}, tag="docs",
+                          ckpt="sentence-transformers/all-MiniLM-L6-v2")  # fmt: skip
+    other = write_shards(tmp_path / "shards", acts, layers=(4,), data={"hook": "mlp_in"}, tag="other",
+                         ckpt="sentence-transformers/all-MiniLM-L6-v2")  # fmt: skip
+    target = {"target": "c" * 64, "val_target": "c" * 64}
+    kinds = [(4, {}, mlp_in, None), (16, {}, mlp_in, None), (8, target, mlp_in, "mlp_out"),
+             (8, {**target, "skip": True}, mlp_in, "mlp_out"), (4, {}, other, None)]  # fmt: skip
+    run_dpaths = []
+    for k, extra, sd, target_hook in kinds:
+        run = runs.open_run(make_run(tmp_path, k, None, layer=4, seed=len(run_dpaths), **extra))
+        dump = run.dump(sd.hash)
+        dump.dpath.mkdir(parents=True)
+        dump.metrics_fpath.write_text(json.dumps({"l0": float(k), "nmse": 1.0 / k}))
+        dump.config_fpath.write_text(json.dumps({"shards": str(sd.dpath), **({"target_hook": target_hook}
+                                                                              if target_hook else {})}))  # fmt: skip
+        run_dpaths.append(run.root)
+    rows = summary.collect(run_dpaths)
+    name = "all-MiniLM-L6-v2/nonexistent mlp_in"  # write_shards' dataset is /nonexistent
+    assert sorted((r["kind"], r["activation"]) for r in rows) == [
+        *[("SAE", name)] * 3, ("skip transcoder", f"{name}->mlp_out"), ("transcoder", f"{name}->mlp_out")]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    summary.nmse_panel(ax, rows)
+    legend = [(line.get_label(), line.get_marker()) for line in ax.get_lines() if not line.get_label().startswith("_")]
+    plt.close(fig)
+    assert legend == [
+        *sorted([(f"SAE: {name} L4 topk [shards {mlp_in.hash[:8]}] (2 runs)", "o"),
+                 (f"SAE: {name} L4 topk [shards {other.hash[:8]}] (1 runs)", "o")]),
+        (f"transcoder: {name}->mlp_out L4 topk (1 runs)", "s"),
+        (f"skip transcoder: {name}->mlp_out L4 topk (1 runs)", "^"),
+    ]  # fmt: skip
 
 
 def test_seed_groups_are_one_point_with_error_bars_and_one_grouped_row(tmp_path):

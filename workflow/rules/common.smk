@@ -18,6 +18,7 @@ from saeflow.analysis import stability as saeflow_stability
 from saeflow.errors import SaeflowError
 from saeflow.planning import (
     WorkflowPlan,
+    describe_run,
     evaluations,
     extraction_passes,
     pending_passes,
@@ -82,6 +83,11 @@ for _line in saeflow_config.describe_roots(config, ROOT_SOURCES):
 PLAN.write_cli_configs(CLI_CONFIGS.dpath)
 for _warning in PLAN.purged_shard_warnings():
     logger.warning(_warning)
+# The runs still to train by name beside their id (a dry run lists jobs by run id), once: not in every job's parse.
+if workflow.exec_mode == ExecMode.DEFAULT:
+    for _run_id in PLAN.runs:
+        if not PLAN.run(_run_id).sae_fpath.exists():
+            logger.info(f"saeflow: to train: {describe_run(PLAN, _run_id)}")
 
 SHARDS = PLAN.shard(SHARD_HASH_WILDCARD)  # the layouts with wildcards: {shard_hash}
 RUNS = PLAN.run(RUN_ID_WILDCARD)  # {run_id}

@@ -453,3 +453,13 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         "group_labels": {run_id: p.group_name for run_id, p in sorted(plan.runs.items())},
     }
     return configs
+
+
+def describe_run(plan: WorkflowPlan, run_id: str) -> str:
+    """A planned run for a person, as `saeflow plan` and the workflow's parse say it: `run <name>: <run id> (train
+    <activation>, val <activation>)`, a transcoder's with its `target` and `val_target` activations."""
+    run = plan.runs[run_id]
+    reads = f"train {run.train_activation}, val {run.val_activation}"
+    if run.target_activation is not None:
+        reads += f", target {run.target_activation}, val_target {run.val_target_activation}"
+    return f"run {run.name}: {run_id} ({reads})"

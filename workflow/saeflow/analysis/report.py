@@ -10,7 +10,7 @@ the pages, one figure per metric (each a page of the Snakemake report, with its 
                          (`config.*`), and the group's seed stability (`stability.*`: fractions of live latents
                          matched above cosine 0.7 and 0.9, the one-to-one matched mean cosine and the MMCS, mean
                          and std over the pairs of runs)
-    pareto_nmse.png      L0 against normalized MSE, a front per (shard directory, layer, architecture)
+    pareto_nmse.png      L0 against normalized MSE, a front per (kind, shard directory, layer, architecture)
     pareto_splice.png    L0 against the splice score (CE loss recovered, or pooled cosine recovered)
     probe.png            sparse probing: held-out accuracy against k, the dense probe dashed, per seed group
     stability.png        per seed group, the fraction of latents matched above cosine 0.7 and 0.9
@@ -23,6 +23,7 @@ import io
 import pathlib
 
 from saeflow.analysis import stability, summary
+from saeflow.errors import say
 from saeflow.store import atomic, layout
 from saeflow.store.hashing import read_json_object
 
@@ -184,6 +185,8 @@ def write_summary(
     atomically; the seed groups' `saeflow stability` results from `stability_fpaths`; `names` and `group_names` map
     run ids to the names of their sweep points and seed groups). Returns the first two."""
     rows = summary.collect(run_dpaths, names, group_names)
+    for line in summary.warning_lines(rows):
+        say(line)
     out_dpath.mkdir(parents=True, exist_ok=True)
     out = layout.SummaryLayout(out_dpath)
     csv_fpath, png_fpath = out.csv_fpath, out.pareto_fpath

@@ -4,11 +4,12 @@ Each run contributes one row per inference directory `<run>/inference/<shard_has
 metrics are over the tokens the SAE trained on, named in the `tokens` column; `all_tokens.*` over every stored token);
 the row also carries every value the run trained with (`sweeps.readable_config`, flattened) so a sweep can be read
 as a table, and its seed `group` (saeflow.analysis.stability.group_key: runs with the same group differ only in
-seed/data_seed). The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per (evaluation
-shard directory, layer, architecture): lower-left is better, and the points no other on the same series beats on both
-are joined as the front. A point is a seed group: the mean of its runs, with error bars of one standard deviation. When
-runs have a splice evaluation (`saeflow evaluate`), a second panel puts L0 against its score: CE loss recovered for
-causal LMs, the pooled-embedding cosine recovered otherwise (upper-left is better). saeflow.analysis.report writes
+seed/data_seed). The Pareto plot puts L0 (active latents per token) against normalized MSE, one series per (kind: SAE,
+transcoder or skip transcoder; evaluation shard directory, layer, architecture; `series_names` names it): lower-left
+is better, and the points no other on the same series beats on both are joined as the front. A point is a seed
+group: the mean of its runs, with error bars of one standard deviation. When runs have a splice evaluation (`saeflow
+evaluate`), a second panel puts L0 against its score: CE loss recovered for causal LMs, the pooled-embedding cosine
+recovered otherwise (upper-left is better). saeflow.analysis.report writes
 them (`write_summary`) with the grouped table and one page per metric.
 """
 
@@ -25,15 +26,22 @@ from saeflow.errors import SaeflowError
 from saeflow.extraction import hooks
 from saeflow.store import atomic
 from saeflow.store.hashing import read_json_object
+from saeflow.store.layout import ShardLayout
 from saeflow.store.runs import open_run
-from saeflow.training import sweeps
+from saeflow.training import degenerate, sweeps
 
 # The metric names inference writes; the first present one is used for each axis of the Pareto plot.
 L0_KEYS = ("l0", "L0")
 NMSE_KEYS = ("nmse", "normalized_mse")
 # Splice evaluation (saeflow.analysis.evaluate): the fraction of the ablation's damage the SAE avoids, higher is better.
 SPLICE_KEYS = ("eval.ce_loss_recovered", "eval.pooled_cos_recovered")
-HEAD = ("name", "run_id", "shard_hash", "group", "group_name")  # summary.csv's first columns: which run, which group
+# summary.csv's first columns: which run, which group, what it is and reads, why its result is degenerate (blank when
+# it is not)
+HEAD = ("name", "run_id", "shard_hash", "group", "group_name", "kind", "activation", "warning")
+# What a run is (`kind`), in the order the plots list them, and each one's marker there.
+KIND_MARKERS = {"SAE": "o", "transcoder": "s", "skip transcoder": "^"}
+# Metrics-file keys that are settings, not measurements: the tokens measured on, the firing rate that counts as dense.
+MEASURED_WITH = ("dense_freq", "tokens")
 POINT_LABEL_GID = "saeflow-point-label"  # the Pareto points' labels (place_point_labels moves them apart)
 LABEL_OFFSET = (4, 4)  # a point label's place beside its point, in points
 # Where a label may go, in order: right of its point, then left, then a line (9 points) lower, higher, ...
@@ -64,7 +72,10 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
     """One row per inference directory of the run (a run without inference yet gives no row).
 
     Columns: `name` (a label such as the sweep point's name, saeflow.training.sweeps.point_name; run ids are content
-    hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), the inference
+    hashes), `group_name` (its seed group's name: the point's name without its seeds; default `name`), `kind` (SAE,
+    transcoder or skip transcoder), `activation` (what the dump's shard directory holds: `_activation`), `warning`
+    (saeflow.training.degenerate.reason of the inference metrics: every latent dead or dense, or L0 above a
+    fraction of d_sae; blank when healthy), the inference
     metrics, `train.*` (the final validation metrics of training, checkpoint/metrics.json, when present) and
     `config.*` (every value the run trained with, `sweeps.readable_config`: blank where its architecture does not
     read the key, which `config.not_read` lists), and `eval.*` (the splice evaluation of the SAE on the same
@@ -75,22 +86,66 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
     hparams = flatten(sweeps.readable_config(run.config(), str(run.config_fpath)), "config.")
     train_fpath = run.final_metrics_fpath
     train = flatten(read_metrics(train_fpath), "train.") if train_fpath.exists() else {}
-    return [
-        {
+    rows = []
+    for dump_dpath in sorted(run.inference_dpath.glob("*")):
+        dump = run.dump(dump_dpath.name)
+        if not dump.metrics_fpath.exists():
+            continue
+        inferred = read_metrics(dump.metrics_fpath)
+        dump_config = read_json_object(dump.config_fpath, "inference config") if dump.config_fpath.exists() else {}
+        rows.append({
             "name": name,
             "run_id": run.root.name,
             "shard_hash": dump_dpath.name,
             "group": group,
             "group_name": group_name or name,
-            **flatten(read_metrics(run.dump(dump_dpath.name).metrics_fpath)),
+            "kind": kind_of(run.config()),
+            "activation": _activation(dump_config, dump_dpath.name),
+            "warning": _warning(dump_config, inferred),
+            **flatten(inferred),
             **train,
             **_evaluation(run, dump_dpath.name),
             **_probe(run, dump_dpath.name),
             **hparams,
-        }
-        for dump_dpath in sorted(run.inference_dpath.glob("*"))
-        if run.dump(dump_dpath.name).metrics_fpath.exists()
-    ]
+        })  # fmt: skip
+    return rows
+
+
+def kind_of(train_config: dict) -> str:
+    """A run's kind (KIND_MARKERS) from its training config: an SAE has no `target`, a transcoder one, and a skip
+    transcoder also its linear skip path (`skip`)."""
+    if train_config.get("target") is None:
+        return "SAE"
+    return "skip transcoder" if train_config.get("skip") else "transcoder"
+
+
+def _activation(dump_config: dict, shard_hash: str) -> str:
+    """What a dump's shard directory holds, for a person: its model, dataset and hook point from its metadata.json
+    (`all-MiniLM-L6-v2/docs mlp_out`; a transcoder's `mlp_in->mlp_out`, its target's hook point from the dump's
+    config.json); `shards <hash prefix>` where the directory is gone (purged from scratch) or the dump names none."""
+    fpath = ShardLayout(pathlib.Path(dump_config.get("shards", ""))).metadata_fpath
+    if "shards" not in dump_config or not fpath.is_file():
+        return f"shards {shard_hash[:8]}"
+    md = read_json_object(fpath, "shard metadata")
+    model, dataset = (pathlib.PurePosixPath(str(md.get(key, "")).rstrip("/")).name for key in ("ckpt", "dataset"))
+    hook = hooks.stored(md.get("data") or {})
+    target = f"->{dump_config['target_hook']}" if "target_hook" in dump_config else ""
+    return f"{model}/{dataset} {hook}{target}"
+
+
+def _warning(dump_config: dict, inferred: dict) -> str:
+    """Why the dump's headline metrics are degenerate (degenerate.reason, with the d_sae its config.json records);
+    blank when they are not, or when the dump records no latent counts to judge by."""
+    if "d_sae" not in dump_config or not all(key in inferred for key in ("n_dead", "n_dense", "l0", "dense_freq")):
+        return ""
+    return degenerate.reason(inferred, dump_config["d_sae"])
+
+
+def warning_lines(rows: list[dict]) -> list[str]:
+    """One line per degenerate row (`warning`), naming the run and the shard directory it was measured on."""
+    return [f"saeflow summary: run {row['name'] or row['run_id'][:12]} ({row['run_id'][:12]}) on shards "
+            f"{row['shard_hash'][:8]}: degenerate result: {row['warning']}"
+            for row in rows if row["warning"]]  # fmt: skip
 
 
 def _evaluation(run, shard_hash: str) -> dict:
@@ -132,17 +187,24 @@ def collect(
     return rows
 
 
+def _column_order(column: str) -> tuple[bool, str]:
+    """Inside a group of columns, the metrics first (sorted), then the settings they were measured with."""
+    return column.rpartition(".")[2] in MEASURED_WITH, column
+
+
 def to_csv(rows: list[dict]) -> str:
-    """Columns: name, run_id, shard_hash, group, group_name, the inference metrics on the tokens each SAE trained on
-    (`tokens` names them), all_tokens.* (the same over every stored token), eval.*, probe.*, train.*, config.* (union
-    over rows, sorted)."""
+    """Columns: name, run_id, shard_hash, group, group_name, warning, the inference metrics on the tokens each SAE
+    trained on, then what they were measured with (`tokens` names those tokens, `dense_freq`), all_tokens.* (the same
+    over every stored token), eval.*, probe.*, train.*, config.* (union over rows; in each group metrics sorted,
+    then settings)."""
     columns = []
     for row in rows:
         columns.extend(key for key in row if key not in columns)
     head, groups = list(HEAD), ("all_tokens.", "eval.", "probe.", "train.", "config.")
-    metric_cols = sorted(c for c in columns if c not in head and not c.startswith(groups))
+    metric_cols = sorted((c for c in columns if c not in head and not c.startswith(groups)), key=_column_order)
     buf = io.StringIO()
-    fieldnames = head + metric_cols + [c for group in groups for c in sorted(c for c in columns if c.startswith(group))]
+    grouped = [c for group in groups for c in sorted((c for c in columns if c.startswith(group)), key=_column_order)]
+    fieldnames = head + metric_cols + grouped
     writer = csv.DictWriter(buf, fieldnames=fieldnames, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
@@ -175,9 +237,22 @@ def splice_score(row: dict) -> tuple[str, float] | None:
     return None
 
 
-def series_key(row: dict) -> tuple[str, str, str]:
-    """What one Pareto front compares: runs on one shard directory, at one layer, of one architecture."""
-    return row["shard_hash"], str(row.get("config.layer", "")), str(row.get("config.arch", ""))
+def series_key(row: dict) -> tuple[int, str, str, str, str]:
+    """What one Pareto front compares: runs of one kind (SAEs, transcoders and skip transcoders apart, in that order)
+    on one shard directory (a transcoder's: and one target), at one layer, of one architecture."""
+    return (list(KIND_MARKERS).index(row["kind"]), row["shard_hash"], str(row.get("config.target") or ""),
+            str(row.get("config.layer", "")), str(row.get("config.arch", "")))  # fmt: skip
+
+
+def series_names(rows: list[dict]) -> dict[tuple, str]:
+    """Each series' name: kind, activation, layer and architecture, `SAE: all-MiniLM-L6-v2/docs mlp_out L4 topk`;
+    where two series would share a name (two shard directories alike to a person), each says its shard hash."""
+    names = {}
+    for row in rows:
+        names.setdefault(series_key(row), f"{row['kind']}: {row['activation']} L{row.get('config.layer', '?')} "
+                                          f"{row.get('config.arch', '')}".rstrip())  # fmt: skip
+    shared = {name for name in names.values() if list(names.values()).count(name) > 1}
+    return {key: name + (f" [shards {key[1][:8]}]" if name in shared else "") for key, name in names.items()}
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -212,22 +287,21 @@ def group_points(rows: list[dict], y_of) -> list[dict]:
 
 
 def pareto_panel(ax, rows: list[dict], y_of, ylabel: str, higher_better: bool) -> None:
-    """One series per (shard directory, layer, architecture): its runs faint, a point per seed group (mean, error
-    bars of one standard deviation), the Pareto front of those points joined (lower L0 and better y)."""
-    for i, key in enumerate(sorted({series_key(r) for r in rows})):
+    """One series per (kind, shard directory, layer, architecture; series_key), named by series_names, its marker
+    its kind's: its runs faint, a point per seed group (mean, error bars of one standard deviation), the Pareto front
+    of those points joined (lower L0 and better y)."""
+    names = series_names(rows)
+    for i, key in enumerate(sorted(names)):
         members = [r for r in rows if series_key(r) == key]
         points = group_points(members, y_of)
         front = pareto_front([(p["x"], -p["y"] if higher_better else p["y"]) for p in points])
-        color = f"C{i % 10}"
+        color, marker = f"C{i % 10}", KIND_MARKERS[members[0]["kind"]]
         ax.scatter([metric(r, L0_KEYS, "L0") for r in members], [y_of(r) for r in members], color=color, alpha=0.3,
-                   s=12)  # fmt: skip
+                   s=12, marker=marker)  # fmt: skip
         ax.errorbar([p["x"] for p in points], [p["y"] for p in points], xerr=[p["xerr"] for p in points],
                     yerr=[p["yerr"] for p in points], fmt="none", ecolor=color, capsize=3)  # fmt: skip
-        shard_hash, layer, arch = key
-        ax.plot(
-            [points[j]["x"] for j in front], [points[j]["y"] for j in front], color=color, marker="o",
-            label=f"shards {shard_hash[:8]} layer {layer} {arch} ({len(members)} runs)",
-        )  # fmt: skip
+        ax.plot([points[j]["x"] for j in front], [points[j]["y"] for j in front], color=color, marker=marker,
+                label=f"{names[key]} ({len(members)} runs)")  # fmt: skip
         for p in points:
             ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points", xytext=LABEL_OFFSET, fontsize=7,
                         gid=POINT_LABEL_GID)  # fmt: skip

@@ -14,7 +14,8 @@ def register(subparsers):
         "plan",
         help="list every activation (shard hash) and run of CONFIG, or one activation's metadata (no model run)",
         description="Without --activation, list every `activations` entry of CONFIG with its shard hash and every "
-        "run its SAE sweeps plan (run id, its name `<sae>[<swept key>=<value>,...]`, train/validation activations), "
+        "run its SAE sweeps plan (run id, its name `<sae>[<swept key>=<value>,...]`, train/validation activations, a "
+        "transcoder's target activations), "
         "as the workflow would. With --activation NAME (or --json), resolve that entry into the saev protocol 2.0 "
         "metadata that names its shard directory: model revision, absolute layers, dataset size, "
         "preprocessing/tokenization. Reads the model's config.json only, never its weights; text corpora are tokenized "
@@ -109,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     """The roots (and where each came from), every activation (hash) and every run of the config, as the workflow
     plans them."""
-    from saeflow.planning import WorkflowPlan, extraction_passes
+    from saeflow.planning import WorkflowPlan, describe_run, extraction_passes
 
     plan = WorkflowPlan.from_config(cfg)
     for line in config.describe_roots(cfg, root_sources):
@@ -120,8 +121,8 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     for key, hashes in extraction_passes(plan).items():
         names = ", ".join(dict.fromkeys(plan.hash_activation[h] for h in hashes))
         print(f"extraction pass {key[:16]}: {names}, {len(hashes)} directories (one forward pass, a directory each)")
-    for run_id, run in plan.runs.items():
-        print(f"run {run.name}: {run_id} (train {run.train_activation}, val {run.val_activation})")
+    for run_id in plan.runs:
+        print(describe_run(plan, run_id))
     for line in _unread_sweeps(plan):
         print(line)
     return 0

@@ -6,6 +6,7 @@ import getpass
 import json
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,8 +47,10 @@ def register(subparsers):
         "evaluation and probe results) into summary.csv (one row per run and inference shard; hyper-parameters as "
         "config.* columns), summary_grouped.csv (per seed group: each metric's mean and std over runs that differ "
         "only in seed/data_seed, with their stability) and draw pareto.png (L0 against normalized MSE and the splice "
-        "score, a front per shard directory, layer and architecture, seed groups with error bars) and one page per "
-        "metric (pareto_nmse.png, pareto_splice.png, probe.png, stability.png).",
+        "score, a front per kind (SAE, transcoder, skip transcoder), shard directory, layer and architecture, seed "
+        "groups with error bars) and one page per metric (pareto_nmse.png, pareto_splice.png, probe.png, "
+        "stability.png). A degenerate run (every latent dead or dense, or L0 above 0.1 of d_sae) gets summary.csv's "
+        "`warning` and one line on stderr.",
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--runs-root", type=pathlib.Path, help="summarize every run directory under this root")
@@ -295,5 +298,13 @@ def cmd_install_profile(args: argparse.Namespace) -> int:
     )
     print(f"installed the OSC profile for {args.cluster}, account {args.account} (user {getpass.getuser()}) at {dest}")
     print(f"jobs run saeflow with {args.python}")
-    print("run the workflow on Slurm with:  snakemake --profile osc")
+    print(f"run the workflow on Slurm with:  snakemake --profile {profile_arg(dest)}")
     return 0
+
+
+def profile_arg(dest_dpath: pathlib.Path) -> str:
+    """What `snakemake --profile` takes for a profile installed at `dest_dpath`: `osc` where Snakemake looks it up
+    by name (the default place), else its absolute path (shell-quoted)."""
+    if dest_dpath.resolve() == DEFAULT_PROFILE_DPATH.resolve():
+        return DEFAULT_PROFILE_DPATH.name
+    return shlex.quote(str(dest_dpath.resolve()))

@@ -7,7 +7,7 @@ import typing
 from saeflow.errors import SaeflowError
 from saeflow.extraction import hooks
 from saeflow.training import archs
-from saeflow.training.sweeps import RunPlan, auto_tokens_of
+from saeflow.training.sweeps import RunPlan, auto_tokens_of, config_key
 
 
 def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[str, typing.Any] | None = None,
@@ -17,8 +17,8 @@ def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[st
     validation activations of different widths, a parallel mode the architecture does not train in (`check_parallel`,
     given the `train` settings), a transcoder's target that is not the same examples and tokens as its input
     (`targets`: the metadata of the target and of the validation target; `check_pairs`). The error names the key,
-    as `saes.<name>[<sweep index>].<key>`."""
-    cfg, where = plan.train_config, f"saes.{plan.sae_name}[{plan.index}]"
+    as `saes.<name>[<sweep index>].<key>` (`config_key`)."""
+    cfg, where = plan.train_config, config_key(plan.sae_name, plan.index, bool(plan.varying))
     if targets is not None:
         check_pairs(plan, (train_md, val_md), targets)
     for role, name, md in (("train", plan.train_activation, train_md), ("val", plan.val_activation, val_md)):
@@ -47,7 +47,7 @@ def check_parallel(plan: RunPlan, train_settings: typing.Mapping[str, typing.Any
     transcoder) does not train in, when the job has several ranks (`train.gpus` x `train.nodes`; one process trains
     every architecture)."""
     if train_settings["gpus"] * train_settings["nodes"] > 1:
-        where = f"saes.{plan.sae_name}[{plan.index}].arch"
+        where = f"{config_key(plan.sae_name, plan.index, bool(plan.varying))}.arch"
         cfg = plan.train_config
         archs.check_mode(cfg.arch, train_settings["parallel"], where, cfg.transcoder)
 
@@ -64,7 +64,7 @@ def check_pairs(plan: RunPlan, inputs: tuple, targets: tuple) -> None:
     """Refuse, in one line, a transcoder whose target (or validation target) is not its input's examples and tokens:
     another model, checkpoint, dataset, example count, token layout, layers or shard layout. One forward pass of
     specs that differ in `hook` alone (`ActivationSpec.shares_pass`) always pairs."""
-    where = f"saes.{plan.sae_name}[{plan.index}]"
+    where = config_key(plan.sae_name, plan.index, bool(plan.varying))
     roles = (("target", plan.train_activation, plan.target_activation),
              ("val_target", plan.val_activation, plan.val_target_activation))  # fmt: skip
     for (key, source, target), source_md, target_md in zip(roles, inputs, targets):

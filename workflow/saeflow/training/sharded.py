@@ -347,7 +347,7 @@ class ShardedTrainer(train.Trainer):
         sae = gather_sae(self.sae, self.comm)
         result = None
         if self.writes:
-            result = {"split": "val", "shards": val_dir.hash, "step": self.step, **metrics}
+            result = {**train.measured_on(self.cfg, val_dir), "step": self.step, **metrics}
             prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                     "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
             self.checkpoint.publish(result, sae, prov)

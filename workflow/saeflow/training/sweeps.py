@@ -327,6 +327,12 @@ class RunPlan:
         return (cfg.val_shards,) if cfg.val_target is None else (cfg.val_shards, cfg.val_target)
 
 
+def config_key(sae_name: str, index: int, swept: bool) -> str:
+    """A run's place in the config, for errors: `saes.<name>[<sweep index>]`, or `saes.<name>` when nothing of the
+    spec is swept (an index the user never wrote names nothing)."""
+    return f"saes.{sae_name}[{index}]" if swept else f"saes.{sae_name}"
+
+
 def plan_runs(
     saes: typing.Mapping[str, SAESpec],
     layer_hashes: typing.Mapping[str, str | typing.Mapping[int, str]],
@@ -348,7 +354,7 @@ def plan_runs(
                                    f"{', '.join(layer_hashes) or 'none'}")  # fmt: skip
         unread, planned = spec.unread_values(), {}  # planned: run id -> its position in plans
         for index, hyper in enumerate(spec.points()):
-            where = f"saes.{sae_name}[{index}]"
+            where = config_key(sae_name, index, bool(spec.varying(hyper)))
 
             def shards_of(role: str, name: str, layer=hyper["layer"], where=where) -> str:
                 return layer_shards(layer_hashes[name], layer, f"{where}.layer: layer {layer} is not extracted "
@@ -412,7 +418,7 @@ class SAEConfig:
 
     def __post_init__(self):
         """Refuse what the SAE cannot compute; each message starts with the key at fault (planning prefixes it
-        with `saes.<name>[<index>].`)."""
+        with `config_key`, `saes.<name>[<index>].`)."""
         object.__setattr__(self, "matryoshka", tuple(int(m) for m in self.matryoshka))
         if self.arch not in ARCHS:
             raise SaeflowError(f"arch: unknown SAE architecture {self.arch!r}; choose one of {ARCHS}")

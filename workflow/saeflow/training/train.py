@@ -26,7 +26,7 @@ from saeflow import config, devices, numerics, preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import localcopy, memory, resume, tracking
+from saeflow.training import degenerate, localcopy, memory, resume, tracking
 from saeflow.training.adam import Adam
 from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
@@ -163,13 +163,15 @@ class Checkpoint:
 
     def publish(self, result: dict, sae: SAE, prov: dict) -> None:
         """Stage metrics.jsonl (with the final line), metrics.json, provenance.json and sae.pt together, then rename
-        them out.
+        them out; a degenerate result (saeflow.training.degenerate) is said in one line of the log.
 
         The staging directory is sealed once its sae.pt exists (written last, after the other two are fsynced);
         `finish_pending` completes a sealed publish after a crash and an unsealed one is redone, so a run never
         shows metrics.json without sae.pt. sae.pt is renamed out last: its presence means "done". All three are
         published read-only.
         """
+        if problem := degenerate.reason(result, sae.d_sae):  # one line per run, in the training log
+            logger.warning("%s: degenerate result: %s", self.run.root, problem)
         staging = self.run.publish_dpath
         atomic.remove_staging(staging)
         log_fpath = self.run.metrics_log_fpath
@@ -322,13 +324,18 @@ class Trainer:
         if not self.sae.arch.unit_decoder:
             self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
-        result = {"split": "val", "shards": val_dir.hash, "step": self.step, "peak_lr": self.peak_lr, **metrics}
+        result = {**measured_on(self.cfg, val_dir), "step": self.step, "peak_lr": self.peak_lr, **metrics}
         self.sae.cpu()
         prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                 "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
         self.checkpoint.publish(result, self.sae, prov)
         self.tracker.close(final=result)
         return result
+
+
+def measured_on(cfg: TrainConfig, val_dir: ShardDir) -> dict:
+    """What the final metrics were measured on: `shards`, and `split` "val", or "train" where no `val` was given."""
+    return {"split": "train" if val_dir.hash == cfg.train_shards else "val", "shards": val_dir.hash}
 
 
 @torch.no_grad()
