@@ -56,4 +56,8 @@ def test_degenerate_results_are_every_latent_dead_or_dense_or_l0_above_a_tenth_o
     wide = healthy.clone()
     wide[:, :6] = 1.0  # 6 latents on every vector, another on 82 of them: L0 6.82 > 4
     assert degenerate.reason(_result(wide), d_sae) == "L0 6.8 is above 0.1 of d_sae 40: not a sparse code"
+    assert degenerate.reason(_result(wide), d_sae, "gated") == degenerate.reason(_result(wide), d_sae)
+    for arch in ("topk", "batchtopk"):  # k sets their L0: the user's choice (k 7 of 40), not a learned failure
+        assert degenerate.reason(_result(wide), d_sae, arch) == ""
+        assert degenerate.reason(_result(torch.zeros(100, d_sae)), d_sae, arch).startswith("every latent is dead")
     assert degenerate.MAX_L0_FRACTION == 0.1  # the fraction docs/training.md and the README state

@@ -138,12 +138,13 @@ def move_run(old_root: pathlib.Path, new_root: pathlib.Path, renames: dict[str, 
     staging = layout.staging_dpath(new_root, "migrating")
     remove_staging(staging)
     try:
-        for dirpath, dirnames, fnames in os.walk(old_root):
+        for dirpath, dirnames, fnames in os.walk(old_root):  # a link to a directory is among dirnames, not walked
             rel = pathlib.Path(dirpath).relative_to(old_root)
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # staging, locks
+            links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in links]  # staging, locks
             target_dpath = staging / _renamed(str(rel), renames)
             target_dpath.mkdir(parents=True, exist_ok=True)
-            for fname in fnames:
+            for fname in [*fnames, *links]:
                 if fname.startswith("."):
                     continue
                 source = pathlib.Path(dirpath) / fname

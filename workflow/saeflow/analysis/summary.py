@@ -101,7 +101,7 @@ def run_rows(run_dpath: pathlib.Path, name: str = "", group_name: str = "") -> l
             "group_name": group_name or name,
             "kind": kind_of(run.config()),
             "activation": _activation(dump_config, dump_dpath.name),
-            "warning": _warning(dump_config, inferred),
+            "warning": _warning(dump_config, inferred, run.config().get("arch")),
             **flatten(inferred),
             **train,
             **_evaluation(run, dump_dpath.name),
@@ -133,12 +133,12 @@ def _activation(dump_config: dict, shard_hash: str) -> str:
     return f"{model}/{dataset} {hook}{target}"
 
 
-def _warning(dump_config: dict, inferred: dict) -> str:
+def _warning(dump_config: dict, inferred: dict, arch: str | None) -> str:
     """Why the dump's headline metrics are degenerate (degenerate.reason, with the d_sae its config.json records);
     blank when they are not, or when the dump records no latent counts to judge by."""
     if "d_sae" not in dump_config or not all(key in inferred for key in ("n_dead", "n_dense", "l0", "dense_freq")):
         return ""
-    return degenerate.reason(inferred, dump_config["d_sae"])
+    return degenerate.reason(inferred, dump_config["d_sae"], arch)
 
 
 def warning_lines(rows: list[dict]) -> list[str]:

@@ -170,7 +170,7 @@ class Checkpoint:
         shows metrics.json without sae.pt. sae.pt is renamed out last: its presence means "done". All three are
         published read-only.
         """
-        if problem := degenerate.reason(result, sae.d_sae):  # one line per run, in the training log
+        if problem := degenerate.reason(result, sae.d_sae, sae.cfg.arch):  # one line per run, in the training log
             logger.warning("%s: degenerate result: %s", self.run.root, problem)
         staging = self.run.publish_dpath
         atomic.remove_staging(staging)
