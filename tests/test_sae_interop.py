@@ -52,6 +52,8 @@ ACCEPTED = {
     ("saelens", "jumprelu-training"): ("jumprelu", 1),
     ("saelens", "gated"): ("gated", 1),
     ("saelens", "gated-training"): ("gated", 1),
+    ("saelens", "jumprelu-negative-threshold"): ("jumprelu", 1),  # thresholds below 0 import as 0: the same codes
+    ("saelens", "gated-no-b-dec-on-input"): ("gated", 1),  # b_gate and b_mag shifted to read x - b_dec
     ("sparsify", "topk"): ("topk", K),
     ("sparsify", "topk-expansion-factor"): ("topk", K),
     ("sparsify", "topk-multi-topk"): ("topk", K),
@@ -59,8 +61,12 @@ ACCEPTED = {
 }
 # fixture -> the problem its one-line refusal names
 REFUSED = {
-    ("saelens", "standard-layer-norm"): "normalize_activations='layer_norm'",
-    ("saelens", "topk-expected-average-only-in"): "normalize_activations='expected_average_only_in'",
+    ("saelens", "standard-layer-norm"): "normalize_activations='layer_norm': saeflow SAEs have no run-time input "
+                                        "normalization; each input is centred and scaled by its own mean and std, "
+                                        "which no weights can fold in",
+    ("saelens", "topk-expected-average-only-in"): "normalize_activations='expected_average_only_in': saeflow SAEs "
+                                                  "have no run-time input normalization; one constant scale: fold it "
+                                                  "first (SAELens: sae.fold_activation_norm_scaling_factor)",
     ("saelens", "standard-hook-z"): "hook_z",
     ("saelens", "abstopk"): "SAELens architecture 'abstopk'",
     ("saelens", "matching-pursuit"): "SAELens architecture 'matching_pursuit'",
@@ -238,6 +244,57 @@ def test_export_import_round_trip_without_the_libraries(name, tmp_path):
     with torch.no_grad():
         for got, want in zip(back(inputs()), model(inputs()), strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+# SAELens-saved checkpoints saeflow represents after a change of parameters -> the outputs.npz key of decode(codes)
+REPARAMETRIZED = {"saelens/accepted/jumprelu-negative-threshold": "recon",
+                  "saelens/accepted/gated-no-b-dec-on-input": "recon",
+                  "saelens/transcoders/accepted/jumprelu-transcoder-negative-threshold": "decoded"}  # fmt: skip
+
+
+def _reexported(name: str, out_dpath: pathlib.Path) -> pathlib.Path:
+    """The SAELens checkpoint imported, then exported again by saeflow."""
+    return sae_checkpoints.export_sae(sae_checkpoints.read_checkpoint(FIXTURES / name).sae(), "saelens", out_dpath)
+
+
+@pytest.mark.parametrize("name", list(REPARAMETRIZED))
+def test_reparametrized_checkpoints_export_back_with_the_librarys_codes(name, tmp_path):
+    """Negative JumpReLU thresholds and a Gated SAE without apply_b_dec_to_input import as saeflow's parameters
+    (threshold 0; b_gate and b_mag shifted) and export as SAELens files of that form computing SAELens's codes."""
+    out = _reexported(name, tmp_path / "out")
+    cfg = json.loads((out / "cfg.json").read_text())
+    tensors = sae_checkpoints._read_tensors(out / "sae_weights.safetensors")
+    assert cfg["apply_b_dec_to_input"] is not cfg["architecture"].endswith("transcoder")  # an SAE's reads x - b_dec
+    assert "threshold" not in tensors or float(tensors["threshold"].min()) == 0.0
+    with np.load(FIXTURES / name / "outputs.npz") as want, torch.no_grad():
+        model = sae_checkpoints.read_checkpoint(out).sae()
+        codes = model.encode(torch.from_numpy(want["x"]))
+        np.testing.assert_allclose(codes.numpy(), want["codes"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(model.decode(codes).numpy(), want[REPARAMETRIZED[name]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_reparametrized_checkpoints_reexported_load_in_saelens_with_its_codes(peers_site, tmp_path):
+    """The same exports, loaded by SAELens's own `SAE.load_from_disk`: its codes and decode equal those SAELens
+    computed from the checkpoint it saved, to 1e-5."""
+    load = {pathlib.Path(name).name: ["saelens", str(_reexported(name, tmp_path / str(i)))]
+            for i, name in enumerate(REPARAMETRIZED)}  # fmt: skip
+    x = np.load(FIXTURES / next(iter(REPARAMETRIZED)) / "outputs.npz")["x"]
+    assert all(np.array_equal(np.load(FIXTURES / name / "outputs.npz")["x"], x) for name in REPARAMETRIZED)
+    np.save(tmp_path / "x.npy", x)
+    job = {"inputs": str(tmp_path / "x.npy"), "out": str(tmp_path / "results.npz"), "load": load}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(peers_site), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    script = pathlib.Path(__file__).parent / "_sae_peers.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "job.json")], capture_output=True, text=True,
+                          env=env, timeout=HANG_SEC)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(tmp_path / "results.npz") as got:
+        for name, decoded in REPARAMETRIZED.items():
+            key = pathlib.Path(name).name
+            with np.load(FIXTURES / name / "outputs.npz") as want:
+                np.testing.assert_allclose(got[f"{key}.codes"], want["codes"], rtol=0, atol=1e-5, err_msg=name)
+                np.testing.assert_allclose(got[f"{key}.recon"], want[decoded], rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_refusals(tmp_path):

@@ -32,6 +32,7 @@ ACCEPTED = {
     "saelens/transcoders/accepted/skip-transcoder": ("relu", True, 24, MLP_1),
     "saelens/transcoders/accepted/jumprelu-transcoder": ("jumprelu", False, 24, MLP_1),
     "saelens/transcoders/accepted/jumprelu-skip-transcoder": ("jumprelu", True, 24, MLP_1),
+    "saelens/transcoders/accepted/jumprelu-transcoder-negative-threshold": ("jumprelu", False, 24, MLP_1),  # as 0
     "sparsify/transcoders/accepted/transcode/h.1.mlp": ("topk", False, 16, MLP_1),
     "sparsify/transcoders/accepted/transcode-skip/h.1.mlp": ("topk", True, 16, MLP_1),
     "sparsify/transcoders/accepted/skip-connection/layers.1": (  # an SAE with a skip path: a transcoder of its input

@@ -153,6 +153,15 @@ def checked_k(k) -> int:
     return k
 
 
+# SAELens's run-time input normalizations: what can be done about each (sae_lens/saes/sae.py)
+RUN_TIME_NORMS = {
+    "expected_average_only_in": "one constant scale: fold it first (SAELens: sae.fold_activation_norm_scaling_factor)",
+    "covariance_whitening": "an affine map: fold it first (SAELens: sae.fold_activation_whitening)",
+    "layer_norm": "each input is centred and scaled by its own mean and std, which no weights can fold in",
+    "constant_norm_rescale": "each input is scaled by its own norm, which no weights can fold in",
+}
+
+
 def _saelens_k(cfg: dict) -> int:
     """k of a TopK SAE, or of a BatchTopK SAE saved as JumpReLU (SAELens keeps it only in the training metadata);
     1 when unnamed (BatchTopK's k matters in training only)."""
@@ -169,7 +178,7 @@ def from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int,
     transcoder = isinstance(name, str) and name.endswith("transcoder")
     arch = archs.from_saelens(name, cfg, transcoder=transcoder)
     refuse_unless(norm in ("none", None), f"normalize_activations={norm!r}: saeflow SAEs have no run-time input "
-                  "normalization; fold it first (SAELens: sae.fold_activation_norm_scaling_factor)")  # fmt: skip
+                  f"normalization; {RUN_TIME_NORMS.get(str(norm), 'saeflow cannot represent it')}")  # fmt: skip
     refuse_unless(cfg.get("reshape_activations", "none") == "none", "hook_z (per-head) SAEs")
     refuse_unless(not (transcoder and cfg.get("apply_b_dec_to_input", False)), "apply_b_dec_to_input=true on a "
                   "transcoder (its b_dec is the target's; SAELens refuses it too)")  # fmt: skip

@@ -25,7 +25,7 @@ in tests/test_archs.py's 8-step CLI run; scale 2 with coefficient 9 on tests/tes
 """
 
 from saeflow.errors import SaeflowError
-from saeflow.training.archs.base import Arch, Selection, TermInputs, Unsupported, torch
+from saeflow.training.archs.base import Arch, Selection, TermInputs, torch
 from saeflow.training.archs.relu import l1_penalty, l1_ramp
 
 
@@ -74,9 +74,13 @@ class Gated(Arch):
         return {}, out
 
     def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
+        """Without `apply_b_dec_to_input` SAELens's paths read x, not x - b_dec: pi_mag = x @ (W_enc e^r_mag) + b_mag,
+        which is saeflow's with b_mag + (b_dec @ W_enc) e^r_mag (sae_formats.from_saelens shifts b_enc, the gate's,
+        by b_dec @ W_enc)."""
+        b_mag_s, r_mag_s = tensors["b_mag"], tensors["r_mag"]
         if not cfg.get("apply_b_dec_to_input", True):
-            raise Unsupported("a Gated SAE with apply_b_dec_to_input=false")
-        return {**weights, "b_enc": tensors["b_gate"], "r_mag": tensors["r_mag"], "b_mag": tensors["b_mag"]}
+            b_mag_s = b_mag_s + (weights["b_dec"] @ weights["W_enc"]) * r_mag_s.exp()
+        return {**weights, "b_enc": tensors["b_gate"], "r_mag": r_mag_s, "b_mag": b_mag_s}
 
 
 ARCH = Gated()

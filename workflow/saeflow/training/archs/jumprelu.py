@@ -24,7 +24,7 @@ dictionary, README), so the thresholds train at `threshold_lr_scale` times it (`
 import math
 
 from saeflow.errors import SaeflowError
-from saeflow.training.archs.base import Arch, Selection, TermInputs, Unsupported, torch
+from saeflow.training.archs.base import Arch, Selection, TermInputs, torch
 from saeflow.training.archs.relu import l1_ramp
 
 # The keys only the step loss reads, and only the tanh loss (`JumpReLU.hyper`'s others both read)
@@ -156,9 +156,9 @@ class JumpReLU(Arch):
                     "threshold": tensors["log_threshold"].exp()}  # fmt: skip
 
     def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
-        threshold_s = tensors["threshold"]
-        if bool((threshold_s < 0).any()):
-            raise Unsupported("a JumpReLU SAE with negative thresholds (saeflow's are positive)")
+        """SAELens's codes are relu(pre) * H(pre - threshold), as `activate`'s: below 0 a threshold drops nothing the
+        ReLU keeps, so a negative one is threshold 0 exactly (in training too: pre * H(pre) = relu(pre))."""
+        threshold_s = tensors["threshold"].clamp(min=0)
         return {**weights, "log_threshold": threshold_s.log()}  # a threshold of 0 is exp(-inf)
 
 
