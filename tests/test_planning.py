@@ -160,6 +160,44 @@ def test_an_sae_on_an_unknown_activation_is_refused_naming_its_key():
         WorkflowPlan.from_config(cfg)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda c: c["activations"].update(shards={"shards": "a" * 64, "hook": "mlp_out"}),
+         r"^activations\.shards: hook: 'mlp_out' on a shards entry, which is extracted already \(its directory's "
+         r"metadata says what it stores\); remove hook$"),
+        (lambda c: c["saes"]["text-topk"].update(target="text"),
+         r"^saes\.text-topk: target: 'text' is the activation the transcoder reads; a transcoder predicts another "
+         r"one \(leave target out for an SAE of it\)$"),
+        (lambda c: c["saes"]["text-topk"].update(target="images", val="images", val_target="images"),
+         r"^saes\.text-topk: val_target: 'images' is the activation the transcoder reads"),
+        (lambda c: c["saes"].update({"Text-TopK": c["saes"]["text-topk"]}),
+         r"^saes: 'text-topk' and 'Text-TopK' differ only by case, which a case-insensitive filesystem takes for one "
+         r"name; rename one$"),
+        (lambda c: c["activations"].update(TEXT=c["activations"]["text"]), r"^activations: 'text' and 'TEXT' differ"),
+    ],
+    ids=["hook-on-shards", "target-is-train", "val_target-is-val", "sae-names-by-case", "activation-names-by-case"],
+)  # fmt: skip
+def test_config_edges_are_refused_in_one_line_naming_the_key(edit, message):
+    """Issue 41: each was accepted, and ignored (a shards entry's hook), planned a transcoder of its own input, or
+    lost one name of two a case-insensitive filesystem cannot tell apart."""
+    cfg = smallest_config()
+    edit(cfg)
+    with pytest.raises(SaeflowError, match=message):
+        WorkflowPlan.from_config(config.validate(cfg))
+
+
+def test_matryoshka_prefixes_are_one_run_in_any_order_and_each_once():
+    """Issue 41: [0.5, 0.25] and [0.25, 0.25, 0.5] trained as [0.25, 0.5] (sorted, each once) under run ids of their
+    own; they are one run now, the id of the sorted list, which kept its id (tests/test_identity.py)."""
+    cfg = smallest_config()
+    cfg["saes"]["text-topk"].update(k=4, matryoshka=[[0.25, 0.5], [0.5, 0.25], [0.25, 0.25, 0.5]])
+    (plan,) = [p for p in WorkflowPlan.from_config(config.validate(cfg)).runs.values() if p.sae_name == "text-topk"]
+    assert plan.same_points == (1, 2) and plan.train_config.to_dict()["matryoshka"] == [0.25, 0.5]
+    cfg["saes"]["text-topk"].update(matryoshka=[0.25, 0.5])
+    assert plan.run_id in WorkflowPlan.from_config(config.validate(cfg)).runs
+
+
 def test_a_root_naming_an_unset_variable_is_refused_naming_its_key(monkeypatch):
     monkeypatch.delenv("SAEFLOW_UNSET_ROOT", raising=False)
     with pytest.raises(SaeflowError, match="shards_root: .*not set"):

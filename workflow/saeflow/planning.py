@@ -48,6 +48,8 @@ class WorkflowConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> "WorkflowConfig":
+        for section in ("activations", "saes"):
+            _refuse_names_equal_but_for_case(section, config[section])
         return cls(
             shards_root=expand_path(config["shards_root"], "shards_root"),
             runs_root=expand_path(config["runs_root"], "runs_root"),
@@ -71,6 +73,17 @@ def sae_subconfig(config: dict, sae_name: str) -> dict:
         name for name in (sae.get("target"), sae.get("val_target")) if name is not None)))
     activations = {name: config["activations"][name] for name in names if name in config["activations"]}
     return {**config, "activations": activations, "saes": {sae_name: sae}, "exports": {}}
+
+
+def _refuse_names_equal_but_for_case(section: str, names) -> None:
+    """Names that differ only by case are one name on a case-insensitive filesystem (macOS, Windows): what is
+    written under them would merge."""
+    seen: dict[str, str] = {}
+    for name in names:
+        first = seen.setdefault(name.casefold(), name)
+        if first != name:
+            raise SaeflowError(f"{section}: {first!r} and {name!r} differ only by case, which a case-insensitive "
+                               "filesystem takes for one name; rename one")  # fmt: skip
 
 
 def _typed(build, obj, key: str):

@@ -131,8 +131,13 @@ class ShardsSpec:
 
 
 def activation_from_dict(obj: dict) -> "ActivationSpec | ShardsSpec":
-    """One `activations.<name>` entry, typed: an existing shard directory, or a model + dataset to extract."""
+    """One `activations.<name>` entry, typed: an existing shard directory, or a model + dataset to extract. A shards
+    entry's `hook` would be ignored (its directory stores what it stores), so it is refused; the schema fills in
+    the default, which alone cannot be told from a `hook` not given."""
     if isinstance(obj, dict) and "shards" in obj:
-        config.validate_entry(obj, "activation_spec")
+        hook = config.validate_entry(obj, "activation_spec")["hook"]
+        if hook != config.schema_default("activation_spec", "hook"):
+            raise SaeflowError(f"hook: {hook!r} on a shards entry, which is extracted already (its directory's "
+                               "metadata says what it stores); remove hook")  # fmt: skip
         return ShardsSpec(shards=obj["shards"])
     return ActivationSpec.from_dict(obj)

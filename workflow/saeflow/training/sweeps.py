@@ -87,8 +87,9 @@ class SAESpec:
     @classmethod
     def from_dict(cls, name: str, obj: typing.Mapping[str, typing.Any]) -> "SAESpec":
         """From a schema-validated entry (the schema fills the defaults); refuses, in one line naming the key, a
-        `skip` or `val_target` without a `target`, and a transcoder validated on another activation without the
-        target of it (`val_target`)."""
+        `skip` or `val_target` without a `target`, a transcoder of its own input (`target` the `train` activation,
+        `val_target` the `val` one), and a transcoder validated on another activation without the target of it
+        (`val_target`)."""
         hyper = {key: value for key, value in obj.items() if key not in NOT_SWEPT}
         spec = cls(name=name, train=obj["train"], val=obj.get("val"), hyper=hyper, target=obj.get("target"),
                    val_target=obj.get("val_target"))  # fmt: skip
@@ -98,6 +99,11 @@ class SAESpec:
                                "reconstructs its own input")  # fmt: skip
         if spec.target is None and spec.val_target is not None:
             raise SaeflowError("val_target: a plain SAE has no target (set target: <activation> for a transcoder)")
+        for key, target, source in (("target", spec.target, spec.train),
+                                    ("val_target", spec.val_target, spec.val_activation)):  # fmt: skip
+            if target is not None and target == source:
+                raise SaeflowError(f"{key}: {target!r} is the activation the transcoder reads; a transcoder predicts "
+                                   "another one (leave target out for an SAE of it)")  # fmt: skip
         if spec.target is not None and spec.val not in (None, spec.train) and spec.val_target is None:
             raise SaeflowError(f"val_target: the transcoder validates on {spec.val!r}; name the activation it "
                                "predicts there (val_target: <activation>)")  # fmt: skip
@@ -220,9 +226,12 @@ class TrainConfig:
 
     def canonical(self, unread_values: typing.Mapping[str, typing.Any]) -> "TrainConfig":
         """This run with every key its architecture does not read at its value in `unread_values`
-        (`SAESpec.unread_values`): what planning hashes, so points that differ only there are one run."""
+        (`SAESpec.unread_values`) and its Matryoshka prefixes sorted, each once (as `sae_config` trains them; a
+        sorted list of distinct ones is as it was): what planning hashes, so points that differ only there are one
+        run."""
         read = self.read_keys()
-        return dataclasses.replace(self, **{key: value for key, value in unread_values.items() if key not in read})
+        unread = {key: value for key, value in unread_values.items() if key not in read}
+        return dataclasses.replace(self, matryoshka=tuple(sorted(set(self.matryoshka))), **unread)
 
     def readable(self) -> dict:
         """The run as a person reads it (checkpoint/hyperparameters.json, summary.csv's config.* columns): every key
