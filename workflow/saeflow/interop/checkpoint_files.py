@@ -153,7 +153,8 @@ def check_cfg(fmt: str, cfg: dict, fpath: pathlib.Path) -> Sizes:
         details = nested.get("training_architecture_details") or {}
         _check_types(details, {"k": _SIZE}, fpath, "metadata.training_architecture_details.")
         ks = {"k": cfg.get("k"), "metadata.training_architecture_details.k": details.get("k")}
-        names = {key: cfg.get(key, nested.get(key)) for key in ("hook_name", "hook_name_out")}
+        names = {key: cfg[key] for key in ("hook_name", "hook_name_out") if key in cfg}
+        names.update({f"metadata.{key}": nested[key] for key in ("hook_name", "hook_name_out") if key in nested})
     else:
         d_in = cfg["d_in"]
         sizes = Sizes(d_in, cfg.get("num_latents") or d_in * (cfg.get("expansion_factor") or 32), d_in)
@@ -298,5 +299,5 @@ def check_all_read(tensors: Tensors, fpath: pathlib.Path, what: str) -> None:
     """Refuse a tensor the format's mapping did not read: the checkpoint is not what cfg.json says (`what`)."""
     unused = sorted(set(tensors) - tensors.used)
     if unused:
-        raise SaeflowError(f"{fpath}: {what} uses no tensor {', '.join(map(repr, unused))}; refusing to import it "
-                           "without (is cfg.json's architecture the one the weights were trained as?)")
+        raise SaeflowError(f"{fpath}: {what} does not use tensor {', '.join(map(repr, unused))}; refusing to drop it "
+                           "(is cfg.json's architecture the one the weights were trained as?)")

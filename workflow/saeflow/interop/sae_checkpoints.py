@@ -203,9 +203,10 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
 def _described(fmt: str, cfg: dict, arch: str) -> str:
     """What cfg.json says the checkpoint is, for a refusal."""
     if fmt == "sparsify":
-        return f"a sparsify {cfg.get('activation', 'topk')!r} SAE ({arch})"
-    named = f"architecture {cfg['architecture']!r}" if "architecture" in cfg else "no architecture: 'standard'"
-    return f"the SAELens SAE cfg.json describes ({named}, saeflow {arch})"
+        return f"a sparsify {cfg.get('activation', 'topk')!r} SAE (saeflow {arch})"
+    if "architecture" in cfg:
+        return f"a SAELens {cfg['architecture']!r} SAE (saeflow {arch})"
+    return f"a SAELens 'standard' SAE (saeflow {arch}; cfg.json names no architecture: SAELens's default)"
 
 
 def import_checkpoint(
