@@ -20,7 +20,7 @@ import torch
 from builders import write_shards
 from peak_rss import run_measured
 from saeflow import cli
-from saeflow.interop import checkpoint_files
+from saeflow.interop import hooknames
 from saeflow.training import sae
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -36,7 +36,7 @@ REFUSED = {
     "saelens-float64-inexact": ("sae_weights.safetensors", "float64 tensor 'b_dec' holds 0.1, which is no float32 "
                                                            "value"),
     "saelens-int8-weights": ("sae_weights.safetensors", "is I8; saeflow reads float16, bfloat16 and float32"),
-    "saelens-cfg-only-dtype": ("cfg.json", "no d_in, d_sae (a saelens 'standard' cfg.json has d_in, d_sae)"),
+    "saelens-cfg-only-dtype": ("cfg.json", "no d_in, d_sae (a SAELens 'standard' cfg.json has d_in, d_sae)"),
     "saelens-jumprelu-tensors-no-architecture": ("sae_weights.safetensors", "a SAELens 'standard' SAE (saeflow relu; "
                                                  "cfg.json names no architecture: SAELens's default) does not use "
                                                  "tensor 'threshold'; refusing to drop it"),
@@ -45,14 +45,15 @@ REFUSED = {
     "saelens-apply-b-dec-string": ("cfg.json", "apply_b_dec_to_input is the string 'false', not a JSON boolean"),
     "sparsify-transcode-string": ("cfg.json", "transcode is the string 'false', not a JSON boolean (true or false)"),
     "saelens-d-in-string": ("cfg.json", "d_in is the string '16', not a positive integer"),
+    "saelens-apply-b-dec-null": ("cfg.json", "apply_b_dec_to_input is null, not a JSON boolean (true or false)"),
     "saelens-d-sae-2-40": ("sae_weights.safetensors", "has shape [32, 16], but cfg.json (d_in=16, "
                                                       "d_sae=1099511627776, d_out=16) makes it [1099511627776, 16]"),
     "saelens-k-above-d-sae": ("cfg.json", "k=1000 is more than the SAE's 32 latents"),
-    "saelens-topk-without-k": ("cfg.json", "no k (a saelens 'topk' cfg.json has d_in, d_sae, k)"),
+    "saelens-topk-without-k": ("cfg.json", "no k (a SAELens 'topk' cfg.json has d_in, d_sae, k)"),
     "sparsify-k-above-num-latents": ("cfg.json", "k=1000 is more than the SAE's 32 latents"),
-    "saelens-hook-name-dotdot": ("cfg.json", "metadata.hook_name '../../etc/passwd' is not a saelens hook name"),
+    "saelens-hook-name-dotdot": ("cfg.json", "metadata.hook_name '../../etc/passwd' is not a SAELens hook name"),
     "saelens-hook-name-newline": ("cfg.json", "metadata.hook_name 'blocks.1.hook_resid_post\\nERROR: fake' is not a "
-                                              "saelens hook name"),
+                                              "SAELens hook name"),
     "sparsify-hookpoint-dotdot": ("cfg.json", "saeflow.hookpoint '../layers.1' is not a sparsify hook name"),
     "saelens-shapes-disagree": ("sae_weights.safetensors", "tensor 'W_dec' has shape [31, 16], but cfg.json"),
     "saelens-offsets-overlap": ("sae_weights.safetensors", "tensor 'b_dec' declares bytes [4160, 4288], not "
@@ -120,10 +121,10 @@ def test_other_float_dtypes_convert_exactly(name, shards_dpath, tmp_path, capsys
 def test_hook_names_are_checked_against_the_formats_own_names():
     for fmt, name in (("saelens", "blocks.3.hook_resid_post"), ("saelens", "blocks.0.attn.hook_z"),
                       ("sparsify", "layers.3"), ("sparsify", "h.3.mlp"), ("sparsify", "layers.3/seed0")):
-        assert checkpoint_files.hooknames.well_formed(fmt, name), name
+        assert hooknames.well_formed(fmt, name), name
     for fmt in ("saelens", "sparsify"):
         for name in ("../x", "/etc/passwd", "blocks.1 hook", "a..b", "blocks.1.\n", "x" * 201, 3, "blocks.é"):
-            assert not checkpoint_files.hooknames.well_formed(fmt, name), name
+            assert not hooknames.well_formed(fmt, name), name
 
 
 # ---------------------------------------------------------------------------------------------------------------

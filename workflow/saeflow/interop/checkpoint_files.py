@@ -31,6 +31,7 @@ from saeflow.interop.budget import fmt_bytes
 MAX_CFG_BYTES = 1 << 20  # a SAELens training cfg.json is a few KB
 MAX_HEADER_BYTES = 1 << 20  # an SAE has at most a few tensors: a few hundred bytes of header each
 MAX_TENSORS = 64
+LIBRARIES = {"saelens": "SAELens", "sparsify": "sparsify"}
 # the safetensors dtypes saeflow reads: float32 as it is, float16 and bfloat16 exactly widened, float64 only exact
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _CHUNK_ITEMS = 1 << 22  # float64 -> float32 check granularity (32 MiB of float64)
@@ -146,7 +147,7 @@ def check_cfg(fmt: str, cfg: dict, fpath: pathlib.Path) -> Sizes:
     required = REQUIRED[fmt] + REQUIRED_BY_ARCHITECTURE[fmt].get(architecture, ())
     missing = [key for key in required if cfg.get(key) is None]
     if missing:
-        raise SaeflowError(f"{fpath}: no {', '.join(missing)} (a {fmt} {architecture!r} cfg.json has "
+        raise SaeflowError(f"{fpath}: no {', '.join(missing)} (a {LIBRARIES[fmt]} {architecture!r} cfg.json has "
                            f"{', '.join(required)}); refusing to guess")  # fmt: skip
     if fmt == "saelens":
         sizes = Sizes(cfg["d_in"], cfg["d_sae"], cfg.get("d_out") or cfg["d_in"])
@@ -165,8 +166,8 @@ def check_cfg(fmt: str, cfg: dict, fpath: pathlib.Path) -> Sizes:
             raise SaeflowError(f"{fpath}: {key}={k} is more than the SAE's {sizes.d_sae} latents")
     for key, name in names.items():
         if name is not None and not hooknames.well_formed(fmt, name):
-            raise SaeflowError(f"{fpath}: {key} {name[:80]!r} is not a {fmt} hook name (dotted identifiers, e.g. "
-                               f"{hooknames.EXAMPLES[fmt]})")  # fmt: skip
+            raise SaeflowError(f"{fpath}: {key} {name[:80]!r} is not a {LIBRARIES[fmt]} hook name (dotted "
+                               f"identifiers, e.g. {hooknames.EXAMPLES[fmt]})")  # fmt: skip
     return sizes
 
 
@@ -190,7 +191,8 @@ def _is(value, kind: str) -> bool:
 def _describe(value) -> str:
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    return f"{json.dumps(value)[:40]} (a JSON {type(value).__name__.replace('dict', 'object')})"
+    kind = {dict: "an object", list: "an array", bool: "a boolean", int: "an integer", float: "a number"}
+    return "null" if value is None else f"{json.dumps(value)[:40]} ({kind[type(value)]})"
 
 
 # ---------------------------------------------------------------------------------------------------------------
