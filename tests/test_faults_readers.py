@@ -12,20 +12,18 @@ import os
 import pathlib
 import pickle
 import struct
-import subprocess
 import sys
 import zlib
 
 import numpy as np
 import pytest
 
-from hang import HANG_SEC
+from peak_rss import run_measured
 from saeflow.interop import lmprobe, pickle_shards, zarr_store
 from saeflow.interop.records import Record
 
 BUDGET = 64 << 20
 RSS_SLACK = 512 << 20
-WORKFLOW_DPATH = pathlib.Path(__file__).resolve().parents[1] / "workflow"
 SHARD = "shard_0001.pkl.gz"
 HIDDEN0 = lmprobe.HIDDEN_FILE_PATTERN.format(layer=0, shard=0)
 MARKER = "pwned-marker"
@@ -280,30 +278,6 @@ CASES = ([(pickle_source, n) for n in PICKLE_SHARDS]
          + [(metadata_source, n) for n in ("metadata_not_json", "metadata_wrong_types", "metadata_huge")]
          + [(lmprobe_source, n) for n in LMPROBE_FAULTS]
          + [(zarr_source, n) for n in ZARR_FAULTS] + [(manifest_source, "manifest_path_escapes_root")])
-
-
-RSS_WRAPPER = """\
-import resource, subprocess, sys
-rc = subprocess.run(sys.argv[2:]).returncode
-with open(sys.argv[1], "w") as fd:
-    fd.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024))
-sys.exit(rc)
-"""
-
-
-def run_measured(argv: list[str], cwd: pathlib.Path) -> tuple[int, str, str, int]:
-    """(exit code, stdout, stderr, peak RSS bytes) of one fresh process.
-
-    A child inherits its parent's peak RSS across fork and exec on Linux, so the command runs under a tiny wrapper
-    process (not under pytest, whose own peak would be reported) that reports RUSAGE_CHILDREN after it exits.
-    """
-    env = {**os.environ, "PYTHONPATH": str(WORKFLOW_DPATH)}
-    rss_fpath = cwd / "peak_rss_bytes"
-    wrapped = [sys.executable, "-S", "-c", RSS_WRAPPER, str(rss_fpath), *argv]
-    proc = subprocess.run(wrapped, cwd=cwd, capture_output=True, text=True, env=env, timeout=HANG_SEC)
-    peak_bytes = int(rss_fpath.read_text())
-    rss_fpath.unlink()
-    return proc.returncode, proc.stdout, proc.stderr, peak_bytes
 
 
 @pytest.mark.parametrize(("make", "name"), CASES, ids=[n for _, n in CASES])

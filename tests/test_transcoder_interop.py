@@ -13,6 +13,7 @@ import shutil
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from builders import write_shards
@@ -76,8 +77,7 @@ def test_exports_are_the_files_the_library_computed_saeflows_outputs_from(name, 
     committed = FIXTURES / name / fmt
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in committed.iterdir())
     assert json.loads((out / "cfg.json").read_text()) == json.loads((committed / "cfg.json").read_text())
-    got, want = sae_checkpoints._read_tensors(next(out.glob("*.safetensors"))), sae_checkpoints._read_tensors(
-        next(committed.glob("*.safetensors")))  # fmt: skip
+    got, want = (safetensors.torch.load_file(next(dpath.glob("*.safetensors"))) for dpath in (out, committed))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     with np.load(FIXTURES / name / "outputs.npz") as library:  # what the library computed from those files
         agree(model, library)

@@ -78,7 +78,10 @@ import is idempotent. Architectures: SAELens standard, topk, jumprelu (per-laten
 its training metadata says so), gated, and the transcoders transcoder, skip_transcoder, jumprelu_transcoder,
 jumprelu_skip_transcoder; sparsify topk (transcode and skip_connection too). A transcoder needs --target-shards (the
 activation it predicts; a sparsify SAE with a skip connection predicts its input: --shards). The checkpoint's hook
-names are recorded in the config. The weights are read with safetensors; no code from the checkpoint runs.
+names are recorded in the config. No code from the checkpoint runs: it is read as untrusted input, refused in one
+line before anything is written when cfg.json's values are mistyped (a boolean written as a string), its sizes or k
+disagree with the tensors, a hook name is no hook name, a tensor is non-finite, not float16/bfloat16/float32 (float64
+only when exact) or unused, or a file is over its cap or no regular file (docs/interop.md, "Hostile checkpoints").
 """
 
 

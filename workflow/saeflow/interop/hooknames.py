@@ -93,3 +93,16 @@ def to_sparsify(family: str, source: Where, target: Where | None) -> str | None:
     if sub == f".{MLP}" and source == ("mlp_in", layer):
         return f"{_BLOCKS[layout]}.{layer}{sub}"
     return None
+
+
+# the names each format gives a hook: TransformerLens dotted attribute paths; a sparsify module path, optionally
+# `/` and a name (`layers.3/seed0`)
+_WELL_FORMED = {"saelens": re.compile(r"\w+(?:\.\w+)*", re.ASCII),
+                "sparsify": re.compile(r"\w+(?:\.\w+)*(?:/\w+)?", re.ASCII)}  # fmt: skip
+EXAMPLES = {"saelens": "blocks.3.hook_resid_post", "sparsify": "layers.3 or h.3.mlp"}
+
+
+def well_formed(fmt: str, name) -> bool:
+    """Whether `name` is a hook name of the form `fmt` gives its hooks (no path, no spaces, at most 200 characters);
+    where it maps to saeflow's hook points is `from_transformerlens` / `from_sparsify`'s."""
+    return isinstance(name, str) and len(name) <= 200 and _WELL_FORMED[fmt].fullmatch(name) is not None

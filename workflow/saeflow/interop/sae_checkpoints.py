@@ -31,18 +31,14 @@ the run id, so importing the same files for the same shards and layer gives the 
 """
 
 import dataclasses
-import json
 import logging
 import os
 import pathlib
 
-import torch
-
-from saeflow.errors import SaeflowError, unreadable
-from saeflow.interop import hooknames, sae_formats
+from saeflow.errors import SaeflowError
+from saeflow.interop import checkpoint_files, hooknames, sae_formats
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
-from saeflow.store.hashing import file_sha256
 from saeflow.training import archs, sae
 
 logger = logging.getLogger(__name__)
@@ -138,6 +134,7 @@ class Imported:
     weights: RawWeights
     source_cfg: dict
     weights_fpath: pathlib.Path
+    weights_sha256: str  # of the bytes read, so the run names what it holds
     hooks: dict = dataclasses.field(default_factory=dict)  # the names it gives its input and target (sae_formats)
     target_is_input: bool = False  # a transcoder of its own input (a sparsify SAE with a skip connection)
 
@@ -160,10 +157,14 @@ def sae_subdirs(src_dpath: pathlib.Path, max_depth: int = 3) -> list[str]:
 
 
 def detect_format(src_dpath: pathlib.Path) -> str:
-    """saelens or sparsify, from the weights file in SRC."""
-    found = [fmt for fmt in SAE_FORMATS if (src_dpath / WEIGHTS_FNAMES[fmt]).is_file()]
+    """saelens or sparsify, from the weights file in SRC (one that exists, whatever its type: `checkpoint_files`
+    refuses what is no regular file)."""
+    found = [fmt for fmt in SAE_FORMATS if (src_dpath / WEIGHTS_FNAMES[fmt]).exists()]
     if len(found) == 1:
         return found[0]
+    if found:
+        raise SaeflowError(f"{src_dpath}: holds both a SAELens ({WEIGHTS_FNAMES['saelens']}) and a sparsify "
+                           f"({WEIGHTS_FNAMES['sparsify']}) SAE: say which (--format saelens or --format sparsify)")
     subdirs = sae_subdirs(src_dpath)
     more = f" and {len(subdirs) - 8} more" if len(subdirs) > 8 else ""
     hint = f"; it holds SAE directories {', '.join(subdirs[:8])}{more}: give one of them" if subdirs else ""
@@ -174,53 +175,38 @@ def detect_format(src_dpath: pathlib.Path) -> str:
 
 
 def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imported:
-    """Read a SAELens or sparsify SAE directory (format detected when `fmt` is None) without running their code."""
+    """Read a SAELens or sparsify SAE directory (format detected when `fmt` is None) without running their code,
+    as untrusted input (`checkpoint_files`: every check before the bytes it guards are read)."""
     src_dpath = pathlib.Path(src_dpath)
     fmt = fmt or detect_format(src_dpath)
     _check_format(fmt)
-    cfg = _read_cfg(src_dpath / CFG_FNAME)
+    cfg_fpath = src_dpath / CFG_FNAME
+    cfg = checkpoint_files.read_cfg(cfg_fpath)
+    sizes = checkpoint_files.check_cfg(fmt, cfg, cfg_fpath)
     weights_fpath = src_dpath / WEIGHTS_FNAMES[fmt]
-    tensors = _read_tensors(weights_fpath)
+    tensors, weights_sha256 = checkpoint_files.read_weights(weights_fpath, fmt, sizes, CFG_FNAME)
     try:
         arch, k, weights = (sae_formats.from_saelens if fmt == "saelens" else sae_formats.from_sparsify)(cfg, tensors)
     except KeyError as err:
         raise SaeflowError(f"{src_dpath}: {fmt} checkpoint lacks {err}") from None
     except archs.Unsupported as err:
         raise SaeflowError(f"{src_dpath}: cannot import: {err}") from None
+    checkpoint_files.check_all_read(tensors, weights_fpath, _described(fmt, cfg, arch))
     problem = sae_formats.check_shapes(weights)
     if problem is not None:
         raise SaeflowError(f"{weights_fpath}: {problem}")
     target_is_input = fmt == "sparsify" and weights.transcoder and not cfg.get("transcode")
     names = sae_formats.source_names(fmt, cfg, src_dpath.resolve().name, weights.transcoder, target_is_input)
-    return Imported(fmt, arch, k, weights, cfg, weights_fpath, names, target_is_input)
+    return Imported(fmt, arch, k, weights, cfg, weights_fpath, weights_sha256, names, target_is_input)
 
 
-def _read_cfg(fpath: pathlib.Path) -> dict:
-    try:
-        cfg = json.loads(fpath.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SaeflowError(f"{fpath}: missing") from None
-    except OSError as err:
-        raise unreadable(fpath, err) from None
-    except ValueError as err:
-        raise SaeflowError(f"{fpath}: not valid JSON ({err})") from None
-    if not isinstance(cfg, dict):
-        raise SaeflowError(f"{fpath}: holds a {type(cfg).__name__}, not a config object")
-    return cfg
-
-
-def _read_tensors(fpath: pathlib.Path) -> dict[str, torch.Tensor]:
-    import safetensors.torch
-
-    try:
-        tensors = safetensors.torch.load_file(str(fpath), device="cpu")
-    except FileNotFoundError:
-        raise SaeflowError(f"{fpath}: missing") from None
-    except OSError as err:
-        raise unreadable(fpath, err) from None
-    except Exception as err:  # safetensors raises its own SafetensorError on a damaged header
-        raise SaeflowError(f"{fpath}: not a readable safetensors file ({err})") from None
-    return {name: t.to(torch.float32) for name, t in tensors.items()}
+def _described(fmt: str, cfg: dict, arch: str) -> str:
+    """What cfg.json says the checkpoint is, for a refusal."""
+    if fmt == "sparsify":
+        return f"a sparsify {cfg.get('activation', 'topk')!r} SAE (saeflow {arch})"
+    if "architecture" in cfg:
+        return f"a SAELens {cfg['architecture']!r} SAE (saeflow {arch})"
+    return f"a SAELens 'standard' SAE (saeflow {arch}; cfg.json names no architecture: SAELens's default)"
 
 
 def import_checkpoint(
@@ -250,7 +236,7 @@ def import_checkpoint(
         "imported": {
             "format": imported.fmt,
             "cfg": imported.source_cfg,
-            "weights_sha256": file_sha256(imported.weights_fpath),
+            "weights_sha256": imported.weights_sha256,
             "importer_version": IMPORT_VERSION,
             **({"hooks": imported.hooks} if imported.hooks else {}),
         },

@@ -194,7 +194,7 @@ def from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int,
     extra = {n: weights[n] for n in arch.parameters(W_dec.shape[0])}
     raw = RawWeights(*(weights[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")), extra,
                      transcoder=transcoder, W_skip_dd=tensors["W_skip"].T.contiguous() if skip else None)  # fmt: skip
-    return arch.name, min(k, W_dec.shape[0]), raw
+    return arch.name, k, raw  # k <= d_sae: checkpoint_files.check_cfg
 
 
 def from_sparsify(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int, RawWeights]:
