@@ -301,9 +301,9 @@ def test_the_plan_groups_hook_points_into_passes_and_leaves_published_directorie
 @pytest.mark.slow
 def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path, monkeypatch):
     """config/examples/gpt2-hooks.yaml as shipped, with a 12-block random GPT-2 as `gpt2` in a Hugging Face cache
-    (no download) and a small corpus for its dataset: one extraction pass of both hook points, three runs, and
-    `snakemake -n` plans one extract_pass job with both directories as its outputs, and an evaluate job per run
-    (at its hook point)."""
+    (no download) and a small corpus for its dataset: one extraction pass of both hook points at three layers, three
+    runs, and `snakemake -n` plans one extract_pass job with its six directories as its outputs, and an evaluate job
+    per run (at its hook point)."""
     import subprocess
     import sys
 
@@ -312,7 +312,8 @@ def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path, 
     fpaths, cfg = local_gpt2_example(tmp_path, "gpt2-hooks.yaml", monkeypatch)
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
     ((key, hashes),) = extraction_passes(plan).items()
-    assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2 and len(plan.runs) == 3
+    directories = {h for layer_hash in plan.layer_hash.values() for h in layer_hash.values()}
+    assert set(hashes) == directories and len(hashes) == 6 and len(plan.runs) == 3  # two hook points, three layers
     proc = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO_ROOT / "Snakefile"), "--directory",
                            str(tmp_path), "--configfile", *map(str, fpaths), *SNAKEMAKE_TEST_ARGS, "-n"], env=env(),
                           capture_output=True, text=True, cwd=REPO_ROOT)  # fmt: skip
@@ -323,5 +324,5 @@ def test_the_gpt2_hooks_example_plans_one_pass_and_snakemake_plans_it(tmp_path, 
     # every mlp_out run is evaluated, spliced at the MLP output it was trained on
     assert proc.stdout.count("rule evaluate:") == len(plan.runs) == len(evaluations(plan))
     for run_id, shard_hash in evaluations(plan):
-        assert hooks.stored(plan.metadata[plan.hash_activation[shard_hash]].data) == "mlp_out"
+        assert hooks.stored(plan.metadata[shard_hash].data) == "mlp_out"
         assert f"{run_id}/evaluation/{shard_hash}.json" in proc.stdout

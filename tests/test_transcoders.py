@@ -543,9 +543,9 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
 @pytest.mark.slow
 def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, capsys, monkeypatch):
     """config/examples/gpt2-transcoders.yaml as shipped, with a 12-block random GPT-2 as `gpt2` in a Hugging Face
-    cache (no download) and a small corpus: one extraction pass of both hook points, 3 MLP-output SAEs and 6
-    transcoders (3 layers, plain and skip), `saeflow plan` and `snakemake -n` plan it: each transcoder's run waits
-    for both directories."""
+    cache (no download) and a small corpus: one extraction pass of both hook points at 3 layers, 3 MLP-output SAEs
+    and 6 transcoders (3 layers, plain and skip), `saeflow plan` and `snakemake -n` plan it: each transcoder's run
+    waits for its layer's directory of both."""
     import json
     import subprocess
     import sys
@@ -557,7 +557,8 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
     fpaths, cfg = local_gpt2_example(tmp_path, "gpt2-transcoders.yaml", monkeypatch)
     plan = _plan(cfg)
     ((key, hashes),) = extraction_passes(plan).items()
-    assert set(hashes) == set(plan.shard_hash.values()) and len(hashes) == 2
+    directories = {h for layer_hash in plan.layer_hash.values() for h in layer_hash.values()}
+    assert set(hashes) == directories and len(hashes) == 6  # two hook points, three layers: one pass
     kinds = sorted((p.sae_name, p.train_config.layer, p.train_config.skip) for p in plan.runs.values())
     assert kinds == sorted([*(("mlp-out", layer, False) for layer in (4, 6, 8)),
                             *(("transcoder", layer, skip) for layer in (4, 6, 8) for skip in (False, True))])
@@ -574,10 +575,14 @@ def test_the_gpt2_transcoders_example_plans_and_snakemake_plans_it(tmp_path, cap
     assert sorted(len(set(members)) for members in plan.train_passes.values()) == [1] * 3 + [2] * 6
     tc_ids = [r for r, p in plan.runs.items() if p.sae_name == "transcoder"]
     for block in proc.stdout.split("\n\n"):
-        if ("rule create_run:" in block or "rule evaluate:" in block) and any(r in block for r in tc_ids):
-            assert all(f"{h}/shards.json" in block for h in hashes), block
-    assert json.loads(json.dumps(plan.runs[tc_ids[0]].train_config.to_dict()))["target"] == plan.shard_hash[
-        "gpt2-mlp-out"]
+        tc = [r for r in tc_ids if r in block]
+        if ("rule create_run:" in block or "rule evaluate:" in block) and tc:
+            layer = plan.runs[tc[0]].train_config.layer
+            layer_dirs = [plan.layer_hash[name][layer] for name in ("gpt2-mlp-in", "gpt2-mlp-out")]
+            assert all(f"{h}/shards.json" in block for h in layer_dirs), block
+    layer = plan.runs[tc_ids[0]].train_config.layer
+    assert json.loads(json.dumps(plan.runs[tc_ids[0]].train_config.to_dict()))["target"] == plan.layer_hash[
+        "gpt2-mlp-out"][layer]
 
 
 def test_a_skip_transcoders_memory_estimate_counts_its_skip_path():

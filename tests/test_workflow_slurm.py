@@ -345,9 +345,10 @@ def half_built(tmp_path_factory):
     cfg = cluster_config(k=(4, 8), patches_per_shard=4 * 16)
     cfg.update(shards_root=str(root / "scratch"), runs_root=str(root / "ess"))
     docs = cfg["activations"]["docs"]
-    cfg["activations"]["one"] = {**docs, "layers": [2]}
-    cfg["activations"]["split"] = {**docs, "layers": [3], "parts": 2}
-    cfg["activations"]["sealed"] = {**docs, "layers": [4], "parts": 2}
+    # other batch sizes (not hashed): each its own job, not one extraction pass of the layers of the same inputs
+    cfg["activations"]["one"] = {**docs, "layers": [2], "batch_size": 5}
+    cfg["activations"]["split"] = {**docs, "layers": [3], "parts": 2, "batch_size": 6}
+    cfg["activations"]["sealed"] = {**docs, "layers": [4], "parts": 2, "batch_size": 7}
     config_fpath = write_config(root, cfg)
     plan = WorkflowPlan.from_config(config_mod.load(config_fpath))
     assert cli.main(["extract", str(config_fpath), "--activation", "docs", "--no-progress"]) == 0
