@@ -316,7 +316,7 @@ def test_same_config_in_two_processes_after_sigkill_is_byte_identical(tmp_path):
     import signal
     import time
 
-    spec = vision_spec(batch_size=2)
+    spec = vision_spec(batch_size=2, layers=[-1], patches_per_shard=17 * 3)  # one layer: the CLI's directory
     config_fpath = _write_config(tmp_path, spec)
     md = extract.plan_activation(typed(spec))
     staging = tmp_path / "killed" / f".{md.hash}.partial"
