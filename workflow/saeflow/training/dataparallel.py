@@ -158,6 +158,8 @@ class DataParallelTrainer(train.Trainer):
         self.opt.zero_grad()
         loss.total.backward()
         for param in sae.parameters():
+            if param.grad is None:  # the loss did not reach it (mp's tied encoder without dead latents): every rank
+                param.grad = torch.zeros_like(param)  # all-reduces the same tensors, an empty slice's zeros included
             comm.all_reduce(param.grad)
         train.adam_step(self.opt, sae)
         with torch.no_grad():
