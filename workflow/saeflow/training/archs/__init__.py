@@ -4,8 +4,9 @@ interop formats ask this registry (`get(name)`), never compare a name (tests/tes
 Adding an architecture: a module here defining an `Arch` subclass and `ARCH` (docs/architecture.md, "Where to
 add"; the registry is every module here but `base`), its name in the schema's `sae_spec.arch` enum, its keys in the
 schema (and in `training.keys.INTRODUCED`, so no existing run id moves) and in its `Arch.hyper` (the keys it reads).
-The registry-wide tests (tests/test_archs.py, tests/test_read_keys.py and the equivalence and resume tests of every
-parallel mode) then cover it, or fail until every mode handles or refuses it.
+The registry-wide tests (tests/test_archs.py, tests/test_read_keys.py, tests/test_transcoders.py, tests/test_identity.py
+and the equivalence and resume tests of every parallel mode) ask `names` for the architectures that claim a mode or
+shape, so they cover it in what it declares, or fail until it handles or refuses it.
 """
 
 import importlib
