@@ -196,6 +196,32 @@ def test_every_architecture_trains_and_runs_every_stage_from_the_cli(tmp_path):
 
 
 @pytest.mark.slow
+def test_every_architecture_trains_through_the_workflow_in_the_modes_it_declares(tmp_path):
+    """Snakemake plans and trains a run of every registered architecture (`--until train`, one process: every
+    architecture trains there); on 2 ranks each plans in the modes it declares, and Snakemake stops in one line
+    before any job at a mode an architecture does not declare (matching pursuit's `latents`)."""
+    from saeflow.store.runs import open_run
+    from workflow_helpers import snakemake, tiny_config, write_config
+
+    cfg = tiny_config(n_ex=8, k=(4,))
+    cfg["saes"] = {name: {**cfg["saes"]["topk"], "arch": name, "k": 4} for name in ARCH_NAMES}
+    snakemake(tmp_path, write_config(tmp_path, cfg), "--until", "train")
+    plan = WorkflowPlan.from_config(config.validate(cfg))
+    trained = {run.sae_name: open_run(tmp_path / "runs" / run_id) for run_id, run in plan.runs.items()}
+    assert sorted(trained) == ARCH_NAMES and all(run.sae_fpath.exists() for run in trained.values())
+    for mode in archs.MODES:
+        claim = {name: cfg["saes"][name] for name in archs.names(mode=mode)}
+        ranks = {**cfg, "saes": claim, "train": {"gpus": 2, "parallel": mode}}
+        snakemake(tmp_path, write_config(tmp_path, ranks, "ranks.yaml"), "-n")
+        for name in sorted(set(ARCH_NAMES) - set(claim)):
+            one = {**ranks, "saes": {name: cfg["saes"][name]}}
+            proc = snakemake(tmp_path, write_config(tmp_path, one, "ranks.yaml"), "-n", check=False)
+            want = (f"saes.{name}.arch: {name} SAEs do not train with parallel: {mode} (they train with "
+                    f"{', '.join(archs.get(name).modes)})")  # fmt: skip
+            assert proc.returncode != 0 and want in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
 def test_every_architecture_is_spliced_into_its_model_by_saeflow_evaluate(tmp_path):
     """`saeflow evaluate` on a run of every registered architecture trained on a tiny random GPT-2's activations: the
     splice goes through the SAE's encode and decode, so every architecture gets finite CE and KL figures, and the

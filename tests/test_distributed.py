@@ -39,7 +39,7 @@ from saeflow.training.adam import Adam
 from saeflow.training.dataparallel import global_batch_topk, rank_slice
 from saeflow.training.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
-from saeflow.training.sae import SAE, SAEConfig, load_sae
+from saeflow.training.sae import SAE, SAEConfig, load_sae, randn_rows
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-4  # data and latents against one process: max |w - w_1| / max |w_1| over each tensor (measured <= 6e-6)
@@ -316,29 +316,29 @@ def _selections():
     """On each rank: the sharded selections and decodes against the whole SAE's, on the same weights and batch."""
     comm, out = distributed.init("cpu"), {}
     x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
-    for arch in sorted(archs.REGISTRY):
-        sae = _random_sae(arch).train()
-        shard = _shard_of(sae, comm)
-        pre_bs = sae.pre_acts_normed(x_bd)
+    for arch in archs.names(mode="latents"):  # what a latent shard must compute: every architecture that claims it
+        model = _random_sae(arch).train()
+        shard = _shard_of(model, comm)
+        pre_bs = model.pre_acts_normed(x_bd)
         codes = sharded.encode(shard, shard.pre_acts_normed(x_bd), comm, 32, training=True)
-        if arch == "topk":
+        if model.arch.selection is archs.Selection.TOP_K:
             want = pre_bs.topk(4, dim=-1).indices.sort(1).values
-            out["topk"] = torch.equal(codes.gids_bk.sort(1).values, want)
+            out[arch] = torch.equal(codes.gids_bk.sort(1).values, want)
         else:
-            f_bs = sae.activate(pre_bs)
+            f_bs = model.activate(pre_bs)
             out[arch] = torch.equal(codes.f_bs, f_bs[:, shard.lo : shard.hi])
-        x_hat = sharded.decode(shard, codes, comm, sae.cfg.matryoshka)[-1]
-        whole_codes, _ = objectives.encode(sae, pre_bs, None)
-        out[f"{arch}_decode"] = float((x_hat - whole_codes.decode(sae)).abs().max())
+        x_hat = sharded.decode(shard, codes, comm, model.cfg.matryoshka)[-1]
+        whole_codes, _ = objectives.encode(model, x_bd, pre_bs, None)
+        out[f"{arch}_decode"] = float((x_hat - whole_codes.decode(model)).abs().max())
         dead_s = torch.arange(64) % 3 == 0
         dead_z, pick_bk = objectives.pick_dead(pre_bs, dead_s, 8)
         picks = sharded.dead_picks(shard, shard.pre_acts_normed(x_bd), dead_s[shard.lo : shard.hi], 8, comm)
         out[f"{arch}_aux"] = torch.equal(picks.sort(1).values, dead_z[pick_bk].sort(1).values)
     # BatchTopK over a batch split between the ranks (data-parallel) keeps what one process keeps.
-    sae = _random_sae("batchtopk").train()
+    model = _random_sae("batchtopk").train()
     part = rank_slice(32, comm)
-    out["data_batchtopk"] = torch.equal(global_batch_topk(sae.pre_acts_normed(x_bd[part]), sae.cfg.n_kept(32), comm),
-                                        sae.activate(sae.pre_acts_normed(x_bd))[part])  # fmt: skip
+    kept_bs = global_batch_topk(model.pre_acts_normed(x_bd[part]), model.cfg.n_kept(32), comm)
+    out["data_batchtopk"] = torch.equal(kept_bs, model.activate(model.pre_acts_normed(x_bd))[part])
     out["slice"] = (part.start, part.stop)
     # Memory: parameters and Adam moments of this rank's shard of a wide SAE, against the whole SAE's.
     wide = SAEConfig(d_model=16, d_sae=4096, arch="topk", k=4)
@@ -373,9 +373,10 @@ def test_latent_shards_select_what_the_whole_sae_selects_in_a_share_of_the_memor
     what one process keeps; a rank holds half the parameters and Adam moments, plus b_dec's (O(d))."""
     results = run_ranks(2, _selections)
     for out in results:
-        for key in (*archs.REGISTRY, *(f"{name}_aux" for name in archs.REGISTRY), "data_batchtopk"):
+        latents = archs.names(mode="latents")
+        for key in (*latents, *(f"{name}_aux" for name in latents), "data_batchtopk"):
             assert out[key] is True, key
-        for key in (f"{name}_decode" for name in archs.REGISTRY):
+        for key in (f"{name}_decode" for name in latents):
             assert out[key] < 1e-4, (key, out[key])
     assert [out["slice"] for out in results] == [(0, 16), (16, 32)]
     whole = 3 * (2 * 16 * 4096 + 4096 + 16)  # parameters and two Adam moments (plus scalar step counts)
@@ -638,14 +639,14 @@ def test_torchrun_starts_saeflow_train_with_run_dir(tmp_path, shards):
 
 @pytest.mark.parametrize("d", [7, 8, 16, 20, 768])
 def test_each_rank_draws_its_rows_of_the_one_process_decoder_init(monkeypatch, d):
-    """The decoder's random rows, drawn in chunks up to a rank's last row (sharded.randn_rows), are exactly the rows
+    """The decoder's random rows, drawn in chunks up to a rank's last row (sae.randn_rows), are exactly the rows
     of one `torch.randn(d_sae, d)` draw: for any width, chunk size and latent range (tails under 16 values too)."""
     n_rows = 37
     whole = torch.randn(n_rows, d, generator=torch.Generator().manual_seed(5))
     for chunk_elems in (16, 3 * d, 1 << 20):
-        monkeypatch.setattr(sharded, "RANDN_CHUNK_ELEMS", chunk_elems)
+        monkeypatch.setattr("saeflow.training.sae.RANDN_CHUNK_ELEMS", chunk_elems)
         for lo, hi in ((0, n_rows), (0, 5), (5, 19), (19, n_rows), (36, 37)):
-            assert torch.equal(sharded.randn_rows(5, n_rows, d, lo, hi), whole[lo:hi]), (chunk_elems, lo, hi)
+            assert torch.equal(randn_rows(5, n_rows, d, lo, hi), whole[lo:hi]), (chunk_elems, lo, hi)
 
 
 def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, monkeypatch):

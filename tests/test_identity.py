@@ -19,7 +19,7 @@ import pytest
 from saeflow import config
 from saeflow.planning import WorkflowPlan
 from saeflow.store import hashing, shards
-from saeflow.training import sweeps
+from saeflow.training import archs, sweeps
 from workflow_helpers import REPO_ROOT, minilm_path
 
 FIXTURE_FPATH = pathlib.Path(__file__).parent / "data" / "identity.json"
@@ -81,6 +81,16 @@ CASES = {
             "mlp-out": {"train": "vit-out", "layer": 1, "k": 8},
         },
     },
+    # Added with matching pursuit (issue 41): its k (the pursuit steps) swept, and off the defaults.
+    "mp": {
+        **ROOTS,
+        "activations": {"vit": RANDOM_VIT},
+        "saes": {
+            "mp": {"train": "vit", "layer": 1, "arch": "mp", "k": [4, 8]},
+            "mp-off": {"train": "vit", "layer": 1, "arch": "mp", "k": 16, "expansion": 4, "matryoshka": [0.25],
+                       "aux_k": 16, "lr": 0.001},
+        },
+    },
 }  # fmt: skip
 
 
@@ -112,6 +122,17 @@ def test_default_workflow_identities_never_change(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_identities_never_change(name):
     assert identities(CASES[name]) == _fixture()[name]
+
+
+def test_every_architecture_of_the_registry_has_a_pinned_case():
+    """An architecture added to the registry fails here until a case of CASES plans a run of it and that case is
+    pinned (`python tests/test_identity.py --add NAME`), so no architecture's run ids go unpinned."""
+    pinned, planned = _fixture(), set()
+    for name, cfg in CASES.items():
+        assert name in pinned, f"{name}: pin it with python tests/test_identity.py --add {name}"
+        plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+        planned |= {run.train_config.arch for run in plan.runs.values()}
+    assert sorted(archs.REGISTRY) == sorted(planned), "give each architecture a case (see the module docstring)"
 
 
 def test_the_default_pin_agrees_with_the_default_workflow_reference():

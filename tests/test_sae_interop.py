@@ -54,6 +54,9 @@ ACCEPTED = {
     ("saelens", "gated-training"): ("gated", 1),
     ("saelens", "jumprelu-negative-threshold"): ("jumprelu", 1),  # thresholds below 0 import as 0: the same codes
     ("saelens", "gated-no-b-dec-on-input"): ("gated", 1),  # b_gate and b_mag shifted to read x - b_dec
+    ("saelens", "matching-pursuit"): ("mp", D_MODEL),  # max_iterations null: d_in steps
+    ("saelens", "matching-pursuit-training"): ("mp", K),
+    ("saelens", "matching-pursuit-no-b-dec-on-input"): ("mp", D_MODEL),
     ("sparsify", "topk"): ("topk", K),
     ("sparsify", "topk-expansion-factor"): ("topk", K),
     ("sparsify", "topk-multi-topk"): ("topk", K),
@@ -69,16 +72,22 @@ REFUSED = {
                                                   "first (SAELens: sae.fold_activation_norm_scaling_factor)",
     ("saelens", "standard-hook-z"): "hook_z",
     ("saelens", "abstopk"): "SAELens architecture 'abstopk'",
-    ("saelens", "matching-pursuit"): "SAELens architecture 'matching_pursuit'",
     ("sparsify", "groupmax"): "sparsify activation 'groupmax'",
 }
 EXPORTS = {"saelens-relu": ("saelens", "relu"), "saelens-topk": ("saelens", "topk"),
            "saelens-batchtopk": ("saelens", "batchtopk"), "sparsify-topk": ("sparsify", "topk"),
-           "saelens-jumprelu": ("saelens", "jumprelu"), "saelens-gated": ("saelens", "gated")}  # fmt: skip
+           "saelens-jumprelu": ("saelens", "jumprelu"), "saelens-gated": ("saelens", "gated"),
+           "saelens-mp": ("saelens", "mp")}  # fmt: skip
 # the fixture each library wrote for the architecture an export writes
 EXPORT_TWINS = {"saelens-relu": "saelens/accepted/standard", "saelens-topk": "saelens/accepted/topk",
                 "saelens-batchtopk": "saelens/accepted/batchtopk-training", "sparsify-topk": "sparsify/accepted/topk",
-                "saelens-jumprelu": "saelens/accepted/jumprelu", "saelens-gated": "saelens/accepted/gated"}
+                "saelens-jumprelu": "saelens/accepted/jumprelu", "saelens-gated": "saelens/accepted/gated",
+                "saelens-mp": "saelens/accepted/matching-pursuit"}
+# SAELens's matching pursuit pursues raw activations with saeflow's unit decoder rows (training/archs/mp.py), so its
+# codes are saeflow's divided by the input scale; its reconstruction is saeflow's.
+CODES_IN_INPUT_UNITS = {"saelens-mp"}
+# SAELens-saved files exported again by saeflow after their import: SAELens computes its own outputs from the export
+REEXPORTS = ("matching-pursuit", "matching-pursuit-training", "matching-pursuit-no-b-dec-on-input")
 
 
 def fixture_dpath(library: str, name: str, group: str = "accepted") -> pathlib.Path:
@@ -185,6 +194,8 @@ def test_exports_have_the_files_the_libraries_write(name, tmp_path):
     ignored = {"metadata", "saeflow"}  # provenance; both loaders ignore it
     if twin_cfg.get("architecture") == "jumprelu":
         ignored.add("k")  # kept for the way back to batchtopk; SAELens drops it
+    if twin_cfg.get("architecture") == "matching_pursuit":
+        ignored |= {"residual_threshold", "max_iterations"}  # the SAE's own threshold and k
     assert set(ours_cfg) - ignored == set(twin_cfg) - ignored
     ours_only = {"expansion_factor", "normalize_decoder"}  # sparsify: unused beside num_latents; the folded scale
     same = set(twin_cfg) - ignored - ours_only
@@ -209,6 +220,11 @@ def loaded_by_the_libraries(peers_site, shards_dpath, tmp_path_factory):
         run = run_around_sae(root / "runs", ShardDir(shards_dpath), saeflow_sae(arch, seed=i), layer=1)
         assert cli.main(["export-sae", "--run", str(run.root), "--format", fmt, str(root / "exports" / name)]) == 0
         load[name] = [fmt, str(root / "exports" / name)]
+    for name in REEXPORTS:
+        imported = sae_checkpoints.read_checkpoint(fixture_dpath("saelens", name)).sae()
+        load[f"reexport-{name}"] = ["saelens", str(sae_checkpoints.export_sae(imported, "saelens",
+                                                                              root / "reexports" / name))]  # fmt: skip
+        load[f"original-{name}"] = ["saelens", str(fixture_dpath("saelens", name))]
     np.save(root / "x.npy", inputs().numpy())
     job = {"inputs": str(root / "x.npy"), "out": str(root / "results.npz"), "load": load}
     (root / "job.json").write_text(json.dumps(job))
@@ -231,8 +247,21 @@ def test_exports_load_in_the_libraries_with_the_same_outputs(loaded_by_the_libra
     with torch.no_grad():
         x_hat, f_bs = model(inputs())
     assert (f_bs > 0).sum(dim=-1).float().mean() > 1  # the codes are not trivially empty
-    np.testing.assert_allclose(loaded_by_the_libraries[f"{name}.codes"], f_bs.numpy(), rtol=0, atol=1e-5)
+    want_codes = f_bs / model.scale if name in CODES_IN_INPUT_UNITS else f_bs
+    np.testing.assert_allclose(loaded_by_the_libraries[f"{name}.codes"], want_codes.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(loaded_by_the_libraries[f"{name}.recon"], x_hat.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", REEXPORTS)
+@pytest.mark.slow
+def test_saelens_files_imported_and_exported_again_give_saelens_its_own_outputs(loaded_by_the_libraries, name):
+    """Both ways on files SAELens saved: imported (`test_library_checkpoints_import_with_the_librarys_outputs`), then
+    exported by saeflow, SAELens's own loader computes from the export the codes and reconstruction it computes from
+    its own file, to 1e-5."""
+    for key in ("codes", "recon"):
+        np.testing.assert_allclose(loaded_by_the_libraries[f"reexport-{name}.{key}"],
+                                   loaded_by_the_libraries[f"original-{name}.{key}"], rtol=0, atol=1e-5)  # fmt: skip
+    assert (loaded_by_the_libraries[f"original-{name}.codes"] > 0).sum(-1).mean() > 1  # not trivially empty
 
 
 @pytest.mark.parametrize("name", sorted(EXPORTS))
@@ -242,8 +271,10 @@ def test_export_import_round_trip_without_the_libraries(name, tmp_path):
     back = sae_checkpoints.read_checkpoint(sae_checkpoints.export_sae(model, fmt, tmp_path / name)).sae()
     assert back.cfg.arch == arch and (not archs.get(arch).uses_k or back.cfg.k == K)
     with torch.no_grad():
-        for got, want in zip(back(inputs()), model(inputs()), strict=True):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        (got_recon, got_codes), (want_recon, want_codes) = back(inputs()), model(inputs())
+    torch.testing.assert_close(got_recon, want_recon, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_codes, want_codes / model.scale if name in CODES_IN_INPUT_UNITS else want_codes,
+                               rtol=0, atol=1e-5)  # fmt: skip
 
 
 # SAELens-saved checkpoints saeflow represents after a change of parameters -> the outputs.npz key of decode(codes)

@@ -26,7 +26,7 @@ from saeflow.training.sae import FORMAT_VERSION, SAE, TRANSCODER_VERSION, load_s
 from saeflow.training.sweeps import SAEConfig, TrainConfig
 from test_identity import RANDOM_GPT2, RANDOM_VIT, ROOTS
 
-ARCH_NAMES = sorted(archs.REGISTRY)
+TRANSCODERS = archs.names(transcoder=True)  # the architectures that claim a transcoder (`Arch.transcodes`)
 KINDS = {"sae": {}, "transcoder": {}, "skip": {"skip": True}}  # a transcoder's target is 12 wide, its input 16
 
 
@@ -103,13 +103,13 @@ def test_a_bad_transcoder_is_refused_at_plan_time_in_one_line(sae, activations, 
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize(("name", "mode"), [(name, mode) for name in ARCH_NAMES for mode in archs.MODES])
+@pytest.mark.parametrize(("name", "mode"), [(name, mode) for name in TRANSCODERS for mode in archs.MODES])
 def test_a_mode_a_transcoder_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode):
     """The registry says in which parallel modes each architecture trains as a transcoder; the plan refuses the
-    others before any job (one process trains every architecture as a transcoder)."""
+    others before any job (one process trains every transcoding architecture as a transcoder)."""
     arch = archs.get(name)
     cfg = {**_case(arch=name), "train": {"parallel": mode, "gpus": 2}}
-    modes = [m for m in arch.modes if m in arch.transcoder_modes]
+    modes = archs.trains_in(arch, transcoder=True)
     assert "sweep" in modes and "data" in modes or "data" not in arch.modes
     if mode in modes:
         _plan(cfg)
@@ -119,6 +119,24 @@ def test_a_mode_a_transcoder_does_not_train_in_is_refused_at_plan_time_in_one_li
     assert str(err.value) == (f"saes.tc.arch: {name} transcoders do not train with parallel: {mode} (they train "
                               f"with {', '.join(modes)})")  # fmt: skip
     _plan({**cfg, "train": {"parallel": mode, "gpus": 1}})
+
+
+@pytest.mark.parametrize("name", sorted(archs.REGISTRY))
+def test_a_transcoder_of_an_architecture_without_one_is_refused_at_plan_time_in_one_line(name, monkeypatch):
+    """`Arch.transcodes` says whether an architecture has a transcoder (matching pursuit's encoder is its decoder's
+    transpose: it has none); the plan refuses a transcoder of one without, naming the ones that have it, and plans
+    its SAE. Each architecture plans as it declares, then as one that declares none."""
+    refusal = (f"saes.tc.arch: {name} has no transcoder (set target: null, or an architecture that transcodes: "
+               f"{', '.join(n for n in archs.names(transcoder=True) if n != name)})")  # fmt: skip
+    for transcodes in (archs.get(name).transcodes, False):
+        monkeypatch.setattr(archs.get(name), "transcodes", transcodes)
+        if transcodes:
+            _plan(_case(arch=name))
+            continue
+        with pytest.raises(SaeflowError) as err:
+            _plan(_case(arch=name))
+        assert str(err.value) == refusal
+        _plan({**_case(arch=name), "saes": {"plain": {**_case()["saes"]["plain"], "arch": name}}})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,7 +218,7 @@ def _train_config(name: str, transcoder: bool = False, **extra) -> TrainConfig:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ARCH_NAMES)
+@pytest.mark.parametrize("name", TRANSCODERS)
 def test_every_architecture_computes_a_transcoder_and_its_loss_reaches_every_parameter(name, kind):
     """Every registered architecture as an SAE, a transcoder (16 -> 12) and a skip transcoder: the declared loss
     terms, every parameter (W_skip too) gets a gradient, the codes are non-negative, the prediction is the documented
@@ -280,7 +298,7 @@ def planted(tmp_path_factory):
     return x_sd, y_sd, atoms_out_ad
 
 
-@pytest.mark.parametrize("name", ARCH_NAMES)
+@pytest.mark.parametrize("name", TRANSCODERS)
 def test_every_architecture_learns_a_planted_output_dictionary_as_a_transcoder(tmp_path, planted, name):
     """Targets that are the same sparse codes on other atoms (plus noise): each architecture at its defaults
     recovers the output atoms, and its validation metrics are of the target (NMSE, L0, dead latents)."""
@@ -350,8 +368,7 @@ def _one_step_gradients(name: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in ARCH_NAMES if "data" in archs.get(n).transcoder_modes
-                                  and "data" in archs.get(n).modes])  # fmt: skip
+@pytest.mark.parametrize("name", archs.names(mode="data", transcoder=True))
 def test_one_data_parallel_step_of_a_skip_transcoder_has_the_one_process_gradients(name):
     from _ranks import run_ranks
 
@@ -415,7 +432,7 @@ def _init_differences(name: str, skip: bool) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ARCH_NAMES)
+@pytest.mark.parametrize("name", archs.names(mode="latents", transcoder=True))
 def test_a_latent_shard_of_a_transcoder_starts_as_its_latents_of_one_process(name):
     """Each rank's encoder columns are its rows of one process's draw (made after the decoder's, which the shard
     draws and drops), its biases centre the pre-activations the same way, and the scales, b_dec and W_skip are one
@@ -430,7 +447,8 @@ LATENT_SPECS = {"topk": {"k": 2, "matryoshka": [0.25]}, "batchtopk": {"k": 2}, "
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "skip"), [*((name, True) for name in ARCH_NAMES), ("topk", False)])
+@pytest.mark.parametrize(("arch", "skip"), [*((name, True) for name in archs.names(mode="latents", transcoder=True)),
+                                           ("topk", False)])  # fmt: skip
 def test_a_transcoder_on_two_ranks_in_latents_mode_matches_one_process(tmp_path, arch, skip):
     """Latent sharding: each rank holds half the latents (encoder columns reading the input, decoder rows writing the
     target; W_skip and target_scale whole on both) and the ranks' partial decodes are summed. The published sae.pt is

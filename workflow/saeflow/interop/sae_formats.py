@@ -182,15 +182,17 @@ def from_saelens(cfg: dict, tensors: dict[str, torch.Tensor]) -> tuple[str, int,
     refuse_unless(cfg.get("reshape_activations", "none") == "none", "hook_z (per-head) SAEs")
     refuse_unless(not (transcoder and cfg.get("apply_b_dec_to_input", False)), "apply_b_dec_to_input=true on a "
                   "transcoder (its b_dec is the target's; SAELens refuses it too)")  # fmt: skip
-    W_enc, W_dec, b_dec = (tensors[n] for n in ("W_enc", "W_dec", "b_dec"))
-    common = {"W_enc": W_enc, "b_enc": tensors.get("b_enc"), "W_dec": W_dec, "b_dec": b_dec, "threshold": None}
+    common = {"W_enc": None, "b_enc": tensors.get("b_enc"), "threshold": None,
+              **{n: tensors[n] for n in arch.saelens_tensors}}  # what the architecture's file holds (mp: no W_enc)
     weights = arch.saelens_import(cfg, tensors, common)
-    if weights["b_enc"] is None:
-        raise KeyError("b_enc")
+    for n in ("W_enc", "b_enc"):
+        if weights[n] is None:
+            raise KeyError(n)
+    W_dec, b_dec = weights["W_dec"], weights["b_dec"]
     if not transcoder and not cfg.get("apply_b_dec_to_input", True):  # x @ W_enc + b_enc ==
         weights["b_enc"] = weights["b_enc"] + b_dec @ weights["W_enc"]  # (x - b_dec) @ W_enc + (b_enc + b_dec @ W_enc)
     skip = transcoder and "skip_transcoder" in name
-    k = _saelens_k(cfg) if arch.uses_k else 1
+    k = weights.get("k") or (_saelens_k(cfg) if arch.uses_k else 1)  # `k`: an architecture's own key for it (mp)
     extra = {n: weights[n] for n in arch.parameters(W_dec.shape[0])}
     raw = RawWeights(*(weights[n] for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")), extra,
                      transcoder=transcoder, W_skip_dd=tensors["W_skip"].T.contiguous() if skip else None)  # fmt: skip

@@ -61,7 +61,7 @@ def data_parallel_loss(
         codes = Codes(pre_bs, global_batch_topk(pre_bs, sae.cfg.n_kept(batch_size), comm), None, None)
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
     else:
-        codes, aux_pre_bk = objective.encode(sae, pre_bs, aux_ids_bk)
+        codes, aux_pre_bk = objective.encode(sae, xn_bd, pre_bs, aux_ids_bk)
     recon_bd, yn_bd = objectives.latent_target(sae, xn_bd, y_bd)
     if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
         if pick_bk is not None:
@@ -158,12 +158,14 @@ class DataParallelTrainer(train.Trainer):
         self.opt.zero_grad()
         loss.total.backward()
         for param in sae.parameters():
+            if param.grad is None:  # the loss did not reach it (mp's tied encoder without dead latents): every rank
+                param.grad = torch.zeros_like(param)  # all-reduces the same tensors, an empty slice's zeros included
             comm.all_reduce(param.grad)
         train.adam_step(self.opt, sae)
         with torch.no_grad():
             fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
             self.dead.update(fired_s)
-            sae.arch.update_stats(sae, loss.codes.f_bs, self.step, self._global_min)
+            sae.arch.after_step(sae, loss.codes.f_bs, self.step, self._global_min)
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             n_active = (loss.codes.f_bs > 0).sum() if loss.codes.idx_bk is None else (loss.codes.vals_bk > 0).sum()

@@ -56,16 +56,21 @@ class Codes:
         return float(active_bk.sum(-1).float().mean())
 
 
-def encode(sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None, cfg: TrainConfig | None = None):
-    """The batch's codes (in training, `cfg` given: `Arch.train_activate`), and the pre-activations (b, aux k) of
-    AuxK's picks `aux_ids_bk` (None: no dead latent).
+def encode(sae: SAE, xn_bd: torch.Tensor, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None,
+           cfg: TrainConfig | None = None):  # fmt: skip
+    """The batch's codes from its normalized inputs `xn_bd` and their pre-activations `pre_bs` (in training, `cfg`
+    given: `Arch.train_activate`; a WHOLE_DICTIONARY selection: `Arch.encode` of the inputs), and the
+    pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
 
     Selection.TOP_K chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching
     the (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
     """
     if sae.arch.selection is not Selection.TOP_K:
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
-        f_bs = sae.activate(pre_bs) if cfg is None else sae.arch.train_activate(sae, pre_bs, cfg)
+        if sae.arch.selection is Selection.WHOLE_DICTIONARY:
+            f_bs = sae.arch.encode(sae, xn_bd)
+        else:
+            f_bs = sae.activate(pre_bs) if cfg is None else sae.arch.train_activate(sae, pre_bs, cfg)
         return Codes(pre_bs, f_bs, None, None), aux_pre_bk
     n_kept = sae.cfg.n_kept(1)
     with torch.no_grad():
@@ -221,9 +226,9 @@ class Objective:
     cfg: TrainConfig  # what loss_terms and the architecture read (aux_k, aux_alpha, l1_coeff, ...)
     n_steps: int  # of the whole run (warm-ups are fractions of it)
 
-    def encode(self, sae: SAE, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
+    def encode(self, sae: SAE, xn_bd: torch.Tensor, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
         """`encode` in training, with this run's SAE and config."""
-        return encode(sae, pre_bs, aux_ids_bk, self.cfg)
+        return encode(sae, xn_bd, pre_bs, aux_ids_bk, self.cfg)
 
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents, y_bd: torch.Tensor | None = None
                  ) -> Loss:  # fmt: skip
@@ -232,7 +237,7 @@ class Objective:
         xn_bd = x_bd * sae.scale
         pre_bs = sae.pre_acts_normed(xn_bd)
         dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
-        codes, aux_pre_bk = self.encode(sae, pre_bs, None if pick_bk is None else dead_z[pick_bk])
+        codes, aux_pre_bk = self.encode(sae, xn_bd, pre_bs, None if pick_bk is None else dead_z[pick_bk])
         recon_bd, yn_bd = latent_target(sae, xn_bd, y_bd)
         mse, xn_hat_bd = reconstruction_loss(sae, codes, recon_bd)
 

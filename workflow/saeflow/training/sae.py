@@ -161,8 +161,8 @@ class SAE(torch.nn.Module):
     # -- raw space (the public API) -------------------------------------------------------------------------
 
     def encode(self, x_bd: torch.Tensor) -> torch.Tensor:
-        """RAW activations (b, d_model) -> non-negative codes (b, d_sae)."""
-        return self.activate(self.pre_acts_normed(x_bd * self.scale))
+        """RAW activations (b, d_model) -> non-negative codes (b, d_sae) (the architecture's `encode`)."""
+        return self.arch.encode(self, x_bd * self.scale)
 
     def decode(self, f_bs: torch.Tensor) -> torch.Tensor:
         """Codes (b, d_sae) -> reconstruction (b, d_out) in RAW activation space (a skip transcoder's latents' part)."""
@@ -171,7 +171,7 @@ class SAE(torch.nn.Module):
     def forward(self, x_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(reconstruction or a transcoder's prediction, skip path included; codes), in RAW space."""
         xn_bd = x_bd * self.scale
-        f_bs = self.activate(self.pre_acts_normed(xn_bd))
+        f_bs = self.arch.encode(self, xn_bd)
         yn_hat_bd = self.decode_normed(f_bs)
         skip_bd = self.skip_normed(xn_bd)
         if skip_bd is not None:
@@ -205,6 +205,69 @@ class SAE(torch.nn.Module):
             return
         parallel_s1 = (self.W_dec.grad * self.W_dec).sum(dim=-1, keepdim=True)
         self.W_dec.grad.sub_(parallel_s1 * self.W_dec)
+
+
+RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
+
+
+@torch.no_grad()
+def init_from_data(sae: SAE, x_nd: torch.Tensor, y_nd: torch.Tensor | None, cfg, root, lo: int = 0) -> None:
+    """The start of every run, the one definition every trainer uses: `sae` is a whole SAE (one process, each
+    data-parallel replica) or the latents [lo, lo + sae.d_sae) of one (training.sharded), which gets its rows of the
+    same draws. Scales and b_dec from the sample `x_nd` (`init_normalization`; a transcoder, `y_nd` its targets: the
+    targets' scale and mean), random decoder rows (seed `cfg.seed`) at the architecture's initial norm, the encoder
+    their transpose (a transcoder's: `init_transcoder`, whose draw follows the decoder's, made and dropped), then the
+    architecture's own parameters (`Arch.init_parameters`, from the run's config `cfg`).
+
+    TopK/BatchTopK decoder rows are unit vectors and stay so (the top-k choice keeps codes honest). ReLU rows
+    start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
+    rescaling games nothing), as in Anthropic's April 2024 update and sae-lens: with unit rows, pre-activations
+    start at the data's own scale (about 1 in normalized space) and Adam, which moves each weight by about lr
+    per step, cannot bring the encoder biases down far enough to sparsify in a short run; the codes stay dense
+    and the decoder rows never leave their random init (0 of 1,024 planted atoms recovered).
+    The norms are folded back into the encoder when the SAE is published (`SAE.fold_decoder_norms`).
+    """
+    device = sae.W_dec.device
+    x_nd = x_nd.to(device, torch.float32)
+    init_normalization(sae, x_nd, None if y_nd is None else y_nd.to(device, torch.float32), root)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    n_rows, hi = sae.cfg.d_sae, lo + sae.d_sae
+    if y_nd is None:
+        sae.W_dec.copy_(randn_rows(gen, n_rows, sae.d_out, lo, hi))
+        sae.normalize_decoder()
+        if sae.arch.decoder_init_norm != 1.0:
+            sae.W_dec.mul_(sae.arch.decoder_init_norm)
+        sae.W_enc.copy_(sae.W_dec.T)
+        sae.b_enc.zero_()
+    else:
+        randn_rows(gen, n_rows, sae.d_out, n_rows, n_rows)  # the decoder's draw: a transcoder's starts at zero
+        init_transcoder(sae, x_nd * sae.scale, randn_rows(gen, n_rows, sae.d_model, lo, hi))
+    sae.arch.init_parameters(sae, cfg)  # its own parameters (e.g. JumpReLU's thresholds), on these latents
+
+
+def randn_rows(seed: int | torch.Generator, n_rows: int, d: int, lo: int, hi: int) -> torch.Tensor:
+    """Rows [lo, hi) of `torch.randn(n_rows, d, generator=torch.Generator().manual_seed(seed))`, drawn in chunks (from
+    `seed` itself when it is a generator: with lo = hi = n_rows, the whole draw is made and nothing kept, which leaves
+    the generator where one call would).
+
+    torch's CPU normal sampler turns each 16 uniforms into 16 normals (and redraws the last 16 of a tensor whose
+    size is no multiple of 16), so chunks of whole 16-value groups, the tail kept with the last one, give the same
+    values as one call; only rows before `hi` are drawn and only [lo, hi) kept.
+    """
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    group = 16 // math.gcd(d, 16)  # rows per whole number of 16-value groups
+    step = max(group, RANDN_CHUNK_ELEMS // d // group * group)
+    starts = list(range(0, n_rows, step))
+    if len(starts) > 1 and (n_rows - starts[-1]) * d < 16:
+        starts.pop()  # a tail of fewer than 16 values is drawn with the chunk before it, as one call draws it
+    out, ends = [], [*starts[1:], n_rows]
+    for start, end in zip(starts, ends):
+        if start >= hi:
+            break
+        chunk = torch.randn(end - start, d, generator=gen)
+        if end > lo:
+            out.append(chunk[max(lo - start, 0) : min(hi, end) - start])
+    return torch.cat(out) if out else torch.zeros(0, d)
 
 
 @torch.no_grad()

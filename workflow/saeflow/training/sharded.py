@@ -36,9 +36,8 @@ from saeflow.training.loaders import ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import Loss
 from saeflow.training.resume import read_resume, write_resume
-from saeflow.training.sae import SAE, SAEConfig, init_normalization, init_transcoder
+from saeflow.training.sae import SAE, SAEConfig
 
-RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this large (multiples of 16 values)
 SEND_CHUNK_BYTES = 64 << 20  # latents sent to rank 0 at a time when sae.pt is assembled
 
 
@@ -229,31 +228,6 @@ def sharded_loss(trainer: "ShardedTrainer", batch: pairs.Batch) -> Loss:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def randn_rows(seed: int | torch.Generator, n_rows: int, d: int, lo: int, hi: int) -> torch.Tensor:
-    """Rows [lo, hi) of `torch.randn(n_rows, d, generator=torch.Generator().manual_seed(seed))`, drawn in chunks (from
-    `seed` itself when it is a generator: with lo = hi = n_rows, the whole draw is made and nothing kept, which leaves
-    the generator where one call would).
-
-    torch's CPU normal sampler turns each 16 uniforms into 16 normals (and redraws the last 16 of a tensor whose
-    size is no multiple of 16), so chunks of whole 16-value groups, the tail kept with the last one, give the same
-    values as one call; only rows before `hi` are drawn and only [lo, hi) kept.
-    """
-    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
-    group = 16 // math.gcd(d, 16)  # rows per whole number of 16-value groups
-    step = max(group, RANDN_CHUNK_ELEMS // d // group * group)
-    starts = list(range(0, n_rows, step))
-    if len(starts) > 1 and (n_rows - starts[-1]) * d < 16:
-        starts.pop()  # a tail of fewer than 16 values is drawn with the chunk before it, as one call draws it
-    out, ends = [], [*starts[1:], n_rows]
-    for start, end in zip(starts, ends):
-        if start >= hi:
-            break
-        chunk = torch.randn(end - start, d, generator=gen)
-        if end > lo:
-            out.append(chunk[max(lo - start, 0) : min(hi, end) - start])
-    return torch.cat(out) if out else torch.zeros(0, d)
-
-
 class ShardedTrainer(train.Trainer):
     """One run trained latent-sharded. It keeps Trainer's state layout (state_dict, load_state_dict work on the
     shard's tensors) but never builds the whole SAE: its own __init__ makes the shard, its optimizer and counters."""
@@ -280,26 +254,6 @@ class ShardedTrainer(train.Trainer):
     def latents(self) -> tuple[int, int]:
         return self.sae.lo, self.sae.hi
 
-    @torch.no_grad()
-    def init_from_data(self, x_nd: torch.Tensor, y_nd: torch.Tensor | None = None) -> None:
-        """Trainer.init_from_data on this rank's latents: the same scales and b_dec, its rows of the same draws (a
-        transcoder, `y_nd` its targets: the encoder's draw follows the decoder's, which is made and dropped)."""
-        shard, cfg = self.sae, self.sae.cfg
-        x_nd = x_nd.to(self.device, torch.float32)
-        init_normalization(shard, x_nd, None if y_nd is None else y_nd.to(self.device, torch.float32), self.run.root)
-        gen = torch.Generator().manual_seed(self.cfg.seed)
-        if y_nd is not None:
-            randn_rows(gen, cfg.d_sae, shard.d_out, cfg.d_sae, cfg.d_sae)  # the decoder's draw, zeroed in one process
-            init_transcoder(shard, x_nd * shard.scale, randn_rows(gen, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
-        else:
-            shard.W_dec.copy_(randn_rows(gen, cfg.d_sae, cfg.d_model, shard.lo, shard.hi))
-            shard.normalize_decoder()
-            if shard.arch.decoder_init_norm != 1.0:
-                shard.W_dec.mul_(shard.arch.decoder_init_norm)
-            shard.W_enc.copy_(shard.W_dec.T)
-            shard.b_enc.zero_()
-        shard.arch.init_parameters(shard, self.cfg)  # its own parameters, on this rank's latents
-
     def restore(self) -> bool:
         """Rank 0 cleans the checkpoint directory (Checkpoint.restore); every rank reads its latents."""
         if self.comm.is_root:
@@ -325,9 +279,8 @@ class ShardedTrainer(train.Trainer):
         train.adam_step(self.opt, shard)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s(shard))
-            if shard.arch.has_threshold:  # statistics over the ranks' latents and the batch
-                shard.arch.update_stats(shard, loss.codes.f_bs, self.step,
-                                        lambda t: comm.all_reduce(t.reshape(1).clone(), "min")[0])  # fmt: skip
+            shard.arch.after_step(shard, loss.codes.f_bs, self.step,
+                                  lambda t: comm.all_reduce(t.reshape(1).clone(), "min")[0])  # over the ranks' latents
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = sharded_record(self, pairs.split(batch)[0], loss)

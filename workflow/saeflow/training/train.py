@@ -32,7 +32,7 @@ from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps
-from saeflow.training.sae import SAE, init_normalization, init_transcoder, save_atomic, save_sae
+from saeflow.training.sae import SAE, init_from_data, save_atomic, save_sae
 from saeflow.training.sweeps import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
@@ -77,7 +77,7 @@ def auto_lr(d_sae: int) -> float:
 
 def adam_step(opt: Adam, sae) -> None:
     """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_rows`: an SAE's
-    `unit_decoder`, never a transcoder's; see Trainer.init_from_data) lose the gradient along themselves first and
+    `unit_decoder`, never a transcoder's; see sae.init_from_data) lose the gradient along themselves first and
     are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
     unit_rows = sae.arch.unit_rows(sae.cfg)
     if unit_rows:
@@ -116,8 +116,7 @@ class Checkpoint:
         atomic.remove_staging(self.run.publish_dpath)  # an unsealed publish: the finish is redone
         self.run.final_metrics_fpath.unlink(missing_ok=True)  # never left without sae.pt (see `publish`)
         # resume.pt, or the ranks' files of a latent-sharded checkpoint
-        state = resume.read_resume(self.run, trainer.device, trainer.sae.latent_axes(),
-                                   getattr(trainer, "latents", None))  # fmt: skip
+        state = resume.read_resume(self.run, trainer.device, trainer.sae.latent_axes(), trainer.latents)
         if state is None:
             return False
         trainer.load_state_dict(state)
@@ -214,6 +213,8 @@ class Checkpoint:
 class Trainer:
     """One SAE being trained: its weights, optimizer, step and dead-latent counters."""
 
+    latents: tuple[int, int] | None = None  # the latents [lo, hi) it holds (a latent shard: sharded); None: all
+
     def __init__(self, run: runs.Run, cfg: TrainConfig, d_model: int, n_steps: int, device: torch.device,
                  d_out: int | None = None):  # fmt: skip
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
@@ -229,33 +230,10 @@ class Trainer:
         self.started_at = provenance.utc_now()
         self.tracker = tracking.Tracker([])  # W&B / TensorBoard mirrors of the metrics, opened by `_train_group`
 
-    @torch.no_grad()
     def init_from_data(self, x_nd: torch.Tensor, y_nd: torch.Tensor | None = None) -> None:
-        """Scale so mean ||x||^2 = d_model; b_dec = mean; random decoder rows; encoder = decoder transpose (a
-        transcoder, `y_nd` its targets: the targets' scale and mean, `init_transcoder`).
-
-        TopK/BatchTopK decoder rows are unit vectors and stay so (the top-k choice keeps codes honest). ReLU rows
-        start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
-        rescaling games nothing), as in Anthropic's April 2024 update and sae-lens: with unit rows, pre-activations
-        start at the data's own scale (about 1 in normalized space) and Adam, which moves each weight by about lr
-        per step, cannot bring the encoder biases down far enough to sparsify in a short run; the codes stay dense
-        and the decoder rows never leave their random init (0 of 1,024 planted atoms recovered).
-        The norms are folded back into the encoder when the SAE is published (`SAE.fold_decoder_norms`).
-        """
-        sae = self.sae
-        x_nd = x_nd.to(self.device, torch.float32)
-        init_normalization(sae, x_nd, None if y_nd is None else y_nd.to(self.device, torch.float32), self.run.root)
-        gen = torch.Generator().manual_seed(self.cfg.seed)
-        sae.W_dec.copy_(torch.randn(sae.d_sae, sae.d_out, generator=gen))
-        sae.normalize_decoder()
-        if sae.arch.decoder_init_norm != 1.0:
-            sae.W_dec.mul_(sae.arch.decoder_init_norm)
-        if y_nd is None:
-            sae.W_enc.copy_(sae.W_dec.T)
-            sae.b_enc.zero_()
-        else:
-            init_transcoder(sae, x_nd * sae.scale, torch.randn(sae.d_sae, sae.d_model, generator=gen))
-        sae.arch.init_parameters(sae, self.cfg)  # its own parameters (e.g. JumpReLU's thresholds)
+        """The run's start from the sample `x_nd` (a transcoder's targets `y_nd`): `sae.init_from_data`, on the
+        latents this trainer holds."""
+        init_from_data(self.sae, x_nd, y_nd, self.cfg, self.run.root, 0 if self.latents is None else self.latents[0])
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to continue exactly (resume.pt)."""
@@ -296,7 +274,7 @@ class Trainer:
         adam_step(self.opt, sae)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s())
-            sae.arch.update_stats(sae, loss.codes.f_bs, self.step, reduce_min=lambda t: t)  # e.g. BatchTopK's threshold
+            sae.arch.after_step(sae, loss.codes.f_bs, self.step, reduce_min=lambda t: t)  # e.g. BatchTopK's threshold
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = self._record(x_bd, loss)

@@ -4,8 +4,9 @@ interop formats ask this registry (`get(name)`), never compare a name (tests/tes
 Adding an architecture: a module here defining an `Arch` subclass and `ARCH` (docs/architecture.md, "Where to
 add"; the registry is every module here but `base`), its name in the schema's `sae_spec.arch` enum, its keys in the
 schema (and in `training.keys.INTRODUCED`, so no existing run id moves) and in its `Arch.hyper` (the keys it reads).
-The registry-wide tests (tests/test_archs.py, tests/test_read_keys.py and the equivalence and resume tests of every
-parallel mode) then cover it, or fail until every mode handles or refuses it.
+The registry-wide tests (tests/test_archs.py, tests/test_read_keys.py, tests/test_transcoders.py, tests/test_identity.py
+and the equivalence and resume tests of every parallel mode) ask `names` for the architectures that claim a mode or
+shape, so they cover it in what it declares, or fail until it handles or refuses it.
 """
 
 import importlib
@@ -29,10 +30,26 @@ def get(name: str) -> Arch:
         raise SaeflowError(f"arch: unknown SAE architecture {name!r}; choose one of {tuple(REGISTRY)}") from None
 
 
+def trains_in(arch: Arch, transcoder: bool = False) -> tuple[str, ...]:
+    """The parallel modes `arch` trains in as an SAE, or as a transcoder (`transcoder`: none where it has no
+    transcoder, `Arch.transcodes`)."""
+    if not transcoder:
+        return arch.modes
+    return tuple(m for m in arch.modes if m in arch.transcoder_modes) if arch.transcodes else ()
+
+
+def names(mode: str | None = None, transcoder: bool = False, uses_k: bool | None = None) -> list[str]:
+    """The registered architectures (sorted names) that claim what is asked: to train in `mode` (None: in some
+    mode), as a transcoder (`transcoder`), and k-sparse or not (`uses_k`, when given). What a registry-wide test
+    iterates, so it runs an architecture in exactly what it declares."""
+    return sorted(name for name, arch in REGISTRY.items()
+                  if trains_in(arch, transcoder) and (mode is None or mode in trains_in(arch, transcoder))
+                  and (uses_k is None or arch.uses_k == uses_k))  # fmt: skip
+
+
 def check_mode(name: str, mode: str, where: str = "arch", transcoder: bool = False) -> None:
     """Refuse, in one line, a parallel mode the architecture does not train in (as a transcoder: `transcoder`)."""
-    arch = get(name)
-    modes = [m for m in arch.modes if m in arch.transcoder_modes] if transcoder else arch.modes
+    modes = trains_in(get(name), transcoder)
     if mode in MODES and mode not in modes:
         what = f"{name} transcoders" if transcoder else f"{name} SAEs"
         raise SaeflowError(f"{where}: {what} do not train with parallel: {mode} (they train with "
@@ -55,4 +72,5 @@ def from_saelens(saelens_name: str, cfg: dict, transcoder: bool = False) -> Arch
     return (claimed or fallback or candidates)[0]
 
 
-__all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check_mode", "get"]
+__all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check_mode", "get", "names",
+           "trains_in"]

@@ -40,11 +40,20 @@ class Selection(enum.Enum):
     DENSE: an elementwise function of each latent's own pre-activation (and parameters), `Arch.activate`, which
     every trainer calls as it is (on a latent shard too). TOP_K: the k largest of each vector, decoded sparsely.
     BATCH_TOP_K: the k x batch largest of the batch (in data and latent modes: of the global batch).
+    WHOLE_DICTIONARY: an encoder that reads every latent at once, from the input itself (`Arch.encode`; matching
+    pursuit picks latents greedily against the residual), the same in training and inference. A latent shard holds
+    only its own latents, so it trains in every mode but `latents` (`Arch.modes`).
     """
 
     DENSE = "dense"
     TOP_K = "top_k"
     BATCH_TOP_K = "batch_top_k"
+    WHOLE_DICTIONARY = "whole_dictionary"
+
+    @property
+    def shards_latents(self) -> bool:
+        """Whether a latent shard computes its own codes (with the other ranks' help: `training.sharded`)."""
+        return self is not Selection.WHOLE_DICTIONARY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +79,47 @@ class TermInputs:
         return self.xn_bd if self.target_bd is None else self.target_bd
 
 
-class Arch:
+class SAELensMapping:
+    """How an architecture is saved as SAELens's (interop/sae_checkpoints.py; raw activation space, the scale folded),
+    a part of `Arch`."""
+
+    saelens: str | None = None  # the SAELens architecture it is saved as
+    # The common tensors its SAELens file holds (`interop.sae_formats.from_saelens` reads these before
+    # `saelens_import`, which computes the others: b_enc where the file names it otherwise, a tied encoder)
+    saelens_tensors: tuple[str, ...] = ("W_enc", "W_dec", "b_dec")
+    # ... and as a transcoder (SAELens has ReLU and JumpReLU ones; `skip_` before `transcoder` names the skip variant)
+    saelens_transcoder: str | None = None
+
+    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
+        """(cfg.json keys beyond the common ones, the tensors of the weights file) from saeflow's raw-space tensors
+        (W_enc, b_enc, W_dec, b_dec and this architecture's `parameters`)."""
+        return {}, tensors
+
+    def saelens_claims(self, cfg: dict) -> bool:
+        """Among the architectures saved under one SAELens name, whether a cfg.json is this one's."""
+        return True
+
+    def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
+        """`weights` (W_enc, b_enc, W_dec, b_dec, threshold and this architecture's `parameters`; `k` where its cfg.json
+        names it otherwise) as saeflow computes them from the file's `tensors` (`weights` holds its `saelens_tensors`,
+        None for an absent W_enc or b_enc); raise `Unsupported` for what saeflow cannot compute."""
+        return weights
+
+
+class Arch(SAELensMapping):
     """One SAE architecture. Subclasses set the class attributes and override what differs from the defaults."""
 
     name: str = ""  # the schema's sae_spec.arch value
     selection: Selection = Selection.DENSE
-    modes: tuple[str, ...] = MODES  # the parallel modes it trains in; the plan refuses the others
-    # ... and as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path): every mode (a latent
-    # shard's decoder rows write the target's space, its skip path is whole on every rank)
+    # The parallel modes it trains in (the plan refuses the others), set from its selection by `__init_subclass__`:
+    # every mode, but `latents` for a selection a latent shard cannot compute (`Selection.shards_latents`). A
+    # subclass may name fewer.
+    modes: tuple[str, ...] = MODES
+    # It trains as a transcoder (an input and a target: `SAEConfig.d_out`, optional skip path); one that does not
+    # (its encoder is its decoder's transpose, say) is refused at plan time in one line (`SAEConfig`).
+    transcodes: bool = True
+    # ... in these parallel modes of its `modes`: every mode (a latent shard's decoder rows write the target's space,
+    # its skip path is whole on every rank)
     transcoder_modes: tuple[str, ...] = MODES
     # The training keys it may read beyond the ones every run reads (`sweeps.COMMON`), in any mode: a key no
     # architecture of a run declares is hashed at a fixed value (`sweeps.TrainConfig.canonical`), so it names no run.
@@ -89,11 +131,15 @@ class Arch:
     # Its sparsity terms computed from a whole decode (`TermInputs.over_latents`): the same on every latent shard.
     # The others are sums over the latents, of which a shard computes its own share (summed when logged).
     whole_terms: tuple[str, ...] = ()
-    has_threshold: bool = False  # the `threshold` buffer is its inference threshold (threshold statistics)
-    saelens: str | None = None  # the SAELens architecture it is saved as
-    # ... and as a transcoder (SAELens has ReLU and JumpReLU ones; `skip_` before `transcoder` names the skip variant)
-    saelens_transcoder: str | None = None
+    # The `threshold` buffer is its inference threshold (BatchTopK's, kept by `after_step`; matching pursuit's
+    # residual norm at which it stops), which its SAELens export reads.
+    has_threshold: bool = False
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "modes" not in cls.__dict__:
+            cls.modes = tuple(mode for mode in MODES if mode != "latents" or cls.selection.shards_latents)
 
     @property
     def uses_k(self) -> bool:
@@ -114,6 +160,11 @@ class Arch:
     def activate(self, sae, pre_bs):
         """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""
         raise NotImplementedError(self.name)
+
+    def encode(self, sae, xn_bd):
+        """Normalized inputs (b, d) -> codes (b, s), what `SAE.encode` and `forward` compute: the activation of the
+        pre-activations; a WHOLE_DICTIONARY selection computes them from the inputs (in training too)."""
+        return self.activate(sae, sae.pre_acts_normed(xn_bd))
 
     def train_activate(self, sae, pre_bs, cfg):
         """`activate` in training (DENSE): the same values, with the gradient the run's config (`cfg`) asks for."""
@@ -145,9 +196,11 @@ class Arch:
         """The loss terms beyond reconstruction and AuxK (name -> scalar, weights applied), per vector averaged."""
         return {}
 
-    def update_stats(self, sae, f_bs, step: int, reduce_min) -> None:
-        """After a training step: statistics the SAE keeps for inference (`reduce_min`: the minimum over every rank
-        of a one-element tensor; the identity in one process)."""
+    def after_step(self, sae, f_bs, step: int, reduce_min) -> None:
+        """After each optimizer step (every trainer calls it once a step, every rank, under no_grad): what the SAE
+        keeps beside its gradients, e.g. BatchTopK's inference threshold, or matching pursuit's encoder tied to its
+        decoder. `sae` is the SAE or a rank's latent shard; `f_bs` the step's dense codes (None for TOP_K);
+        `reduce_min`: the minimum over every rank of a one-element tensor (the identity in one process)."""
 
     def foldable(self) -> bool:
         """Decoder row norms can move into the encoder without changing the codes (`SAE.fold_decoder_norms`)."""
@@ -155,22 +208,6 @@ class Arch:
 
     def fold_parameters(self, sae, norms_s) -> None:
         """Its own parameters' share of `SAE.fold_decoder_norms` (W_enc's columns and b_enc are scaled by norms_s)."""
-
-    # -- SAELens (interop/sae_checkpoints.py; raw activation space, the scale folded) ---------------------------
-
-    def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
-        """(cfg.json keys beyond the common ones, the tensors of the weights file) from saeflow's raw-space tensors
-        (W_enc, b_enc, W_dec, b_dec and this architecture's `parameters`)."""
-        return {}, tensors
-
-    def saelens_claims(self, cfg: dict) -> bool:
-        """Among the architectures saved under one SAELens name, whether a cfg.json is this one's."""
-        return True
-
-    def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
-        """`weights` (W_enc, b_enc, W_dec, b_dec, threshold and this architecture's `parameters`) as saeflow computes
-        them from the file's `tensors`; raise `Unsupported` for what saeflow cannot compute."""
-        return weights
 
 
 class Unsupported(Exception):

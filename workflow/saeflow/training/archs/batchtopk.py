@@ -1,6 +1,6 @@
 """BatchTopK SAE (Bussmann et al. 2024): in training a batch keeps its k x batch largest activations (k per vector
 on average); at inference a vector keeps what exceeds one threshold, the running mean of the smallest activation
-kept in training (the threshold statistic, `update_stats`). Decoder rows are unit vectors; dead latents learn
+kept in training (the threshold statistic, `after_step`). Decoder rows are unit vectors; dead latents learn
 through AuxK. SAELens saves it for inference as a JumpReLU with that threshold on every latent.
 """
 
@@ -24,7 +24,7 @@ class BatchTopK(Arch):
             return torch.zeros_like(flat).scatter_(0, idx_n, vals_n).view_as(relu_bs)
         return torch.where(pre_bs > sae.threshold, pre_bs, torch.zeros_like(pre_bs)).clamp_min(0)
 
-    def update_stats(self, sae, f_bs, step: int, reduce_min) -> None:
+    def after_step(self, sae, f_bs, step: int, reduce_min) -> None:
         """The inference threshold: the running mean of the smallest kept activation (over every rank); a step
         where nothing fired leaves it."""
         kept = f_bs[f_bs > 0]

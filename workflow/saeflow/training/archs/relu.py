@@ -4,7 +4,7 @@
     loss = mse + l1_coeff x ramp(step) x mean_b sum_s f_bs ||W_dec[s]||   (+ AuxK, dead latents through softplus)
 
 Decoder rows start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
-rescaling games nothing; training.train.Trainer.init_from_data says why); they are folded into the encoder when
+rescaling games nothing; training.sae.init_from_data says why); they are folded into the encoder when
 the SAE is published, so sae.pt always has unit rows.
 """
 
