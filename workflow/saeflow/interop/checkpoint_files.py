@@ -27,6 +27,7 @@ import torch
 from saeflow.errors import SaeflowError, read_problem
 from saeflow.interop import hooknames
 from saeflow.interop.budget import fmt_bytes
+from saeflow.training import archs
 
 MAX_CFG_BYTES = 1 << 20  # a SAELens training cfg.json is a few KB
 MAX_HEADER_BYTES = 1 << 20  # an SAE has at most a few tensors: a few hundred bytes of header each
@@ -48,10 +49,9 @@ SAELENS_METADATA_KEYS = {"hook_name": _NAME, "hook_name_out": _NAME, "training_a
 SPARSIFY_KEYS = {"activation": _NAME, "transcode": _BOOL, "skip_connection": _BOOL, "multi_topk": _BOOL,
                  "normalize_decoder": _BOOL, "k": _SIZE, "num_latents": "a non-negative integer",
                  "expansion_factor": _SIZE, "d_in": _SIZE, "saeflow": "an object"}  # fmt: skip
-# keys without a default in the library (SAELens SAEConfig: d_in, d_sae; TopKSAEConfig's k defaults to 100, which
-# saeflow does not guess; sparsify `load_from_disk` pops d_in)
+# keys without a default in the library (SAELens SAEConfig: d_in, d_sae; sparsify `load_from_disk` pops d_in); an
+# architecture's own: `Arch.saelens_required` (TopKSAEConfig's k defaults to 100, which saeflow does not guess)
 REQUIRED = {"saelens": ("d_in", "d_sae"), "sparsify": ("d_in",)}
-REQUIRED_BY_ARCHITECTURE = {"saelens": {"topk": ("k",)}, "sparsify": {}}
 # tensor -> its shape in sizes (d_in, d_sae, d_out); any other tensor is per latent, (d_sae,)
 SHAPES = {
     "saelens": {"W_enc": ("d_in", "d_sae"), "W_dec": ("d_sae", "d_out"), "b_dec": ("d_out",),
@@ -136,6 +136,15 @@ def read_cfg(fpath: pathlib.Path) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _saelens_required(name: str, cfg: dict) -> tuple[str, ...]:
+    """The keys the architecture a SAELens cfg.json names needs beyond the common ones (`Arch.saelens_required`);
+    none for a name saeflow does not map (the format mapping refuses it, saying why)."""
+    try:
+        return archs.from_saelens(name, cfg, transcoder=name.endswith("transcoder")).saelens_required
+    except archs.Unsupported:
+        return ()
+
+
 def check_cfg(fmt: str, cfg: dict, fpath: pathlib.Path) -> Sizes:
     """cfg.json's values typed as the library types them, its required keys there, its `k`s within d_sae, its hook
     names well formed; the sizes it gives the SAE."""
@@ -144,7 +153,7 @@ def check_cfg(fmt: str, cfg: dict, fpath: pathlib.Path) -> Sizes:
     nested = cfg.get(inner[0]) or {}
     _check_types(nested, inner[1], fpath, f"{inner[0]}.")
     architecture = cfg.get("architecture", "standard") if fmt == "saelens" else cfg.get("activation", "topk")
-    required = REQUIRED[fmt] + REQUIRED_BY_ARCHITECTURE[fmt].get(architecture, ())
+    required = REQUIRED[fmt] + (_saelens_required(architecture, cfg) if fmt == "saelens" else ())
     missing = [key for key in required if cfg.get(key) is None]
     if missing:
         raise SaeflowError(f"{fpath}: no {', '.join(missing)} (a {LIBRARIES[fmt]} {architecture!r} cfg.json has "

@@ -248,10 +248,7 @@ class TrainConfig:
         d_sae = self.expansion * d_model
         prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
         if self.arch in ARCHS:
-            archs.get(self.arch).check(self)  # its own hyper-parameters (e.g. a JumpReLU bandwidth)
-            if self.transcoder and not archs.get(self.arch).transcodes:
-                raise SaeflowError(f"arch: {self.arch} has no transcoder (set target: null, or an architecture that "
-                                   f"transcodes: {', '.join(archs.names(transcoder=True))})")  # fmt: skip
+            archs.check(self)  # its own hyper-parameters (e.g. a JumpReLU bandwidth), a transcoder where it has one
         d_out = (d_model if d_out is None else d_out) if self.transcoder else None
         try:
             return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes, d_out=d_out,

@@ -56,6 +56,16 @@ def check_mode(name: str, mode: str, where: str = "arch", transcoder: bool = Fal
                            f"{', '.join(modes)})")  # fmt: skip
 
 
+def check(cfg) -> None:
+    """Refuse, in one line, what the run's architecture cannot train: its own hyper-parameters (`Arch.check`) and a
+    transcoder where it has none (`Arch.transcodes`)."""
+    arch = get(cfg.arch)
+    arch.check(cfg)
+    if cfg.transcoder and not arch.transcodes:
+        raise SaeflowError(f"arch: {cfg.arch} has no transcoder (set target: null, or an architecture that "
+                           f"transcodes: {', '.join(names(transcoder=True))})")  # fmt: skip
+
+
 def from_saelens(saelens_name: str, cfg: dict, transcoder: bool = False) -> Arch:
     """The architecture a SAELens checkpoint is (a `transcoder`: `saelens_transcoder`): among those saved under its
     SAELens name, the first (by name) whose `saelens_claims(cfg)` says so, the one whose claim is unconditional last.
@@ -72,5 +82,5 @@ def from_saelens(saelens_name: str, cfg: dict, transcoder: bool = False) -> Arch
     return (claimed or fallback or candidates)[0]
 
 
-__all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check_mode", "get", "names",
-           "trains_in"]
+__all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check", "check_mode", "get",
+           "names", "trains_in"]

@@ -87,6 +87,9 @@ class SAELensMapping:
     # The common tensors its SAELens file holds (`interop.sae_formats.from_saelens` reads these before
     # `saelens_import`, which computes the others: b_enc where the file names it otherwise, a tied encoder)
     saelens_tensors: tuple[str, ...] = ("W_enc", "W_dec", "b_dec")
+    # cfg.json keys SAELens's config gives a default saeflow does not guess (TopK's k defaults to 100 there): refused
+    # when missing (interop.checkpoint_files.check_cfg)
+    saelens_required: tuple[str, ...] = ()
     # ... and as a transcoder (SAELens has ReLU and JumpReLU ones; `skip_` before `transcoder` names the skip variant)
     saelens_transcoder: str | None = None
 

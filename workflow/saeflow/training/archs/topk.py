@@ -13,6 +13,7 @@ class TopK(Arch):
     selection = Selection.TOP_K
     hyper = ("k",)
     saelens = "topk"
+    saelens_required = ("k",)
     sparsify = "topk"
 
     def activate(self, sae, pre_bs):
