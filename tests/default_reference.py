@@ -7,7 +7,7 @@ metadata.json (so its name), its integer side files (labels.bin, tokens.bin) and
 compared within a tolerance against a small sample (tests/data/default-workflow-reference.npz): 64 stored vectors
 and the mean vector of each shard directory, and per run the validation metrics, b_dec, and the first 32 decoder
 rows and encoder columns. CPU kernels round differently per instruction set (saeflow.numerics), and training
-amplifies that rounding, so the tolerances are those of `saeflow compare` (saeflow.analysis.compare): 1e-4 relative per
+amplifies that rounding, so the tolerances are those of `saeflow compare` (saeflow.store.compare): 1e-4 relative per
 vector for the shards, 0.1 of a tensor's norm for trained weights, and 1% for the metrics.
 """
 
@@ -80,7 +80,7 @@ def record(results_dpath: pathlib.Path) -> None:
 
 def check(results_dpath: pathlib.Path) -> list[str]:
     """Every difference from the pins and the reference beyond its tolerance, one line each."""
-    from saeflow.analysis import compare
+    from saeflow.store import compare
 
     pins = json.loads(PINS_FPATH.read_text())
     problems = [f"{rel}: sha256 differs" for rel, digest in pins["exact"].items()

@@ -5,10 +5,9 @@ import dataclasses
 import json
 import pathlib
 
-from saeflow.analysis import compare
 from saeflow.errors import SaeflowError
 from saeflow.extraction import hooks
-from saeflow.store import shards
+from saeflow.store import compare, shards
 
 
 def register(subparsers):
@@ -112,7 +111,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     if args.tol is not None and not args.tol >= 0:
         raise SaeflowError(f"--tol {args.tol}: must be a non-negative number")
-    report = compare.compare(args.a_path, args.b_path, args.tol)
+    from saeflow.training.sae import sae_tensors  # torch, imported when the command runs
+
+    report = compare.compare(args.a_path, args.b_path, args.tol, sae_tensors)
     if args.json:
         print(json.dumps(dataclasses.asdict(report) | {"ok": report.ok}, indent=2))
     else:

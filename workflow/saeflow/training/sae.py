@@ -31,6 +31,7 @@ import pathlib
 import shutil
 import warnings
 
+import numpy as np
 import torch
 
 from saeflow.errors import SaeflowError, unreadable
@@ -383,3 +384,8 @@ def load_sae(fpath: str | os.PathLike) -> SAE:
     except (TypeError, KeyError, RuntimeError) as err:
         raise SaeflowError(f"{fpath}: damaged SAE checkpoint ({err})") from None
     return sae.eval()
+
+
+def sae_tensors(fpath: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of `sae.pt` as float32 arrays, by name: what `saeflow compare` holds two runs' SAEs to."""
+    return {name: t.detach().float().numpy() for name, t in load_sae(fpath).state_dict().items()}

@@ -14,6 +14,7 @@ The comparison passes when every relative difference is within the tolerance.
 import dataclasses
 import json
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -58,13 +59,19 @@ def default_tol(dtype: str) -> float:
     return max(FLOAT32_TOL, 4 * float(np.finfo(np.dtype(dtype)).eps))
 
 
-def compare(a_path: str | pathlib.Path, b_path: str | pathlib.Path, tol: float | None = None) -> Report:
-    """Compare two shard directories or two runs (the kind is read from what `a_path` holds)."""
+SaeTensors = Callable[[pathlib.Path], dict[str, np.ndarray]]
+
+
+def compare(
+    a_path: str | pathlib.Path, b_path: str | pathlib.Path, tol: float | None, sae_tensors: SaeTensors
+) -> Report:
+    """Compare two shard directories or two runs (the kind is read from what `a_path` holds). `sae_tensors` reads a
+    run's sae.pt as named arrays (training.sae.sae_tensors: the format is training's, and the store sits below it)."""
     a_path, b_path = pathlib.Path(a_path), pathlib.Path(b_path)
     if ShardLayout(a_path).metadata_fpath.is_file():
         return _compare_shards(a_path, b_path, tol)
     if RunLayout(a_path).config_fpath.is_file():
-        return _compare_runs(a_path, b_path, tol)
+        return _compare_runs(a_path, b_path, tol, sae_tensors)
     raise SaeflowError(f"{a_path}: neither a shard directory (metadata.json) nor a run (checkpoint/config.json)")
 
 
@@ -104,7 +111,7 @@ def _same_file(a_fpath: pathlib.Path, b_fpath: pathlib.Path) -> bool:
     return a_fpath.stat().st_size == b_fpath.stat().st_size and file_sha256(a_fpath) == file_sha256(b_fpath)
 
 
-def _compare_runs(a_root: pathlib.Path, b_root: pathlib.Path, tol: float | None) -> Report:
+def _compare_runs(a_root: pathlib.Path, b_root: pathlib.Path, tol: float | None, sae_tensors: SaeTensors) -> Report:
     from saeflow.store import runs
 
     a, b = runs.open_run(a_root), runs.open_run(b_root)
@@ -113,15 +120,9 @@ def _compare_runs(a_root: pathlib.Path, b_root: pathlib.Path, tol: float | None)
     for run in (a, b):
         if not run.sae_fpath.is_file():
             raise SaeflowError(f"{run.sae_fpath}: missing; the run is not trained")
-    a_tensors, b_tensors = _sae_tensors(a.sae_fpath), _sae_tensors(b.sae_fpath)
+    a_tensors, b_tensors = sae_tensors(a.sae_fpath), sae_tensors(b.sae_fpath)
     rows = [compare_tensor(name, a_tensors[name], b_tensors[name]) for name in a_tensors]
     return Report("run", RUN_TOL if tol is None else tol, tuple(rows), _metrics(a, b))
-
-
-def _sae_tensors(fpath: pathlib.Path) -> dict[str, np.ndarray]:
-    from saeflow.training.sae import load_sae
-
-    return {name: t.detach().float().numpy() for name, t in load_sae(fpath).state_dict().items()}
 
 
 def compare_tensor(name: str, a_arr: np.ndarray, b_arr: np.ndarray) -> Row:
