@@ -39,7 +39,7 @@ sys.path.insert(0, str(TESTS))
 from _ranks import run_ranks  # noqa: E402
 from bench_planted import peers_site  # noqa: E402
 from builders import run_from_sae_spec, write_shards  # noqa: E402
-from saeflow.interop import sae_checkpoints  # noqa: E402
+from saeflow.interop.checkpoints import sae_checkpoints  # noqa: E402
 from saeflow.training import entry, sae  # noqa: E402
 from saeflow.training.sae import load_sae  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 from builders import write_shards
 from peak_rss import run_measured
 from saeflow import cli
-from saeflow.interop import hooknames
+from saeflow.interop.checkpoints import hooknames
 from saeflow.training import sae
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -21,7 +21,8 @@ from hang import HANG_SEC
 from saeflow import cli
 from saeflow.errors import SaeflowError
 from saeflow.extraction import extract
-from saeflow.interop import lmprobe, sae_checkpoints
+from saeflow.interop import lmprobe
+from saeflow.interop.checkpoints import sae_checkpoints
 from saeflow.store.layout import DumpLayout
 from saeflow.store.shards import ShardDir
 from saeflow.training import archs, objectives, sae

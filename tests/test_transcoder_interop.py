@@ -19,7 +19,8 @@ import torch
 from builders import write_shards
 from saeflow import cli
 from saeflow.errors import SaeflowError
-from saeflow.interop import hooknames, lmprobe, sae_checkpoints
+from saeflow.interop import lmprobe
+from saeflow.interop.checkpoints import hooknames, sae_checkpoints
 from saeflow.store import runs
 from saeflow.store.layout import DumpLayout
 from saeflow.training import sae

@@ -547,7 +547,7 @@ def test_a_transcoder_trains_and_runs_inference_from_the_cli(tmp_path):
     assert dump.index_fpath.exists()
     assert cli.main(["summary", f"--run={run.root}", "--out", str(tmp_path / "summary")]) == 0
     assert str(trained["nmse"])[:6] in (tmp_path / "summary" / "summary.csv").read_text()
-    from saeflow.interop import sae_checkpoints
+    from saeflow.interop.checkpoints import sae_checkpoints
 
     with pytest.raises(SaeflowError, match="^SAELens has no architecture that computes a topk transcoder .*: export "
                                            "it with --format sparsify$"):  # fmt: skip

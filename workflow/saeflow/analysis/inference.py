@@ -147,7 +147,7 @@ def target_of(run: runs.Run, sd: ShardDir) -> ShardDir | None:
     cfg = run.config()
     if cfg.get("target") is None:
         return None
-    # an imported transcoder's config names its shards `shards` (interop/sae_checkpoints.import_checkpoint)
+    # an imported transcoder's config names its shards `shards` (interop/checkpoints/sae_checkpoints.import_checkpoint)
     for shards_key, link in (("val_shards", run.VAL_TARGET_SHARDS), ("train_shards", run.TARGET_SHARDS),
                              ("shards", run.TARGET_SHARDS)):  # fmt: skip
         if cfg.get(shards_key) == sd.hash:

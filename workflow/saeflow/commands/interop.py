@@ -234,14 +234,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
-    from saeflow.interop import sae_checkpoints
+    from saeflow.interop.checkpoints import sae_checkpoints
 
     print(sae_checkpoints.export_run(args.run, args.format, args.out))
     return 0
 
 
 def cmd_import_checkpoint(args: argparse.Namespace) -> int:
-    from saeflow.interop import sae_checkpoints
+    from saeflow.interop.checkpoints import sae_checkpoints
 
     run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format,
                                            target_shards=args.target_shards)

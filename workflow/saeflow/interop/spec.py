@@ -20,7 +20,7 @@ if typing.TYPE_CHECKING:  # imported when an export is typed: a config without e
 # saeflow shard directory as saev's own 2.1 directory, for saev's readers (interop.saev_export; no records involved).
 SAEV_EXPORT_FORMAT = "saev2.1"
 SINK_FORMATS = (*config.enum("export_spec", "format"), "saev", SAEV_EXPORT_FORMAT)
-# The SAE checkpoints `saeflow export-checkpoint` writes and `import-checkpoint` reads (interop.sae_checkpoints).
+# The SAE checkpoints `saeflow export-checkpoint` writes and `import-checkpoint` reads (interop.checkpoints).
 SAE_FORMATS = ("saelens", "sparsify")
 
 

@@ -80,15 +80,15 @@ class TermInputs:
 
 
 class SAELensMapping:
-    """How an architecture is saved as SAELens's (interop/sae_checkpoints.py; raw activation space, the scale folded),
-    a part of `Arch`."""
+    """How an architecture is saved as SAELens's (interop/checkpoints/sae_checkpoints.py; raw activation space, the
+    scale folded), a part of `Arch`."""
 
     saelens: str | None = None  # the SAELens architecture it is saved as
-    # The common tensors its SAELens file holds (`interop.sae_formats.from_saelens` reads these before
+    # The common tensors its SAELens file holds (`interop.checkpoints.sae_formats.from_saelens` reads these before
     # `saelens_import`, which computes the others: b_enc where the file names it otherwise, a tied encoder)
     saelens_tensors: tuple[str, ...] = ("W_enc", "W_dec", "b_dec")
     # cfg.json keys SAELens's config gives a default saeflow does not guess (TopK's k defaults to 100 there): refused
-    # when missing (interop.checkpoint_files.check_cfg)
+    # when missing (interop.checkpoints.checkpoint_files.check_cfg)
     saelens_required: tuple[str, ...] = ()
     # ... and as a transcoder (SAELens has ReLU and JumpReLU ones; `skip_` before `transcoder` names the skip variant)
     saelens_transcoder: str | None = None

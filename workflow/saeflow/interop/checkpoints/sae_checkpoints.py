@@ -36,7 +36,7 @@ import os
 import pathlib
 
 from saeflow.errors import SaeflowError
-from saeflow.interop import checkpoint_files, hooknames, sae_formats
+from saeflow.interop.checkpoints import checkpoint_files, hooknames, sae_formats
 from saeflow.interop.spec import SAE_FORMATS
 from saeflow.store import atomic, runs
 from saeflow.training import archs, sae

@@ -25,8 +25,8 @@ import stat
 import torch
 
 from saeflow.errors import SaeflowError, read_problem
-from saeflow.interop import hooknames
 from saeflow.interop.budget import fmt_bytes
+from saeflow.interop.checkpoints import hooknames
 from saeflow.training import archs
 
 MAX_CFG_BYTES = 1 << 20  # a SAELens training cfg.json is a few KB

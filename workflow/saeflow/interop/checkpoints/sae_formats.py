@@ -1,5 +1,5 @@
-"""The SAELens and sparsify files of an SAE or transcoder, in raw activation space (interop/sae_checkpoints.py says
-how the scales fold; docs/interop.md has the tables).
+"""The SAELens and sparsify files of an SAE or transcoder, in raw activation space (sae_checkpoints.py says how
+the scales fold; docs/interop.md has the tables).
 
 A transcoder in raw space (what SAELens's Transcoder/SkipTranscoder and sparsify's `transcode=True` compute):
 
@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from saeflow.errors import SaeflowError
-from saeflow.interop import hooknames
+from saeflow.interop.checkpoints import hooknames
 from saeflow.training import archs, sae
 
 
