@@ -33,8 +33,9 @@ from _ranks import run_ranks  # noqa: E402
 from saeflow import config  # noqa: E402
 from saeflow.store import runs
 from saeflow.store.shards import Metadata, ShardDir, ShardWriter  # noqa: E402
-from saeflow.training import parallel, sweeps, train  # noqa: E402
-from saeflow.training.distloader import DistributedShuffledLoader  # noqa: E402
+from saeflow.training import sweeps, train  # noqa: E402
+from saeflow.training.ranks import parallel  # noqa: E402
+from saeflow.training.ranks.distloader import DistributedShuffledLoader  # noqa: E402
 
 REALISTIC = (256, 16, 4096, 8)  # --realistic: d_model, expansion, batch, steps (issue 32's size)
 

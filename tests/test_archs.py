@@ -44,7 +44,8 @@ def test_each_architecture_names_every_parameters_latent_axis_and_a_shard_holds_
     """`Arch.latent_axes` lists the SAE's parameters in their order (the Adam state's indices), each with the axis
     that has one entry per latent (None: whole); a latent shard has exactly that slice of each, and `gather_sae`
     puts every shard's parameters back where they were (one process here; 2 ranks in tests/test_distributed.py)."""
-    from saeflow.training import distributed, resume, sharded
+    from saeflow.training import resume
+    from saeflow.training.ranks import distributed, sharded
 
     torch.manual_seed(0)
     sae = SAE(SAEConfig(d_model=6, d_sae=10, arch=name, k=2))
@@ -291,8 +292,9 @@ def _one_step_gradients(name: str, extra: dict, mode: str) -> dict:
     import copy
     import types
 
-    from saeflow.training import distributed, resume, sharded
-    from saeflow.training.dataparallel import data_parallel_loss, rank_slice
+    from saeflow.training import resume
+    from saeflow.training.ranks import distributed, sharded
+    from saeflow.training.ranks.dataparallel import data_parallel_loss, rank_slice
 
     comm = distributed.init("cpu")
     cfg = _train_config(name, k=4, aux_k=8, expansion=4, **extra)

@@ -34,11 +34,12 @@ from hang import HANG_SEC
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
 from saeflow.store.shards import ShardDir
-from saeflow.training import archs, distributed, entry, memory, objectives, parallel, resume, sharded, sweeps
+from saeflow.training import archs, entry, memory, objectives, resume, sweeps
 from saeflow.training.adam import Adam
-from saeflow.training.dataparallel import global_batch_topk, rank_slice
-from saeflow.training.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
+from saeflow.training.ranks import distributed, parallel, sharded
+from saeflow.training.ranks.dataparallel import global_batch_topk, rank_slice
+from saeflow.training.ranks.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.sae import SAE, SAEConfig, load_sae, randn_rows
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -23,8 +23,9 @@ from builders import planted_data, run_from_sae_spec, write_shards
 from hang import HANG_SEC
 from saeflow import cli, preempt
 from saeflow.store.shards import ShardDir
-from saeflow.training import launch, resume
-from saeflow.training.dataparallel import DataParallelTrainer
+from saeflow.training import resume
+from saeflow.training.ranks import launch
+from saeflow.training.ranks.dataparallel import DataParallelTrainer
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAKE_SRUN = REPO_ROOT / "tests" / "fake_slurm" / "srun"
@@ -121,7 +122,7 @@ def test_a_rank_killed_while_rank_0_publishes_is_reported_with_what_was_publishe
 DIE_WHEN_PUBLISHING = """
 import os, signal
 if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RUN_ID"):  # rank 1 of the launcher's ranks only
-    from saeflow.training.dataparallel import DataParallelTrainer
+    from saeflow.training.ranks.dataparallel import DataParallelTrainer
     DataParallelTrainer.finish = lambda self, val_dir: os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -21,8 +21,9 @@ import torch
 
 from _ranks import run_ranks
 from builders import planted_data, run_from_sae_spec, write_shards
-from saeflow.training import entry, parallel, sharded, train
-from saeflow.training.dataparallel import DataParallelTrainer
+from saeflow.training import entry, train
+from saeflow.training.ranks import parallel, sharded
+from saeflow.training.ranks.dataparallel import DataParallelTrainer
 from saeflow.training.sweeps import TrainConfig
 
 D, EXPANSION, K, BATCH, N_STEPS = 256, 8, 16, 256, 32

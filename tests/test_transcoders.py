@@ -337,8 +337,8 @@ def _one_step_gradients(name: str) -> dict:
     all-reduced) and on one process (the whole batch), from the same weights, batch and dead latents."""
     import copy as copy_mod
 
-    from saeflow.training import distributed
-    from saeflow.training.dataparallel import data_parallel_loss, rank_slice
+    from saeflow.training.ranks import distributed
+    from saeflow.training.ranks.dataparallel import data_parallel_loss, rank_slice
 
     comm = distributed.init("cpu")
     cfg = _train_config(name, True, k=4, aux_k=8, expansion=4, skip=True)
@@ -409,8 +409,8 @@ def _init_differences(name: str, skip: bool) -> list[str]:
     differs from its latents' part of one process's start (`Trainer.init_from_data`) from the same sample."""
     import types
 
-    from saeflow.training import distributed
-    from saeflow.training.sharded import ShardedTrainer
+    from saeflow.training.ranks import distributed
+    from saeflow.training.ranks.sharded import ShardedTrainer
 
     comm = distributed.init("cpu")
     cfg = _train_config(name, True, k=4, expansion=4, skip=skip)

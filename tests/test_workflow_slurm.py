@@ -20,7 +20,8 @@ from saeflow import cli
 from saeflow.commands.workflow import DEFAULT_PROFILE_DPATH, install_profile, profile_arg
 from saeflow.planning import extraction_passes
 from saeflow.store import runs
-from saeflow.training import launch, train
+from saeflow.training import train
+from saeflow.training.ranks import launch
 from workflow_helpers import PAPER_SNAKEFILE, REPO_ROOT, SNAKEFILE, env, tiny_config, write_config
 
 FAKE_SLURM_DPATH = REPO_ROOT / "tests" / "fake_slurm"
@@ -601,7 +602,7 @@ class _Resources(dict):
 @pytest.mark.parametrize("cluster", sorted(CLUSTER_REQUESTS))
 def test_train_jobs_ask_slurm_for_the_configs_gpus_per_node(cluster):
     """The sbatch line of a train job for train.gpus x train.nodes, built by the Slurm executor plugin from the rule's
-    resources (saeflow.training.launch.rule_resources) and the cluster profile's: GPUs per node, one task per GPU on
+    resources (training.ranks.launch.rule_resources) and the cluster profile's: GPUs per node, one task per GPU on
     several nodes (the plugin's multi-task job, whose shell saeflow's srun starts the ranks from), cores and memory per
     GPU."""
     from snakemake_executor_plugin_slurm.submit_string import get_submit_command

@@ -30,7 +30,7 @@ from saeflow.store.layout import (
     SHARD_HASH_WILDCARD,
     CliConfigLayout,
 )
-from saeflow.training.launch import rule_resources
+from saeflow.training.ranks.launch import rule_resources
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
 # PATH), or, with --software-deployment-method conda, for the env's python with this checkout's package on

@@ -10,7 +10,7 @@
 # and the jobs that read a member's checkpoint ask for the representative's (get_trained_sae). Trained runs are in
 # no pass: a new sweep point trains alone (or with other new points), never the existing ones; their sae.pt is no
 # job's output but a source file (pass_representative_regex), so a no-op run needs no metadata for it.
-# Ranks: config train.gpus x train.nodes become the job's resources (saeflow.training.launch.rule_resources: GPUs per node,
+# Ranks: config train.gpus x train.nodes become the job's resources (saeflow.training.ranks.launch.rule_resources: GPUs per node,
 # nodes, and on several nodes the Slurm plugin's multi-task job); the settings reach `saeflow train` as --gpus and
 # --nodes, and saeflow starts the ranks (torch.distributed.run on one node, srun on several; docs/distributed.md).
 

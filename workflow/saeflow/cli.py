@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return 2
     if args.command == "train" and not args.verbose:
         # Before torch loads: c10d's C++ warnings (a store call to a rank that died, each with ~25 lines of C++
-        # frames) stay quiet; saeflow names the dead rank in one line (saeflow.training.distributed).
+        # frames) stay quiet; saeflow names the dead rank in one line (saeflow.training.ranks.distributed).
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         numerics.apply()  # before torch runs a kernel: which CPU kernels it may choose (saeflow.numerics)

@@ -119,7 +119,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from saeflow.training import distributed, entry, launch, memory, tracking
+    from saeflow.training import entry, memory, tracking
+    from saeflow.training.ranks import distributed, launch
 
     _check_args(args)
     memory.parse_size(args.buffer_bytes, "--buffer-bytes")

@@ -1,12 +1,12 @@
-"""`saeflow train`'s entry: a process that a launcher made one rank of several (saeflow.training.distributed) trains
-with the others (saeflow.training.parallel, in the `parallel` mode); any other process trains alone
-(saeflow.training.train). It sits above both, so the one-process loop never imports the ranks' code."""
+"""`saeflow train`'s entry: a process that a launcher made one rank of several (saeflow.training.ranks.distributed)
+trains with the others (saeflow.training.ranks.parallel, in the `parallel` mode); any other process trains alone
+(saeflow.training.train). It sits above both, so the one-process loop never imports the ranks' loop."""
 
 import os
 import typing
 
-from saeflow.training import distributed, train
-from saeflow.training import parallel as ranks
+from saeflow.training import train
+from saeflow.training.ranks import distributed, parallel
 from saeflow.training.train import DEFAULT_SETTINGS, TrainSettings
 
 
@@ -15,4 +15,4 @@ def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSet
     0's (an empty list elsewhere)."""
     if distributed.rendezvous_from_env() is None:
         return train.train_runs(run_paths, settings)
-    return ranks.train_runs(ranks.join(settings.device), run_paths, settings)
+    return parallel.train_runs(parallel.join(settings.device), run_paths, settings)

@@ -7,7 +7,7 @@ for its SAEs and RANK_OVERHEAD_BYTES, rounded down to 2^k or 1.5 x 2^k bytes (so
 not change the plan). The ranks' shares add up to the job's pool. An explicit size is the pool of the whole job, at
 any world size (each rank holds 1/N of it), so it gives the same batches on 1, 2 or 4 ranks. A resumed pass keeps
 the pool its checkpoint recorded (`pool_bytes`). `state_bytes` (one SAE's training state) also picks the `auto`
-parallel mode (saeflow.training.parallel).
+parallel mode (saeflow.training.ranks.parallel).
 """
 
 import os
@@ -20,8 +20,8 @@ import numpy as np
 from saeflow.errors import SaeflowError
 from saeflow.store import runs
 from saeflow.store.shards import ShardDir
-from saeflow.training.distributed import Comm
 from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES
+from saeflow.training.ranks.distributed import Comm
 from saeflow.training.resume import LEGACY_POOL, resume_info
 from saeflow.training.sweeps import TrainConfig
 

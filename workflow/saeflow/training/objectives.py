@@ -1,8 +1,8 @@
 """The SAE training loss: reconstruction (with Matryoshka prefixes), the architecture's sparsity terms and AuxK.
 
 `loss_terms` is the one definition of a step's loss terms: the one-process `Objective`, the data-parallel
-(training.dataparallel) and the latent-sharded (training.sharded) trainers each compute the reconstruction and the
-AuxK error their way (over a slice, or over the ranks' latents) and hand them to it, and the architecture
+(training.ranks.dataparallel) and the latent-sharded (training.ranks.sharded) trainers each compute the reconstruction
+and the AuxK error their way (over a slice, or over the ranks' latents) and hand them to it, and the architecture
 (training/archs: `Arch.sparsity_terms`) adds its own. `Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's
 loss; the loop (`training.train`) owns the optimizer,
 the step and the dead-latent counters. Everything here is in the SAE's normalized space (x * scale). Runs with the
@@ -140,7 +140,7 @@ def aux_k_loss(
     of the right sign, which Adam (a step of about lr whatever the gradient's size) turns into a real move
     (Anthropic's ghost grads use exp the same way). The codes decode over the dead latents' rows with one dense
     product, cheaper than a sparse decode of aux_k per vector. `energy`: the residual's mean squared norm over the
-    whole batch when this is part of it (data-parallel training: saeflow.training.dataparallel); None: this batch's own.
+    whole batch when this is part of it (data-parallel training: training.ranks.dataparallel); None: this batch's own.
     """
     vals_bk = torch.nn.functional.softplus(aux_pre_bk) if ghost else torch.relu(aux_pre_bk)
     codes_bz = vals_bk.new_zeros(vals_bk.shape[0], dead_z.numel()).scatter(1, pick_bk, vals_bk)

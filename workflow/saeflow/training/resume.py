@@ -1,7 +1,7 @@
 """Resume checkpoints at any world size: `checkpoint/resume.pt` (whole tensors, one process or rank 0 of a data-parallel
 run) or, for a latent-sharded run, one file per rank and a manifest (`checkpoint/resume-shards/`). Every reader here
 takes either form, at any world size, one process included; both the one-process loop (train.Checkpoint) and the
-ranks (saeflow.training.parallel) read and drop them through this module.
+ranks (saeflow.training.ranks.parallel) read and drop them through this module.
 
 A rank file holds Trainer.state_dict's layout cut to latents [lo, hi): every per-latent parameter along its latent
 axis (the architecture's `Arch.latent_axes`: W_enc's columns, b_enc, W_dec's rows and its own per-latent vectors),

@@ -214,8 +214,8 @@ RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this
 @torch.no_grad()
 def init_from_data(sae: SAE, x_nd: torch.Tensor, y_nd: torch.Tensor | None, cfg, root, lo: int = 0) -> None:
     """The start of every run, the one definition every trainer uses: `sae` is a whole SAE (one process, each
-    data-parallel replica) or the latents [lo, lo + sae.d_sae) of one (training.sharded), which gets its rows of the
-    same draws. Scales and b_dec from the sample `x_nd` (`init_normalization`; a transcoder, `y_nd` its targets: the
+    data-parallel replica) or the latents [lo, lo + sae.d_sae) of one (training.ranks.sharded), which gets its rows of
+    the same draws. Scales and b_dec from the sample `x_nd` (`init_normalization`; a transcoder, `y_nd` its targets: the
     targets' scale and mean), random decoder rows (seed `cfg.seed`) at the architecture's initial norm, the encoder
     their transpose (a transcoder's: `init_transcoder`, whose draw follows the decoder's, made and dropped), then the
     architecture's own parameters (`Arch.init_parameters`, from the run's config `cfg`).

@@ -28,10 +28,10 @@ from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
 from saeflow.training import degenerate, localcopy, memory, resume, tracking
 from saeflow.training.adam import Adam
-from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps
+from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE, init_from_data, save_atomic, save_sae
 from saeflow.training.sweeps import TrainConfig
 

@@ -52,7 +52,7 @@ class Selection(enum.Enum):
 
     @property
     def shards_latents(self) -> bool:
-        """Whether a latent shard computes its own codes (with the other ranks' help: `training.sharded`)."""
+        """Whether a latent shard computes its own codes (with the other ranks' help: `training.ranks.sharded`)."""
         return self is not Selection.WHOLE_DICTIONARY
 
 
@@ -70,7 +70,7 @@ class TermInputs:
     dead_s: typing.Any = None  # (s,) bool: the latents dead now (objectives.DeadLatents), where the trainer has them
     target_bd: typing.Any = None  # a transcoder's: what its latents decode to (normalized target less the skip path)
     # A (b, d) sum over the latents (a decode) made whole: the identity on one SAE; on a latent shard
-    # (training.sharded) the sum over the ranks' parts, whose backward is the identity.
+    # (training.ranks.sharded) the sum over the ranks' parts, whose backward is the identity.
     over_latents: typing.Callable = lambda partial_bd: partial_bd  # noqa: E731
 
     @property
@@ -180,7 +180,7 @@ class Arch(SAELensMapping):
     def latent_axes(self) -> dict:
         """Every parameter, in the SAE's order (the Adam state's indices), -> the axis along which it has one entry
         per latent, or None when it is held whole. A latent-sharded rank holds [lo, hi) along that axis
-        (training.sharded, training.resume), so no trainer names a parameter. The architecture's own `parameters`
+        (training.ranks.sharded, training.resume), so no trainer names a parameter. The architecture's own `parameters`
         are per-latent vectors (axis 0); one that is not overrides this."""
         return {**COMMON_AXES, **dict.fromkeys(self.parameters(0), 0)}
 

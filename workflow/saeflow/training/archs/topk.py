@@ -2,7 +2,7 @@
 pre-activations (after ReLU); dead latents learn through AuxK. Decoder rows are unit vectors.
 
 Training decodes from the k kept (value, latent) pairs only (objectives.Codes), and a latent-sharded SAE picks the
-global top k from every rank's candidates (training.sharded); inference is `activate`.
+global top k from every rank's candidates (training.ranks.sharded); inference is `activate`.
 """
 
 from saeflow.training.archs.base import Arch, Selection, torch

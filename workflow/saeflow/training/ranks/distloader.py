@@ -14,8 +14,8 @@ import typing
 import numpy as np
 import torch
 
-from saeflow.training.distributed import Comm
 from saeflow.training.loaders.shuffled import EpochPlan, ShuffledLoader, _ReservoirPipeline
+from saeflow.training.ranks.distributed import Comm
 
 
 class RankStep(typing.NamedTuple):

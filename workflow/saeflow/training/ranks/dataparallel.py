@@ -15,10 +15,10 @@ import torch
 
 from saeflow.training import objectives, resume, train
 from saeflow.training.archs import Selection
-from saeflow.training.distloader import slice_bounds
-from saeflow.training.distributed import Comm
 from saeflow.training.loaders import pairs
 from saeflow.training.objectives import Codes, Loss
+from saeflow.training.ranks.distloader import slice_bounds
+from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE
 
 

@@ -30,11 +30,11 @@ from saeflow.store import provenance
 from saeflow.training import objectives, train
 from saeflow.training.adam import Adam
 from saeflow.training.archs import Selection
-from saeflow.training.dataparallel import global_kth_largest
-from saeflow.training.distributed import Comm
 from saeflow.training.loaders import ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import Loss
+from saeflow.training.ranks.dataparallel import global_kth_largest
+from saeflow.training.ranks.distributed import Comm
 from saeflow.training.resume import read_resume, write_resume
 from saeflow.training.sae import SAE, SAEConfig
 

@@ -4,12 +4,12 @@ A pass is the runs that read identical batches (saeflow.training.train). On N ra
 
     sweep    its runs are spread over the ranks (run i on rank i mod N); every rank sees every batch, so each
              checkpoint is byte-identical to training that run alone (at the same per-process thread count)
-    data     each run on every rank, each global batch split across them (saeflow.training.dataparallel)
-    latents  each run's latents split across the ranks (saeflow.training.sharded)
+    data     each run on every rank, each global batch split across them (saeflow.training.ranks.dataparallel)
+    latents  each run's latents split across the ranks (saeflow.training.ranks.sharded)
     auto     latents when one SAE's training state would not fit in DEVICE_FRACTION of one device; else sweep when
              the pass has at least N runs; else data
 
-In every mode the batches are the one-process batches (saeflow.training.distloader: the pool is the job's, each rank
+In every mode the batches are the one-process batches (ranks.distloader: the pool is the job's, each rank
 holds 1/N of it), a checkpoint is whole at one step on every rank, and a stop signal on any rank stops them all at the
 same step: every rank saves, then every rank stops. Nothing is published until every rank has trained the pass to its
 end. Rank 0 takes the runs' locks, plans, and prints the results.
@@ -26,10 +26,10 @@ from saeflow.errors import SaeflowError
 from saeflow.store import runs
 from saeflow.store.shards import ShardDir
 from saeflow.training import archs, loaders, memory, train
-from saeflow.training.dataparallel import DataParallelTrainer
-from saeflow.training.distloader import DistributedShuffledLoader
-from saeflow.training.distributed import Comm
-from saeflow.training.sharded import ShardedTrainer
+from saeflow.training.ranks.dataparallel import DataParallelTrainer
+from saeflow.training.ranks.distloader import DistributedShuffledLoader
+from saeflow.training.ranks.distributed import Comm
+from saeflow.training.ranks.sharded import ShardedTrainer
 from saeflow.training.sweeps import TrainConfig
 
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this
@@ -52,8 +52,8 @@ def choose_mode(setting: str, n_runs: int, world_size: int, sae_state_bytes: int
 
 
 def join(device: str) -> Comm:
-    """This process's Comm (saeflow.training.distributed.init): a rank of the job when a launcher made it one."""
-    from saeflow.training import distributed
+    """This process's Comm (saeflow.training.ranks.distributed.init): a rank of the job when a launcher made it one."""
+    from saeflow.training.ranks import distributed
 
     return distributed.init(device)
 

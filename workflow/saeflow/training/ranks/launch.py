@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 -m saeflow train --run-dir R       torchrun starts them (note --run-dir)
     srun --ntasks-per-node 4 python -m saeflow train --run R       srun starts them; rendezvous from Slurm's env
 
-A process that already is a rank (torchrun's or srun's variables: saeflow.training.distributed.rendezvous_from_env)
+A process that already is a rank (torchrun's or srun's variables: distributed.rendezvous_from_env)
 trains;
 `--gpus` and `--nodes` only say how many ranks to start. Under torchrun, write `--run-dir R` for `--run R`:
 torchrun's parser takes `--run` as an abbreviation of its own `--run-path` ("ambiguous option"), even after
@@ -60,7 +60,7 @@ def child_argv(args: argparse.Namespace) -> list[str]:
 def start_ranks(args: argparse.Namespace) -> int | None:
     """Start the ranks `--gpus`/`--nodes` ask for and wait for them: the exit status. None when this process is to
     train itself (it is a rank already, or one process is asked for)."""
-    from saeflow.training import distributed
+    from saeflow.training.ranks import distributed
 
     if distributed.rendezvous_from_env() is not None or (args.gpus == 1 and args.nodes == 1):
         return None
@@ -80,7 +80,8 @@ def published(run_roots: typing.Iterable[pathlib.Path], before: typing.Collectio
 def _outcome(args: argparse.Namespace, before: list[str]) -> str:
     """What the job left: the runs it published, and where the others resume."""
     from saeflow.store import runs
-    from saeflow.training import distributed, resume
+    from saeflow.training import resume
+    from saeflow.training.ranks import distributed
 
     steps = sorted({info[0] for root in args.run if (info := resume.resume_info(runs.Run(pathlib.Path(root))))})
     at = f"; resume checkpoints at step {', '.join(map(str, steps))}" if steps else ""
@@ -134,7 +135,7 @@ def _torchrun(args: argparse.Namespace, before: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from saeflow.training import distributed
+    from saeflow.training.ranks import distributed
 
     if not getattr(args, "verbose", False):  # torch's agent logs its set-up and a report per failure at INFO/ERROR
         for name in ("torch.distributed.elastic", "torch.distributed.launcher"):

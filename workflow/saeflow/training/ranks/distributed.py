@@ -14,7 +14,7 @@ still blocked on a live peer (rank 0, say, which under srun holds the store and 
 when that peer leaves, even though the store left with it. A rank whose peer stops beating for
 `SAEFLOW_RANK_TIMEOUT_SEC` (default 120 s) while this one waits in a collective that cannot fail by itself (nccl)
 prints that line and exits. Nothing is published by a pass whose ranks did not all reach its end
-(saeflow.training.parallel).
+(saeflow.training.ranks.parallel).
 """
 
 import collections
