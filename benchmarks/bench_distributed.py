@@ -33,7 +33,7 @@ from _ranks import run_ranks  # noqa: E402
 from saeflow import config  # noqa: E402
 from saeflow.store import runs
 from saeflow.store.shards import Metadata, ShardDir, ShardWriter  # noqa: E402
-from saeflow.training import sweeps, train  # noqa: E402
+from saeflow.training import specs, sweeps, train  # noqa: E402
 from saeflow.training.ranks import parallel  # noqa: E402
 from saeflow.training.ranks.distloader import DistributedShuffledLoader  # noqa: E402
 
@@ -69,7 +69,7 @@ def _status(key: str) -> int:
 def rank_bench(run_roots: list[str], mode: str, steps: int) -> dict:
     """On one rank: `steps` training steps of this rank's trainers after 2 warm-up steps; what they cost."""
     comm = parallel.join("cpu")
-    group = [(runs.open_run(r), sweeps.TrainConfig.from_dict(runs.open_run(r).config(), r)) for r in run_roots]
+    group = [(runs.open_run(r), specs.TrainConfig.from_dict(runs.open_run(r).config(), r)) for r in run_roots]
     sd, cfg0 = ShardDir(group[0][0].link(runs.Run.TRAIN_SHARDS).resolve()), group[0][1]
     pool_bytes = max(8 << 20, 8 * cfg0.batch_size * sd.metadata.d_model * 4)  # at least 8 batches
     loader = DistributedShuffledLoader(comm, sd, 0, cfg0.batch_size, 0, tokens="all", buffer_bytes=pool_bytes)

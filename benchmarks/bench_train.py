@@ -35,15 +35,15 @@ import torch
 from saeflow import devices
 from saeflow.store import runs
 from saeflow.store.shards import Metadata, ShardWriter
-from saeflow.training import sweeps, train
+from saeflow.training import specs, train
 
 LIMIT_IDLE, LIMIT_ACTIVE, LIMIT_CLI = 1.1, 1.3, 0.8
 TOKENS_PER_EX = 129  # CLS + 128
 
 
 def make_trainer(args, run: runs.Run, dev, n_steps: int, dead_frac: float, x_bd) -> train.Trainer:
-    cfg = sweeps.TrainConfig(
-        trainer=sweeps.TRAINER, train_shards="bench", val_shards="bench", layer=0, tokens="content", arch="topk",
+    cfg = specs.TrainConfig(
+        trainer=specs.TRAINER, train_shards="bench", val_shards="bench", layer=0, tokens="content", arch="topk",
         expansion=args.expansion, k=args.k, matryoshka=(), l1_coeff=0.0, aux_k=256, aux_alpha=1 / 32,
         dead_after_vectors=1 if dead_frac else 10**12, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.0,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=0, data_seed=0,
@@ -80,7 +80,7 @@ class Reference:
         self.opt.step()
 
 
-def cli_vectors_per_sec(args, cfg: sweeps.TrainConfig, tmp: pathlib.Path) -> float:
+def cli_vectors_per_sec(args, cfg: specs.TrainConfig, tmp: pathlib.Path) -> float:
     """`saeflow train` end to end on a shard directory of `args.cli_steps` batches: its loop's vectors/s (the best
     of `args.rounds` runs: the VM's speed drifts by 2x between seconds, and the step timings keep their best too)."""
     n_vectors = args.cli_steps * args.batch_size

@@ -15,7 +15,7 @@ from saeflow.errors import SaeflowError
 from saeflow.planning import WorkflowPlan
 from saeflow.training import archs, objectives
 from saeflow.training.sae import SAE
-from saeflow.training.sweeps import SAEConfig, TrainConfig
+from saeflow.training.specs import SAEConfig, TrainConfig
 from test_identity import CASES
 
 ARCH_NAMES = sorted(archs.REGISTRY)

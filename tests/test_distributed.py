@@ -34,7 +34,7 @@ from hang import HANG_SEC
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
 from saeflow.store.shards import ShardDir
-from saeflow.training import archs, entry, memory, objectives, resume, sweeps
+from saeflow.training import archs, entry, memory, objectives, resume, specs, sweeps
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
 from saeflow.training.ranks import distributed, parallel, sharded
@@ -142,7 +142,7 @@ def test_job_memory_comes_from_the_cgroup_slurm_or_the_available_ram(tmp_path):
         memory.parse_size("lots", "--buffer-bytes")
 
 
-def _train_config(**spec) -> sweeps.TrainConfig:
+def _train_config(**spec) -> specs.TrainConfig:
     cfg = config.validate({"activations": {}, "saes": {"s": {"train": "x", "layer": 0, **spec}}})
     (plan,) = sweeps.plan_runs({"s": sweeps.SAESpec.from_dict("s", cfg["saes"]["s"])}, {"x": "h" * 64}, {"x": "all"})
     return plan.train_config
@@ -655,7 +655,7 @@ def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, 
     the loader before pools were recorded gets that loader's fixed 1 GiB. `--nodes` needs a Slurm allocation."""
     (run,) = _runs(tmp_path, shards, arch="topk")
     _train([run.root], "sweep", max_steps=5)
-    group = [(run, sweeps.TrainConfig.from_dict(run.config(), "r"))]
+    group = [(run, specs.TrainConfig.from_dict(run.config(), "r"))]
     alone = distributed.Comm.alone(torch.device("cpu"))
     assert resume.resume_info(run) == (5, 300)  # POOL: 300 rows
     assert memory.pool_bytes(group, "auto", "sweep", shards, alone) == 300 * 64

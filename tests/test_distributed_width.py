@@ -24,7 +24,7 @@ from builders import planted_data, run_from_sae_spec, write_shards
 from saeflow.training import entry, train
 from saeflow.training.ranks import parallel, sharded
 from saeflow.training.ranks.dataparallel import DataParallelTrainer
-from saeflow.training.sweeps import TrainConfig
+from saeflow.training.specs import TrainConfig
 
 D, EXPANSION, K, BATCH, N_STEPS = 256, 8, 16, 256, 32
 STEP_TOL = 1e-2  # per tensor, max |w - w_1| / max |w_1|, at every step before the first differing choice

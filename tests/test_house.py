@@ -22,11 +22,12 @@ SCHEMA_FPATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 MAX_UNIT_LINES = 120
 MAX_MODULE_LINES = 500
 MAX_KEY_FILES = 5
-# Keys whose honest route is longer, and why (docs/style.md, docs/architecture.md): `layers` is resolved against the
+# Keys whose honest route is longer, and why (docs/style.md, docs/architecture.md): `k` is typed in training/specs
+# and hashed at a fixed value by a run that does not read it (training/sweeps.UNREAD); `layers` is resolved against the
 # checkpoint's depth (extraction/models.resolve_layers: negative indices) before the spec hashes it; `shards_root` is
 # where every shard directory is published, so it travels as a parameter from the commands through extraction
 # (extract, seal, specs.ShardsSpec.metadata) to the two writers that publish into it (store/shards writer and parts).
-KEY_FILE_LIMITS = {"layers": 6, "shards_root": 9}
+KEY_FILE_LIMITS = {"k": 6, "layers": 6, "shards_root": 9}
 # Names of the shard and run layouts (saeflow/store/layout.py). "metadata.json" is also the gzip-pickle format's own
 # file (activation-shard-pickle-format-1.0), which its module names.
 LAYOUT_NAMES = {
@@ -258,7 +259,7 @@ def test_imports_point_down_the_stages():
 # or is imported by, a module already on the route, among the modules those commands and planning import (the
 # workflow plans first); count them, the schema (which declares the key and its default) and the rules that name it.
 KEY_ROUTES = {
-    "k": (("saeflow.training.sweeps",), ("saeflow.commands.train",)),
+    "k": (("saeflow.training.specs",), ("saeflow.commands.train",)),
     "layers": (("saeflow.extraction.specs",), ("saeflow.commands.extract",)),
     "shards_root": (("saeflow.planning",), ("saeflow.commands.extract", "saeflow.commands.train")),
     "hook": (("saeflow.extraction.specs",), ("saeflow.commands.extract",)),

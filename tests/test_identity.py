@@ -4,7 +4,7 @@ tests/data/identity.json pins, for today's default workflow and for non-default 
 architecture, the shard hashes, the run ids and the sha256 of the per-job configs of the shard and run jobs (what
 Snakemake's rerun trigger compares), all from the plan alone (`WorkflowPlan`, nothing trained or extracted).
 They must never change: a key added later with a default must leave every one of them as it was. Changing one on
-purpose means bumping `sweeps.TRAINER` (a change of training maths) and saying why in the commit; new cases are
+purpose means bumping `specs.TRAINER` (a change of training maths) and saying why in the commit; new cases are
 added with `python tests/test_identity.py --add NAME` after adding the config to CASES, never by rewriting old ones.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from saeflow import config
 from saeflow.planning import WorkflowPlan
 from saeflow.store import hashing, shards
-from saeflow.training import archs, sweeps
+from saeflow.training import archs, keys, specs, sweeps
 from workflow_helpers import REPO_ROOT, minilm_path
 
 FIXTURE_FPATH = pathlib.Path(__file__).parent / "data" / "identity.json"
@@ -151,7 +151,7 @@ def test_a_config_json_of_today_loads_and_is_its_own_run():
         "sparsity_warmup_frac": 0.05, "batch_size": 1024, "n_epochs": 2, "n_train_vectors": None,
         "n_val_vectors": 262144, "seed": 0, "data_seed": 0,
     }  # fmt: skip
-    cfg = sweeps.TrainConfig.from_dict(today, "config.json")
+    cfg = specs.TrainConfig.from_dict(today, "config.json")
     assert cfg.to_dict() == today
     for key, value in sweeps.INTRODUCED.items():
         assert getattr(cfg, key) == value
@@ -160,17 +160,17 @@ def test_a_config_json_of_today_loads_and_is_its_own_run():
 def test_an_introduced_key_is_hashed_only_off_its_introduction_value(monkeypatch):
     """The mechanism on its own: a key introduced at a value is left out there, kept elsewhere, filled when absent."""
     monkeypatch.setitem(sweeps.INTRODUCED, "aux_alpha", 0.03125)
-    obj = {"trainer": sweeps.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "layer": 0, "tokens": "all",
+    obj = {"trainer": specs.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "layer": 0, "tokens": "all",
            "arch": "topk", "expansion": 2, "k": 2, "matryoshka": [], "l1_coeff": 3.0, "aux_k": 8,
            "dead_after_vectors": None, "lr": None, "lr_warmup_frac": 0.05, "sparsity_warmup_frac": 0.05,
            "batch_size": 8, "n_epochs": 1, "n_train_vectors": None, "n_val_vectors": None, "seed": 0,
            "data_seed": 0}  # fmt: skip
-    cfg = sweeps.TrainConfig.from_dict(obj, "x")
+    cfg = specs.TrainConfig.from_dict(obj, "x")
     assert cfg.aux_alpha == 0.03125 and "aux_alpha" not in cfg.to_dict() and cfg.to_dict() == obj
-    other = sweeps.TrainConfig.from_dict({**obj, "aux_alpha": 0.5}, "x")
+    other = specs.TrainConfig.from_dict({**obj, "aux_alpha": 0.5}, "x")
     assert other.to_dict()["aux_alpha"] == 0.5
-    assert sweeps.canonical_spec({"aux_alpha": 0.03125, "k": 2}) == {"k": 2}
-    assert sweeps.canonical_spec({"aux_alpha": [0.03125, 0.5]}) == {"aux_alpha": [0.03125, 0.5]}  # a sweep stays
+    assert keys.canonical_spec({"aux_alpha": 0.03125, "k": 2}) == {"k": 2}
+    assert keys.canonical_spec({"aux_alpha": [0.03125, 0.5]}) == {"aux_alpha": [0.03125, 0.5]}  # a sweep stays
 
 
 def test_every_key_added_to_the_training_config_is_introduced():
@@ -179,7 +179,7 @@ def test_every_key_added_to_the_training_config_is_introduced():
     first = {"trainer", "train_shards", "val_shards", "layer", "tokens", "arch", "expansion", "k", "matryoshka",
              "l1_coeff", "aux_k", "aux_alpha", "dead_after_vectors", "lr", "lr_warmup_frac", "sparsity_warmup_frac",
              "batch_size", "n_epochs", "n_train_vectors", "n_val_vectors", "seed", "data_seed"}  # fmt: skip
-    fields = {f.name for f in sweeps.dataclasses.fields(sweeps.TrainConfig)}
+    fields = {f.name for f in sweeps.dataclasses.fields(specs.TrainConfig)}
     assert fields - first == set(sweeps.INTRODUCED)
     properties = config.def_schema("sae_spec")["properties"]
     assert {key: properties[key]["default"] for key in sweeps.INTRODUCED} == sweeps.INTRODUCED  # (no default moved)

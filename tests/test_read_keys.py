@@ -18,7 +18,7 @@ from saeflow import cli, config
 from saeflow.analysis import summary
 from saeflow.planning import WorkflowPlan
 from saeflow.store import runs
-from saeflow.training import archs, keys, objectives, sweeps
+from saeflow.training import archs, keys, objectives, specs, sweeps
 from saeflow.training.sae import SAE
 from test_identity import RANDOM_VIT, ROOTS
 
@@ -100,14 +100,14 @@ def test_a_sweep_over_a_key_another_point_of_it_reads_keeps_its_ids_and_plans_on
 
 
 def test_every_training_key_is_read_by_every_run_or_declared_by_an_architecture():
-    fields = [f.name for f in dataclasses.fields(sweeps.TrainConfig)]
+    fields = [f.name for f in dataclasses.fields(specs.TrainConfig)]
     assert set(keys.COMMON) | set(keys.ARCH_KEYS) == set(fields) and not set(keys.COMMON) & set(keys.ARCH_KEYS)
     assert set(keys.ARCH_KEYS) <= set(sweeps.UNREAD) | set(keys.INTRODUCED)
     properties = config.def_schema("sae_spec")["properties"]
     assert {key: properties[key]["default"] for key in sweeps.UNREAD} == sweeps.UNREAD  # the defaults they froze
 
 
-def _one_step(cfg: sweeps.TrainConfig) -> dict:
+def _one_step(cfg: specs.TrainConfig) -> dict:
     """What the run `cfg` computes in one step of one process: its initial state, loss terms, gradients and the
     learning-rate multiples of its parameters (AuxK and the dead-latent terms active, inside the warm-up)."""
     torch.manual_seed(0)
@@ -139,11 +139,11 @@ def _same(a: dict, b: dict) -> bool:
 def test_an_architecture_reads_exactly_the_keys_it_declares(arch, mode):
     """The declarations are what training computes: changing a key the run does not read changes nothing of one
     step (so hashing it at a fixed value trains the same SAE), changing one it reads changes something."""
-    obj = {"trainer": sweeps.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "tokens": "all",
+    obj = {"trainer": specs.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "tokens": "all",
            **{k: v for k, v in config.validate({"activations": {}, "saes": {"s": {"train": "t", "layer": 0,
                                                 "arch": arch, "k": 4, "aux_k": 8, **mode}}})["saes"]["s"].items()
               if k not in ("train", "val")}}  # fmt: skip
-    cfg = sweeps.TrainConfig.from_dict(obj, arch)
+    cfg = specs.TrainConfig.from_dict(obj, arch)
     base, read = _one_step(cfg), cfg.read_keys()
     for key, value in {**OFF, "jumprelu_loss": "step" if cfg.jumprelu_loss == "tanh" else "tanh"}.items():
         changed = _one_step(dataclasses.replace(cfg, **{key: value}))
@@ -177,7 +177,7 @@ def test_the_readable_file_holds_every_value_the_run_trains_with(tmp_path, capsy
     jumprelu = json.loads(made["jumprelu"].hyperparameters_fpath.read_text())
     assert jumprelu["jumprelu_loss"] == "step" and jumprelu["l0_coeff"] == 2.0 and jumprelu["bandwidth"] == 1.0
     assert {"tanh_coeff", "tanh_scale", "pre_act_coeff", "k"} <= set(jumprelu["not_read"])
-    fields = {f.name for f in dataclasses.fields(sweeps.TrainConfig)}
+    fields = {f.name for f in dataclasses.fields(specs.TrainConfig)}
     for view in (gated, jumprelu):
         assert set(view) - {"not_read"} | set(view["not_read"]) == fields
 

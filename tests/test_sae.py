@@ -5,7 +5,7 @@ import torch
 
 from saeflow.errors import SaeflowError
 from saeflow.training.sae import SAE, load_sae, save_sae
-from saeflow.training.sweeps import SAEConfig
+from saeflow.training.specs import SAEConfig
 
 
 def _identity_sae(arch: str, k: int = 2, scale: float = 1.0, threshold: float = 0.0) -> SAE:

@@ -26,7 +26,7 @@ from saeflow.interop.checkpoints import sae_checkpoints
 from saeflow.store.layout import DumpLayout
 from saeflow.store.shards import ShardDir
 from saeflow.training import archs, objectives, sae
-from saeflow.training.sweeps import TrainConfig
+from saeflow.training.specs import TrainConfig
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 SAELENS_VERSION, SPARSIFY_VERSION = "6.54.12", "1.3.3"  # what wrote the fixtures and what the export test installs

@@ -22,7 +22,7 @@ from saeflow.store import shards
 from saeflow.store.layout import RunLayout, ShardLayout
 from saeflow.training import archs, objectives, sweeps, train
 from saeflow.training.sae import SAE, load_sae
-from saeflow.training.sweeps import SAEConfig
+from saeflow.training.specs import SAEConfig
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from saeflow.store import runs
 from saeflow.training import archs, objectives, train
 from saeflow.training.loaders import OrderedLoader, PairedOrderedLoader, ShuffledLoader
 from saeflow.training.sae import FORMAT_VERSION, SAE, TRANSCODER_VERSION, load_sae, save_sae
-from saeflow.training.sweeps import SAEConfig, TrainConfig
+from saeflow.training.specs import SAEConfig, TrainConfig
 from test_identity import RANDOM_GPT2, RANDOM_VIT, ROOTS
 
 TRANSCODERS = archs.names(transcoder=True)  # the architectures that claim a transcoder (`Arch.transcodes`)

@@ -37,7 +37,7 @@ from saeflow.extraction.specs import ActivationSpec
 from saeflow.planning import WorkflowPlan
 from saeflow.store import layout, runs, shards
 from saeflow.store.atomic import remove_staging
-from saeflow.training import sweeps
+from saeflow.training import specs
 
 TEXT_SUFFIXES = (".json", ".jsonl", ".js", ".html", ".csv", ".txt", ".css", ".md")  # files that may name a hash
 HASH_KEYS = ("train_shards", "val_shards", "target", "val_target")  # the keys of a run config naming directories
@@ -104,7 +104,7 @@ def write_summary(plan: WorkflowPlan) -> tuple[pathlib.Path, pathlib.Path]:
     )
 
 
-def legacy_run_config(cfg: sweeps.TrainConfig, shard_layers: dict[str, dict[int, str]]) -> dict | None:
+def legacy_run_config(cfg: specs.TrainConfig, shard_layers: dict[str, dict[int, str]]) -> dict | None:
     """The config.json layout 1 gave the run `cfg` plans (its directories' hashes those of the whole specs), or None
     when the run reads no directory of a migrated spec."""
     new_to_old = {layers[cfg.layer]: old for old, layers in shard_layers.items() if cfg.layer in layers}

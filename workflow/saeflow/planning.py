@@ -28,7 +28,7 @@ from saeflow.store import hashing, layout, shards
 from saeflow.store.atomic import write_file_atomic
 from saeflow.store.shards import parts
 from saeflow.store.shards.validate import stat_problem
-from saeflow.training import run_checks, sweeps
+from saeflow.training import keys, run_checks, sweeps
 
 SETTINGS_SECTIONS = ("train", "inference", "visuals", "evaluate", "probe")  # CLI flags (config.section_flags)
 
@@ -443,7 +443,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         configs[plan.cli_config("runs", run_id)] = {
             **roots,
             "activations": {name: activation(name) for name in names},
-            "saes": {run_plan.sae_name: sweeps.canonical_spec(raw["saes"][run_plan.sae_name])},
+            "saes": {run_plan.sae_name: keys.canonical_spec(raw["saes"][run_plan.sae_name])},
         }
     for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)
         if isinstance(spec, ActivationSpec):

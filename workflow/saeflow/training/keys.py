@@ -1,9 +1,9 @@
 """Which keys a run's training config holds, which of them its architecture reads, and how each is hashed.
 
-The run id hashes `sweeps.TrainConfig.to_dict()`. Two rules keep published ids where they are (docs/contracts.md,
+The run id hashes `specs.TrainConfig.to_dict()`. Two rules keep published ids where they are (docs/contracts.md,
 "Identities that outlive upgrades"): a key added later is left out at the value it was introduced at (`INTRODUCED`,
 `canonical_spec`), and a key the run's architecture does not read (not `COMMON`, not its `Arch.reads`) is hashed
-at a fixed value (`sweeps.unread_value`, `sweeps.TrainConfig.canonical`), so it names no run. No torch: planning
+at a fixed value (`sweeps.unread_value`, `specs.TrainConfig.canonical`), so it names no run. No torch: planning
 imports this at parse time.
 """
 

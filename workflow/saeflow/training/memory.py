@@ -23,7 +23,7 @@ from saeflow.store.shards import ShardDir
 from saeflow.training.loaders.shuffled import DEFAULT_BUFFER_BYTES
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.resume import LEGACY_POOL, resume_info
-from saeflow.training.sweeps import TrainConfig
+from saeflow.training.specs import TrainConfig
 
 RANK_OVERHEAD_BYTES = 2 << 30  # python, torch (and a CUDA context), batch and staging buffers, per rank
 MIN_POOL_BYTES = 64 << 20

@@ -6,7 +6,7 @@ and the AuxK error their way (over a slice, or over the ranks' latents) and hand
 (training/archs: `Arch.sparsity_terms`) adds its own. `Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's
 loss; the loop (`training.train`) owns the optimizer,
 the step and the dead-latent counters. Everything here is in the SAE's normalized space (x * scale). Runs with the
-same id train to the same weights, so the operations keep the order they had when `sweeps.TRAINER` was last bumped:
+same id train to the same weights, so the operations keep the order they had when `specs.TRAINER` was last bumped:
 reordering them moves roundings, which is a change of the training maths (and calls for a new TRAINER).
 
 Shapes: b batch, d d_model, s d_sae latents, k active latents per vector, z dead latents (AuxK).
@@ -20,7 +20,7 @@ import torch
 from saeflow.training.archs import Selection, TermInputs
 from saeflow.training.metrics import batch_nmse
 from saeflow.training.sae import SAE
-from saeflow.training.sweeps import TrainConfig
+from saeflow.training.specs import TrainConfig
 
 DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
 

@@ -37,7 +37,7 @@ import torch
 from saeflow.errors import SaeflowError, unreadable
 from saeflow.store import atomic
 from saeflow.training import archs
-from saeflow.training.sweeps import SAEConfig
+from saeflow.training.specs import SAEConfig
 
 FORMAT = "saeflow-sae"
 FORMAT_VERSION = 1  # what an SAE's sae.pt says (unchanged since the first release: every earlier file loads)

@@ -1,6 +1,6 @@
 """The resumable SAE training loop: `train_runs` trains run directories made by `saeflow create-run`.
 
-A run is content-addressed by its training config (`sweeps.TrainConfig`, `runs.run_id`): the train/val shard hashes
+A run is content-addressed by its training config (`specs.TrainConfig`, `runs.run_id`): the train/val shard hashes
 plus every hyper-parameter, seeds included. Training is a pure function of that config: the data order depends only
 on (data_seed, epoch, step) (see `loaders`), the initialization only on `seed`, and every `checkpoint_every` steps
 the full state (weights, Adam moments, dead-latent counters, BatchTopK threshold, step) is saved atomically to
@@ -33,7 +33,7 @@ from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE, init_from_data, save_atomic, save_sae
-from saeflow.training.sweeps import TrainConfig
+from saeflow.training.specs import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
 

@@ -60,7 +60,7 @@ class Selection(enum.Enum):
 class TermInputs:
     """What a sparsity term may read: one batch's training state, in the SAE's normalized space."""
 
-    cfg: typing.Any  # sweeps.TrainConfig of the run
+    cfg: typing.Any  # specs.TrainConfig of the run
     model: typing.Any  # the SAE (or this rank's latent shard)
     xn_bd: typing.Any  # the inputs, normalized
     pre_bs: typing.Any  # pre-activations
@@ -124,8 +124,8 @@ class Arch(SAELensMapping):
     # ... in these parallel modes of its `modes`: every mode (a latent shard's decoder rows write the target's space,
     # its skip path is whole on every rank)
     transcoder_modes: tuple[str, ...] = MODES
-    # The training keys it may read beyond the ones every run reads (`sweeps.COMMON`), in any mode: a key no
-    # architecture of a run declares is hashed at a fixed value (`sweeps.TrainConfig.canonical`), so it names no run.
+    # The training keys it may read beyond the ones every run reads (`keys.COMMON`), in any mode: a key no
+    # architecture of a run declares is hashed at a fixed value (`specs.TrainConfig.canonical`), so it names no run.
     hyper: tuple[str, ...] = ()
     unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
     decoder_init_norm: float = 1.0  # the norm decoder rows start at
@@ -150,7 +150,7 @@ class Arch(SAELensMapping):
         return "k" in self.hyper
 
     def reads(self, cfg) -> tuple[str, ...]:
-        """The keys of `hyper` the run `cfg` (a sweeps.TrainConfig) reads: all of them, unless a mode of the
+        """The keys of `hyper` the run `cfg` (a specs.TrainConfig) reads: all of them, unless a mode of the
         architecture leaves some unread (JumpReLU's `jumprelu_loss`)."""
         return self.hyper
 

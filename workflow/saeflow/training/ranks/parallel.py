@@ -30,7 +30,7 @@ from saeflow.training.ranks.dataparallel import DataParallelTrainer
 from saeflow.training.ranks.distloader import DistributedShuffledLoader
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.ranks.sharded import ShardedTrainer
-from saeflow.training.sweeps import TrainConfig
+from saeflow.training.specs import TrainConfig
 
 DEVICE_FRACTION = 0.5  # auto: latent sharding when one SAE's training state needs more of a device than this
 _SIGNAL_CODES = {sig.name: code for code, sig in enumerate(preempt.RANK_SIGNALS, start=1)}
