@@ -41,7 +41,7 @@ from saeflow.training import specs
 
 TEXT_SUFFIXES = (".json", ".jsonl", ".js", ".html", ".csv", ".txt", ".css", ".md")  # files that may name a hash
 HASH_KEYS = ("train_shards", "val_shards", "target", "val_target")  # the keys of a run config naming directories
-BLOCK_EXAMPLES = 1024  # examples copied at a time
+BLOCK_BYTES = 16 * 2**20  # copied at a time: small enough that reading the next overlaps the writer's hash and write
 
 
 def legacy_shard_hashes(plan: WorkflowPlan) -> dict[str, str]:
@@ -124,7 +124,8 @@ def cut_layer(old: shards.ShardDir, layer: int, new_md: shards.Metadata, shards_
     provenance = {"migrated_from": {"shards": old.hash, "layer": layer, "layout": layout.LAYOUT_VERSION - 1}}
     with shards.ShardWriter(shards_root, new_md, aux=aux, provenance_extra=provenance) as writer:
         if not writer.reused:
-            for start, acts_ntd in old.iter_blocks(layer, BLOCK_EXAMPLES):
+            ex_bytes = new_md.tokens_per_ex * new_md.d_model * np.dtype(new_md.dtype).itemsize
+            for start, acts_ntd in old.iter_blocks(layer, max(1, BLOCK_BYTES // ex_bytes)):
                 if start < writer.n_written:
                     continue  # resumed: those shards are complete
                 stop = start + acts_ntd.shape[0]
