@@ -77,16 +77,16 @@ def _train_config(name: str, **extra) -> TrainConfig:
     return TrainConfig.from_dict(obj, name)
 
 
-def _random_sae(cfg: TrainConfig) -> SAE:
+def _random_sae(cfg: TrainConfig, b_enc_std: float = 0.1) -> SAE:
     """An SAE of width 16 in training mode, seeded: unit decoder rows, the encoder their transpose, small encoder
-    biases, the architecture's own parameters at their init."""
+    biases (`b_enc_std`), the architecture's own parameters at their init."""
     torch.manual_seed(0)
     sae = SAE(cfg.sae_config(16)).train()
     with torch.no_grad():
         sae.W_dec.normal_()
         sae.normalize_decoder()
         sae.W_enc.copy_(sae.W_dec.T)
-        sae.b_enc.normal_(0, 0.1)
+        sae.b_enc.normal_(0, b_enc_std)
         sae.arch.init_parameters(sae, cfg)
     return sae
 

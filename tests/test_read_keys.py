@@ -19,7 +19,7 @@ from saeflow.analysis import summary
 from saeflow.planning import WorkflowPlan
 from saeflow.store import runs
 from saeflow.training import archs, keys, objectives, specs, sweeps
-from saeflow.training.sae import SAE
+from test_archs import _random_sae
 from test_identity import RANDOM_VIT, ROOTS
 
 # A value off its default for every architecture key (and a valid one: k fits d_sae, positive scales); jumprelu_loss
@@ -110,14 +110,7 @@ def test_every_training_key_is_read_by_every_run_or_declared_by_an_architecture(
 def _one_step(cfg: specs.TrainConfig) -> dict:
     """What the run `cfg` computes in one step of one process: its initial state, loss terms, gradients and the
     learning-rate multiples of its parameters (AuxK and the dead-latent terms active, inside the warm-up)."""
-    torch.manual_seed(0)
-    sae = SAE(cfg.sae_config(16)).train()
-    with torch.no_grad():
-        sae.W_dec.normal_()
-        sae.normalize_decoder()
-        sae.W_enc.copy_(sae.W_dec.T)
-        sae.b_enc.normal_(0, 0.5)
-        sae.arch.init_parameters(sae, cfg)
+    sae = _random_sae(cfg, b_enc_std=0.5)  # wider biases: more latents fire, so more keys reach the step
     state = {name: t.clone() for name, t in sae.state_dict().items()}
     dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
     dead.since_fired_s.fill_(5)
