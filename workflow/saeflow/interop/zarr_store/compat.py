@@ -9,8 +9,11 @@ blosc-lz4 and writes every chunk), so both versions write the same `.zarray` fie
 zarr is imported on first use: the CLI must start without it.
 """
 
+import asyncio
+import contextlib
 import functools
 import pathlib
+import typing
 import warnings
 
 # The small per-sample arrays' compressor: zarr-python 2.18's default (blosc lz4, level 5, byte shuffle), named
@@ -47,6 +50,27 @@ def create_array(group, name: str, shape, chunks, dtype, fill_value, compressor:
     if major() >= 3:
         return group.create_array(name, compressors=codec, config={"write_empty_chunks": True}, **kwargs)
     return group.create_dataset(name, compressor=codec, write_empty_chunks=True, **kwargs)
+
+
+@contextlib.contextmanager
+def settled_on_error() -> typing.Iterator[None]:
+    """On an exception, wait for zarr's in-flight chunk writes before passing it on. zarr-python 3 writes an
+    assignment's chunks as concurrent tasks (`asyncio.gather`), and the first to fail (a full disk) does not cancel
+    the others: they go on writing, creating directories, after the caller has removed its staging directory. 2.18
+    writes synchronously: nothing to wait for."""
+    try:
+        yield
+    except BaseException:
+        if major() >= 3:
+            from zarr.core.sync import sync
+
+            sync(_others_done())
+        raise
+
+
+async def _others_done() -> None:
+    others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 def consolidate(dpath: pathlib.Path) -> None:

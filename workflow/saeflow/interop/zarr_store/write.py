@@ -43,7 +43,7 @@ def write_store(records: typing.Iterable[Record], n: int, out_dpath, attrs: dict
     layers, d_model = check_uniform([first], where)
     L = len(layers)
     want_resp = opts.response_max > 0
-    with atomic.building_dir(out_dpath) as staging:
+    with atomic.building_dir(out_dpath) as staging, zarr_compat.settled_on_error():
         root = zarr_compat.new_group(staging)
         arrays = root.create_group("arrays")
 
@@ -165,7 +165,7 @@ def merge(root_dpath, out_dpath) -> pathlib.Path:
         raise SaeflowError(f"{out_dpath} already exists; remove it or choose another output")
     if any(d is None for s in reader.stores for d in s.direct.values()):
         raise SaeflowError(f"{root_dpath}: merge needs uncompressed (1, 1, T, H) chunks in every shard")
-    with atomic.building_dir(out_dpath) as staging:
+    with atomic.building_dir(out_dpath) as staging, zarr_compat.settled_on_error():
         first = zarr_compat.open_consolidated(reader.stores[0].dpath)
         root = zarr_compat.new_group(staging)
         arrays = root.create_group("arrays")
