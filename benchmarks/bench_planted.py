@@ -65,7 +65,7 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
     """One saeflow SAE (or transcoder) trained with `Trainer.train_step` on the planted stream; its scores."""
     d_model, n_atoms = atoms_ad.shape[1], atoms_ad.shape[0]
     spec = dict(
-        trainer=specs.TRAINER, train_shards="planted", val_shards="planted", layer=0, tokens="all", arch="topk",
+        trainer="", train_shards="planted", val_shards="planted", layer=0, tokens="all", arch="topk",
         expansion=max(1, n_atoms // d_model), k=args.n_active, matryoshka=(), l1_coeff=5.0, aux_k=256,
         aux_alpha=1 / 32, dead_after_vectors=10_000_000, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.05,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=seed, data_seed=0,
@@ -77,7 +77,7 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         spec.update(dead_after_vectors=None if args.dead_after_vectors < 0 else args.dead_after_vectors)
     spec.update(lr=args.lr)
     spec.update(overrides)
-    cfg = specs.TrainConfig(**spec)
+    cfg = specs.TrainConfig(**{**spec, "trainer": specs.trainer_of(spec["arch"])})
     with tempfile.TemporaryDirectory() as tmp:
         run = runs.Run(pathlib.Path(tmp))
         run.checkpoint_dpath.mkdir()

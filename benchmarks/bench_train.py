@@ -43,7 +43,8 @@ TOKENS_PER_EX = 129  # CLS + 128
 
 def make_trainer(args, run: runs.Run, dev, n_steps: int, dead_frac: float, x_bd) -> train.Trainer:
     cfg = specs.TrainConfig(
-        trainer=specs.TRAINER, train_shards="bench", val_shards="bench", layer=0, tokens="content", arch="topk",
+        trainer=specs.trainer_of("topk"), train_shards="bench", val_shards="bench", layer=0, tokens="content",
+        arch="topk",
         expansion=args.expansion, k=args.k, matryoshka=(), l1_coeff=0.0, aux_k=256, aux_alpha=1 / 32,
         dead_after_vectors=1 if dead_frac else 10**12, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.0,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=0, data_seed=0,

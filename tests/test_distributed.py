@@ -37,6 +37,7 @@ from saeflow.store.shards import ShardDir
 from saeflow.training import archs, entry, memory, objectives, resume, specs, sweeps
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
+from saeflow.training.picks import PreActs
 from saeflow.training.ranks import distributed, parallel, sharded
 from saeflow.training.ranks.dataparallel import global_batch_topk, rank_slice
 from saeflow.training.ranks.distloader import DistributedShuffledLoader, RankPlan
@@ -321,7 +322,7 @@ def _selections():
         model = _random_sae(arch).train()
         shard = _shard_of(model, comm)
         pre_bs = model.pre_acts_normed(x_bd)
-        codes = sharded.encode(shard, shard.pre_acts_normed(x_bd), comm, 32, training=True)
+        codes = sharded.encode(shard, PreActs(shard, x_bd), comm, 32, training=True)
         if model.arch.selection is archs.Selection.TOP_K:
             want = pre_bs.topk(4, dim=-1).indices.sort(1).values
             out[arch] = torch.equal(codes.gids_bk.sort(1).values, want)
@@ -329,7 +330,7 @@ def _selections():
             f_bs = model.activate(pre_bs)
             out[arch] = torch.equal(codes.f_bs, f_bs[:, shard.lo : shard.hi])
         x_hat = sharded.decode(shard, codes, comm, model.cfg.matryoshka)[-1]
-        whole_codes, _ = objectives.encode(model, x_bd, pre_bs, None)
+        whole_codes, _ = objectives.encode(model, x_bd, PreActs(model, x_bd), None)
         out[f"{arch}_decode"] = float((x_hat - whole_codes.decode(model)).abs().max())
         dead_s = torch.arange(64) % 3 == 0
         dead_z, pick_bk = objectives.pick_dead(pre_bs, dead_s, 8)

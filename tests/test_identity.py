@@ -4,8 +4,11 @@ tests/data/identity.json pins, for today's default workflow and for non-default 
 architecture, the shard hashes, the run ids and the sha256 of the per-job configs of the shard and run jobs (what
 Snakemake's rerun trigger compares), all from the plan alone (`WorkflowPlan`, nothing trained or extracted).
 They must never change: a key added later with a default must leave every one of them as it was. Changing one on
-purpose means bumping `specs.TRAINER` (a change of training maths) and saying why in the commit; new cases are
-added with `python tests/test_identity.py --add NAME` after adding the config to CASES, never by rewriting old ones.
+purpose means bumping an architecture's trainer version (`Arch.trainer`: a change of its training maths) and saying
+why in the commit. The pins were made when every architecture trained as `FIRST_TRAINER`, so they are compared with
+each architecture's trainer set back to that (`at_pinned_trainers`): what a bump moves, and only that, is checked on
+its own (test_a_trainer_bump_moves_only_its_architectures_run_ids). New cases are added with
+`python tests/test_identity.py --add NAME` after adding the config to CASES, never by rewriting old ones.
 """
 
 import copy
@@ -20,6 +23,7 @@ from saeflow import config
 from saeflow.planning import WorkflowPlan
 from saeflow.store import hashing, shards
 from saeflow.training import archs, keys, specs, sweeps
+from saeflow.training.archs.base import FIRST_TRAINER
 from workflow_helpers import REPO_ROOT, minilm_path
 
 FIXTURE_FPATH = pathlib.Path(__file__).parent / "data" / "identity.json"
@@ -103,6 +107,17 @@ def _default_config(monkeypatch, tmp_path) -> dict:
     return config.load(REPO_ROOT / "config" / "config.yaml")
 
 
+@pytest.fixture
+def at_pinned_trainers(monkeypatch):
+    """Every architecture's trainer as it was when the pins were made (`FIRST_TRAINER`)."""
+    pinned_trainers(monkeypatch.setattr)
+
+
+def pinned_trainers(setattr_=setattr) -> None:
+    for arch in archs.REGISTRY.values():
+        setattr_(arch, "trainer", FIRST_TRAINER)
+
+
 def identities(cfg: dict) -> dict:
     """What the fixture pins of a config: shard hashes, run ids and the per-job configs of shard and run jobs."""
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
@@ -115,13 +130,28 @@ def _fixture() -> dict:
     return json.loads(FIXTURE_FPATH.read_text())
 
 
-def test_default_workflow_identities_never_change(monkeypatch, tmp_path):
+def test_default_workflow_identities_never_change(monkeypatch, tmp_path, at_pinned_trainers):
     assert identities(_default_config(monkeypatch, tmp_path)) == _fixture()[DEFAULT]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_identities_never_change(name):
+def test_identities_never_change(name, at_pinned_trainers):
     assert identities(CASES[name]) == _fixture()[name]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_trainer_bump_moves_only_its_architectures_run_ids(name, monkeypatch):
+    """Against the pins' trainers, a run keeps its id exactly when its architecture's trainer is still the one it
+    was pinned at; the shard hashes never move (a trainer is no part of them)."""
+    now = WorkflowPlan.from_config(config.validate(copy.deepcopy(CASES[name])))
+    with monkeypatch.context() as patch:
+        pinned_trainers(patch.setattr)
+        then = WorkflowPlan.from_config(config.validate(copy.deepcopy(CASES[name])))
+    assert now.shard_hash == then.shard_hash
+    then_ids = {(run.sae_name, run.index): run_id for run_id, run in then.runs.items()}
+    for run_id, run in now.runs.items():
+        bumped = archs.get(run.train_config.arch).trainer != FIRST_TRAINER
+        assert (run_id != then_ids[run.sae_name, run.index]) == bumped, (run.sae_name, run.index)
 
 
 def test_every_architecture_of_the_registry_has_a_pinned_case():
@@ -135,10 +165,10 @@ def test_every_architecture_of_the_registry_has_a_pinned_case():
     assert sorted(archs.REGISTRY) == sorted(planned), "give each architecture a case (see the module docstring)"
 
 
-def test_the_default_pin_agrees_with_the_default_workflow_reference():
-    """The run ids test_default_workflow.py trains are the ones pinned here (one fact, two tests)."""
+def test_the_default_reference_trains_the_default_workflows_runs(monkeypatch, tmp_path):
+    """The run ids test_default_workflow.py trains (its reference) are those the default workflow plans today."""
     reference = json.loads((REPO_ROOT / "tests" / "data" / "default-workflow.json").read_text())
-    assert _fixture()[DEFAULT]["runs"] == reference["runs"]
+    assert identities(_default_config(monkeypatch, tmp_path))["runs"] == reference["runs"]
 
 
 def test_a_config_json_of_today_loads_and_is_its_own_run():
@@ -160,7 +190,8 @@ def test_a_config_json_of_today_loads_and_is_its_own_run():
 def test_an_introduced_key_is_hashed_only_off_its_introduction_value(monkeypatch):
     """The mechanism on its own: a key introduced at a value is left out there, kept elsewhere, filled when absent."""
     monkeypatch.setitem(sweeps.INTRODUCED, "aux_alpha", 0.03125)
-    obj = {"trainer": specs.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "layer": 0, "tokens": "all",
+    obj = {"trainer": specs.trainer_of("topk"), "train_shards": "a" * 64, "val_shards": "a" * 64, "layer": 0,
+           "tokens": "all",
            "arch": "topk", "expansion": 2, "k": 2, "matryoshka": [], "l1_coeff": 3.0, "aux_k": 8,
            "dead_after_vectors": None, "lr": None, "lr_warmup_frac": 0.05, "sparsity_warmup_frac": 0.05,
            "batch_size": 8, "n_epochs": 1, "n_train_vectors": None, "n_val_vectors": None, "seed": 0,
@@ -201,6 +232,7 @@ def test_a_data_key_added_later_changes_no_shard_hash(monkeypatch):
 def _add(name: str) -> None:
     """Pin a new case (never rewrite an old one: that is what the tests refuse)."""
     fixture = _fixture() if FIXTURE_FPATH.exists() else {}
+    pinned_trainers()
     if name in fixture:
         raise SystemExit(f"{name} is pinned already; pins never change (see the module docstring)")
     if name == DEFAULT:

@@ -132,7 +132,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_an_architecture_reads_exactly_the_keys_it_declares(arch, mode):
     """The declarations are what training computes: changing a key the run does not read changes nothing of one
     step (so hashing it at a fixed value trains the same SAE), changing one it reads changes something."""
-    obj = {"trainer": specs.TRAINER, "train_shards": "a" * 64, "val_shards": "a" * 64, "tokens": "all",
+    obj = {"trainer": specs.trainer_of(arch), "train_shards": "a" * 64, "val_shards": "a" * 64, "tokens": "all",
            **{k: v for k, v in config.validate({"activations": {}, "saes": {"s": {"train": "t", "layer": 0,
                                                 "arch": arch, "k": 4, "aux_k": 8, **mode}}})["saes"]["s"].items()
               if k not in ("train", "val")}}  # fmt: skip

@@ -54,7 +54,7 @@ from saeflow.analysis import inference  # noqa: E402
 from saeflow.extraction import adapters, extract, specs  # noqa: E402
 from saeflow.store import runs, shards  # noqa: E402
 from saeflow.training import loaders, sae, train  # noqa: E402
-from saeflow.training.specs import TRAINER, TrainConfig  # noqa: E402
+from saeflow.training.specs import TrainConfig, trainer_of  # noqa: E402
 
 SAMPLE_SEC = 0.1
 IDLE_GAP_LIMIT_SEC = 0.5
@@ -310,7 +310,7 @@ def write_vectors(root: pathlib.Path, n_vectors: int, d_model: int, tag: str) ->
 
 def train_config(arch: str, prof: Profile) -> TrainConfig:
     return TrainConfig(
-        trainer=TRAINER, train_shards="gpu-check", val_shards="gpu-check", layer=0, tokens="content",
+        trainer=trainer_of(arch), train_shards="gpu-check", val_shards="gpu-check", layer=0, tokens="content",
         arch=arch, expansion=prof.expansion, k=prof.k, matryoshka=(), l1_coeff=0.0, aux_k=256, aux_alpha=1 / 32,
         dead_after_vectors=10_000_000, lr=4e-4, lr_warmup_frac=0.05, sparsity_warmup_frac=0.0,
         batch_size=prof.train_batch, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=0, data_seed=0,

@@ -254,19 +254,25 @@ class LatentStats:
         self.all_rows = metrics.MetricsAccumulator(d_model, d_sae, dense_freq=cfg.dense_freq)
         self.first_row = 0
 
-    def update(self, x_bd, x_hat_bd, f_bs, rows_n, cols_n, vals_n) -> None:
-        """One batch: its vectors, reconstructions and codes, and the codes' non-zero entries (row-major)."""
-        n_rows = x_bd.shape[0]
+    def update(self, x_bd, x_hat_bd, rows_n, cols_n, vals_n) -> None:
+        """One batch: its vectors and reconstructions, and the codes' non-zero entries (row-major)."""
+        n_rows, d_sae = x_bd.shape[0], len(self.sum_act_s)
+        x64_bd = x_bd.to("cpu", torch.float64)
+        err_b = (x64_bd - x_hat_bd.to("cpu", torch.float64)).square().sum(-1)
+        sq_b = x64_bd.square().sum(-1)
+        self.all_rows.update_rows(x64_bd, err_b, sq_b, torch.from_numpy(np.bincount(cols_n, minlength=d_sae)))
         keep_b = self.selection.keeps(np.arange(self.first_row, self.first_row + n_rows))
-        kept_n = keep_b[rows_n]
-        rows_n, cols_n, vals_n = rows_n[kept_n], cols_n[kept_n], vals_n[kept_n]
+        if not keep_b.all():
+            kept_n = keep_b[rows_n]
+            rows_n, cols_n, vals_n = rows_n[kept_n], cols_n[kept_n], vals_n[kept_n]
+            keep_t = torch.from_numpy(keep_b)
+            x64_bd, err_b, sq_b = x64_bd[keep_t], err_b[keep_t], sq_b[keep_t]
         self.topk.update(rows_n, cols_n, vals_n, self.first_row)
-        self.sum_act_s += np.bincount(cols_n, weights=vals_n, minlength=len(self.sum_act_s))
+        fires_s = np.bincount(cols_n, minlength=d_sae)
+        self.sum_act_s += np.bincount(cols_n, weights=vals_n, minlength=d_sae)
         np.maximum.at(self.max_act_s, cols_n, vals_n)
         self.l0_hist += np.bincount(np.bincount(rows_n, minlength=n_rows)[keep_b], minlength=len(self.l0_hist))
-        keep_t = torch.from_numpy(keep_b).to(x_bd.device)
-        self.trained.update(x_bd[keep_t], x_hat_bd[keep_t], f_bs[keep_t])
-        self.all_rows.update(x_bd, x_hat_bd, f_bs)
+        self.trained.update_rows(x64_bd, err_b, sq_b, torch.from_numpy(fires_s))
         self.first_row += n_rows
 
     def latents(self) -> dict[str, np.ndarray]:
@@ -307,6 +313,31 @@ def l0_spread(l0_hist: np.ndarray) -> dict:
 
 
 @torch.no_grad()
+def encode_entries(model: sae.SAE, x_bd: torch.Tensor) -> tuple[torch.Tensor, tuple[np.ndarray, ...]]:
+    """(the prediction (b, d), the codes' non-zero entries (rows_n, cols_n, vals_n) in row-major order, columns
+    ascending: the CSR order). Codes that are k-sparse (`Arch.k_sparse`) are decoded from their picks (O(b k d), not a
+    dense O(b s d)) and never made dense; the others are `forward`'s dense codes, read by `np.nonzero`. Either way
+    the entries are the dense codes' non-zeros, bit for bit."""
+    if not model.arch.k_sparse:
+        x_hat_bd, f_bs = model(x_bd)
+        f_np = f_bs.cpu().numpy()
+        rows_n, cols_n = np.nonzero(f_np)
+        return x_hat_bd, (rows_n, cols_n, f_np[rows_n, cols_n])
+    xn_bd = x_bd * model.scale
+    vals_bk, idx_bk = model.arch.picks(model, model.pre_acts_normed(xn_bd))
+    yn_hat_bd = model.decode_sparse_normed(vals_bk, idx_bk)
+    skip_bd = model.skip_normed(xn_bd)
+    if skip_bd is not None:
+        yn_hat_bd = yn_hat_bd + skip_bd
+    idx_bk, order_bk = idx_bk.sort(dim=1)
+    vals_bk = vals_bk.gather(1, order_bk)
+    on_bk = vals_bk > 0
+    rows_bk = torch.arange(idx_bk.shape[0], device=idx_bk.device)[:, None].expand_as(idx_bk)
+    entries = (rows_bk[on_bk].cpu().numpy(), idx_bk[on_bk].cpu().numpy(), vals_bk[on_bk].cpu().numpy())
+    return yn_hat_bd / model.out_scale, entries
+
+
+@torch.no_grad()
 def _dump(model: sae.SAE, sd: ShardDir, layer: int, tokens: str, cfg: InferenceConfig, out: layout.DumpLayout,
           target: ShardDir | None = None) -> None:  # fmt: skip
     """One streaming pass over every stored token: CSR rows, per-latent statistics, top-k and metrics (a transcoder's,
@@ -323,13 +354,10 @@ def _dump(model: sae.SAE, sd: ShardDir, layer: int, tokens: str, cfg: InferenceC
         with tqdm.tqdm(total=n_rows, unit="tok", desc="inference", disable=None) as bar:
             for batch in loader.iter_batches():
                 x_bd, y_bd = loaders.pairs.split(loaders.pairs.to_device(batch, device))
-                x_hat_bd, f_bs = model(x_bd)
+                x_hat_bd, (rows_n, cols_n, vals_n) = encode_entries(model, x_bd)
                 x_bd = x_bd if y_bd is None else y_bd  # what the metrics compare the output with
-                f_np = f_bs.cpu().numpy()
-                rows_n, cols_n = np.nonzero(f_np)  # row-major: the CSR order
-                vals_n = f_np[rows_n, cols_n]
-                csr.append_nonzero(rows_n, cols_n, vals_n, n_rows=f_np.shape[0])
-                stats.update(x_bd, x_hat_bd, f_bs, rows_n, cols_n, vals_n)
+                csr.append_nonzero(rows_n, cols_n, vals_n, n_rows=x_bd.shape[0])
+                stats.update(x_bd, x_hat_bd, rows_n, cols_n, vals_n)
                 bar.update(x_bd.shape[0])
         csr.finish()
     except BaseException:

@@ -33,12 +33,23 @@ class MetricsAccumulator:
 
     @torch.no_grad()
     def update(self, x_bd: torch.Tensor, x_hat_bd: torch.Tensor, f_bs: torch.Tensor) -> None:
+        self.update_counts(x_bd, x_hat_bd, (f_bs.detach() > 0).sum(0))
+
+    @torch.no_grad()
+    def update_counts(self, x_bd: torch.Tensor, x_hat_bd: torch.Tensor, fires_s: torch.Tensor) -> None:
+        """`update` from each latent's count of active vectors in the batch (`fires_s`, (s,); its sum is the batch's
+        active codes), so sparse codes need no dense (b, s) pass."""
         x64 = x_bd.detach().to("cpu", torch.float64)
-        self.n_vectors += x64.shape[0]
-        self.sq_err += float((x64 - x_hat_bd.detach().to("cpu", torch.float64)).square().sum())
-        self.sum_d += x64.sum(0)
-        self.sum_sq += float(x64.square().sum())
-        fires_s = (f_bs.detach() > 0).sum(0)  # the batch's total is the sum of these d_sae counts
+        err_b = (x64 - x_hat_bd.detach().to("cpu", torch.float64)).square().sum(-1)
+        self.update_rows(x64, err_b, x64.square().sum(-1), fires_s)
+
+    def update_rows(self, x64_bd: torch.Tensor, err_b: torch.Tensor, sq_b: torch.Tensor, fires_s: torch.Tensor) -> None:
+        """`update_counts` from a batch's float64 inputs and their per-vector squared error and squared norm (a caller
+        keeping two accumulators over one batch computes them once)."""
+        self.n_vectors += x64_bd.shape[0]
+        self.sq_err += float(err_b.sum())
+        self.sum_d += x64_bd.sum(0)
+        self.sum_sq += float(sq_b.sum())
         self.n_active += int(fires_s.sum())
         self.fires_s += fires_s.to("cpu", torch.int64)
 

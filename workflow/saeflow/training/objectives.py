@@ -6,8 +6,9 @@ and the AuxK error their way (over a slice, or over the ranks' latents) and hand
 (training/archs: `Arch.sparsity_terms`) adds its own. `Objective(cfg, n_steps)(sae, x_bd, step, dead)` is one step's
 loss; the loop (`training.train`) owns the optimizer,
 the step and the dead-latent counters. Everything here is in the SAE's normalized space (x * scale). Runs with the
-same id train to the same weights, so the operations keep the order they had when `specs.TRAINER` was last bumped:
-reordering them moves roundings, which is a change of the training maths (and calls for a new TRAINER).
+same id train to the same weights, so the operations keep the order they had when the architecture's trainer version
+(`Arch.trainer`, in the run id) was last bumped: reordering them moves roundings, which is a change of the training
+maths (and calls for a new version of the architectures it touches).
 
 Shapes: b batch, d d_model, s d_sae latents, k active latents per vector, z dead latents (AuxK).
 """
@@ -19,6 +20,7 @@ import torch
 
 from saeflow.training.archs import Selection, TermInputs
 from saeflow.training.metrics import batch_nmse
+from saeflow.training.picks import PreActs
 from saeflow.training.sae import SAE
 from saeflow.training.specs import TrainConfig
 
@@ -56,15 +58,24 @@ class Codes:
         return float(active_bk.sum(-1).float().mean())
 
 
-def encode(sae: SAE, xn_bd: torch.Tensor, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None,
+def pre_acts(cfg: TrainConfig, model, xn_bd: torch.Tensor) -> PreActs:
+    """The batch's pre-activations for training `model` (an SAE or a latent shard) in the run `cfg`: a TOP_K
+    selection reads them through its picks (training/picks.py) in a run of its architecture's trainer now; a run made
+    by an earlier trainer, and every other selection, through autograd."""
+    arch = model.arch
+    return PreActs(model, xn_bd, picked=arch.selection is Selection.TOP_K and cfg.trainer == arch.trainer)
+
+
+def encode(sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None,
            cfg: TrainConfig | None = None):  # fmt: skip
-    """The batch's codes from its normalized inputs `xn_bd` and their pre-activations `pre_bs` (in training, `cfg`
+    """The batch's codes from its normalized inputs `xn_bd` and their pre-activations `pre` (in training, `cfg`
     given: `Arch.train_activate`; a WHOLE_DICTIONARY selection: `Arch.encode` of the inputs), and the
     pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
 
     Selection.TOP_K chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching
     the (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
     """
+    pre_bs = pre.pre_bs
     if sae.arch.selection is not Selection.TOP_K:
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
         if sae.arch.selection is Selection.WHOLE_DICTIONARY:
@@ -76,8 +87,8 @@ def encode(sae: SAE, xn_bd: torch.Tensor, pre_bs: torch.Tensor, aux_ids_bk: torc
     with torch.no_grad():
         idx_bk = pre_bs.topk(n_kept, dim=-1, sorted=False).indices
     if aux_ids_bk is None:
-        return Codes(pre_bs, None, torch.relu(pre_bs.gather(1, idx_bk)), idx_bk), None
-    vals_bk, aux_pre_bk = pre_bs.gather(1, torch.cat([idx_bk, aux_ids_bk], 1)).split([n_kept, aux_ids_bk.shape[1]], 1)
+        return Codes(pre_bs, None, torch.relu(pre.gather(idx_bk)), idx_bk), None
+    vals_bk, aux_pre_bk = pre.gather(torch.cat([idx_bk, aux_ids_bk], 1)).split([n_kept, aux_ids_bk.shape[1]], 1)
     return Codes(pre_bs, None, torch.relu(vals_bk), idx_bk), aux_pre_bk  # no dense (b, s) codes: never needed
 
 
@@ -226,18 +237,19 @@ class Objective:
     cfg: TrainConfig  # what loss_terms and the architecture read (aux_k, aux_alpha, l1_coeff, ...)
     n_steps: int  # of the whole run (warm-ups are fractions of it)
 
-    def encode(self, sae: SAE, xn_bd: torch.Tensor, pre_bs: torch.Tensor, aux_ids_bk: torch.Tensor | None):
+    def encode(self, sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None):
         """`encode` in training, with this run's SAE and config."""
-        return encode(sae, xn_bd, pre_bs, aux_ids_bk, self.cfg)
+        return encode(sae, xn_bd, pre, aux_ids_bk, self.cfg)
 
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents, y_bd: torch.Tensor | None = None
                  ) -> Loss:  # fmt: skip
         """One step's loss on inputs `x_bd` (and a transcoder's targets `y_bd`, raw)."""
         cfg = self.cfg
         xn_bd = x_bd * sae.scale
-        pre_bs = sae.pre_acts_normed(xn_bd)
+        pre = pre_acts(cfg, sae, xn_bd)
+        pre_bs = pre.pre_bs
         dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
-        codes, aux_pre_bk = self.encode(sae, xn_bd, pre_bs, None if pick_bk is None else dead_z[pick_bk])
+        codes, aux_pre_bk = self.encode(sae, xn_bd, pre, None if pick_bk is None else dead_z[pick_bk])
         recon_bd, yn_bd = latent_target(sae, xn_bd, y_bd)
         mse, xn_hat_bd = reconstruction_loss(sae, codes, recon_bd)
 

@@ -11,7 +11,6 @@ from saeflow.training import archs
 from saeflow.training.keys import COMMON, INTRODUCED, canonical_spec
 
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures (each one module of training/archs)
-TRAINER = "saeflow-train-3"  # bump when the training maths change, so old run ids are not reused
 NOT_SWEPT = ("train", "val", "target", "val_target")  # activation names (a run config holds their shard hashes)
 
 
@@ -20,6 +19,27 @@ def is_sweep(key: str, value) -> bool:
     if key in NOT_SWEPT or not isinstance(value, list):
         return False
     return key != "matryoshka" or (bool(value) and all(isinstance(v, list) for v in value))
+
+
+def trainer_of(arch: str) -> str:
+    """The trainer version a new run of `arch` records (`Arch.trainer`): its training maths now."""
+    return archs.get(arch).trainer
+
+
+def trains(run_config: dict) -> bool:
+    """Whether this saeflow trains the run `run_config` (a config.json) with the maths it was made with: its
+    architecture's trainer now, or an earlier one it still computes (`Arch.earlier_trainers`)."""
+    arch = archs.REGISTRY.get(run_config.get("arch"))
+    return arch is not None and run_config.get("trainer") in (arch.trainer, *arch.earlier_trainers)
+
+
+def check_trainer(run_config: dict, where: str) -> None:
+    """Refuse, in one line, a run made by a trainer whose maths this saeflow does not compute for its architecture."""
+    if not trains(run_config):
+        arch = archs.get(run_config.get("arch"))
+        raise SaeflowError(f"{where}: made by trainer {run_config.get('trainer')!r}; this saeflow trains {arch.name} "
+                           f"as {arch.trainer!r} (and resumes {list(arch.earlier_trainers)}): plan it again for a new "
+                           "run")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +98,7 @@ class TrainConfig:
         missing, extra = sorted(names - obj.keys()), sorted(obj.keys() - names)
         if missing or extra:
             raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
-        if obj["trainer"] != TRAINER:
-            raise SaeflowError(f"{where}: made by trainer {obj['trainer']!r}; this saeflow is {TRAINER!r}")
+        check_trainer(obj, where)
         swept = [k for k, v in obj.items() if is_sweep(k, v)]
         if swept:
             raise SaeflowError(f"{where}: {swept} are still lists; a run holds one point of a sweep")

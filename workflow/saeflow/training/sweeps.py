@@ -22,7 +22,7 @@ from saeflow.extraction import tokenization
 from saeflow.store import runs
 from saeflow.training import archs
 from saeflow.training.keys import ARCH_KEYS, INTRODUCED, same_value
-from saeflow.training.specs import NOT_SWEPT, TRAINER, TrainConfig, is_sweep
+from saeflow.training.specs import NOT_SWEPT, TrainConfig, is_sweep, trainer_of, trains
 
 SEED_KEYS = ("seed", "data_seed")  # what may differ between the runs of one seed group (saeflow.analysis.stability)
 
@@ -140,10 +140,10 @@ class SAESpec:
 
 
 def readable_config(run_config: dict, where: str) -> dict:
-    """A run's config (its config.json, at `where`) as a person reads it: this trainer's runs as
+    """A run's config (its config.json, at `where`) as a person reads it: a run this saeflow trains as
     `TrainConfig.readable` (what the run's readable file holds, computed again, so a run made before that file
     existed reads the same); any other (an import, an earlier trainer) as it is."""
-    if run_config.get("trainer") != TRAINER:
+    if not trains(run_config):
         return run_config
     return TrainConfig.from_dict(run_config, where).readable()
 
@@ -242,7 +242,7 @@ def plan_runs(
                                                       "val_target": shards_of("val_target",
                                                                               spec.val_target_activation)}  # fmt: skip
             obj = {
-                "trainer": TRAINER,
+                "trainer": trainer_of(hyper["arch"]),
                 "train_shards": shards_of("train", spec.train),
                 "val_shards": shards_of("val", spec.val_activation),
                 **hyper,

@@ -18,6 +18,9 @@ import typing
 
 from saeflow import config
 
+# The training maths' version a run of an architecture records (config.json's `trainer`, so its run id): bumped per
+# architecture when its maths change, so the bytes of the others keep their ids (DESIGN principle 12).
+FIRST_TRAINER = "saeflow-train-3"
 MODES = tuple(mode for mode in config.enum("train", "parallel") if mode != "auto")  # sweep, data, latents
 # The parameters every SAE has, in its order (sae.SAE), and the axis along which each has one entry per latent;
 # None: held whole (a latent shard keeps all of b_dec).
@@ -114,6 +117,9 @@ class Arch(SAELensMapping):
 
     name: str = ""  # the schema's sae_spec.arch value
     selection: Selection = Selection.DENSE
+    trainer: str = FIRST_TRAINER  # the version of its training maths its new runs record (`FIRST_TRAINER`)
+    # Earlier versions whose maths it still computes: a run made by one resumes as it started (another is refused)
+    earlier_trainers: tuple[str, ...] = ()
     # The parallel modes it trains in (the plan refuses the others), set from its selection by `__init_subclass__`:
     # every mode, but `latents` for a selection a latent shard cannot compute (`Selection.shards_latents`). A
     # subclass may name fewer.
@@ -137,6 +143,9 @@ class Arch(SAELensMapping):
     # The `threshold` buffer is its inference threshold (BatchTopK's, kept by `after_step`; matching pursuit's
     # residual norm at which it stops), which its SAELens export reads.
     has_threshold: bool = False
+    # Its inference codes are k (value, latent) pairs per vector (`picks`), so inference decodes them from the picks
+    # and never makes them dense (analysis.inference.encode_entries); a threshold's codes are not.
+    k_sparse: bool = False
     sparsify: str | None = None  # the sparsify activation it is saved as; None: sparsify cannot represent it
 
     def __init_subclass__(cls, **kwargs):
@@ -162,6 +171,11 @@ class Arch(SAELensMapping):
 
     def activate(self, sae, pre_bs):
         """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""
+        raise NotImplementedError(self.name)
+
+    def picks(self, sae, pre_bs):
+        """Its codes as k (value, latent) pairs per vector (vals_bk, idx_bk): what `activate` scatters (values may be
+        0). Only where `k_sparse`."""
         raise NotImplementedError(self.name)
 
     def encode(self, sae, xn_bd):

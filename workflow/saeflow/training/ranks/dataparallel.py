@@ -54,14 +54,15 @@ def data_parallel_loss(
     included."""
     cfg, n = objective.cfg, x_bd.shape[0]
     xn_bd = x_bd * sae.scale
-    pre_bs = sae.pre_acts_normed(xn_bd)
+    pre = objectives.pre_acts(cfg, sae, xn_bd)
+    pre_bs = pre.pre_bs
     dead_z, pick_bk = objectives.pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
     aux_ids_bk = None if pick_bk is None else dead_z[pick_bk]
     if sae.arch.selection is Selection.BATCH_TOP_K:
         codes = Codes(pre_bs, global_batch_topk(pre_bs, sae.cfg.n_kept(batch_size), comm), None, None)
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
     else:
-        codes, aux_pre_bk = objective.encode(sae, xn_bd, pre_bs, aux_ids_bk)
+        codes, aux_pre_bk = objective.encode(sae, xn_bd, pre, aux_ids_bk)
     recon_bd, yn_bd = objectives.latent_target(sae, xn_bd, y_bd)
     if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
         if pick_bk is not None:

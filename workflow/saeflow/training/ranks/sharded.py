@@ -33,6 +33,7 @@ from saeflow.training.archs import Selection
 from saeflow.training.loaders import ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import Loss
+from saeflow.training.picks import PreActs
 from saeflow.training.ranks.dataparallel import global_kth_largest
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.resume import read_resume, write_resume
@@ -139,12 +140,13 @@ def _mine(shard: LatentShard, gids_bk: torch.Tensor) -> tuple[torch.Tensor, torc
     return (gids_bk >= shard.lo) & (gids_bk < shard.hi), (gids_bk - shard.lo).clamp(0, shard.d_sae - 1)
 
 
-def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int, training: bool,
+def encode(shard: LatentShard, pre: PreActs, comm: Comm, batch_size: int, training: bool,
            train_cfg=None) -> ShardCodes:  # fmt: skip
-    """The codes of a batch by the architecture's selection (archs.Selection): TOP_K picks globally, BATCH_TOP_K
-    keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE needs nobody (in
-    training with the run's config `train_cfg`: `Arch.train_activate`, e.g. JumpReLU's straight-through gradient)."""
-    cfg, selection = shard.cfg, shard.arch.selection
+    """The codes of a batch (its pre-activations `pre`) by the architecture's selection (archs.Selection): TOP_K picks
+    globally, BATCH_TOP_K keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE
+    needs nobody (in training with the run's config `train_cfg`: `Arch.train_activate`, e.g. JumpReLU's
+    straight-through gradient)."""
+    cfg, selection, pre_bs = shard.cfg, shard.arch.selection, pre.pre_bs
     if selection is Selection.DENSE and training and train_cfg is not None:
         return ShardCodes(shard.arch.train_activate(shard, pre_bs, train_cfg))
     if selection is Selection.DENSE or (selection is Selection.BATCH_TOP_K and not training):
@@ -158,7 +160,7 @@ def encode(shard: LatentShard, pre_bs: torch.Tensor, comm: Comm, batch_size: int
         top = pre_bs.topk(min(k, shard.d_sae), dim=-1, sorted=False)
         gids_bk = global_top(top.values, top.indices + shard.lo, k, comm)
     mine_bk, local_bk = _mine(shard, gids_bk)
-    return ShardCodes(None, gids_bk, local_bk, torch.relu(pre_bs.gather(1, local_bk)) * mine_bk)
+    return ShardCodes(None, gids_bk, local_bk, torch.relu(pre.gather(local_bk)) * mine_bk)
 
 
 def decode(shard: LatentShard, codes: ShardCodes, comm: Comm, prefixes: tuple[int, ...] = ()) -> torch.Tensor:
@@ -182,10 +184,10 @@ def dead_picks(shard: LatentShard, pre_bs: torch.Tensor, dead_s: torch.Tensor, a
     return global_top(top.values, dead_z[top.indices] + shard.lo, k, comm)
 
 
-def aux_loss(shard: LatentShard, pre_bs, gids_bk, resid_bd, ghost: bool, comm: Comm) -> torch.Tensor:
+def aux_loss(shard: LatentShard, pre: PreActs, gids_bk, resid_bd, ghost: bool, comm: Comm) -> torch.Tensor:
     """`objectives.aux_k_loss` with the picked dead latents spread over the ranks (their decodes summed)."""
     mine_bk, local_bk = _mine(shard, gids_bk)
-    aux_pre_bk = pre_bs.gather(1, local_bk)
+    aux_pre_bk = pre.gather(local_bk)
     vals_bk = (torch.nn.functional.softplus(aux_pre_bk) if ghost else torch.relu(aux_pre_bk)) * mine_bk
     partial_bd = torch.nn.functional.embedding_bag(local_bk, shard.W_dec, per_sample_weights=vals_bk, mode="sum")
     resid_bd = resid_bd.detach()
@@ -202,9 +204,10 @@ def sharded_loss(trainer: "ShardedTrainer", batch: pairs.Batch) -> Loss:
     shard, comm, cfg = trainer.sae, trainer.comm, trainer.cfg
     x_bd, y_bd = pairs.split(batch)
     xn_bd = x_bd * shard.scale
-    pre_bs = shard.pre_acts_normed(xn_bd)
+    pre = objectives.pre_acts(cfg, shard, xn_bd)
+    pre_bs = pre.pre_bs
     picks_bk = dead_picks(shard, pre_bs, trainer.dead.dead_s, cfg.aux_k, comm)
-    codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=True, train_cfg=cfg)
+    codes = encode(shard, pre, comm, x_bd.shape[0], training=True, train_cfg=cfg)
     recon_pbd = decode(shard, codes, comm, shard.cfg.matryoshka)
     target_bd, yn_bd = objectives.latent_target(shard, xn_bd, y_bd)
     xn_hat_bd = recon_pbd[-1]
@@ -213,7 +216,7 @@ def sharded_loss(trainer: "ShardedTrainer", batch: pairs.Batch) -> Loss:
     def aux_error():
         if picks_bk is None:
             return None
-        return aux_loss(shard, pre_bs, picks_bk, target_bd - xn_hat_bd, shard.arch.ghost_aux, comm)
+        return aux_loss(shard, pre, picks_bk, target_bd - xn_hat_bd, shard.arch.ghost_aux, comm)
 
     terms = objectives.loss_terms(cfg, shard, xn_bd, pre_bs, codes.f_bs, mse, aux_error, trainer.step,
                                   trainer.n_steps, dead_s=trainer.dead.dead_s,
@@ -344,8 +347,7 @@ def sharded_validation(trainer: ShardedTrainer, val) -> dict:
     for batch in loader:
         x_bd, y_bd = pairs.split(pairs.to_device(pairs.head(batch, n_max - acc.n_vectors), trainer.device))
         xn_bd = x_bd * shard.scale
-        pre_bs = shard.pre_acts_normed(xn_bd)
-        codes = encode(shard, pre_bs, comm, x_bd.shape[0], training=False)
+        codes = encode(shard, PreActs(shard, xn_bd), comm, x_bd.shape[0], training=False)
         yn_hat_bd = decode(shard, codes, comm)[-1]
         skip_bd = shard.skip_normed(xn_bd)
         yn_hat_bd = yn_hat_bd if skip_bd is None else yn_hat_bd + skip_bd
