@@ -94,12 +94,13 @@ class TopK:
         cols_m = np.concatenate([self._latent_sk[held_sk], cols_n[cand_n]])
         vals_m = np.concatenate([self.values_sk[held_sk], vals_n[cand_n]])
         rows_m = np.concatenate([self.rows_sk[held_sk], rows_n[cand_n] + first_row])
-        # One entry per (latent, example): its largest value, the earliest row among equals.
-        ex_m = rows_m // self.tokens_per_ex
-        order = np.lexsort((rows_m, -vals_m, ex_m, cols_m))
-        cols_m, vals_m, rows_m, ex_m = cols_m[order], vals_m[order], rows_m[order], ex_m[order]
+        # One entry per (latent, example): its largest value, the earliest row among equals. (latent, example) as one
+        # int64 key: a lexsort of three keys, not four.
+        pair_m = cols_m * (rows_m.max() // self.tokens_per_ex + 1) + rows_m // self.tokens_per_ex
+        order = np.lexsort((rows_m, -vals_m, pair_m))
+        cols_m, vals_m, rows_m, pair_m = cols_m[order], vals_m[order], rows_m[order], pair_m[order]
         first_m = np.ones(cols_m.size, dtype=bool)
-        first_m[1:] = (cols_m[1:] != cols_m[:-1]) | (ex_m[1:] != ex_m[:-1])
+        first_m[1:] = pair_m[1:] != pair_m[:-1]
         cols_m, vals_m, rows_m = cols_m[first_m], vals_m[first_m], rows_m[first_m]
         order = np.lexsort((rows_m, -vals_m, cols_m))  # by latent, then value descending, then row
         cols_m, vals_m, rows_m = cols_m[order], vals_m[order], rows_m[order]
