@@ -90,7 +90,9 @@ class TopK:
         cand_n = vals_n > self.values_sk[cols_n, -1]
         if not cand_n.any():
             return
-        held_sk = self.rows_sk >= 0
+        touched_s = np.zeros(len(self.values_sk), dtype=bool)  # only latents with a candidate can change
+        touched_s[cols_n[cand_n]] = True
+        held_sk = (self.rows_sk >= 0) & touched_s[:, None]
         cols_m = np.concatenate([self._latent_sk[held_sk], cols_n[cand_n]])
         vals_m = np.concatenate([self.values_sk[held_sk], vals_n[cand_n]])
         rows_m = np.concatenate([self.rows_sk[held_sk], rows_n[cand_n] + first_row])
