@@ -6,6 +6,7 @@ included; a TopK run made by saeflow-train-3 resumes with the dense autograd gra
 architecture computes is refused in one line; inference from the picks writes the dense codes' CSR entries.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -153,3 +154,18 @@ def test_inference_of_codes_that_are_not_k_sparse_reads_them_dense():
     with torch.no_grad():
         want_bd, f_bs = model(x_bd)
     assert torch.equal(x_hat_bd, want_bd) and np.array_equal(rows_n, np.nonzero(f_bs.numpy())[0])
+
+
+def test_validation_from_the_picks_counts_what_the_dense_codes_count(tmp_path):
+    """A TopK run's validation metrics (decoded from its picks) against the dense path's on the same SAE: the same
+    firing counts, so L0 and dead latents, and the NMSE up to rounding."""
+    run = _run_at(tmp_path, "val", archs.get("topk").trainer)
+    train.train_runs([run.root], train.TrainSettings(device="cpu"))
+    model = load_sae(run.sae_fpath)
+    cfg = train.TrainConfig.from_dict(run.config(), "config.json")
+    sd = shards.ShardDir(next((tmp_path / "shards").glob("*")))
+    got = train.validation_metrics(model, sd, cfg, torch.device("cpu"))
+    want = train.validation_metrics(model, sd, dataclasses.replace(cfg, trainer=FIRST_TRAINER), torch.device("cpu"))
+    assert {k: v for k, v in got.items() if k not in ("mse", "nmse", "explained_variance")} == {
+        k: v for k, v in want.items() if k not in ("mse", "nmse", "explained_variance")}
+    assert got["nmse"] == pytest.approx(want["nmse"], rel=1e-5)

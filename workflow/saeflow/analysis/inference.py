@@ -326,18 +326,13 @@ def encode_entries(model: sae.SAE, x_bd: torch.Tensor) -> tuple[torch.Tensor, tu
         f_np = f_bs.cpu().numpy()
         rows_n, cols_n = np.nonzero(f_np)
         return x_hat_bd, (rows_n, cols_n, f_np[rows_n, cols_n])
-    xn_bd = x_bd * model.scale
-    vals_bk, idx_bk = model.arch.picks(model, model.pre_acts_normed(xn_bd))
-    yn_hat_bd = model.decode_sparse_normed(vals_bk, idx_bk)
-    skip_bd = model.skip_normed(xn_bd)
-    if skip_bd is not None:
-        yn_hat_bd = yn_hat_bd + skip_bd
+    x_hat_bd, vals_bk, idx_bk = sae.forward_picks(model, x_bd)
     idx_bk, order_bk = idx_bk.sort(dim=1)
     vals_bk = vals_bk.gather(1, order_bk)
     on_bk = vals_bk > 0
     rows_bk = torch.arange(idx_bk.shape[0], device=idx_bk.device)[:, None].expand_as(idx_bk)
     entries = (rows_bk[on_bk].cpu().numpy(), idx_bk[on_bk].cpu().numpy(), vals_bk[on_bk].cpu().numpy())
-    return yn_hat_bd / model.out_scale, entries
+    return x_hat_bd, entries
 
 
 @torch.no_grad()

@@ -212,6 +212,19 @@ RANDN_CHUNK_ELEMS = 1 << 20  # the decoder's random init is drawn in chunks this
 
 
 @torch.no_grad()
+def forward_picks(sae: SAE, x_bd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`SAE.forward` of codes that are k-sparse (`Arch.k_sparse`): (the prediction, raw space; vals_bk, idx_bk: the
+    codes forward would scatter), decoded from the k picks (O(b k d), not a dense O(b s d))."""
+    xn_bd = x_bd * sae.scale
+    vals_bk, idx_bk = sae.arch.picks(sae, sae.pre_acts_normed(xn_bd))
+    yn_hat_bd = sae.decode_sparse_normed(vals_bk, idx_bk)
+    skip_bd = sae.skip_normed(xn_bd)
+    if skip_bd is not None:
+        yn_hat_bd = yn_hat_bd + skip_bd
+    return yn_hat_bd / sae.out_scale, vals_bk, idx_bk
+
+
+@torch.no_grad()
 def init_from_data(sae: SAE, x_nd: torch.Tensor, y_nd: torch.Tensor | None, cfg, root, lo: int = 0) -> None:
     """The start of every run, the one definition every trainer uses: `sae` is a whole SAE (one process, each
     data-parallel replica) or the latents [lo, lo + sae.d_sae) of one (training.ranks.sharded), which gets its rows of

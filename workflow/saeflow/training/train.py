@@ -32,7 +32,7 @@ from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps
 from saeflow.training.ranks.distributed import Comm
-from saeflow.training.sae import SAE, init_from_data, save_atomic, save_sae
+from saeflow.training.sae import SAE, forward_picks, init_from_data, save_atomic, save_sae
 from saeflow.training.specs import TrainConfig
 
 logger = logging.getLogger("saeflow.training.train")
@@ -320,14 +320,21 @@ def measured_on(cfg: TrainConfig, val_dir: ShardDir) -> dict:
 def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device,
                        target_dir: ShardDir | None = None) -> dict:  # fmt: skip
     """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order; a
-    transcoder's (`target_dir`: its validation targets) of its predictions of the targets."""
+    transcoder's (`target_dir`: its validation targets) of its predictions of the targets. k-sparse codes of a run of
+    the architecture's trainer now are decoded from their picks (`forward_picks`), never made dense."""
     acc = MetricsAccumulator(sae.d_out, sae.d_sae)
+    picked = sae.arch.k_sparse and cfg.trainer == sae.arch.trainer
     loader = ordered_loader(val_dir, target_dir, cfg.layer, cfg.batch_size, cfg.tokens, borrowed=True)  # used at once
     n_max = cfg.n_val_vectors or loader.n_vectors
     for batch in loader:
         x_bd, y_bd = pairs.split(pairs.to_device(pairs.head(batch, n_max - acc.n_vectors), device))
-        x_hat_bd, f_bs = sae(x_bd)
-        acc.update(x_bd if y_bd is None else y_bd, x_hat_bd, f_bs)
+        if picked:
+            x_hat_bd, vals_bk, idx_bk = forward_picks(sae, x_bd)
+            fires_s = torch.bincount(idx_bk[vals_bk > 0], minlength=sae.d_sae)
+            acc.update_counts(x_bd if y_bd is None else y_bd, x_hat_bd, fires_s)
+        else:
+            x_hat_bd, f_bs = sae(x_bd)
+            acc.update(x_bd if y_bd is None else y_bd, x_hat_bd, f_bs)
         if acc.n_vectors >= n_max:
             break
     loader.close()
