@@ -169,3 +169,24 @@ def test_validation_from_the_picks_counts_what_the_dense_codes_count(tmp_path):
     assert {k: v for k, v in got.items() if k not in ("mse", "nmse", "explained_variance")} == {
         k: v for k, v in want.items() if k not in ("mse", "nmse", "explained_variance")}
     assert got["nmse"] == pytest.approx(want["nmse"], rel=1e-5)
+
+
+@pytest.mark.parametrize("transcoder", [False, True], ids=["sae", "transcoder"])
+def test_pre_activations_with_the_bias_added_in_place_are_the_out_of_place_ones_bit_for_bit(transcoder):
+    """`SAE.pre_acts_normed` adds its bias into the matmul's output: the values and every gradient equal those of
+    `x @ W_enc + bias` bit for bit, so no run's bytes move (saeflow-train-3's included)."""
+    model = _random_model(transcoder)
+    gen = torch.Generator().manual_seed(3)
+    xn_bd, r_bs = torch.randn(16, 24, generator=gen), torch.randn(16, 96, generator=gen)
+
+    def run(pre_fn):
+        model.zero_grad(set_to_none=True)
+        pre_bs = pre_fn()
+        (torch.relu(pre_bs) * r_bs).sum().backward()
+        return pre_bs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    bias = (lambda: model.b_enc) if transcoder else (lambda: model.b_enc - model.b_dec @ model.W_enc)
+    want_bs, want = run(lambda: xn_bd @ model.W_enc + bias())
+    got_bs, got = run(lambda: model.pre_acts_normed(xn_bd))
+    assert torch.equal(got_bs, want_bs) and sorted(got) == sorted(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
