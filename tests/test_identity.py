@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from saeflow import config
+from saeflow.errors import SaeflowError
 from saeflow.planning import WorkflowPlan
 from saeflow.store import hashing, shards
 from saeflow.training import archs, keys, specs, sweeps
@@ -152,6 +153,25 @@ def test_a_trainer_bump_moves_only_its_architectures_run_ids(name, monkeypatch):
     for run_id, run in now.runs.items():
         bumped = archs.get(run.train_config.arch).trainer != FIRST_TRAINER
         assert (run_id != then_ids[run.sae_name, run.index]) == bumped, (run.sae_name, run.index)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_trainer_pinned_in_the_config_names_the_runs_that_trainer_made(name):
+    """`trainer: saeflow-train-3` on every SAE (each architecture still trains that way) plans exactly the pinned run
+    ids, those planned before any architecture's trainer moved: an upgrade need not retrain what it moved on from."""
+    cfg = copy.deepcopy(CASES[name])
+    for spec in cfg["saes"].values():
+        spec["trainer"] = FIRST_TRAINER
+    assert sorted(WorkflowPlan.from_config(config.validate(cfg)).runs) == _fixture()[name]["runs"]
+
+
+def test_a_trainer_an_architecture_does_not_compute_is_refused_in_one_line():
+    cfg = copy.deepcopy(CASES[sorted(CASES)[0]])
+    for spec in cfg["saes"].values():
+        spec["arch"], spec["trainer"] = "relu", "saeflow-train-4"
+    with pytest.raises(SaeflowError, match=r"^saes\.[^ ]+\.trainer: this saeflow does not train relu as "
+                                           r"'saeflow-train-4'; choose one of saeflow-train-3$"):
+        WorkflowPlan.from_config(config.validate(cfg))
 
 
 def test_every_architecture_of_the_registry_has_a_pinned_case():

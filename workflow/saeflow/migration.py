@@ -37,7 +37,7 @@ from saeflow.extraction.specs import ActivationSpec
 from saeflow.planning import WorkflowPlan
 from saeflow.store import layout, runs, shards
 from saeflow.store.atomic import remove_staging
-from saeflow.training import specs
+from saeflow.training import archs, specs
 
 TEXT_SUFFIXES = (".json", ".jsonl", ".js", ".html", ".csv", ".txt", ".css", ".md")  # files that may name a hash
 HASH_KEYS = ("train_shards", "val_shards", "target", "val_target")  # the keys of a run config naming directories
@@ -65,23 +65,33 @@ def migrate(plan: WorkflowPlan, dry_run: bool = False) -> typing.Iterator[str]:
             if not dry_run:
                 cut_layer(shards.ShardDir(old.dpath), layer, plan.metadata[new_hash], plan.cfg.shards_root)
             yield f"shards {old_hash[:12]} layer {layer} -> {plan.shard(new_hash).dpath} (activation {name})"
-    moved = []
+    moved, unplanned = [], []  # unplanned: runs moved under an earlier trainer's id, which the config does not plan
     for new_id, run_plan in plan.runs.items():
-        old_config = legacy_run_config(run_plan.train_config, shard_layers)
-        if old_config is None:
-            continue
-        old_id = runs.run_id(old_config)
-        old_run, new_run = plan.run(old_id), plan.run(new_id)
-        if not old_run.config_fpath.exists() or new_run.root.exists():
-            continue
-        renames = {old_id: new_id, **{old_config[key]: value for key, value in run_plan.train_config.to_dict().items()
-                                      if key in HASH_KEYS and value is not None}}  # fmt: skip
-        if not dry_run:
-            move_run(old_run.root, new_run.root, renames)
-        moved.append(old_run.root)
-        yield f"run {old_id[:12]} -> {new_run.root} ({run_plan.name})"
+        for cfg in trainer_versions(run_plan.train_config):
+            old_config = legacy_run_config(cfg, shard_layers)
+            if old_config is None:
+                break
+            old_id, cfg_id = runs.run_id(old_config), runs.run_id(cfg.to_dict())
+            old_run, new_run = plan.run(old_id), plan.run(cfg_id)
+            if not old_run.config_fpath.exists() or new_run.root.exists():
+                continue
+            renames = {old_id: cfg_id, **{old_config[key]: value for key, value in cfg.to_dict().items()
+                                          if key in HASH_KEYS and value is not None}}  # fmt: skip
+            if not dry_run:
+                move_run(old_run.root, new_run.root, renames)
+            moved.append(old_run.root)
+            yield f"run {old_id[:12]} -> {new_run.root} ({run_plan.name})"
+            if cfg_id != new_id:
+                unplanned.append(run_plan.name)
+                yield (f"  made by {cfg.trainer}, which {cfg.arch}'s training has moved on from "
+                       f"({run_plan.train_config.trainer}): the config trains it again under {new_id[:12]} unless "
+                       f"saes.{run_plan.sae_name} pins `trainer: {cfg.trainer}`")  # fmt: skip
+            break
     if moved and not dry_run and plan.cfg.summary_dir.is_dir():
-        yield f"summary {write_summary(plan)[0]} (from the runs as they are now: nothing computed again)"
+        if unplanned:
+            yield f"summary not written: the workflow writes it once it has trained {', '.join(unplanned)}"
+        else:
+            yield f"summary {write_summary(plan)[0]} (from the runs as they are now: nothing computed again)"
     for old_hash in legacy:
         if plan.shard(old_hash).dpath.exists():
             yield (f"kept layout-1 shards {plan.shard(old_hash).dpath}: remove it once nothing else reads it "
@@ -102,6 +112,14 @@ def write_summary(plan: WorkflowPlan) -> tuple[pathlib.Path, pathlib.Path]:
         tuple(f for f in stability_fpaths if f.exists()),
         {run_id: p.group_name for run_id, p in plan.runs.items()},
     )
+
+
+def trainer_versions(cfg: specs.TrainConfig) -> list[specs.TrainConfig]:
+    """The run `cfg` plans, then the same run at each other trainer version its architecture still trains: a layout-1
+    run made before a trainer bump is still that run, under its own trainer's id."""
+    arch = archs.get(cfg.arch)
+    others = [t for t in (arch.trainer, *arch.earlier_trainers) if t != cfg.trainer]
+    return [cfg, *(dataclasses.replace(cfg, trainer=t) for t in others)]
 
 
 def legacy_run_config(cfg: specs.TrainConfig, shard_layers: dict[str, dict[int, str]]) -> dict | None:

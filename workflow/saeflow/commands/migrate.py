@@ -16,8 +16,9 @@ def register(subparsers):
         "vectors, no model run), moves each run on them to its new run id (hard links; the text files that name an "
         "old hash or id rewritten, time stamps kept), and writes the summary again from the moved runs. Nothing "
         "published is changed or removed: the layout-1 directories and runs are listed at the end, to remove once "
-        "checked. Afterwards `snakemake -n` with CONFIG plans no extraction, training, inference or evaluation. "
-        "Safe to rerun.",
+        "checked. Afterwards `snakemake -n` with CONFIG plans no extraction, training, inference or evaluation (a run "
+        "made by a trainer its architecture has since moved on from moves under its own trainer's id, and is trained "
+        "anew unless CONFIG pins that `trainer:` on its SAE: the output says which). Safe to rerun.",
     )
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG", help="the workflow config whose tree to migrate")
     p.add_argument("--dry-run", action="store_true", help="say what would move, and move nothing")

@@ -250,6 +250,10 @@ def plan_runs(
             }
             if obj.get("tokens") == "auto":
                 obj["tokens"] = auto_tokens[spec.train]
+            if not trains(obj):  # a `trainer:` pin this saeflow does not compute for the architecture
+                arch = archs.get(obj["arch"])
+                raise SaeflowError(f"{where}.trainer: this saeflow does not train {arch.name} as {obj['trainer']!r}; "
+                                   f"choose one of {', '.join((arch.trainer, *arch.earlier_trainers))}")  # fmt: skip
             train_config = TrainConfig.from_dict(obj, where).canonical(unread)
             run_id = runs.run_id(train_config.to_dict())
             if run_id in planned:  # an earlier point differs from it only in keys the architecture does not read
