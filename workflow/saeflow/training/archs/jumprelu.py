@@ -152,8 +152,10 @@ class JumpReLU(Arch):
         return terms
 
     def saelens_export(self, sae, tensors: dict, threshold) -> tuple[dict, dict]:
-        return {}, {**{n: t for n, t in tensors.items() if n != "log_threshold"},
-                    "threshold": tensors["log_threshold"].exp()}  # fmt: skip
+        """The thresholds exp(log_threshold) in float64, rounded once to float32: the same bytes whatever exp
+        kernel the CPU runs (float32 AVX2 and AVX-512 exps differ in the last bit)."""
+        threshold_s = tensors["log_threshold"].double().exp().to(tensors["log_threshold"].dtype)
+        return {}, {**{n: t for n, t in tensors.items() if n != "log_threshold"}, "threshold": threshold_s}
 
     def saelens_import(self, cfg: dict, tensors: dict, weights: dict) -> dict:
         """SAELens's codes are relu(pre) * H(pre - threshold), as `activate`'s: below 0 a threshold drops nothing the
