@@ -9,7 +9,8 @@ its own loop with `time.process_time` (every thread of this process), after its 
   the k picks (embedding_bag), squared error, the encoder's gradient from the picks only (a CSR product), Adam.
 - sparsify-train: sparsify 1.3.3's `SparseCoder` step as its Trainer runs it (unit decoder rows, FVU, its fused
   encoder and decoder, parallel gradient removed, torch Adam at its default rate, b_dec from the first batch).
-- saelens-train: SAELens 6.54.12's `TopKTrainingSAE` through its `SAETrainer` (its defaults, AuxK included).
+- saelens-train: SAELens 6.54.12's `TopKTrainingSAE` (`BatchTopKTrainingSAE` for a job's "arch" batchtopk) through
+  its `SAETrainer` (its defaults, AuxK included).
 - bare-inference: encode, top k, the codes' CSR entries, decode of the picks, the metrics (NMSE, L0, dead latents),
   CSR and metrics saved.
 - saeflow-inference: `saeflow.analysis.inference.run_inference` of the run (a fresh dump).
@@ -111,12 +112,17 @@ def saelens_train(job):
     torch.manual_seed(0)
     data = list(batches(job))  # its trainer pulls batches from an iterator; read before the clock starts
     n = sum(x.shape[0] for x in data)
-    sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(d_in=job["d_model"], d_sae=job["d_sae"], k=job["k"]))
+    if job.get("arch", "topk") == "batchtopk":
+        sae = sae_lens.BatchTopKTrainingSAE(sae_lens.BatchTopKTrainingSAEConfig(d_in=job["d_model"], d_sae=job["d_sae"],
+                                                                                k=job["k"]))  # fmt: skip
+    else:
+        sae = sae_lens.TopKTrainingSAE(sae_lens.TopKTrainingSAEConfig(d_in=job["d_model"], d_sae=job["d_sae"],
+                                                                      k=job["k"]))  # fmt: skip
     cfg = SAETrainerConfig(total_training_samples=n, train_batch_size_samples=job["batch_size"], lr_end=3e-4)
     t0 = time.process_time()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         SAETrainer(cfg, sae, iter(data)).fit()
-    return n, time.process_time() - t0, "TopK, AuxK on (its default), Adam"
+    return n, time.process_time() - t0, f"{type(sae).__name__[:-11]}, AuxK on (its default), Adam"
 
 
 def bare_inference(job):

@@ -2,12 +2,14 @@
 
     python benchmarks/bench_peers.py [--sizes 768x16:32 2048x32:64] [--n-vectors 65536 16384] [--batch-size 4096]
                                      [--rounds 1] [--threads 1] [--sides saeflow,bare,sparsify,saelens]
+    python benchmarks/bench_peers.py --arch batchtopk   # saeflow and SAELens's BatchTopK, training only
 
 Per size (d_model x expansion : k), one protocol-2.0 shard directory (float32, CLS + 128 tokens per example) is
 written; every side trains a TopK SAE (one Adam step per batch of --batch-size, one epoch) on its vectors, each in
 its own process with --threads torch threads:
 - saeflow: `saeflow train` as users run it (its shuffled loader, metrics, checkpoints), timed by its own log line
-  ("trained N steps in S s (C CPU-s ...)"; start-up, initialization and validation excluded);
+  ("trained N steps in S s (C CPU-s ...)"; start-up, initialization and validation excluded); and the same run at
+  each earlier trainer version the architecture still trains (saeflow-train-3: autograd's dense encoder gradient);
 - bare, sparsify (1.3.3), SAELens (6.54.12): benchmarks/_peers_speed.py, timed around their loops;
 and then inference over every stored token of the directory: `saeflow inference` (run_inference: CSR, latents.npz,
 metrics) against a bare loop that writes the same CSR entries and the metrics' sums.
@@ -33,7 +35,7 @@ import numpy as np
 
 from saeflow.store import runs
 from saeflow.store.shards import Metadata, ShardWriter
-from saeflow.training import specs
+from saeflow.training import archs, specs
 
 HERE = pathlib.Path(__file__).parent
 TOKENS_PER_EX = 129  # CLS + 128 content tokens
@@ -105,17 +107,17 @@ def peer_side(job: dict, peers: pathlib.Path | None) -> dict:
     return {**json.loads(stdout.strip().splitlines()[-1]), "rss_gib": rss}
 
 
-def make_run(tmp: pathlib.Path, shards_dpath: pathlib.Path, size: Size, args, seed: int, aux: bool) -> pathlib.Path:
-    """A TopK run at saeflow's defaults. `aux`: the default dead-latent window (a tenth of the run: in a benchmark of
-    a few steps AuxK is active from the second on); otherwise OpenAI's 10M vectors, so AuxK stays idle, as in a
-    healthy run's first window."""
+def make_run(tmp: pathlib.Path, shards_dpath: pathlib.Path, size: Size, args, seed: int, aux: bool,
+             trainer: str | None = None) -> pathlib.Path:  # fmt: skip
+    """A run of --arch at saeflow's defaults (`trainer`: its architecture's now). `aux`: the default dead-latent
+    window (a tenth of the run: in a benchmark of a few steps AuxK is active from the second on); otherwise OpenAI's
+    10M vectors, so AuxK stays idle, as in a healthy run's first window."""
     cfg = specs.TrainConfig(
-        trainer=specs.trainer_of("topk"), train_shards=shards_dpath.name, val_shards=shards_dpath.name, layer=0,
-        tokens="content", arch="topk", expansion=size.expansion, k=size.k, matryoshka=(), l1_coeff=0.0, aux_k=256,
-        aux_alpha=1 / 32, dead_after_vectors=None if aux else 10_000_000, lr=None, lr_warmup_frac=0.05,
-        sparsity_warmup_frac=0.0,
-        batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=args.batch_size, seed=seed,
-        data_seed=0,
+        trainer=trainer or specs.trainer_of(args.arch), train_shards=shards_dpath.name, val_shards=shards_dpath.name,
+        layer=0, tokens="content", arch=args.arch, expansion=size.expansion, k=size.k, matryoshka=(), l1_coeff=0.0,
+        aux_k=256, aux_alpha=1 / 32, dead_after_vectors=None if aux else 10_000_000, lr=None, lr_warmup_frac=0.05,
+        sparsity_warmup_frac=0.0, batch_size=args.batch_size, n_epochs=1, n_train_vectors=None,
+        n_val_vectors=args.batch_size, seed=seed, data_seed=0,
     )  # fmt: skip
     return runs.create_run(tmp / "runs", cfg.to_dict(), train_shards=shards_dpath, val_shards=shards_dpath).root
 
@@ -125,22 +127,26 @@ def rate(result: dict) -> float:
 
 
 def bench_size(size: Size, n_vectors: int, args, peers: pathlib.Path | None) -> dict:
-    sides = args.sides.split(",")
+    sides, arch = args.sides.split(","), {"topk": "TopK", "batchtopk": "BatchTopK"}[args.arch]
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = pathlib.Path(tmp_name)
         shards_dpath = write_shards(tmp / "shards", size.d_model, n_vectors)
         job = {"shards": str(shards_dpath), "d_model": size.d_model, "d_sae": size.d_model * size.expansion,
-               "k": size.k, "batch_size": args.batch_size, "threads": args.threads}  # fmt: skip
+               "k": size.k, "batch_size": args.batch_size, "threads": args.threads, "arch": args.arch}  # fmt: skip
         run_root = None
         for seed in range(args.rounds):  # interleaved rounds: a machine whose load drifts slows every side alike
             for side in sides:
                 if side == "saeflow":
+                    for trainer in archs.get(args.arch).earlier_trainers:  # the maths its runs had before
+                        run_root = make_run(tmp, shards_dpath, size, args, seed, aux=False, trainer=trainer)
+                        results.setdefault(f"saeflow train, {trainer}", []).append(
+                            {**saeflow_train(run_root, args.threads), "computes": f"{arch}, AuxK idle, Adam, dense"})
                     run_root = make_run(tmp, shards_dpath, size, args, seed, aux=True)
                     results.setdefault("saeflow train, AuxK active", []).append(
-                        {**saeflow_train(run_root, args.threads), "computes": "TopK, AuxK active, Adam"})
+                        {**saeflow_train(run_root, args.threads), "computes": f"{arch}, AuxK active, Adam"})
                     run_root = make_run(tmp, shards_dpath, size, args, seed, aux=False)
-                    result = {**saeflow_train(run_root, args.threads), "computes": "TopK, AuxK idle, Adam"}
+                    result = {**saeflow_train(run_root, args.threads), "computes": f"{arch}, AuxK idle, Adam"}
                 else:
                     result = peer_side({**job, "side": f"{side}-train"}, peers if side in ("sparsify", "saelens")
                                        else None)  # fmt: skip
@@ -186,9 +192,14 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (1: the issue's protocol)")
-    parser.add_argument("--sides", default="saeflow,bare,sparsify,saelens")
+    parser.add_argument("--sides", default=None, help="default: saeflow,bare,sparsify,saelens (batchtopk: saeflow,"
+                        "saelens: sparsify trains no BatchTopK, the bare loop is TopK's)")
+    parser.add_argument("--arch", choices=["topk", "batchtopk"], default="topk",
+                        help="batchtopk: also saeflow's earlier trainer (the dense maths) and no inference")
     parser.add_argument("--no-inference", dest="inference", action="store_false")
     args = parser.parse_args()
+    args.sides = args.sides or ("saeflow,bare,sparsify,saelens" if args.arch == "topk" else "saeflow,saelens")
+    args.inference = args.inference and args.arch == "topk"  # the bare inference loop is TopK's
     sizes = [Size.parse(s) for s in args.sizes]
     n_vectors = (args.n_vectors * len(sizes))[: len(sizes)] if len(args.n_vectors) == 1 else args.n_vectors
     if len(n_vectors) != len(sizes):

@@ -39,7 +39,7 @@ from saeflow.training.adam import Adam
 from saeflow.training.loaders import Block, EpochPlan, ShuffledLoader
 from saeflow.training.picks import PreActs
 from saeflow.training.ranks import distributed, parallel, sharded
-from saeflow.training.ranks.dataparallel import global_batch_topk, rank_slice
+from saeflow.training.ranks.dataparallel import global_batch_keep, rank_slice
 from saeflow.training.ranks.distloader import DistributedShuffledLoader, RankPlan
 from saeflow.training.sae import SAE, SAEConfig, load_sae, randn_rows
 
@@ -332,6 +332,11 @@ def _selections():
         x_hat = sharded.decode(shard, codes, comm, model.cfg.matryoshka)[-1]
         whole_codes, _ = objectives.encode(model, x_bd, PreActs(model, x_bd), None)
         out[f"{arch}_decode"] = float((x_hat - whole_codes.decode(model)).abs().max())
+        if model.arch.selection is archs.Selection.BATCH_TOP_K:  # and from its CSR picks (saeflow-train-4)
+            picked = sharded.encode(shard, PreActs(shard, x_bd, picked=True), comm, 32, training=True)
+            out[f"{arch}_picked"] = picked.f_bs is None and torch.equal(picked.dense(shard), codes.f_bs.detach())
+            picked_x_hat = sharded.decode(shard, picked, comm, model.cfg.matryoshka)
+            out[f"{arch}_picked_decode"] = float((picked_x_hat[-1] - whole_codes.decode(model)).abs().max())
         dead_s = torch.arange(64) % 3 == 0
         dead_z, pick_bk = objectives.pick_dead(pre_bs, dead_s, 8)
         picks = sharded.dead_picks(shard, shard.pre_acts_normed(x_bd), dead_s[shard.lo : shard.hi], 8, comm)
@@ -339,8 +344,8 @@ def _selections():
     # BatchTopK over a batch split between the ranks (data-parallel) keeps what one process keeps.
     model = _random_sae("batchtopk").train()
     part = rank_slice(32, comm)
-    kept_bs = global_batch_topk(model.pre_acts_normed(x_bd[part]), model.cfg.n_kept(32), comm)
-    out["data_batchtopk"] = torch.equal(kept_bs, model.activate(model.pre_acts_normed(x_bd))[part])
+    keep_bs = global_batch_keep(model.pre_acts_normed(x_bd[part]), model.cfg.n_kept(32), comm)
+    out["data_batchtopk"] = torch.equal(keep_bs, model.activate(model.pre_acts_normed(x_bd))[part] > 0)
     out["slice"] = (part.start, part.stop)
     # Memory: parameters and Adam moments of this rank's shard of a wide SAE, against the whole SAE's.
     wide = SAEConfig(d_model=16, d_sae=4096, arch="topk", k=4)
@@ -363,8 +368,8 @@ def test_one_rank_of_data_parallelism_keeps_the_batch_and_what_batchtopk_keeps()
     sae = _random_sae("batchtopk").train()
     x_bd = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
     assert rank_slice(32, comm) == slice(0, 32)
-    kept_bs = global_batch_topk(sae.pre_acts_normed(x_bd), sae.cfg.n_kept(32), comm)
-    assert torch.equal(kept_bs, sae.activate(sae.pre_acts_normed(x_bd)))
+    keep_bs = global_batch_keep(sae.pre_acts_normed(x_bd), sae.cfg.n_kept(32), comm)
+    assert torch.equal(keep_bs, sae.activate(sae.pre_acts_normed(x_bd)) > 0)
 
 
 @pytest.mark.slow
@@ -376,9 +381,9 @@ def test_latent_shards_select_what_the_whole_sae_selects_in_a_share_of_the_memor
     results = run_ranks(2, _selections)
     for out in results:
         latents = archs.names(mode="latents")
-        for key in (*latents, *(f"{name}_aux" for name in latents), "data_batchtopk"):
+        for key in (*latents, *(f"{name}_aux" for name in latents), "data_batchtopk", "batchtopk_picked"):
             assert out[key] is True, key
-        for key in (f"{name}_decode" for name in latents):
+        for key in (*(f"{name}_decode" for name in latents), "batchtopk_picked_decode"):
             assert out[key] < 1e-4, (key, out[key])
     assert [out["slice"] for out in results] == [(0, 16), (16, 32)]
     whole = 3 * (2 * 16 * 4096 + 4096 + 16)  # parameters and two Adam moments (plus scalar step counts)

@@ -23,8 +23,8 @@ from saeflow.training.sae import SAE, load_sae
 from saeflow.training.specs import SAEConfig
 
 
-def _random_model(transcoder: bool) -> SAE:
-    cfg = SAEConfig(d_model=24, d_sae=96, arch="topk", k=4, d_out=20 if transcoder else None)
+def _random_model(transcoder: bool, arch: str = "topk") -> SAE:
+    cfg = SAEConfig(d_model=24, d_sae=96, arch=arch, k=4, d_out=20 if transcoder else None)
     model = SAE(cfg)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -59,6 +59,63 @@ def test_the_picked_gradient_is_autograds(transcoder, kernel, monkeypatch):
         assert torch.allclose(got[name], want[name], rtol=1e-5, atol=1e-5), name
 
 
+@pytest.mark.parametrize("transcoder", [False, True], ids=["sae", "transcoder"])
+@pytest.mark.parametrize("kernel", ["sparse", "dense"])
+def test_the_gradient_of_entries_a_varying_number_per_vector_is_autograds(transcoder, kernel, monkeypatch):
+    """BatchTopK's CSR picks (`PreActs.gather_entries`): rows of 0 to 96 entries, one row of none."""
+    model = _random_model(transcoder)
+    gen = torch.Generator().manual_seed(2)
+    xn_bd = torch.randn(32, 24, generator=gen)
+    keep_bs = torch.rand(32, 96, generator=gen) < torch.linspace(0, 1, 32)[:, None] ** 3
+    keep_bs[5] = False
+    monkeypatch.setattr(picks, "sparse_picks", lambda *_: kernel == "sparse")
+    results = []
+    for picked in (False, True):
+        model.zero_grad(set_to_none=True)
+        vals_n, cols_n, offsets_b = picks.PreActs(model, xn_bd, picked=picked).gather_entries(keep_bs)
+        (vals_n * torch.linspace(-1, 2, vals_n.numel())).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((vals_n.detach(), cols_n, offsets_b, grads))
+    (want_n, want_cols, want_offsets, want), (got_n, got_cols, got_offsets, got) = results
+    rows_n, cols_n = keep_bs.nonzero().unbind(1)
+    assert torch.equal(got_cols, cols_n) and torch.equal(want_cols, cols_n)  # row by row, as stored
+    counts_b = keep_bs.sum(1)
+    assert torch.equal(got_offsets, counts_b.cumsum(0) - counts_b) and torch.equal(got_offsets, want_offsets)
+    assert torch.equal(got_n, want_n) and torch.equal(got_n, model.pre_acts_normed(xn_bd).detach()[rows_n, cols_n])
+    assert sorted(got) == sorted(want) == (["W_enc", "b_enc"] if transcoder else ["W_enc", "b_dec", "b_enc"])
+    for name in want:  # sums of up to 96 terms of unit scale each: compared relative to their size
+        assert float((got[name] - want[name]).norm() / want[name].norm()) < 1e-6, name
+
+
+@pytest.mark.parametrize("transcoder", [False, True], ids=["sae", "transcoder"])
+def test_batchtopk_from_its_picks_is_its_dense_codes_loss_and_gradient(transcoder):
+    """One training batch of BatchTopK (and AuxK) as saeflow-train-4 computes it, from CSR picks, against the dense
+    codes of saeflow-train-3: the same kept entries and reconstruction, the gradients within rounding."""
+    model = _random_model(transcoder, arch="batchtopk").train()
+    gen = torch.Generator().manual_seed(3)
+    xn_bd = torch.randn(32, 24, generator=gen)
+    aux_ids_bk = torch.randint(0, 96, (32, 3), generator=gen)
+    out = []
+    for trainer in (FIRST_TRAINER, archs.get("batchtopk").trainer):
+        model.zero_grad(set_to_none=True)
+        cfg = type("Cfg", (), {"trainer": trainer})()
+        pre = objectives.pre_acts(cfg, model, xn_bd)
+        codes, aux_pre_bk = objectives.encode(model, xn_bd, pre, aux_ids_bk)
+        x_hat_bd = codes.decode(model)
+        ((x_hat_bd - 0.5).square().sum() + aux_pre_bk.square().sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        out.append((pre.picked, codes, x_hat_bd.detach(), grads))
+    (dense_picked, dense, want_bd, want), (picked, sparse, got_bd, got) = out
+    assert not dense_picked and picked and sparse.f_bs is None and dense.f_bs is not None
+    assert sparse.l0() == dense.l0() and torch.equal(sparse.fired_s(), dense.fired_s())
+    kept = dense.activations()
+    assert torch.equal(sparse.activations()[sparse.activations() > 0].sort().values, kept[kept > 0].sort().values)
+    assert torch.allclose(got_bd, want_bd, rtol=1e-5, atol=1e-5)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert float((got[name] - want[name]).norm() / want[name].norm()) < 1e-6, name
+
+
 def test_the_crossover_rule():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert picks.sparse_picks(32, 12288, cpu) and picks.sparse_picks(64, 65536, cpu)
@@ -66,13 +123,14 @@ def test_the_crossover_rule():
     assert not picks.sparse_picks(32, 12288, cuda)  # not measured on a GPU: the dense one
 
 
-def _run_at(tmp_path, name: str, trainer: str) -> runs.Run:
-    """A TopK run (256 latents of d 16, k 2: a picks share the sparse backward takes) whose config says `trainer`."""
+def _run_at(tmp_path, name: str, trainer: str, arch: str = "topk") -> runs.Run:
+    """A TopK (or BatchTopK) run (256 latents of d 16, k 2: a picks share the sparse backward takes) whose config
+    says `trainer`."""
     sd = shards.ShardDir(next((tmp_path / "shards").glob("*"))) if (tmp_path / "shards").exists() else None
     if sd is None:
         x_nd, _ = planted_data(2048, d_model=16, n_atoms=32, k=2, seed=1)
         sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), ex_per_shard=64, tag="picks")
-    planned = run_from_sae_spec(tmp_path / "planned" / name, sd, arch="topk", k=2, expansion=16, aux_k=2,
+    planned = run_from_sae_spec(tmp_path / "planned" / name, sd, arch=arch, k=2, expansion=16, aux_k=2,
                                 batch_size=32, n_epochs=1, dead_after_vectors=256)  # fmt: skip
     config = {**planned.config(), "trainer": trainer}
     return runs.create_run(tmp_path / name, config, sd.dpath, sd.dpath)
@@ -80,26 +138,27 @@ def _run_at(tmp_path, name: str, trainer: str) -> runs.Run:
 
 def _count_picked(monkeypatch) -> list:
     calls = []
-    apply = picks._PickedPreActs.apply
-    monkeypatch.setattr(picks._PickedPreActs, "apply", lambda *a: calls.append(1) or apply(*a))
+    for function in (picks._PickedPreActs, picks._PickedEntries):
+        monkeypatch.setattr(function, "apply", lambda *a, apply=function.apply: calls.append(1) or apply(*a))
     return calls
 
 
-def test_a_run_of_the_first_trainer_resumes_with_the_dense_gradient_it_started_with(tmp_path, monkeypatch):
-    topk = archs.get("topk")
+@pytest.mark.parametrize("arch", ["topk", "batchtopk"])
+def test_a_run_of_the_first_trainer_resumes_with_the_dense_gradient_it_started_with(tmp_path, monkeypatch, arch):
+    topk = archs.get(arch)
     assert topk.trainer != FIRST_TRAINER and FIRST_TRAINER in topk.earlier_trainers
     calls = _count_picked(monkeypatch)
-    whole = _run_at(tmp_path, "whole", FIRST_TRAINER)
+    whole = _run_at(tmp_path, "whole", FIRST_TRAINER, arch)
     train.train_runs([whole.root], train.TrainSettings(device="cpu"))
     assert not calls  # autograd's dense gradient, the maths saeflow-train-3 trained with
-    stopped = _run_at(tmp_path, "stopped", FIRST_TRAINER)
+    stopped = _run_at(tmp_path, "stopped", FIRST_TRAINER, arch)
     assert stopped.root.name == whole.root.name  # one run id: the same run
     train.train_runs([stopped.root], train.TrainSettings(device="cpu", max_steps=20))
     train.train_runs([stopped.root], train.TrainSettings(device="cpu"))
     assert not calls
     want, got = load_sae(whole.sae_fpath).state_dict(), load_sae(stopped.sae_fpath).state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
-    now = _run_at(tmp_path, "now", topk.trainer)  # today's trainer: another run id, the picked gradient
+    now = _run_at(tmp_path, "now", topk.trainer, arch)  # today's trainer: another run id, the picked gradient
     assert now.root.name != whole.root.name
     train.train_runs([now.root], train.TrainSettings(device="cpu"))
     assert calls

@@ -24,23 +24,32 @@ from saeflow.training.picks import PreActs
 from saeflow.training.sae import SAE
 from saeflow.training.specs import TrainConfig
 
+# The selections whose training reads the pre-activations at their picks only (training/picks.py)
+PICKED = (Selection.TOP_K, Selection.BATCH_TOP_K)
 DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
 
 
 @dataclasses.dataclass(frozen=True)
 class Codes:
-    """A batch encoded for training, and what decoding it needs."""
+    """A batch encoded for training, and what decoding it needs: dense activations, or the picks (latent ids and
+    their values, with gradient): k per vector (TopK: (b, k)), or a varying number in CSR rows (a BatchTopK run of its
+    trainer now: (n,) entries, vector i's from `offsets_b[i]`)."""
 
     pre_bs: torch.Tensor  # pre-activations (AuxK picks dead latents among them)
-    f_bs: torch.Tensor | None  # activations; None for TopK, whose (vals_bk, idx_bk) carry the same information
-    vals_bk: torch.Tensor | None  # TopK only: the k kept activations, with gradient
-    idx_bk: torch.Tensor | None  # TopK only: their latent ids
+    f_bs: torch.Tensor | None  # activations; None where the picks carry the same information
+    vals_bk: torch.Tensor | None  # the picks' activations, with gradient: (b, k), or (n,) with offsets_b
+    idx_bk: torch.Tensor | None  # their latent ids
+    offsets_b: torch.Tensor | None = None  # CSR picks: where each vector's entries start
 
     def decode(self, sae: SAE, n_latents: int | None = None) -> torch.Tensor:
         """Reconstruction (b, d) from the first `n_latents` latents (None: all)."""
-        if self.idx_bk is not None:  # from the k active latents only (the dense decode would dominate the step)
-            return sae.decode_sparse_normed(self.vals_bk, self.idx_bk, n_latents)
+        if self.idx_bk is not None:  # from the active latents only (the dense decode would dominate the step)
+            return sae.decode_sparse_normed(self.vals_bk, self.idx_bk, n_latents, self.offsets_b)
         return sae.decode_normed(self.f_bs, n_latents)
+
+    def activations(self) -> torch.Tensor:
+        """The activations as held (dense, or the picks' values): what `Arch.after_step` reads of a step's codes."""
+        return self.f_bs if self.f_bs is not None else self.vals_bk
 
     @torch.no_grad()
     def fired_s(self) -> torch.Tensor:
@@ -54,6 +63,8 @@ class Codes:
     @torch.no_grad()
     def l0(self) -> float:
         """Mean active latents per vector."""
+        if self.offsets_b is not None:
+            return float((self.vals_bk > 0).sum()) / max(self.pre_bs.shape[0], 1)
         active_bk = self.f_bs > 0 if self.idx_bk is None else self.vals_bk > 0
         return float(active_bk.sum(-1).float().mean())
 
@@ -63,7 +74,17 @@ def pre_acts(cfg: TrainConfig, model, xn_bd: torch.Tensor) -> PreActs:
     selection reads them through its picks (training/picks.py) in a run of its architecture's trainer now; a run made
     by an earlier trainer, and every other selection, through autograd."""
     arch = model.arch
-    return PreActs(model, xn_bd, picked=arch.selection is Selection.TOP_K and cfg.trainer == arch.trainer)
+    return PreActs(model, xn_bd, picked=arch.selection in PICKED and cfg.trainer == arch.trainer)
+
+
+def batch_codes(pre: PreActs, keep_bs: torch.Tensor) -> Codes:
+    """BatchTopK's codes, the activations where `keep_bs` (b, s) marks the kept ones: dense, or (picked) as CSR
+    picks whose gradient reaches the encoder from those entries only (training/picks.py)."""
+    if not pre.picked:
+        relu_bs = torch.relu(pre.pre_bs)
+        return Codes(pre.pre_bs, torch.where(keep_bs, relu_bs, torch.zeros_like(relu_bs)), None, None)
+    vals_n, cols_n, offsets_b = pre.gather_entries(keep_bs)
+    return Codes(pre.pre_bs, None, torch.relu(vals_n), cols_n, offsets_b)
 
 
 def encode(sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None,
@@ -76,6 +97,9 @@ def encode(sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor
     the (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
     """
     pre_bs = pre.pre_bs
+    if sae.arch.selection is Selection.BATCH_TOP_K and pre.picked:
+        aux_pre_bk = None if aux_ids_bk is None else pre.gather(aux_ids_bk)
+        return batch_codes(pre, sae.arch.batch_keep(sae, pre_bs)), aux_pre_bk
     if sae.arch.selection is not Selection.TOP_K:
         aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
         if sae.arch.selection is Selection.WHOLE_DICTIONARY:

@@ -10,10 +10,12 @@ picked ones through `_PickedPreActs`, whose backward builds the picks' gradient 
     db_enc = sum_b G                 (s,)
     db_dec = -W_enc db_enc           (d,)  (an SAE's; a transcoder's input is not centred by b_dec)
 
-the gradients of `SAE.pre_acts_normed`'s parameters, equal up to rounding to autograd's (sparsify's `fused_encoder`
-does the same with `index_add_`). The forward values are the dense ones, bit for bit. Where the picks are too many
-a share of the latents for that to pay (`sparse_picks`, the crossover measured by benchmarks/bench_sparse_grad.py:
-docs/training.md) the same backward scatters them densely instead; either way, per shape, is one fixed maths.
+the gradients of `SAE.pre_acts_normed`'s parameters, equal up to rounding to autograd's (sparsify's
+`fused_encoder` does the same with `index_add_`). BatchTopK keeps a varying number per vector: `gather_entries` reads
+the places a (b, s) mask keeps as CSR rows (`_PickedEntries`), with the same backward. The forward values are the
+dense ones, bit for bit. Where the picks are too many a share of the latents for that to pay (`sparse_picks`, the
+crossover measured by benchmarks/bench_sparse_grad.py: docs/training.md) the same backward scatters them densely
+instead; either way, per shape, is one fixed maths.
 
 Shapes: b batch, d d_model, s latents (of this model: a latent shard's own), n picks per vector.
 """
@@ -50,23 +52,57 @@ class _PickedPreActs(torch.autograd.Function):
         ids_bn, xn_bd, W_enc, b_dec = ctx.saved_tensors
         b, n = ids_bn.shape
         g_flat = g_bn.contiguous().flatten()
-        xc_bd = xn_bd - b_dec if ctx.centred else xn_bd
-        if sparse_picks(n, ctx.n_latents, g_bn.device):
-            dW_ds = xc_bd.t() @ _csr(ids_bn, g_flat, ctx.n_latents)
-        else:
-            dW_ds = xc_bd.t() @ g_flat.new_zeros(b, ctx.n_latents).scatter_add_(1, ids_bn, g_bn)
-        db_enc = g_flat.new_zeros(ctx.n_latents).index_add_(0, ids_bn.flatten(), g_flat)
-        db_dec = -(W_enc @ db_enc) if ctx.centred and ctx.needs_input_grad[5] else None
-        return None, None, None, dW_ds, db_enc, db_dec
+        crow_b1 = torch.arange(0, b * n + 1, n, device=ids_bn.device)
+        return (None, None, *_encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, ids_bn.flatten(), g_flat,
+                                            lambda: g_flat.new_zeros(b, ctx.n_latents).scatter_add_(1, ids_bn, g_bn)))
 
 
-def _csr(ids_bn: torch.Tensor, g_flat: torch.Tensor, n_latents: int) -> torch.Tensor:
-    """(b, s) sparse CSR: row i holds g at latents ids_bn[i] (a repeated id adds up)."""
-    b, n = ids_bn.shape
-    crow = torch.arange(0, b * n + 1, n, device=ids_bn.device)
+class _PickedEntries(torch.autograd.Function):
+    """pre_bs[rows_n, cols_n] for entries grouped by row (`crow_b1`: CSR row offsets), a varying number per vector
+    (BatchTopK's), whose backward sends the gradient to the encoder's parameters as `_PickedPreActs`' does."""
+
+    @staticmethod
+    def forward(ctx, pre_bs, crow_b1, cols_n, xn_bd, W_enc, b_enc, b_dec):
+        rows_n = _rows(crow_b1, cols_n.numel())
+        ctx.save_for_backward(crow_b1, rows_n, cols_n, xn_bd, W_enc, b_dec)
+        ctx.centred = b_dec is not None
+        ctx.n_latents = pre_bs.shape[1]
+        return pre_bs[rows_n, cols_n]
+
+    @staticmethod
+    def backward(ctx, g_n):
+        crow_b1, rows_n, cols_n, xn_bd, W_enc, b_dec = ctx.saved_tensors
+        g_n = g_n.contiguous()
+        shape = (crow_b1.numel() - 1, ctx.n_latents)
+        dense = lambda: g_n.new_zeros(shape).index_put_((rows_n, cols_n), g_n, accumulate=True)  # noqa: E731
+        return (None, None, None, *_encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, cols_n, g_n, dense))
+
+
+def _encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, cols_n, g_n, dense_bs) -> tuple:
+    """(None for xn_bd, dW_enc, db_enc, db_dec) from the picks' gradient `g_n` at the CSR entries (`crow_b1`,
+    `cols_n`): a dense x sparse product where the picks are few enough (`sparse_picks`), else `dense_bs()`'s."""
+    b = crow_b1.numel() - 1
+    xc_bd = xn_bd - b_dec if ctx.centred else xn_bd
+    if sparse_picks(cols_n.numel() / max(b, 1), ctx.n_latents, g_n.device):
+        dW_ds = xc_bd.t() @ _csr(crow_b1, cols_n, g_n, ctx.n_latents)
+    else:
+        dW_ds = xc_bd.t() @ dense_bs()
+    db_enc = g_n.new_zeros(ctx.n_latents).index_add_(0, cols_n, g_n)
+    db_dec = -(W_enc @ db_enc) if ctx.centred and ctx.needs_input_grad[-1] else None
+    return None, dW_ds, db_enc, db_dec
+
+
+def _rows(crow_b1: torch.Tensor, n: int) -> torch.Tensor:
+    """(n,) each CSR entry's row."""
+    return torch.repeat_interleave(torch.arange(crow_b1.numel() - 1, device=crow_b1.device), crow_b1.diff(),
+                                   output_size=n)  # fmt: skip
+
+
+def _csr(crow_b1: torch.Tensor, cols_n: torch.Tensor, g_n: torch.Tensor, n_latents: int) -> torch.Tensor:
+    """(b, s) sparse CSR: row i holds g at latents cols_n[crow_b1[i]:crow_b1[i + 1]] (a repeated id adds up)."""
     with warnings.catch_warnings():  # torch's note that its CSR tensors are beta, once per process
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        return torch.sparse_csr_tensor(crow, ids_bn.flatten(), g_flat, (b, n_latents), check_invariants=False)
+        return torch.sparse_csr_tensor(crow_b1, cols_n, g_n, (crow_b1.numel() - 1, n_latents), check_invariants=False)
 
 
 class PreActs:
@@ -89,3 +125,18 @@ class PreActs:
         m = self.model
         b_dec = None if m.cfg.transcoder else m.b_dec
         return _PickedPreActs.apply(self.pre_bs, ids_bn, self.xn_bd.detach(), m.W_enc, m.b_enc, b_dec)
+
+    def gather_entries(self, keep_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pre-activations at the places `keep_bs` (b, s) bool marks, a varying number per vector, in CSR form:
+        (values (n,), their latent ids (n,), each vector's first entry (b,)), row by row."""
+        counts_b = keep_bs.sum(1)
+        crow_b1 = torch.zeros(keep_bs.shape[0] + 1, dtype=torch.int64, device=keep_bs.device)
+        torch.cumsum(counts_b, 0, out=crow_b1[1:])
+        cols_n = keep_bs.nonzero()[:, 1]
+        if not self.picked:
+            vals_n = self.pre_bs[_rows(crow_b1, cols_n.numel()), cols_n]
+        else:
+            m = self.model
+            b_dec = None if m.cfg.transcoder else m.b_dec
+            vals_n = _PickedEntries.apply(self.pre_bs, crow_b1, cols_n, self.xn_bd.detach(), m.W_enc, m.b_enc, b_dec)
+        return vals_n, cols_n, crow_b1[:-1]

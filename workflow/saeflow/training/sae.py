@@ -150,15 +150,13 @@ class SAE(torch.nn.Module):
             return f_bs @ self.W_dec + self.b_dec
         return f_bs[:, :n_latents] @ self.W_dec[:n_latents] + self.b_dec
 
-    def decode_sparse_normed(
-        self, vals_bk: torch.Tensor, idx_bk: torch.Tensor, n_latents: int | None = None
-    ) -> torch.Tensor:
-        """`decode_normed` from k (value, latent index) pairs per vector: O(b k d) instead of a dense O(b s d)."""
+    def decode_sparse_normed(self, vals_bk, idx_bk, n_latents: int | None = None, offsets_b=None) -> torch.Tensor:
+        """`decode_normed` from k (value, latent index) pairs per vector (b, k), or from CSR entries (n,) whose
+        vector i starts at `offsets_b[i]`: O(b k d) instead of a dense O(b s d)."""
         if n_latents is not None:
             vals_bk = vals_bk * (idx_bk < n_latents)
-        return (
-            torch.nn.functional.embedding_bag(idx_bk, self.W_dec, per_sample_weights=vals_bk, mode="sum") + self.b_dec
-        )
+        return torch.nn.functional.embedding_bag(idx_bk, self.W_dec, offsets_b, per_sample_weights=vals_bk,
+                                                 mode="sum") + self.b_dec  # fmt: skip
 
     # -- raw space (the public API) -------------------------------------------------------------------------
 

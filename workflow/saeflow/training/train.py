@@ -274,7 +274,7 @@ class Trainer:
         adam_step(self.opt, sae)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s())
-            sae.arch.after_step(sae, loss.codes.f_bs, self.step, reduce_min=lambda t: t)  # e.g. BatchTopK's threshold
+            sae.arch.after_step(sae, loss.codes.activations(), self.step, reduce_min=lambda t: t)  # BatchTopK
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = self._record(x_bd, loss)

@@ -213,10 +213,11 @@ class Arch(SAELensMapping):
         """The loss terms beyond reconstruction and AuxK (name -> scalar, weights applied), per vector averaged."""
         return {}
 
-    def after_step(self, sae, f_bs, step: int, reduce_min) -> None:
+    def after_step(self, sae, acts, step: int, reduce_min) -> None:
         """After each optimizer step (every trainer calls it once a step, every rank, under no_grad): what the SAE
         keeps beside its gradients, e.g. BatchTopK's inference threshold, or matching pursuit's encoder tied to its
-        decoder. `sae` is the SAE or a rank's latent shard; `f_bs` the step's dense codes (None for TOP_K);
+        decoder. `sae` is the SAE or a rank's latent shard; `acts` the step's activations as its codes hold them
+        (dense (b, s), or the picks' values);
         `reduce_min`: the minimum over every rank of a one-element tensor (the identity in one process)."""
 
     def foldable(self) -> bool:

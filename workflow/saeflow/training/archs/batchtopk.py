@@ -10,6 +10,9 @@ from saeflow.training.archs.base import Arch, Selection, Unsupported, torch
 class BatchTopK(Arch):
     name = "batchtopk"
     selection = Selection.BATCH_TOP_K
+    # saeflow-train-4 (issue 44): its encoder gradient and decode come from the kept entries only (training/picks.py)
+    trainer = "saeflow-train-4"
+    earlier_trainers = ("saeflow-train-3",)
     hyper = ("k",)
     has_threshold = True
     saelens = "jumprelu"
@@ -24,11 +27,19 @@ class BatchTopK(Arch):
             return torch.zeros_like(flat).scatter_(0, idx_n, vals_n).view_as(relu_bs)
         return torch.where(pre_bs > sae.threshold, pre_bs, torch.zeros_like(pre_bs)).clamp_min(0)
 
-    def after_step(self, sae, f_bs, step: int, reduce_min) -> None:
+    def batch_keep(self, sae, pre_bs):
+        """(b, s) bool: training's choice, the batch's k x b largest activations (as `activate` keeps them)."""
+        with torch.no_grad():
+            flat = torch.relu(pre_bs).flatten()
+            keep = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+            keep[flat.topk(sae.cfg.n_kept(pre_bs.shape[0]), sorted=False).indices] = True
+        return keep.view_as(pre_bs)
+
+    def after_step(self, sae, acts, step: int, reduce_min) -> None:
         """The inference threshold: the running mean of the smallest kept activation (over every rank); a step
         where nothing fired leaves it."""
-        kept = f_bs[f_bs > 0]
-        min_kept = reduce_min(kept.min() if kept.numel() else f_bs.new_tensor(torch.inf))
+        kept = acts[acts > 0]
+        min_kept = reduce_min(kept.min() if kept.numel() else acts.new_tensor(torch.inf))
         if not bool(torch.isfinite(min_kept)):
             min_kept = sae.threshold
         sae.threshold.copy_(min_kept if step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)

@@ -16,7 +16,7 @@ import torch
 from saeflow.training import objectives, resume, train
 from saeflow.training.archs import Selection
 from saeflow.training.loaders import pairs
-from saeflow.training.objectives import Codes, Loss
+from saeflow.training.objectives import Loss
 from saeflow.training.ranks.distloader import slice_bounds
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE
@@ -36,13 +36,13 @@ def global_kth_largest(vals_n: torch.Tensor, n_keep: int, comm: Comm) -> torch.T
     return comm.all_gather(padded).flatten().topk(n_keep, sorted=False).values.min()
 
 
-def global_batch_topk(pre_bs: torch.Tensor, n_keep: int, comm: Comm) -> torch.Tensor:
-    """BatchTopK over the global batch: activations at or above the `n_keep`-th largest of all ranks' (SAEConfig.n_kept
-    of the global batch; with a tie exactly at that value, all of them: one process keeps an arbitrary subset of the
-    tied)."""
+@torch.no_grad()
+def global_batch_keep(pre_bs: torch.Tensor, n_keep: int, comm: Comm) -> torch.Tensor:
+    """BatchTopK over the global batch, (b, s) bool: the activations at or above the `n_keep`-th largest of all
+    ranks' (SAEConfig.n_kept of the global batch; with a tie exactly at that value, all of them: one process keeps an
+    arbitrary subset of the tied)."""
     relu_bs = torch.relu(pre_bs)
-    threshold = global_kth_largest(relu_bs.detach().flatten(), n_keep, comm)
-    return torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs))
+    return relu_bs >= global_kth_largest(relu_bs.flatten(), n_keep, comm)
 
 
 def data_parallel_loss(
@@ -59,8 +59,8 @@ def data_parallel_loss(
     dead_z, pick_bk = objectives.pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
     aux_ids_bk = None if pick_bk is None else dead_z[pick_bk]
     if sae.arch.selection is Selection.BATCH_TOP_K:
-        codes = Codes(pre_bs, global_batch_topk(pre_bs, sae.cfg.n_kept(batch_size), comm), None, None)
-        aux_pre_bk = None if aux_ids_bk is None else pre_bs.gather(1, aux_ids_bk)
+        codes = objectives.batch_codes(pre, global_batch_keep(pre_bs, sae.cfg.n_kept(batch_size), comm))
+        aux_pre_bk = None if aux_ids_bk is None else pre.gather(aux_ids_bk)
     else:
         codes, aux_pre_bk = objective.encode(sae, xn_bd, pre, aux_ids_bk)
     recon_bd, yn_bd = objectives.latent_target(sae, xn_bd, y_bd)
@@ -166,7 +166,7 @@ class DataParallelTrainer(train.Trainer):
         with torch.no_grad():
             fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
             self.dead.update(fired_s)
-            sae.arch.after_step(sae, loss.codes.f_bs, self.step, self._global_min)
+            sae.arch.after_step(sae, loss.codes.activations(), self.step, self._global_min)
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             n_active = (loss.codes.f_bs > 0).sum() if loss.codes.idx_bk is None else (loss.codes.vals_bk > 0).sum()

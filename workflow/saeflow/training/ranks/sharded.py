@@ -34,7 +34,7 @@ from saeflow.training.loaders import ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import Loss
 from saeflow.training.picks import PreActs
-from saeflow.training.ranks.dataparallel import global_kth_largest
+from saeflow.training.ranks.dataparallel import global_batch_keep
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.resume import read_resume, write_resume
 from saeflow.training.sae import SAE, SAEConfig
@@ -103,19 +103,21 @@ def global_top(vals_bk: torch.Tensor, gids_bk: torch.Tensor, k: int, comm: Comm)
 
 @dataclasses.dataclass(frozen=True)
 class ShardCodes:
-    """A batch encoded: this rank's dense codes (relu, batchtopk), or the global TopK picks and this rank's part."""
+    """A batch encoded: this rank's dense codes (relu, a BatchTopK run of an earlier trainer), the global TopK picks
+    and this rank's part (b, k), or this rank's BatchTopK picks as CSR entries (n,), vector i's from offsets_b[i]."""
 
     f_bs: torch.Tensor | None
-    gids_bk: torch.Tensor | None = None  # TopK: the picks' global latent ids
-    local_bk: torch.Tensor | None = None  # their ids on this rank (clamped where another rank's)
-    vals_bk: torch.Tensor | None = None  # their values, with gradient, 0 where another rank's
+    gids_bk: torch.Tensor | None = None  # the picks' global latent ids
+    local_bk: torch.Tensor | None = None  # their ids on this rank (TopK: clamped where another rank's)
+    vals_bk: torch.Tensor | None = None  # their values, with gradient (TopK: 0 where another rank's)
+    offsets_b: torch.Tensor | None = None  # CSR picks: where each vector's entries start
 
     def partial(self, shard: LatentShard, n_latents: int | None = None) -> torch.Tensor:
         """This rank's part (b, d) of the decode from the first `n_latents` latents (None: all)."""
         if self.f_bs is None:
             vals_bk = self.vals_bk if n_latents is None else self.vals_bk * (self.gids_bk < n_latents)
-            return torch.nn.functional.embedding_bag(self.local_bk, shard.W_dec, per_sample_weights=vals_bk,
-                                                     mode="sum")  # fmt: skip
+            return torch.nn.functional.embedding_bag(self.local_bk, shard.W_dec, self.offsets_b,
+                                                     per_sample_weights=vals_bk, mode="sum")  # fmt: skip
         m = shard.d_sae if n_latents is None else min(max(n_latents - shard.lo, 0), shard.d_sae)
         return self.f_bs[:, :m] @ shard.W_dec[:m]
 
@@ -127,10 +129,18 @@ class ShardCodes:
         fired_s[self.local_bk[self.vals_bk > 0]] = True
         return fired_s
 
+    def activations(self) -> torch.Tensor:
+        """The activations as held (dense, or the picks' values): what `Arch.after_step` reads."""
+        return self.f_bs if self.f_bs is not None else self.vals_bk
+
     def dense(self, shard: LatentShard) -> torch.Tensor:
-        """(b, s) this rank's codes, dense (validation metrics)."""
+        """(b, s) this rank's codes, dense (validation metrics: codes of a threshold or the TopK picks)."""
         if self.f_bs is not None:
             return self.f_bs
+        if self.offsets_b is not None:  # CSR picks: entry j is in the last row starting at or before it
+            rows_n = torch.searchsorted(self.offsets_b, torch.arange(self.vals_bk.numel()), right=True) - 1
+            return torch.zeros(self.offsets_b.numel(), shard.d_sae, device=self.vals_bk.device).index_put_(
+                (rows_n, self.local_bk), self.vals_bk.detach())
         return torch.zeros(self.vals_bk.shape[0], shard.d_sae, device=self.vals_bk.device).scatter_add_(
             1, self.local_bk, self.vals_bk.detach())
 
@@ -152,9 +162,10 @@ def encode(shard: LatentShard, pre: PreActs, comm: Comm, batch_size: int, traini
     if selection is Selection.DENSE or (selection is Selection.BATCH_TOP_K and not training):
         return ShardCodes(shard.arch.activate(shard, pre_bs))
     if selection is Selection.BATCH_TOP_K:
-        relu_bs = torch.relu(pre_bs)
-        threshold = global_kth_largest(relu_bs.detach().flatten(), cfg.n_kept(batch_size), comm)
-        return ShardCodes(torch.where(relu_bs >= threshold, relu_bs, torch.zeros_like(relu_bs)))
+        codes = objectives.batch_codes(pre, global_batch_keep(pre_bs, cfg.n_kept(batch_size), comm))
+        if codes.f_bs is not None:
+            return ShardCodes(codes.f_bs)
+        return ShardCodes(None, codes.idx_bk + shard.lo, codes.idx_bk, codes.vals_bk, codes.offsets_b)
     k = cfg.n_kept(1)  # of the whole SAE: each rank offers its own best (at most its latents) for the global top k
     with torch.no_grad():
         top = pre_bs.topk(min(k, shard.d_sae), dim=-1, sorted=False)
@@ -282,7 +293,7 @@ class ShardedTrainer(train.Trainer):
         train.adam_step(self.opt, shard)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s(shard))
-            shard.arch.after_step(shard, loss.codes.f_bs, self.step,
+            shard.arch.after_step(shard, loss.codes.activations(), self.step,
                                   lambda t: comm.all_reduce(t.reshape(1).clone(), "min")[0])  # over the ranks' latents
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
