@@ -3,6 +3,8 @@
     python benchmarks/bench_planted.py [--d-model 256] [--n-atoms 1024] [--n-active 8] [--batch-size 4096]
                                        [--steps 512] [--l1 0.5,1,2,5] [--peers] [--only relu,topk,...]
                                        [--transcoder [--skip] [--noise 0.05]]
+                                       [--magnitude uniform|exp|lognormal] [--input-noise 0.01] [--latents-per-atom 2]
+    python benchmarks/bench_planted.py --grid [--axis d_model=128,256] [--vectors 2000000] [--only jumprelu,gated]
 
 Data: `benchmarks/planted.py` (unit atoms, `n_active` per vector, coefficients in [0.5, 2.5]); every trainer reads
 the identical stream of `steps` batches. Each SAE has d_sae = n_atoms (expansion n_atoms / d_model) and k =
@@ -21,11 +23,17 @@ pairs, at its defaults; `--skip`: with the linear skip path), sparsify's transco
 decoder init, centred encoder biases, b_dec = the first targets' mean, no decoder normalization, its default
 optimizer) on the same stream; recovery is of the output atoms, NMSE of the targets.
 
+`--grid` (issue 42): every cell of GRID (d_model, atoms per dimension, active atoms, latents per atom, the
+coefficients' law), each architecture at the schema's defaults for one pass over --vectors (AuxK's window
+included), k = the planted active count; a table per architecture of recovered, NMSE, L0 against the planted L0, and
+the shares of dead latents (silent on the held-out batch) and dense ones (firing on more than DENSE_FREQ of it).
+
 Printed: per architecture the recovered fraction (an atom is recovered when some decoder row has cosine > 0.9
 with it), the mean max cosine, NMSE and L0 on a held-out batch, and the ratio recovered / best peer's recovered.
 """
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -38,10 +46,19 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import planted  # noqa: E402
+from saeflow import config  # noqa: E402
 from saeflow.store import runs  # noqa: E402
 from saeflow.training import specs, sweeps, train  # noqa: E402
 
 PEERS_DNAME = "sae-lens-6.54.12+eai-sparsify-1.3.3"
+# --grid trains at the schema's defaults of these (the rest of train_saeflow's spec is the run's shape)
+SCHEMA_DEFAULTS = ("l1_coeff", "aux_k", "aux_alpha", "dead_after_vectors", "lr", "lr_warmup_frac",
+                   "sparsity_warmup_frac")
+DENSE_FREQ = 0.1  # a latent that fires on more than this share of the held-out vectors is dense
+# --grid: what users' data varies (issue 42): d_model, atoms per dimension, active atoms per vector, latents per atom,
+# the coefficients' distribution (planted.MAGNITUDES)
+GRID = {"d_model": (128, 256, 512), "atoms_per_dim": (4, 8), "n_active": (8, 16, 32), "latents_per_atom": (1, 2),
+        "magnitude": ("exp", "lognormal")}
 SAEFLOW_ARCHS = {
     "relu": dict(arch="relu"),
     "topk": dict(arch="topk"),
@@ -56,7 +73,7 @@ SAEFLOW_ARCHS = {
 def stream(atoms_ad, args, step: int, n: int):
     """Batch `step` of the benchmark's stream: vectors, or a transcoder's (inputs, targets) (`args.transcoder`)."""
     if not args.transcoder:
-        return planted.batch(atoms_ad, args.n_active, n, args.seed, step)
+        return planted.batch(atoms_ad, args.n_active, n, args.seed, step, args.magnitude, args.input_noise)
     atoms_out_ad = planted.output_dictionary(atoms_ad.shape[1], atoms_ad.shape[0], args.seed)
     return planted.pair_batch(atoms_ad, atoms_out_ad, args.n_active, n, args.seed, step, args.noise)
 
@@ -66,7 +83,8 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
     d_model, n_atoms = atoms_ad.shape[1], atoms_ad.shape[0]
     spec = dict(
         trainer="", train_shards="planted", val_shards="planted", layer=0, tokens="all", arch="topk",
-        expansion=max(1, n_atoms // d_model), k=args.n_active, matryoshka=(), l1_coeff=5.0, aux_k=256,
+        expansion=max(1, args.latents_per_atom * n_atoms // d_model),
+        k=args.n_active, matryoshka=(), l1_coeff=5.0, aux_k=256,
         aux_alpha=1 / 32, dead_after_vectors=10_000_000, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.05,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=seed, data_seed=0,
         **sweeps.INTRODUCED,  # the keys added later, at their defaults
@@ -94,7 +112,9 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
             x_bd, y_bd = held if args.transcoder else (held, held)
             y_hat_bd, f_bs = sae(x_bd)
         truth_ad = planted.output_dictionary(d_model, n_atoms, args.seed) if args.transcoder else atoms_ad
-        return {**planted.score(truth_ad, sae.W_dec.detach()), **planted.nmse_l0(y_bd, y_hat_bd, f_bs)}
+        freq_s = (f_bs > 0).float().mean(0)
+        return {**planted.score(truth_ad, sae.W_dec.detach()), **planted.nmse_l0(y_bd, y_hat_bd, f_bs),
+                "dead": float((freq_s == 0).float().mean()), "dense": float((freq_s > DENSE_FREQ).float().mean())}
 
 
 def peers_site(instead: str) -> pathlib.Path:
@@ -140,9 +160,20 @@ def main():
     parser.add_argument("--lr", type=float, default=None, help="saeflow's peak learning rate (default: its auto)")
     parser.add_argument("--dead-after-vectors", type=int, default=0,
                         help="saeflow's dead-latent window (AuxK); -1: its default (a tenth of the run); 0: 10M")
+    parser.add_argument("--magnitude", choices=planted.MAGNITUDES, default="uniform", help="the coefficients' law")
+    parser.add_argument("--input-noise", type=float, default=0.0, help="Gaussian noise std per dimension of the SAE "
+                        "inputs (a transcoder's targets take --noise)")
+    parser.add_argument("--latents-per-atom", type=int, default=1, help="d_sae = this x n_atoms")
+    parser.add_argument("--grid", action="store_true", help="every cell of GRID (at --vectors each), a table per "
+                        "architecture; --axis narrows an axis")
+    parser.add_argument("--axis", action="append", default=[], metavar="NAME=V1,V2",
+                        help=f"--grid: the values of one axis of {', '.join(GRID)}")
+    parser.add_argument("--vectors", type=int, default=2_000_000, help="--grid: training vectors per cell (one pass)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.grid:
+        return run_grid(args)
     atoms_ad = planted.dictionary(args.d_model, args.n_atoms, args.seed)
     n_steps = args.steps
     what = f"transcoder pairs{' (skip)' if args.skip else ''}, noise {args.noise}, " if args.transcoder else ""
@@ -168,6 +199,46 @@ def main():
         print(f"  saeflow {name}: {rows[f'saeflow {name}']}", flush=True)
     peers = run_peers(args, n_steps) if args.peers else {}
     _print_table(rows, peers)
+
+
+def grid_cells(args) -> list[dict]:
+    """The cells of GRID, each axis narrowed by --axis NAME=V1,V2."""
+    axes = dict(GRID)
+    for text in args.axis:
+        name, _, values = text.partition("=")
+        if name not in GRID or not values:
+            raise SystemExit(f"--axis {text!r}: give NAME=V1,V2 with NAME one of {', '.join(GRID)}")
+        kind = str if name == "magnitude" else int
+        axes[name] = tuple(kind(v) for v in values.split(","))
+    return [dict(zip(axes, values)) for values in itertools.product(*axes.values())]
+
+
+def run_grid(args) -> None:
+    """Every architecture of --only at its defaults in every cell, one pass over --vectors; a table per architecture
+    (recovered, NMSE, L0 against the planted L0, dead and dense latents' shares)."""
+    n_steps = max(1, args.vectors // args.batch_size)
+    print(f"planted grid, {n_steps} steps of {args.batch_size} ({n_steps * args.batch_size:,} vectors) per cell, "
+          f"input noise {args.input_noise}, torch threads {torch.get_num_threads()}")  # fmt: skip
+    table = {name: [] for name in args.only.split(",")}
+    properties = config.def_schema("sae_spec")["properties"]
+    defaults = {key: properties[key]["default"] for key in SCHEMA_DEFAULTS}  # the user's defaults, not the bench's
+    for cell in grid_cells(args):
+        n_atoms = cell["atoms_per_dim"] * cell["d_model"]
+        cell_args = argparse.Namespace(**{**vars(args), **cell, "n_atoms": n_atoms, "dead_after_vectors": 0})
+        atoms_ad = planted.dictionary(cell["d_model"], n_atoms, args.seed)
+        for name in table:
+            t0 = time.perf_counter()
+            scores = train_saeflow(atoms_ad, cell_args, n_steps, **{**defaults, **SAEFLOW_ARCHS[name]})
+            row = {**cell, **scores}
+            table[name].append({**row, "sec": time.perf_counter() - t0})
+            print(f"  {name} {cell}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k not in cell), flush=True)
+    for name, rows in table.items():
+        print(f"\n### {name}\n\n| d_model | atoms/dim | active | latents/atom | magnitude | recovered | NMSE | L0 "
+              "(planted) | dead | dense |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+        for r in rows:
+            print(f"| {r['d_model']} | {r['atoms_per_dim']} | {r['n_active']} | {r['latents_per_atom']} | "
+                  f"{r['magnitude']} | {r['recovered']:.1%} | {r['nmse']:.3f} | {r['l0']:.1f} ({r['n_active']}) | "
+                  f"{r['dead']:.1%} | {r['dense']:.1%} |")  # fmt: skip
 
 
 def _print_table(rows: dict, peers: dict) -> None:

@@ -1,8 +1,9 @@
-"""A planted dictionary and its data stream, shared by bench_planted.py, its peer runner and tests/test_planted.py.
+"""A planted dictionary and its data stream, shared by bench_planted.py and its peer runner.
 
 `n_atoms` random unit atoms in d dimensions; each vector is the sum of `n_active` distinct atoms (uniformly chosen)
-with coefficients uniform in [0.5, 2.5]. Batch `step` is a pure function of (seed, step), so every trainer (saeflow,
-sae-lens, sparsify, in whichever process) sees the same vectors in the same order.
+with coefficients uniform in [0.5, 2.5] (or Exp(1), or log-normal: `MAGNITUDES`), optionally plus Gaussian noise.
+Batch `step` is a pure function of (seed, step), so every trainer (saeflow, sae-lens, sparsify, in whichever process)
+sees the same vectors in the same order.
 """
 
 import torch
@@ -18,13 +19,29 @@ def dictionary(d: int, n_atoms: int, seed: int) -> torch.Tensor:
     return atoms_ad / atoms_ad.norm(dim=-1, keepdim=True)
 
 
-def batch(atoms_ad: torch.Tensor, n_active: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
-    """Batch `step` of the stream: (batch_size, d) float32."""
+MAGNITUDES = ("uniform", "exp", "lognormal")  # uniform in [COEF_LO, COEF_HI]; Exp(1); exp(N(0, 1)), a heavy tail
+
+
+def coefficients(gen: torch.Generator, shape: tuple[int, int], magnitude: str) -> torch.Tensor:
+    """The active atoms' coefficients (b, k), positive, drawn from `magnitude` (MAGNITUDES)."""
+    if magnitude == "uniform":
+        return COEF_LO + (COEF_HI - COEF_LO) * torch.rand(shape, generator=gen)
+    if magnitude == "exp":
+        return -torch.log1p(-torch.rand(shape, generator=gen))
+    if magnitude == "lognormal":
+        return torch.randn(shape, generator=gen).exp()
+    raise ValueError(f"magnitude {magnitude!r}: choose one of {', '.join(MAGNITUDES)}")
+
+
+def batch(atoms_ad: torch.Tensor, n_active: int, batch_size: int, seed: int, step: int, magnitude: str = "uniform",
+          noise: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """Batch `step` of the stream: (batch_size, d) float32, plus Gaussian noise of std `noise` per dimension."""
     gen = torch.Generator().manual_seed(seed * 1_000_000_007 + step)
     n_atoms = atoms_ad.shape[0]
     idx_bk = torch.rand(batch_size, n_atoms, generator=gen).topk(n_active, dim=-1).indices
-    coef_bk = COEF_LO + (COEF_HI - COEF_LO) * torch.rand(batch_size, n_active, generator=gen)
-    return torch.nn.functional.embedding_bag(idx_bk, atoms_ad, per_sample_weights=coef_bk, mode="sum")
+    coef_bk = coefficients(gen, (batch_size, n_active), magnitude)
+    x_bd = torch.nn.functional.embedding_bag(idx_bk, atoms_ad, per_sample_weights=coef_bk, mode="sum")
+    return x_bd + noise * torch.randn(x_bd.shape, generator=gen) if noise else x_bd
 
 
 def score(atoms_ad: torch.Tensor, W_dec_sd: torch.Tensor) -> dict:
