@@ -25,11 +25,16 @@ warnings.simplefilter("ignore")
 
 def stream(atoms_ad, job, n_steps):
     for step in range(n_steps):
-        yield planted.batch(atoms_ad, job["n_active"], job["batch_size"], job["seed"], step)
+        yield planted.batch(atoms_ad, job["n_active"], job["batch_size"], job["seed"], step, *_law(job))
 
 
 def heldout(atoms_ad, job):
-    return planted.batch(atoms_ad, job["n_active"], job["batch_size"], job["seed"], job["n_steps"] + 2)
+    return planted.batch(atoms_ad, job["n_active"], job["batch_size"], job["seed"], job["n_steps"] + 2, *_law(job))
+
+
+def _law(job) -> tuple[str, float]:
+    """The stream's coefficient law and input noise, as bench_planted.py's (a job of an older caller: its defaults)."""
+    return job.get("magnitude", "uniform"), job.get("input_noise", 0.0)
 
 
 def saelens(atoms_ad, job, kind: str, l1: float = 0.0) -> dict:

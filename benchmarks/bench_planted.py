@@ -95,6 +95,7 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         spec.update(dead_after_vectors=None if args.dead_after_vectors < 0 else args.dead_after_vectors)
     spec.update(lr=args.lr)
     spec.update(overrides)
+    spec.update(args.overrides)
     cfg = specs.TrainConfig(**{**spec, "trainer": specs.trainer_of(spec["arch"])})
     with tempfile.TemporaryDirectory() as tmp:
         run = runs.Run(pathlib.Path(tmp))
@@ -169,7 +170,10 @@ def main():
     parser.add_argument("--axis", action="append", default=[], metavar="NAME=V1,V2",
                         help=f"--grid: the values of one axis of {', '.join(GRID)}")
     parser.add_argument("--vectors", type=int, default=2_000_000, help="--grid: training vectors per cell (one pass)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a training key for every "
+                        "architecture run (a JSON value: --set bandwidth=2 --set jumprelu_loss='\"tanh\"')")
     args = parser.parse_args()
+    args.overrides = {key: json.loads(value) for key, _, value in (text.partition("=") for text in args.set)}
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.grid:
