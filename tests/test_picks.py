@@ -33,12 +33,16 @@ def _random_model(transcoder: bool, arch: str = "topk") -> SAE:
     return model
 
 
+def _param_grads(model: SAE) -> dict:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
 def _grads(model: SAE, xn_bd: torch.Tensor, ids_bn: torch.Tensor, r_bn: torch.Tensor, picked: bool) -> tuple:
     model.zero_grad(set_to_none=True)
     pre = picks.PreActs(model, xn_bd, picked=picked)
     out_bn = pre.gather(ids_bn)
     (out_bn * r_bn).sum().backward()
-    return out_bn.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out_bn.detach(), _param_grads(model)
 
 
 @pytest.mark.parametrize("transcoder", [False, True], ids=["sae", "transcoder"])
@@ -74,7 +78,7 @@ def test_the_gradient_of_entries_a_varying_number_per_vector_is_autograds(transc
         model.zero_grad(set_to_none=True)
         vals_n, cols_n, offsets_b = picks.PreActs(model, xn_bd, picked=picked).gather_entries(keep_bs)
         (vals_n * torch.linspace(-1, 2, vals_n.numel())).sum().backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        grads = _param_grads(model)
         results.append((vals_n.detach(), cols_n, offsets_b, grads))
     (want_n, want_cols, want_offsets, want), (got_n, got_cols, got_offsets, got) = results
     rows_n, cols_n = keep_bs.nonzero().unbind(1)
@@ -103,7 +107,7 @@ def test_batchtopk_from_its_picks_is_its_dense_codes_loss_and_gradient(transcode
         codes, aux_pre_bk = objectives.encode(model, xn_bd, pre, aux_ids_bk)
         x_hat_bd = codes.decode(model)
         ((x_hat_bd - 0.5).square().sum() + aux_pre_bk.square().sum()).backward()
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        grads = _param_grads(model)
         out.append((pre.picked, codes, x_hat_bd.detach(), grads))
     (dense_picked, dense, want_bd, want), (picked, sparse, got_bd, got) = out
     assert not dense_picked and picked and sparse.f_bs is None and dense.f_bs is not None
@@ -242,7 +246,7 @@ def test_pre_activations_with_the_bias_added_in_place_are_the_out_of_place_ones_
         model.zero_grad(set_to_none=True)
         pre_bs = pre_fn()
         (torch.relu(pre_bs) * r_bs).sum().backward()
-        return pre_bs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return pre_bs.detach(), _param_grads(model)
 
     bias = (lambda: model.b_enc) if transcoder else (lambda: model.b_enc - model.b_dec @ model.W_enc)
     want_bs, want = run(lambda: xn_bd @ model.W_enc + bias())

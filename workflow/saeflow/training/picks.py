@@ -58,12 +58,11 @@ class _PickedPreActs(torch.autograd.Function):
 
 
 class _PickedEntries(torch.autograd.Function):
-    """pre_bs[rows_n, cols_n] for entries grouped by row (`crow_b1`: CSR row offsets), a varying number per vector
+    """pre_bs[rows_n, cols_n] for entries grouped by row (`crow_b1`: their CSR row offsets), a varying number per vector
     (BatchTopK's), whose backward sends the gradient to the encoder's parameters as `_PickedPreActs`' does."""
 
     @staticmethod
-    def forward(ctx, pre_bs, crow_b1, cols_n, xn_bd, W_enc, b_enc, b_dec):
-        rows_n = _rows(crow_b1, cols_n.numel())
+    def forward(ctx, pre_bs, crow_b1, rows_n, cols_n, xn_bd, W_enc, b_enc, b_dec):
         ctx.save_for_backward(crow_b1, rows_n, cols_n, xn_bd, W_enc, b_dec)
         ctx.centred = b_dec is not None
         ctx.n_latents = pre_bs.shape[1]
@@ -75,7 +74,7 @@ class _PickedEntries(torch.autograd.Function):
         g_n = g_n.contiguous()
         shape = (crow_b1.numel() - 1, ctx.n_latents)
         dense = lambda: g_n.new_zeros(shape).index_put_((rows_n, cols_n), g_n, accumulate=True)  # noqa: E731
-        return (None, None, None, *_encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, cols_n, g_n, dense))
+        return (None, None, None, None, *_encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, cols_n, g_n, dense))
 
 
 def _encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, cols_n, g_n, dense_bs) -> tuple:
@@ -90,12 +89,6 @@ def _encoder_grads(ctx, xn_bd, W_enc, b_dec, crow_b1, cols_n, g_n, dense_bs) -> 
     db_enc = g_n.new_zeros(ctx.n_latents).index_add_(0, cols_n, g_n)
     db_dec = -(W_enc @ db_enc) if ctx.centred and ctx.needs_input_grad[-1] else None
     return None, dW_ds, db_enc, db_dec
-
-
-def _rows(crow_b1: torch.Tensor, n: int) -> torch.Tensor:
-    """(n,) each CSR entry's row."""
-    return torch.repeat_interleave(torch.arange(crow_b1.numel() - 1, device=crow_b1.device), crow_b1.diff(),
-                                   output_size=n)  # fmt: skip
 
 
 def _csr(crow_b1: torch.Tensor, cols_n: torch.Tensor, g_n: torch.Tensor, n_latents: int) -> torch.Tensor:
@@ -122,21 +115,22 @@ class PreActs:
         """(b, n) the pre-activations at latents `ids_bn` (ids on this model)."""
         if not self.picked:
             return self.pre_bs.gather(1, ids_bn)
-        m = self.model
-        b_dec = None if m.cfg.transcoder else m.b_dec
-        return _PickedPreActs.apply(self.pre_bs, ids_bn, self.xn_bd.detach(), m.W_enc, m.b_enc, b_dec)
+        return _PickedPreActs.apply(self.pre_bs, ids_bn, *self._encoder_inputs())
 
     def gather_entries(self, keep_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pre-activations at the places `keep_bs` (b, s) bool marks, a varying number per vector, in CSR form:
         (values (n,), their latent ids (n,), each vector's first entry (b,)), row by row."""
-        counts_b = keep_bs.sum(1)
+        rows_n, cols_n = keep_bs.nonzero().unbind(1)  # row-major: grouped by row
         crow_b1 = torch.zeros(keep_bs.shape[0] + 1, dtype=torch.int64, device=keep_bs.device)
-        torch.cumsum(counts_b, 0, out=crow_b1[1:])
-        cols_n = keep_bs.nonzero()[:, 1]
+        torch.cumsum(keep_bs.sum(1), 0, out=crow_b1[1:])
         if not self.picked:
-            vals_n = self.pre_bs[_rows(crow_b1, cols_n.numel()), cols_n]
+            vals_n = self.pre_bs[rows_n, cols_n]
         else:
-            m = self.model
-            b_dec = None if m.cfg.transcoder else m.b_dec
-            vals_n = _PickedEntries.apply(self.pre_bs, crow_b1, cols_n, self.xn_bd.detach(), m.W_enc, m.b_enc, b_dec)
+            vals_n = _PickedEntries.apply(self.pre_bs, crow_b1, rows_n, cols_n, *self._encoder_inputs())
         return vals_n, cols_n, crow_b1[:-1]
+
+    def _encoder_inputs(self) -> tuple:
+        """What the picked functions differentiate: the inputs (no gradient), W_enc, b_enc and an SAE's b_dec (None
+        for a transcoder, whose input is not centred)."""
+        m = self.model
+        return self.xn_bd.detach(), m.W_enc, m.b_enc, None if m.cfg.transcoder else m.b_dec
