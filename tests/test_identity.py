@@ -12,6 +12,7 @@ its own (test_a_trainer_bump_moves_only_its_architectures_run_ids). New cases ar
 """
 
 import copy
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -163,6 +164,20 @@ def test_a_trainer_pinned_in_the_config_names_the_runs_that_trainer_made(name):
     for spec in cfg["saes"].values():
         spec["trainer"] = FIRST_TRAINER
     assert sorted(WorkflowPlan.from_config(config.validate(cfg)).runs) == _fixture()[name]["runs"]
+
+
+def test_the_migration_looks_for_a_run_under_each_trainer_its_architecture_still_trains():
+    """`saeflow migrate` (tests/test_migrate.py end to end): the run the config plans first, then the same run at each
+    other trainer version of its architecture, whose id is the one that trainer gave it."""
+    from saeflow import migration
+
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(CASES["jumprelu-gated"])))
+    for run in plan.runs.values():  # JumpReLU and Gated: one trainer version, so only the planned run
+        assert migration.trainer_versions(run.train_config) == [run.train_config]
+    topk = dataclasses.replace(next(iter(plan.runs.values())).train_config, arch="topk", trainer="saeflow-train-4")
+    assert [c.trainer for c in migration.trainer_versions(topk)] == ["saeflow-train-4", "saeflow-train-3"]
+    assert [c.trainer for c in migration.trainer_versions(dataclasses.replace(topk, trainer="saeflow-train-3"))] == [
+        "saeflow-train-3", "saeflow-train-4"]
 
 
 def test_a_trainer_an_architecture_does_not_compute_is_refused_in_one_line():
