@@ -9,7 +9,7 @@ as the workflow extracts). At each site every registered architecture trains at 
 lr, warm-ups, AuxK) in the default workflow's shape (`SHAPE`: expansion 4, so 1,536 latents; batch 1,024) with its
 real `Trainer.train_step`, for `--epochs` passes over the first 7/8 of the tokens in a seeded order; then TopK
 trains again at each other architecture's own L0 (k = that L0, rounded). Scores are on the held-out last 1/8: L0,
-NMSE, dead latents (never firing there) and dense ones (firing on more than DENSE_FREQ of it).
+NMSE, dead latents (never firing there) and dense ones, as `metrics.MetricsAccumulator` counts them.
 
 A result is sane (`judge`) when no architecture ends all dead or all dense, its L0 is within L0_BAND of TopK's at
 k 32 (equal d_sae), and its NMSE is at most NMSE_FACTOR times TopK's at its own L0. It exits 1 when a site is not
@@ -29,9 +29,8 @@ from saeflow import config
 from saeflow.extraction import extract
 from saeflow.extraction import specs as extraction_specs
 from saeflow.store import runs, shards
-from saeflow.training import archs, specs, sweeps, train
+from saeflow.training import archs, metrics, specs, sweeps, train
 
-DENSE_FREQ = 0.1  # a latent firing on more than this share of the held-out tokens is dense
 L0_BAND = (0.25, 2.0)  # an architecture's L0 over TopK's (k 32) at equal d_sae
 NMSE_FACTOR = 1.5  # an architecture's NMSE over TopK's at its own L0
 HELD_OUT = 8  # the last 1 / HELD_OUT of the tokens are scored, the rest trained on
@@ -84,16 +83,11 @@ def train_one(x_nd: torch.Tensor, arch: str, epochs: int, **overrides) -> dict:
             sae.fold_decoder_norms()
         with torch.no_grad():
             x_hat_nd, f_ns = sae(held_nd)
-    freq_s = (f_ns > 0).float().mean(0)
-    nmse = float((x_hat_nd - held_nd).square().sum() / (held_nd - held_nd.mean(0)).square().sum())
-    return {
-        "arch": arch,
-        "l0": float((f_ns > 0).sum(-1).float().mean()),
-        "nmse": nmse,
-        "d_sae": sae.d_sae,
-        "dead": float((freq_s == 0).float().mean()),
-        "dense": float((freq_s > DENSE_FREQ).float().mean()),
-    }
+    acc = metrics.MetricsAccumulator(sae.d_model, sae.d_sae)  # the numbers validation and inference report
+    acc.update(held_nd, x_hat_nd, f_ns)
+    result = acc.result()
+    return {"arch": arch, "l0": result["l0"], "nmse": result["nmse"], "d_sae": sae.d_sae,
+            "dead": result["n_dead"] / sae.d_sae, "dense": result["n_dense"] / sae.d_sae}  # fmt: skip
 
 
 def site_results(x_nd: torch.Tensor, names: list[str], epochs: int) -> dict[str, dict]:
