@@ -12,7 +12,7 @@ import yaml
 from builders import run_from_sae_spec, text_spec, typed, vision_spec
 from saeflow import cli
 from saeflow.analysis import evaluate, scoring, splice
-from saeflow.extraction import extract
+from saeflow.extraction import extract, hooks
 from saeflow.store import runs, shards
 from saeflow.training import loaders, sae, train
 from saeflow.training.sweeps import auto_tokens_of
@@ -180,7 +180,7 @@ def test_wrong_spec_is_one_line_error(tiny_lm_dpath, tmp_path, capsys):
     assert "none of its activations (also, val) plans the run's validation shards" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("hook", ["attn_out", "mlp_out", "mlp_in"])
+@pytest.mark.parametrize("hook", [name for name in hooks.HOOK_POINTS if name != hooks.RESIDUAL])
 def test_an_sae_on_another_hook_point_is_spliced_at_it_and_the_evaluation_names_it(tmp_path, hook):
     """`saeflow evaluate` splices an SAE at the hook point its shards hold (tests/test_splice.py checks the splice of
     every hook point of every family against plain transformers): the same numbers as the splice at that point, not

@@ -19,6 +19,7 @@ import torch
 from builders import write_shards
 from saeflow import cli
 from saeflow.errors import SaeflowError
+from saeflow.extraction import hooks
 from saeflow.interop import lmprobe
 from saeflow.interop.checkpoints import hooknames, sae_checkpoints
 from saeflow.store import runs
@@ -100,7 +101,8 @@ def test_exports_write_the_other_tools_hook_names(tmp_path):
 HOOK_NAMES = {  # TransformerLens name -> saeflow (hook, layer); None: saeflow stores no such activation
     "blocks.3.hook_resid_post": ("residual", 3), "blocks.3.hook_resid_pre": ("residual", 2),
     "blocks.0.hook_resid_pre": None, "blocks.3.hook_attn_out": ("attn_out", 3), "blocks.3.hook_mlp_out": ("mlp_out", 3),
-    "blocks.3.ln2.hook_normalized": ("mlp_in", 3), "blocks.3.hook_mlp_in": None, "blocks.3.hook_resid_mid": None,
+    "blocks.3.ln2.hook_normalized": ("mlp_in", 3), "blocks.3.hook_mlp_in": ("resid_mid", 3),
+    "blocks.3.hook_resid_mid": ("resid_mid", 3),
     "blocks.3.attn.hook_z": None, "hook_embed": None,
 }  # fmt: skip
 HOOKPOINTS = {  # sparsify hookpoint -> (an SAE's (hook, layer), a transcoder's (input, target))
@@ -119,7 +121,7 @@ HOOKPOINTS = {  # sparsify hookpoint -> (an SAE's (hook, layer), a transcoder's 
 def test_hook_names_map_both_ways():
     for name, where in HOOK_NAMES.items():
         assert hooknames.from_transformerlens(name) == where, name
-        if where is not None and name.endswith(("post", "out", "normalized")):
+        if where is not None and name.endswith(("post", "out", "normalized", "mid")):
             assert hooknames.to_transformerlens(where) == name
     for hookpoint, (sae_where, transcoder_where) in HOOKPOINTS.items():
         assert hooknames.from_sparsify(hookpoint, False) == (sae_where, sae_where), hookpoint
@@ -128,9 +130,13 @@ def test_hook_names_map_both_ways():
                    "layers.3.mlp", ("qwen2", ("residual", 2), ("residual", 3)): "layers.3",
                    ("gpt2", ("attn_out", 3), None): "h.3.attn", ("llama", ("mlp_in", 3), None):
                    "layers.3.post_attention_layernorm", ("gpt2", ("mlp_in", 3), ("attn_out", 3)): None,
-                   ("bert", ("mlp_in", 3), ("mlp_out", 3)): None}  # fmt: skip
+                   ("bert", ("mlp_in", 3), ("mlp_out", 3)): None, ("gpt2", ("resid_mid", 3), None): None,
+                   ("llama", ("resid_mid", 3), ("mlp_out", 3)): None}  # fmt: skip
     for (family, source, target), want in to_sparsify.items():
         assert hooknames.to_sparsify(family, source, target) == want, (family, source, target)
+    circuit_tracer = {"residual": "hook_resid_post", "attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out",
+                      "mlp_in": "mlp.hook_in", "resid_mid": "hook_resid_mid"}  # its ReplacementModel's hooks
+    assert {hook: hooknames.to_circuit_tracer(hook) for hook in hooks.HOOK_POINTS} == circuit_tracer
 
 
 def test_exports_saeflow_cannot_map_are_refused_in_one_line(tmp_path):

@@ -4,9 +4,10 @@
     fpath = evaluate.run_evaluation(cfg)        # RUN/evaluation/<val_shard_hash>.json
 
 The SAE is spliced at its hook point (saeflow.analysis.splice: the tensor of block `layer` that its shards hold,
-`hooks.stored(metadata.data)`: the residual stream, the attention or MLP output, or the MLP's input; the rest of the
-model runs on the replacement). The first ceil(n_tokens / tokens_per_example) examples of the run's validation
-activation spec go through the model four times, on the same inputs:
+`hooks.stored(metadata.data)`: the residual stream, the attention or MLP output, the MLP's input, or the stream
+between the sublayers; the rest of the model runs on the replacement). The first ceil(n_tokens /
+tokens_per_example) examples of the run's validation activation spec go through the model four times, on the same
+inputs:
 
     clean         the model as it is
     spliced       the hook point's tensor x replaced by the SAE's decode(encode(x)) (raw space: normalization undone)
@@ -178,7 +179,7 @@ def three_passes(
     write points (check_stored)."""
     batch = example_inputs(plan, view.sd)
     passes = baselines(splice, mean_d)
-    points = {point: m.module(point) for point in (splice.read, splice.write)}
+    points = {point: m.tap(point) for point in (splice.read, splice.write)}
     has_cls = m.info.cls_token or m.info.family in models.ENCODER_FAMILIES
     scores = Scores()
     scores.n_spliced = 0
@@ -189,7 +190,7 @@ def three_passes(
             mask_bt = splice_mask(view, m.info, lo, hi).to(device)
             scores.n_spliced += n_spliced_scored(mask_bt, m.causal)
             prefix = Prefix.of(splice)  # the blocks before the splice, from the clean pass, replayed by the others
-            with adapters.record_outputs(points) as clean_acts:
+            with adapters.record(points) as clean_acts:
                 clean = spliced_forward(m, inputs, mask_bt, None, prefix)
             if m.causal:  # one pass's logits at a time beside the clean log-probs: memory 2 x (B, T, V)
                 logp_clean = next_token_logp(clean)

@@ -7,20 +7,24 @@
     clean = splice.spliced_forward(m, inputs, mask_bt, None, prefix)          # records the blocks before the splice
     out = splice.spliced_forward(m, inputs, mask_bt, transcoder, prefix)      # replays them, then splices
 
-A `Point` is a hook point (saeflow.extraction.hooks: `residual`, `attn_out`, `mlp_out`, `mlp_in`) of one block. Its
-tensor is the output of the very submodule extraction records (`hooks.find_modules`; the block itself for `residual`),
-so what a splice reads or replaces is by construction the extracted tensor, and the rest of the model runs on the
-replacement exactly as it would on the submodule's own output: `attn_out` / `mlp_out` are what the block adds to the
+A `Point` is a hook point (saeflow.extraction.hooks: `residual`, `attn_out`, `mlp_out`, `mlp_in`, `resid_mid`) of
+one block. Its tensor is the very one extraction records (`hooks.find_taps`: a submodule's output, the block itself for
+`residual`, the block's input plus its attention output for `resid_mid`), so what a splice reads or replaces is by
+construction the extracted tensor, and the rest of the model runs on the replacement exactly as it would on the
+model's own tensor: `attn_out` / `mlp_out` are what the block adds to the
 residual stream (post-norm BERT and RoBERTa: the dense output, which dropout, the residual and LayerNorm follow),
 `mlp_in` is the norm's output the MLP reads (in post-norm BERT and RoBERTa that LayerNorm's output is also the
-residual stream the MLP sublayer adds to: one tensor, replaced for both), `residual` the block's output.
+residual stream the MLP sublayer adds to: one tensor, replaced for both), `residual` the block's output, and
+`resid_mid` the stream both the MLP's norm and the block's last sum read (written as the attention output that makes
+it: replacement - block input, so the block's own sum is the replacement to float rounding).
 
 A `Splice` reads `read`'s tensor at the masked positions (float32, (n, d)), calls `fn` on it and writes the result
 at the same positions of `write`'s tensor, in one forward pass; every other position stays as the model computes it.
 An SAE reads and writes one point (`Splice.at`: fn = decode(encode(x))); a transcoder reads its input hook point and
 writes its prediction at its target hook point (fn = its forward from input to prediction, raw activation space).
-Both points are forward hooks on their modules, the read one registered first: a splice whose write point runs
-before its read point in the forward pass is refused in one line when it fires (no table of module order to copy).
+Both points are forward hooks on their modules (`hooks.Tap.intercept`), the read one registered first: a splice whose
+write point runs before its read point in the forward pass is refused in one line when it fires (no table of module
+order to copy).
 
 `Prefix` is the "early exit" a splice allows: every pass of one batch sees the same inputs up to the first module it
 hooks, so the clean pass records the outputs of the blocks before that (up to and including a `residual` point's
@@ -87,7 +91,7 @@ class Spliceable:
     model: torch.nn.Module
     blocks: torch.nn.ModuleList
     causal: bool
-    point_modules: dict = dataclasses.field(default_factory=dict)  # hook -> its module in every block, found once
+    point_taps: dict = dataclasses.field(default_factory=dict)  # hook -> its tap in every block, found once
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) of a causal LM, else the final hidden states (B, T, D); float32."""
@@ -97,12 +101,12 @@ class Spliceable:
             out = self.model(input_ids=inputs, attention_mask=torch.ones_like(inputs), use_cache=False)
         return (out.logits if self.causal else out.last_hidden_state).float()
 
-    def module(self, point: Point) -> torch.nn.Module:
-        """The module whose output is `point`'s tensor: the one extraction records (a one-line error if it lacks it)."""
-        if point.hook not in self.point_modules:
+    def tap(self, point: Point) -> hooks.Tap:
+        """Where the model computes `point`'s tensor: the tap extraction records (a one-line error if it lacks it)."""
+        if point.hook not in self.point_taps:
             info = self.info
-            self.point_modules[point.hook] = hooks.find_modules(self.blocks, info.model_type, info.family, point.hook)
-        return self.point_modules[point.hook][point.layer]
+            self.point_taps[point.hook] = hooks.find_taps(self.blocks, info.model_type, info.family, point.hook)
+        return self.point_taps[point.hook][point.layer]
 
 
 def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: str, device) -> Spliceable:
@@ -110,11 +114,6 @@ def load_model(info: models.ModelInfo, spec: models.ModelSpec, compute_dtype: st
     model = adapters.build(info, spec, compute_dtype, lm_head=True).to(device).eval()
     blocks = adapters.find_blocks(model.base_model if info.causal else model)
     return Spliceable(info, model, blocks, info.causal)
-
-
-def hidden(output) -> torch.Tensor:
-    """A module's tensor: its output, or the first element of the tuple it returns (attention modules)."""
-    return output[0] if isinstance(output, (tuple, list)) else output
 
 
 @dataclasses.dataclass
@@ -161,21 +160,18 @@ def hooked(m: Spliceable, splice: Splice, mask_bt: torch.Tensor) -> typing.Itera
     """Forward hooks that make the model's next forward pass run with `splice` (its read hook first)."""
     read: list[torch.Tensor] = []
 
-    def read_hook(module, args, output):
-        read.append(hidden(output)[mask_bt].float())
+    def on_read(tensor_btd):
+        read.append(tensor_btd[mask_bt].float())
 
-    def write_hook(module, args, output):
+    def on_write(tensor_btd):
         if not read:
             raise SaeflowError(f"a splice cannot read {splice.read} to write {splice.write}: the model computes "
                                f"{splice.write} first")  # fmt: skip
-        h = hidden(output)
-        new = h.clone()
-        new[mask_bt] = splice.fn(read.pop()).to(h.dtype)
-        return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
+        return mask_bt, splice.fn(read.pop())
 
-    handles = [m.module(splice.read).register_forward_hook(read_hook)]
+    handles = m.tap(splice.read).intercept(on_read)
     try:
-        handles.append(m.module(splice.write).register_forward_hook(write_hook))
+        handles += m.tap(splice.write).intercept(on_write)
         yield
     finally:
         for handle in handles:

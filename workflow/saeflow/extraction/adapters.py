@@ -7,7 +7,8 @@
 "Layer k" is the output of transformer block k (the residual stream after block k), 0-indexed. Hooks on the block
 modules record it; the hook on the deepest requested block raises `_StopForward`, so later blocks never run.
 `adapter.run_points(batch, [(hook, layer), ...])` records other hook points of the blocks (extraction.hooks: a
-sublayer's output or the MLP's input) in the same pass, which also stops after the deepest block.
+sublayer's output, the MLP's input, the stream between the sublayers) in the same pass, which also stops after the
+deepest block.
 For pre-norm decoders (GPT-2, Llama) Hugging Face's `hidden_states[-1]` has the final norm applied; we store the
 raw residual stream of the last block instead (the same definition for every layer).
 """
@@ -51,27 +52,27 @@ def record_blocks(blocks, layers: typing.Sequence[int], stop_after_deepest: bool
     With `stop_after_deepest` the deepest block's hook ends the forward pass, so later blocks never run.
     """
     stop = blocks[max(layers)] if stop_after_deepest else None
-    with record_outputs({layer: blocks[layer] for layer in layers}, stop) as recorded:
+    with record({layer: hooks.Tap(blocks[layer], blocks[layer], False) for layer in layers}, stop) as recorded:
         yield recorded
 
 
 @contextlib.contextmanager
-def record_outputs(modules: dict, stop_after=None) -> typing.Iterator[dict]:
-    """Forward hooks that store each module's output (its first element when it returns a tuple) in the yielded dict
-    under the module's key. `stop_after` (a module) ends the forward pass once it has run, after every recording hook
-    on it (hooks on one module run in the order they were registered)."""
+def record(taps: dict, stop_after=None) -> typing.Iterator[dict]:
+    """Forward hooks that store each tap's tensor (`hooks.Tap`: a hook point of one block) in the yielded dict under
+    the tap's key. `stop_after` (a module) ends the forward pass once it has run, after every recording hook on it
+    (hooks on one module run in the order they were registered)."""
     recorded: dict = {}
 
-    def make_hook(key):
-        def hook(module, args, output):
-            recorded[key] = (output[0] if isinstance(output, (tuple, list)) else output).detach()
+    def keeper(key):
+        def keep(tensor) -> None:
+            recorded[key] = tensor.detach()
 
-        return hook
+        return keep
 
     def stop(module, args, output):
         raise _StopForward
 
-    handles = [module.register_forward_hook(make_hook(key)) for key, module in modules.items()]
+    handles = [handle for key, tap in taps.items() for handle in tap.intercept(keeper(key))]
     if stop_after is not None:
         handles.append(stop_after.register_forward_hook(stop))
     try:
@@ -115,7 +116,7 @@ class Adapter:
         self.blocks = find_blocks(self.model)
         if len(self.blocks) != info.n_layers:
             raise SaeflowError(f"{info.ckpt}: found {len(self.blocks)} blocks, config says {info.n_layers}")
-        self._point_modules: dict[str, list] = {}  # hook point -> its module in every block, found and checked once
+        self._point_taps: dict[str, list] = {}  # hook point -> its tap in every block, found and checked once
 
     @property
     def n_layers(self) -> int:
@@ -132,21 +133,21 @@ class Adapter:
         acts = self.run_points(batch, [(hooks.RESIDUAL, layer) for layer in layers])
         return {layer: acts[hooks.RESIDUAL, layer] for layer in layers}
 
-    def point_modules(self, name: str) -> list:
-        """The module hook point `name` records in every block, located and checked in all of them the first time
-        (extraction asks before its first batch): a one-line error when the family lacks it or a block does."""
-        if name not in self._point_modules:
-            self._point_modules[name] = hooks.find_modules(self.blocks, self.info.model_type, self.info.family, name)
-        return self._point_modules[name]
+    def point_taps(self, name: str) -> list:
+        """Where every block computes hook point `name` (`hooks.Tap`), located and checked in all of them the first
+        time (extraction asks before its first batch): a one-line error when the family lacks it or a block does."""
+        if name not in self._point_taps:
+            self._point_taps[name] = hooks.find_taps(self.blocks, self.info.model_type, self.info.family, name)
+        return self._point_taps[name]
 
     def run_points(self, batch, points: typing.Sequence[tuple[str, int]]) -> dict:
         """{(hook point, layer): float32 acts (B, T, D) on CPU} from one forward pass, stopped after the deepest
         block any point names (`run`'s positions)."""
         import torch
 
-        modules = {(name, layer): self.point_modules(name)[layer] for name, layer in points}
+        taps = {(name, layer): self.point_taps(name)[layer] for name, layer in points}
         stop_after = self.blocks[max(layer for _, layer in points)]
-        with record_outputs(modules, stop_after) as recorded, torch.inference_mode():
+        with record(taps, stop_after) as recorded, torch.inference_mode():
             batch = batch.to(self.device)
             if self.info.modality == "vision":
                 self.model(pixel_values=batch.to(self.torch_dtype))

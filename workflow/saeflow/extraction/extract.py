@@ -335,7 +335,7 @@ def _run_pass(plans: list[Plan], root: pathlib.Path, progress: bool, part, t0: f
                 logger.info("resuming %s from example %d (last complete shard)", w.staging, start)
         adapter = adapters.load(first.model_spec, first.spec.compute_dtype, device_name, info=first.info)
         for p, _, _ in live:
-            adapter.point_modules(p.spec.hook)  # every block holds its module, of the right kind: else one line, now
+            adapter.point_taps(p.spec.hook)  # every block holds its module, of the right kind: else one line, now
         ex_stop = writers[0].ex_stop  # a part stops at its last shard (the same one in every directory of the pass)
         spans = [s for s in batches(md.n_ex, md.ex_per_shard, first.spec.batch_size, min(s for *_, s in live))
                  if s[0] < ex_stop]  # fmt: skip

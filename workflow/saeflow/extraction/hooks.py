@@ -1,8 +1,14 @@
 """Hook points: which tensor of a transformer block an activation spec stores (its `hook`; docs/extraction.md).
 
     hooks.check(info.model_type, info.family, "mlp_out")   # plan time, from the config: one line if it lacks it
-    modules = hooks.find_modules(blocks, info.model_type, info.family, "mlp_out")   # loaded: each block's, checked
+    taps = hooks.find_taps(blocks, info.model_type, info.family, "mlp_out")   # loaded: each block's, checked
+    handles = taps[3].intercept(on_tensor)   # record block 3's tensor, or replace it (extraction, evaluate, splice)
     data = {**data, **hooks.hashed("mlp_out")}; hooks.stored(data)   # how the shard metadata records it
+    HOOK_POINTS["mlp_in"].transformerlens, .circuit_tracer   # what the other tools call it (interop/checkpoints)
+
+A `HookPoint` is the one object that knows a hook point: where it sits in each block layout, how a block computes it
+(`Tap`: what extraction records and a splice reads and writes, so the two are the same tensor by construction), and
+its names in TransformerLens (SAELens), circuit-tracer and, where it is a module's output, sparsify.
 
 `residual` (the schema's default) is a block's own output, the residual stream after the block; it is in no shard
 metadata, so every shard hash from before hook points stays as it was. The others are one sublayer's tensor, recorded
@@ -13,6 +19,9 @@ by a forward hook on the submodule that computes it (its output; the first eleme
   dropout, the residual and LayerNorm. Dropout and drop-path are the identity in eval mode, so no hook point needs
   them.
 - `mlp_in`: the MLP's input, the output of the norm before it (BERT, RoBERTa: the attention sublayer's LayerNorm).
+- `resid_mid`: the residual stream between the sublayers of a pre-norm block, the block's input plus `attn_out`
+  (what circuit-tracer's cross-layer transcoders read). Post-norm encoders have none of their own: their stream after
+  attention is the LayerNorm's output, which is `mlp_in` (one tensor gets one name, so one shard hash).
 
 A block layout lists, per hook point, the submodule paths it may sit at (first match wins: transformers moved ViT's
 MLP from `output.dense` to `mlp` in version 5). Once the model is loaded, every block must hold one of them for each
@@ -21,6 +30,7 @@ runs (a residual-stream extraction asks for no submodule, so a moved one never s
 """
 
 import dataclasses
+import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
@@ -48,32 +58,85 @@ BLOCK_LAYOUTS: dict[str, str] = config.by_enum({
 
 @dataclasses.dataclass(frozen=True)
 class HookPoint:
-    """One hook point: where it sits in each block layout, and what it is."""
+    """One hook point: where it sits in each block layout, what it is, and what the other tools call it."""
 
     name: str
     what: str  # for a person: errors and docs
     paths: dict[str, tuple[str, ...]]  # block layout -> submodule paths in a block, first match wins; "" = the block
+    transformerlens: str  # TransformerLens's hook after `blocks.{k}.` (SAELens's hook names)
+    circuit_tracer: str  # circuit-tracer's hook after `blocks.{k}.` (its feature_input_hook / feature_output_hook)
     norm: bool = False  # the submodule must be a norm (its class name ends in Norm)
+    plus_block_input: bool = False  # the tensor is the block's input plus the submodule's output, not the output
 
     def candidates(self, model_type: str) -> tuple[str, ...]:
         return self.paths.get(BLOCK_LAYOUTS[model_type], ())
 
+    @property
+    def is_module_output(self) -> bool:
+        """Whether the tensor is one submodule's output, so a tool that hooks modules by name (sparsify) can name it."""
+        return not self.plus_block_input
 
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+    """Where one block computes a hook point's tensor: `module`'s output (its first element when it returns a tuple),
+    plus the block's input when the point is the residual stream after a sublayer (`resid_mid`: the block adds them,
+    and IEEE addition commutes, so the sum here is that tensor bit for bit)."""
+
+    block: typing.Any  # torch.nn.Module (no torch import at planning)
+    module: typing.Any
+    plus_block_input: bool
+
+    def intercept(self, on_tensor: typing.Callable) -> list:
+        """Forward hooks that call on_tensor(tensor (B, T, D)) each time the block computes it. A (mask_bt, values_nd)
+        it returns replaces the tensor at those positions (None leaves it): for `resid_mid`, the submodule's output
+        becomes values - block input there, so the block's own sum is the values to float rounding, and every other
+        position is untouched. Returns the hook handles, to remove."""
+        block_input: list = []
+        handles = []
+        if self.plus_block_input:
+
+            def keep_input(module, args, kwargs):
+                block_input[:] = [args[0] if args else kwargs["hidden_states"]]
+
+            handles.append(self.block.register_forward_pre_hook(keep_input, with_kwargs=True))
+
+        def on_output(module, args, output):
+            h = output[0] if isinstance(output, (tuple, list)) else output
+            base = block_input.pop() if self.plus_block_input else None
+            replaced = on_tensor(h if base is None else base + h)
+            if replaced is None:
+                return None
+            mask_bt, values_nd = replaced
+            if base is not None:
+                values_nd = values_nd.float() - base[mask_bt].float()
+            new = h.clone()
+            new[mask_bt] = values_nd.to(h.dtype)
+            return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
+
+        handles.append(self.module.register_forward_hook(on_output))
+        return handles
+
+
+ATTN_PATHS = {"vit": ("attention",), "clip": ("self_attn",), "dinov2": ("layer_scale1",), "gpt2": ("attn",),
+              "llama": ("self_attn",)}  # fmt: skip
 # Every hook point (the schema's `hook` enum: config.by_enum checks they agree), and where it sits in each layout.
 HOOK_POINTS: dict[str, HookPoint] = config.by_enum({
-    RESIDUAL: HookPoint(RESIDUAL, "the residual stream after the block", dict.fromkeys(BLOCK_LAYOUTS.values(), ("",))),
-    "attn_out": HookPoint("attn_out", "the attention sublayer's output", {
-        "vit": ("attention",), "clip": ("self_attn",), "dinov2": ("layer_scale1",), "gpt2": ("attn",),
-        "llama": ("self_attn",), "bert": ("attention.output.dense",),
-    }),
+    RESIDUAL: HookPoint(RESIDUAL, "the residual stream after the block", dict.fromkeys(BLOCK_LAYOUTS.values(), ("",)),
+                        "hook_resid_post", "hook_resid_post"),
+    "attn_out": HookPoint("attn_out", "the attention sublayer's output",
+                          {**ATTN_PATHS, "bert": ("attention.output.dense",)}, "hook_attn_out", "hook_attn_out"),
     "mlp_out": HookPoint("mlp_out", "the MLP sublayer's output", {
         "vit": ("mlp", "output.dense"), "clip": ("mlp",), "dinov2": ("layer_scale2",), "gpt2": ("mlp",),
         "llama": ("mlp",), "bert": ("output.dense",),
-    }),
+    }, "hook_mlp_out", "hook_mlp_out"),
     "mlp_in": HookPoint("mlp_in", "the MLP's input after its norm", {
         "vit": ("layernorm_after",), "clip": ("layer_norm2",), "dinov2": ("norm2",), "gpt2": ("ln_2",),
         "llama": ("post_attention_layernorm",), "bert": ("attention.output.LayerNorm",),
-    }, norm=True),
+    }, "ln2.hook_normalized", "mlp.hook_in", norm=True),
+    # pre-norm blocks only: a post-norm block's stream after attention is its LayerNorm's output, which is mlp_in
+    "resid_mid": HookPoint("resid_mid", "the residual stream between the attention and MLP sublayers", ATTN_PATHS,
+                           "hook_resid_mid", "hook_resid_mid", plus_block_input=True),
 }, "activation_spec", "hook")  # fmt: skip
 
 
@@ -108,6 +171,13 @@ def submodule(block, path: str):
         if module is None:
             return None
     return module
+
+
+def find_taps(blocks, model_type: str, family: str, name: str) -> list[Tap]:
+    """Where every block computes hook point `name`'s tensor (its `Tap`), checked as `find_modules` does."""
+    point = check(model_type, family, name)
+    modules = find_modules(blocks, model_type, family, name)
+    return [Tap(block, module, point.plus_block_input) for block, module in zip(blocks, modules)]
 
 
 def find_modules(blocks, model_type: str, family: str, name: str) -> list:

@@ -1,18 +1,23 @@
 """Other tools' hook names <-> saeflow's hook points (extraction/hooks.py) and layers (docs/interop.md has the table).
 
-A `Where` is (hook point, layer): layer k is transformer block k (0-indexed), `residual` its output.
+A `Where` is (hook point, layer): layer k is transformer block k (0-indexed), `residual` its output. Each
+`hooks.HookPoint` carries its own TransformerLens and circuit-tracer names; this module maps whole names both ways.
 
 SAELens names its activations as TransformerLens hooks (`hook_name`, a transcoder's `hook_name_out`):
 
     blocks.{k}.hook_resid_post        residual k          blocks.{k}.hook_resid_pre   residual k-1 (none for k = 0)
     blocks.{k}.hook_attn_out          attn_out k          blocks.{k}.hook_mlp_out     mlp_out k
-    blocks.{k}.ln2.hook_normalized    mlp_in k
+    blocks.{k}.ln2.hook_normalized    mlp_in k            blocks.{k}.hook_resid_mid   resid_mid k
+    blocks.{k}.hook_mlp_in            resid_mid k
 
-`blocks.{k}.hook_mlp_in` is NOT saeflow's mlp_in: TransformerLens records it before ln2 (it is resid_mid), so it and
-resid_mid map to nothing. sparsify names a module of the base model (`h.3.mlp`, `layers.3`, optionally `/seedN`):
-an SAE reads the module's output, a transcoder predicts its output from its input. The module's path inside a block is
-saeflow's own (`HookPoint.paths`, every block layout), so `h.3.mlp` is mlp_out 3 and, for a transcoder, mlp_in 3 ->
-mlp_out 3; a whole block `layers.3` is residual 3 (a transcoder: residual 2 -> residual 3).
+`blocks.{k}.hook_mlp_in` is NOT saeflow's mlp_in: TransformerLens records it before ln2, the MLP block's input, which
+is resid_mid. circuit-tracer names hook points the same way but for mlp_in, `mlp.hook_in` (`to_circuit_tracer`).
+
+sparsify names a module of the base model (`h.3.mlp`, `layers.3`, optionally `/seedN`): an SAE reads the module's
+output, a transcoder predicts its output from its input. The module's path inside a block is saeflow's own
+(`HookPoint.paths`, every block layout), so `h.3.mlp` is mlp_out 3 and, for a transcoder, mlp_in 3 -> mlp_out 3; a
+whole block `layers.3` is residual 3 (a transcoder: residual 2 -> residual 3). resid_mid is no module's output (the
+block's input plus the attention's), so no sparsify hookpoint names it.
 """
 
 import re
@@ -23,10 +28,9 @@ from saeflow.extraction.models import MODEL_TYPES
 Where = tuple[str, int]  # (saeflow hook point, layer)
 
 RESIDUAL = hooks.RESIDUAL
-# TransformerLens hook (after `blocks.{k}.`) -> saeflow hook point
-_TL_HOOKS = {"hook_resid_post": RESIDUAL, "hook_attn_out": "attn_out", "hook_mlp_out": "mlp_out",
-             "ln2.hook_normalized": "mlp_in"}  # fmt: skip
-_TL_NAMES = {hook: name for name, hook in _TL_HOOKS.items()}
+# TransformerLens hook (after `blocks.{k}.`) -> saeflow hook point: each hook point's own name, and hook_mlp_in, which
+# TransformerLens records before ln2 (the MLP block's input: resid_mid)
+_TL_HOOKS = {**{point.transformerlens: name for name, point in hooks.HOOK_POINTS.items()}, "hook_mlp_in": "resid_mid"}
 # a block layout -> where its blocks live in the base model sparsify hooks (`model.base_model`)
 _BLOCKS = {"gpt2": "h", "llama": "layers", "bert": "encoder.layer", "vit": "encoder.layer", "dinov2": "encoder.layer",
            "clip": "vision_model.encoder.layers"}  # fmt: skip
@@ -35,9 +39,10 @@ MLP = "mlp"  # the one module whose input saeflow also stores (mlp_in): a transc
 
 
 def _module_hooks() -> dict[str, str]:
-    """A submodule path inside a block -> the hook point it records, over every block layout (one meaning each)."""
+    """A submodule path inside a block -> the hook point that is its output, over every block layout (one meaning
+    each; `resid_mid` adds the block's input to the attention module's output, so no module name means it)."""
     found: dict[str, str] = {}
-    for point in hooks.HOOK_POINTS.values():
+    for point in filter(lambda p: p.is_module_output, hooks.HOOK_POINTS.values()):
         for paths in point.paths.values():
             for path in filter(None, paths):
                 assert found.setdefault(path, point.name) == point.name, path
@@ -57,7 +62,13 @@ def from_transformerlens(name) -> Where | None:
 
 def to_transformerlens(where: Where) -> str:
     hook, layer = where
-    return f"blocks.{layer}.{_TL_NAMES[hook]}"
+    return f"blocks.{layer}.{hooks.HOOK_POINTS[hook].transformerlens}"
+
+
+def to_circuit_tracer(hook: str) -> str:
+    """circuit-tracer's name of a hook point, after `blocks.{k}.` (its config.yaml's feature_input_hook and
+    feature_output_hook)."""
+    return hooks.HOOK_POINTS[hook].circuit_tracer
 
 
 def from_sparsify(hookpoint, transcode: bool) -> tuple[Where | None, Where | None]:
@@ -83,7 +94,8 @@ def to_sparsify(family: str, source: Where, target: Where | None) -> str | None:
     if layout not in _BLOCKS:
         return None
     hook, layer = source if target is None else target
-    paths = hooks.HOOK_POINTS[hook].paths.get(layout, ())
+    point = hooks.HOOK_POINTS[hook]
+    paths = point.paths.get(layout, ()) if point.is_module_output else ()
     sub = "" if hook == RESIDUAL else f".{paths[0]}" if paths else None
     if target is None or sub is None:
         return None if sub is None else f"{_BLOCKS[layout]}.{layer}{sub}"
