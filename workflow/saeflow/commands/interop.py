@@ -8,7 +8,7 @@ import pathlib
 
 from saeflow import config
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
-from saeflow.interop.spec import SAE_FORMATS, SINK_FORMATS
+from saeflow.interop.spec import CHECKPOINT_EXPORT_FORMATS, CIRCUIT_TRACER, SAE_FORMATS, SINK_FORMATS
 
 EXPORT_DESCRIPTION = """\
 Run a text model over a prompt dataset and write an interop dataset:
@@ -53,7 +53,8 @@ cold), unless --no-link-checksums. Importing again reuses the directory.
 """
 
 EXPORT_CHECKPOINT_DESCRIPTION = """\
-Write the SAE of RUN (checkpoint/sae.pt) as a directory the other library loads with its own code:
+Write the SAE of RUN (checkpoint/sae.pt), or a transcoder set of one RUN per layer, as a directory the other library
+loads with its own code:
 
   saelens   cfg.json + sae_weights.safetensors: sae_lens.SAE.load_from_disk(OUT) (relu -> standard, topk -> topk,
             batchtopk -> jumprelu with the BatchTopK threshold for every latent, jumprelu -> jumprelu with its
@@ -61,6 +62,9 @@ Write the SAE of RUN (checkpoint/sae.pt) as a directory the other library loads 
             jumprelu_transcoder, skip_transcoder / jumprelu_skip_transcoder with a skip path
   sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only; the others are refused);
             a topk transcoder as transcode: true (skip_connection: true with a skip path), d_out = d_model only
+  circuit-tracer  config.yaml + layer_{i}.safetensors, from --run given once per layer 0..L-1, each a relu,
+            jumprelu or batchtopk transcoder to mlp_out of its layer from one hook point (mlp_in or resid_mid):
+            circuit_tracer.ReplacementModel.from_pretrained(MODEL, "/absolute/OUT")
 
 saeflow's input scale (and a transcoder's target scale) is folded into the weights (W_enc * scale, W_dec / out
 scale, b_dec / out scale, W_skip * scale / out scale), so the codes equal saeflow's and the output is in raw
@@ -157,8 +161,9 @@ def _add_checkpoint_commands(subparsers):
 
 
 def _export_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, type=pathlib.Path, help="a trained run directory")
-    p.add_argument("--format", required=True, choices=SAE_FORMATS, help="which library's files to write")
+    p.add_argument("--run", required=True, type=pathlib.Path, action="append",
+                   help="a trained run directory (circuit-tracer: once per layer)")
+    p.add_argument("--format", required=True, choices=CHECKPOINT_EXPORT_FORMATS, help="which library's files to write")
     p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (must not exist)")
 
 
@@ -234,9 +239,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
-    from saeflow.interop.checkpoints import sae_checkpoints
+    from saeflow.errors import SaeflowError
+    from saeflow.interop.checkpoints import circuit_tracer, sae_checkpoints
 
-    print(sae_checkpoints.export_run(args.run, args.format, args.out))
+    if args.format == CIRCUIT_TRACER:
+        print(circuit_tracer.export_transcoder_set(args.run, args.out))
+    elif len(args.run) != 1:
+        raise SaeflowError(f"--format {args.format} writes one run; got --run {len(args.run)} times")
+    else:
+        print(sae_checkpoints.export_run(args.run[0], args.format, args.out))
     return 0
 
 

@@ -66,10 +66,10 @@ def export_run(run_dpath: str | os.PathLike, fmt: str, out_dpath: str | os.PathL
         origin["target_scale_folded"] = float(model.target_scale)
     if model.cfg.matryoshka:
         origin["matryoshka"] = list(model.cfg.matryoshka)
-    return export_sae(model, fmt, out_dpath, origin, _run_hooks(run, layer, model.cfg.transcoder))
+    return export_sae(model, fmt, out_dpath, origin, run_hooks(run, layer, model.cfg.transcoder))
 
 
-def _run_hooks(run: runs.Run, layer, transcoder: bool) -> dict:
+def run_hooks(run: runs.Run, layer, transcoder: bool) -> dict:
     """{"family", "input": (hook, layer)[, "target": ...]} of the run's linked shards; {} where they are not there
     to read (the export then names no hook)."""
     from saeflow.extraction import hooks

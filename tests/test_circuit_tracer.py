@@ -1,0 +1,173 @@
+"""Transcoder sets out to circuit-tracer 0.5.0 (interop/checkpoints/circuit_tracer.py, docs/interop.md): a tiny random
+GPT-2 saved as `gpt2` in a Hugging Face cache, its mlp_in and mlp_out (and resid_mid) extracted and a transcoder
+trained per layer by saeflow, exported with `saeflow export-checkpoint --format circuit-tracer`, then loaded by
+circuit-tracer's own loader in a subprocess (its pinned packages on PYTHONPATH: it needs transformers 4.57): its
+transcoders compute saeflow's outputs to 1e-5, and `attribute()` builds an attribution graph whose replacement score
+is reported. What circuit-tracer cannot load is refused in one line, before OUT exists."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from builders import HANG_SEC, pip_site, run_from_sae_spec, typed
+from saeflow import cli
+from saeflow.extraction import extract
+from saeflow.store import shards
+from saeflow.training import sae, train
+from workflow_helpers import CORPUS, hf_cache_repo
+
+CIRCUIT_TRACER_VERSION = "0.5.0"
+# What circuit-tracer 0.5.0 imports beyond saeflow's venv, resolved by pip in a clean venv beside torch 2.13.0 and
+# installed here with --no-deps (so pip never touches the CPU torch): its own transformers, huggingface_hub and
+# tokenizers (it needs transformers <= 4.57.3) shadow saeflow's on the subprocess's PYTHONPATH.
+PACKAGES = (
+    f"circuit-tracer=={CIRCUIT_TRACER_VERSION}", "nnsight==0.7.0", "transformer-lens==3.2.1", "transformers==4.57.3",
+    "huggingface_hub==0.36.2", "tokenizers==0.22.2", "datasets==5.0.1", "accelerate==1.16.0", "einops==0.8.2",
+    "fancy-einsum==0.0.3", "jaxtyping==0.3.11", "wadler_lindig==0.1.8", "beartype==0.23.1", "better-abc==0.0.3",
+    "typeguard==4.6.1", "sentencepiece==0.2.3", "transformers-stream-generator==0.0.5", "astor==0.8.1", "toml==0.10.2",
+    "zstandard==0.25.0", "python-socketio==5.18.1", "python-engineio==4.15.1", "bidict==0.24.1",
+    "simple-websocket==1.1.0", "wsproto==1.3.2", "websocket-client==1.9.2", "aiohttp==3.14.5",
+    "aiohappyeyeballs==2.7.1", "aiosignal==1.4.0", "frozenlist==1.8.0", "multidict==7.2.1", "propcache==0.5.4",
+    "yarl==1.25.1", "ipython==9.18.1", "ipython_pygments_lexers==1.1.1", "jedi==0.20.1", "parso==0.8.7",
+    "matplotlib-inline==0.2.2", "pexpect==4.9.0", "ptyprocess==0.7.0", "prompt_toolkit==3.0.53", "wcwidth==0.9.4",
+    "stack-data==0.6.3", "asttokens==3.0.2", "executing==2.3.0", "pure_eval==0.2.4",
+)  # fmt: skip
+N_LAYERS, D_MODEL = 2, 32
+
+
+def save_gpt2(dpath: pathlib.Path) -> None:
+    """A 2-block GPT-2 at d=32, random (seed 0), with a byte-level BPE; `<|endoftext|>` is id 1 (TransformerLens
+    takes a BOS of 0 for none) and config.json carries `n_ctx`, which TransformerLens reads."""
+    import tokenizers
+    import transformers
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([CORPUS], trainer)
+    tok = transformers.GPT2TokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                         unk_token="<|endoftext|>", pad_token="<pad>")  # fmt: skip
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=D_MODEL, n_layer=N_LAYERS, n_head=4, n_positions=64,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    cfg.n_ctx = cfg.n_positions
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(dpath)
+    tok.save_pretrained(dpath)
+
+
+@pytest.fixture(scope="module")
+def gpt2_set(tmp_path_factory):
+    """The HF cache, and a transcoder set per input hook point: {hook: [run per layer]} (relu at layer 0, jumprelu
+    at layer 1, from mlp_in; batchtopk at both from resid_mid), trained on the extracted shards."""
+    root = tmp_path_factory.mktemp("circuit-tracer")
+    save_gpt2(root / "saved")
+    hub = root / "hub"
+    hf_cache_repo(hub, "gpt2", root / "saved")
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        mp.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))  # read at its import
+        spec = {"model": {"name": "gpt2"}, "layers": list(range(N_LAYERS)), "context_length": 16, "batch_size": 8,
+                "dataset": {"kind": "builtin_text", "n_ex": 48}, "device": "cpu"}  # fmt: skip
+        hooks_ = ("mlp_in", "resid_mid", "mlp_out")
+        results = extract.extract_pass([typed({**spec, "hook": hook}) for hook in hooks_], root / "shards",
+                                       progress=False)  # fmt: skip
+        sds = {hook: shards.ShardDir(r.dpath) for hook, r in zip(hooks_, results)}
+        archs_ = {"mlp_in": ("relu", "jumprelu"), "resid_mid": ("batchtopk", "batchtopk")}
+        sets = {}
+        for source, per_layer in archs_.items():
+            sets[source] = [run_from_sae_spec(root / "runs", sds[source], target_sd=sds["mlp_out"], layer=layer,
+                                              arch=arch, k=4, expansion=2, batch_size=64, n_epochs=2)
+                            for layer, arch in enumerate(per_layer)]  # fmt: skip
+            train.train_runs([run.root for run in sets[source]], train.TrainSettings(device="cpu"))
+        yield root, env, sds, sets
+
+
+@pytest.fixture(scope="module")
+def circuit_tracer_site():
+    return pip_site(f"circuit-tracer-{CIRCUIT_TRACER_VERSION}", list(PACKAGES), "circuit_tracer/__init__.py")
+
+
+def export(runs_, out: pathlib.Path) -> int:
+    return cli.main(["export-checkpoint", "--format", "circuit-tracer", *[a for r in runs_ for a in ("--run", str(r))],
+                     str(out)])  # fmt: skip
+
+
+@pytest.mark.parametrize("source", ["mlp_in", "resid_mid"])
+def test_circuit_tracer_loads_an_exported_set_computes_its_outputs_and_builds_a_graph(gpt2_set, circuit_tracer_site,
+                                                                                        source):
+    root, env, sds, sets = gpt2_set
+    out = root / f"export-{source}"
+    assert export([run.root for run in sets[source]], out) == 0
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["model_kind"] == "transcoder_set"
+    assert (config["feature_input_hook"], config["feature_output_hook"]) == (
+        {"mlp_in": "mlp.hook_in", "resid_mid": "hook_resid_mid"}[source], "hook_mlp_out")
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "layer_0.safetensors", "layer_1.safetensors"]
+
+    inputs, want = {}, {}
+    for layer, run in enumerate(sets[source]):
+        x_nd = torch.from_numpy(np.stack([sds[source].example(i, layer) for i in range(8)])).reshape(-1, D_MODEL)
+        np.save(root / f"x{layer}.npy", x_nd.numpy())
+        inputs[layer] = str(root / f"x{layer}.npy")
+        with torch.no_grad():
+            want[layer] = sae.load_sae(run.sae_fpath)(x_nd)[0].numpy()
+    tokens = np.asarray(sds[source].aux("tokens.bin")[0], dtype=np.int64).tolist()  # example 0's ids, as extracted
+    job = {"model": "gpt2", "transcoders": str(out.resolve()), "inputs": inputs, "out": str(root / "results.npz"),
+           "prompt": "the quick brown fox jumps over the lazy dog", "tokens": tokens}  # fmt: skip
+    (root / "job.json").write_text(json.dumps(job))
+    script = pathlib.Path(__file__).parent / "_circuit_tracer_peer.py"
+    proc = subprocess.run([sys.executable, str(script), str(root / "job.json")], capture_output=True, text=True,
+                          env={**os.environ, **env, "PYTHONPATH": str(circuit_tracer_site)}, timeout=HANG_SEC)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(root / "results.npz") as npz:
+        got = {name: npz[name] for name in npz.files}
+    assert str(got["version"]) == CIRCUIT_TRACER_VERSION
+    for layer in want:
+        np.testing.assert_allclose(got[f"layer{layer}"], want[layer], atol=1e-5, rtol=0)
+        assert np.abs(want[layer]).max() > 1e-3  # not an all-zero transcoder
+    for layer in range(N_LAYERS):  # circuit-tracer's hooks read and replace the tensors saeflow stores
+        for hook, sd in ((config["feature_input_hook"], sds[source]), (config["feature_output_hook"], sds["mlp_out"])):
+            np.testing.assert_allclose(got[f"hook:blocks.{layer}.{hook}"], sd.example(0, layer), atol=1e-5, rtol=0)
+    assert got["n_features"] > 0 and got["adjacency_nonzero"] > 0  # a graph with feature nodes and edges
+    assert 0.0 <= float(got["replacement"]) <= 1.0 and 0.0 <= float(got["completeness"]) <= 1.0
+    print(f"circuit-tracer {source} set: replacement {float(got['replacement']):.3f}, completeness "
+          f"{float(got['completeness']):.3f}, {int(got['n_features'])} features")
+
+
+def test_what_circuit_tracer_cannot_load_is_refused_in_one_line(gpt2_set, capsys):
+    root, _, sds, sets = gpt2_set
+    out = root / "refused"
+    topk = run_from_sae_spec(root / "runs", sds["mlp_in"], target_sd=sds["mlp_out"], layer=1, arch="topk", k=4,
+                             expansion=2, batch_size=64, n_epochs=1)  # fmt: skip
+    an_sae = run_from_sae_spec(root / "runs", sds["mlp_out"], layer=0, arch="relu", expansion=2, batch_size=64,
+                               n_epochs=1)  # fmt: skip
+    train.train_runs([topk.root, an_sae.root], train.TrainSettings(device="cpu"))
+    layer0, layer1 = (run.root for run in sets["mlp_in"])
+    cases = {
+        (layer0, topk.root): "a topk transcoder; circuit-tracer's files hold ReLU and JumpReLU transcoders",
+        (an_sae.root,): "an SAE, not a transcoder",
+        (layer1,): "no run for layer 0: circuit-tracer needs a transcoder for every layer from 0 up",
+        (layer0, layer0): "a second run for layer 0",
+        (layer0, sets["resid_mid"][1].root): "the runs read different hook points (mlp_in, resid_mid)",
+    }
+    for runs_, message in cases.items():
+        capsys.readouterr()
+        assert export(runs_, out) == 1
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and message in err, err
+        assert not out.exists()
+    assert cli.main(["export-checkpoint", "--format", "saelens", "--run", str(layer0), "--run", str(layer1),
+                     str(out)]) == 1  # fmt: skip
+    assert "--format saelens writes one run; got --run 2 times" in capsys.readouterr().err
