@@ -38,6 +38,7 @@ but the blocks before the splice run once: the clean pass records their outputs 
 """
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -51,7 +52,7 @@ import tqdm
 from saeflow import config, devices
 from saeflow.analysis.inference import target_of, trained_layer
 from saeflow.analysis.scoring import Scores, n_spliced_scored, next_token_logp, score_embeddings, score_lm, summarize
-from saeflow.analysis.splice import Point, Prefix, Splice, Spliceable, load_model, spliced_forward
+from saeflow.analysis.splice import Point, Prefix, Splice, Spliceable, Splices, as_splices, load_model, spliced_forward
 from saeflow.errors import SaeflowError
 from saeflow.extraction import adapters, extract, hooks, models, specs
 from saeflow.store import atomic, provenance, runs
@@ -159,27 +160,36 @@ def mean_activation(view: loaders.LayerView, batch_size: int = 4096) -> tuple[to
     return sum_d / n, n
 
 
-def baselines(splice: Splice, mean_d: torch.Tensor | None) -> dict[str, Splice | None]:
-    """Each pass's splice: clean (none), the splice itself, and the ablations of the tensor it writes, at its write
-    point and positions: zeros (`ablated`) and, given `mean_d`, that tensor's mean (`mean_ablated`)."""
-    passes = {"clean": None, "spliced": splice, "ablated": Splice.at(splice.write, torch.zeros_like)}
+def _mean_of(mean_d: torch.Tensor, x_nd: torch.Tensor) -> torch.Tensor:
+    return mean_d.to(x_nd).expand_as(x_nd)
+
+
+def baselines(splice: Splice | Splices, mean_d: torch.Tensor | dict | None) -> dict[str, Splices | None]:
+    """Each pass's splices: clean (none), the splice itself (or every splice of a set), and the ablations of the
+    tensors they write, at their write points and positions: zeros (`ablated`) and, given `mean_d` (a set's: {write
+    point: mean}), each tensor's mean (`mean_ablated`)."""
+    splices = as_splices(splice)
+    zeros = tuple(Splice.at(one.write, torch.zeros_like) for one in splices)
+    passes = {"clean": None, "spliced": splices, "ablated": zeros}
     if mean_d is not None:
-        passes["mean_ablated"] = Splice.at(splice.write, lambda x_nd: mean_d.to(x_nd).expand_as(x_nd))
+        means = mean_d if isinstance(mean_d, dict) else {splices[0].write: mean_d}
+        passes["mean_ablated"] = tuple(Splice.at(one.write, functools.partial(_mean_of, means[one.write]))
+                                       for one in splices)  # fmt: skip
     return passes
 
 
 def three_passes(
-    m: Spliceable, plan: extract.Plan, view: loaders.LayerView, splice: Splice, n_ex: int, batch_size: int,
-    device, progress: bool = True, check: typing.Callable[[int, dict], None] | None = None,
-    mean_d: torch.Tensor | None = None,
+    m: Spliceable, plan: extract.Plan, view: loaders.LayerView, splice: Splice | Splices, n_ex: int,
+    batch_size: int, device, progress: bool = True, check: typing.Callable[[int, dict], None] | None = None,
+    mean_d: torch.Tensor | dict | None = None,
 ) -> dict:  # fmt: skip
     """Clean, spliced and zero-ablated outputs (and mean-ablated: `mean_d` written at every spliced position) of the
-    first `n_ex` examples of the view's shards, `splice` at the view's tokens (`baselines`); scored (the metrics of
-    `summarize`). `check(lo, {point: clean tensor})` sees the first batch's clean tensors at the splice's read and
-    write points (check_stored)."""
+    first `n_ex` examples of the view's shards, `splice` (or a set of splices, together) at the view's tokens
+    (`baselines`); scored (the metrics of `summarize`). `check(lo, {point: clean tensor})` sees the first batch's
+    clean tensors at every read and write point (check_stored)."""
     batch = example_inputs(plan, view.sd)
     passes = baselines(splice, mean_d)
-    points = {point: m.tap(point) for point in (splice.read, splice.write)}
+    points = {point: m.tap(point) for one in as_splices(splice) for point in (one.read, one.write)}
     has_cls = m.info.cls_token or m.info.family in models.ENCODER_FAMILIES
     scores = Scores()
     scores.n_spliced = 0
@@ -217,8 +227,7 @@ def three_passes(
 
 def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int, shards_dpath: pathlib.Path) -> str:
     """The validation shard hash of the run, after checking that the spec is the one the run was validated on."""
-    run_cfg = run.config()
-    val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
+    val_hash = validation_hash(run)
     if plan.metadata.hash != val_hash:
         stored = _stored_ckpt(shards_dpath)
         if stored is not None and stored != plan.info.ckpt:
@@ -239,6 +248,23 @@ def check_spec(run: runs.Run, plan: extract.Plan, model: sae.SAE, layer: int, sh
             f"{run.sae_fpath}: the SAE takes d_model={model.d_model}, but {plan.info.ckpt} has d={plan.info.d_model}"
         )
     return val_hash
+
+
+def validation_hash(run: runs.Run) -> str | None:
+    """The shard hash the run was validated on (its training shards when it names no validation ones)."""
+    run_cfg = run.config()
+    return run_cfg.get("val_shards") or run_cfg.get("train_shards")
+
+
+def layer_spec(spec: specs.ActivationSpec, layer: int, val_hash: str | None) -> specs.ActivationSpec:
+    """The spec that plans the run's validation directory: `spec` itself when it does (a directory of every layer,
+    as `extract_pass` writes for one spec), else its directory of `layer` (a config's entry names every layer, the
+    workflow's directories one each); `check_spec` then says in one line when neither is the run's."""
+    whole = extract.plan_activation(spec)
+    if whole.hash == val_hash or len(whole.layers) == 1:
+        return spec
+    units = {md.layers[0]: unit for unit, md in extract.per_layer(spec, whole)}
+    return units.get(layer, spec)
 
 
 def _stored_ckpt(shards_dpath: pathlib.Path) -> str | None:
@@ -278,7 +304,7 @@ def run_evaluation(cfg: EvaluateConfig) -> pathlib.Path:
     sae_fpath = run.require_checkpoint()
     layer = trained_layer(run)
     model = sae.load_sae(sae_fpath)
-    plan = extract.plan(cfg.spec)
+    plan = extract.plan(layer_spec(cfg.spec, layer, validation_hash(run)))
     shards_dpath = (cfg.shards or run.link(run.VAL_SHARDS)).resolve()  # messages name the directory, not a link
     shard_hash = check_spec(run, plan, model, layer, shards_dpath)
     sd = open_val_shards(shards_dpath, shard_hash)

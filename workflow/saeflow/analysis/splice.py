@@ -26,6 +26,9 @@ Both points are forward hooks on their modules (`hooks.Tap.intercept`), the read
 write point runs before its read point in the forward pass is refused in one line when it fires (no table of module
 order to copy).
 
+A tuple of splices runs together in one pass (`Splices`: a replacement model, a transcoder in place of every MLP);
+each reads what the splices before it made.
+
 `Prefix` is the "early exit" a splice allows: every pass of one batch sees the same inputs up to the first module it
 hooks, so the clean pass records the outputs of the blocks before that (up to and including a `residual` point's
 block: its output is the hooked tensor itself) and the other passes replay them.
@@ -124,8 +127,9 @@ class Prefix:
     outputs: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, splice: Splice) -> "Prefix":
-        return cls(min(splice.read.replayable, splice.write.replayable))
+    def of(cls, splice: "Splice | Splices") -> "Prefix":
+        splices = as_splices(splice)
+        return cls(min(point.replayable for one in splices for point in (one.read, one.write)))
 
     @contextlib.contextmanager
     def reuse(self, blocks: torch.nn.ModuleList, record: bool) -> typing.Iterator[None]:
@@ -155,9 +159,28 @@ class Prefix:
         self.outputs[k] = output
 
 
+Splices = tuple[Splice, ...]  # spliced together in one pass: a replacement model (a transcoder per layer)
+
+
+def as_splices(splice: "Splice | typing.Sequence[Splice]") -> Splices:
+    return (splice,) if isinstance(splice, Splice) else tuple(splice)
+
+
 @contextlib.contextmanager
-def hooked(m: Spliceable, splice: Splice, mask_bt: torch.Tensor) -> typing.Iterator[None]:
-    """Forward hooks that make the model's next forward pass run with `splice` (its read hook first)."""
+def hooked(m: Spliceable, splice: Splice | Splices, mask_bt: torch.Tensor) -> typing.Iterator[None]:
+    """Forward hooks that make the model's next forward pass run with `splice`, or with every splice of a tuple at
+    once (each its read hook first): a later splice reads what the earlier ones made, as a replacement model does."""
+    handles = []
+    try:
+        for one in as_splices(splice):
+            handles += _hook_one(m, one, mask_bt)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hook_one(m: Spliceable, splice: Splice, mask_bt: torch.Tensor) -> list:
     read: list[torch.Tensor] = []
 
     def on_read(tensor_btd):
@@ -172,17 +195,20 @@ def hooked(m: Spliceable, splice: Splice, mask_bt: torch.Tensor) -> typing.Itera
     handles = m.tap(splice.read).intercept(on_read)
     try:
         handles += m.tap(splice.write).intercept(on_write)
-        yield
-    finally:
+    except BaseException:
         for handle in handles:
             handle.remove()
+        raise
+    return handles
 
 
 def spliced_forward(
-    m: Spliceable, inputs: torch.Tensor, mask_bt: torch.Tensor, splice: Splice | None, prefix: Prefix | None = None
-) -> torch.Tensor:
-    """The model's output with `splice` at `mask_bt` (bool (B, T_model)). `splice=None` is the clean pass, which
-    records the prefix's blocks; the other passes replay them (prefix None: neither, every block runs)."""
+    m: Spliceable, inputs: torch.Tensor, mask_bt: torch.Tensor, splice: Splice | Splices | None,
+    prefix: Prefix | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The model's output with `splice` (or every splice of a tuple) at `mask_bt` (bool (B, T_model)). `splice=None`
+    is the clean pass, which records the prefix's blocks; the other passes replay them (prefix None: neither, every
+    block runs)."""
     reuse = contextlib.nullcontext() if prefix is None else prefix.reuse(m.blocks, record=splice is None)
     hooking = contextlib.nullcontext() if splice is None else hooked(m, splice, mask_bt)
     with reuse, hooking, torch.inference_mode():

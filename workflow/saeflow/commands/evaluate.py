@@ -21,9 +21,14 @@ def register(subparsers):
         "models: per-token cross-entropy of each pass, CE loss recovered = (CE_abl - CE_sae) / (CE_abl - CE_clean), "
         "KL(clean || spliced) and the KL score. Encoders and vision towers: cosine similarity and relative error of "
         "the mean-pooled output (and the CLS token), with the same recovered fractions. Writes "
-        "RUN/evaluation/<val_shard_hash>.json (the summary reads it) and prints its path.",
+        "RUN/evaluation/<val_shard_hash>.json (the summary reads it) and prints its path. Given --run once per layer "
+        "(a transcoder set) and --out FILE, splices them all at once, the replacement model, and each alone, and "
+        "writes FILE: {replacement, per_layer}.",
     )
-    p.add_argument("--run", type=pathlib.Path, required=True, help="the run directory (holds a trained SAE)")
+    p.add_argument("--run", type=pathlib.Path, required=True, action="append",
+                   help="the run directory (holds a trained SAE); again for each layer of a transcoder set")
+    p.add_argument("--out", type=pathlib.Path, metavar="FILE",
+                   help="a set's evaluation JSON (must not exist); needed with more than one --run")
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG",
                    help="a config holding the run's validation activation spec (the workflow passes its per-shard "
                    "config); its planned shard hash must be the run's val_shards")
@@ -44,7 +49,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from saeflow.extraction import specs
     from saeflow.store import runs
 
-    run = runs.open_run(args.run)
+    if len(args.run) > 1 and args.out is None:
+        raise SaeflowError(f"--run given {len(args.run)} times (a transcoder set): give --out FILE for its evaluation")
+    if len(args.run) == 1 and args.out is not None:
+        raise SaeflowError("--out is a set's (more than one --run); one run's evaluation goes to RUN/evaluation/")
+    run = runs.open_run(args.run[0])
     cfg_dict = config.load(args.config)
     activations = cfg_dict["activations"]
     if args.activation is None and len(activations) > 1:
@@ -54,18 +63,25 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         typed = specs.ActivationSpec.from_dict(spec)
     except SaeflowError as err:
         raise SaeflowError(f"{args.config}: activations.{name}: {err}") from None
-    cfg = config.from_args(evaluate.EvaluateConfig, args, spec=typed, progress=not args.no_progress)
+    if args.out is not None:
+        from saeflow.analysis import replacement
+
+        cfg = config.from_args(replacement.SetEvaluateConfig, args, spec=typed, runs=tuple(args.run), out=args.out,
+                               progress=not args.no_progress)  # fmt: skip
+        print(replacement.run_set_evaluation(cfg))
+        return 0
+    cfg = config.from_args(evaluate.EvaluateConfig, args, spec=typed, run=args.run[0], progress=not args.no_progress)
     print(evaluate.run_evaluation(cfg))
     return 0
 
 
 def _validation_activation(run, activations: dict, config_fpath: pathlib.Path) -> str:
     """The name of the activation spec that plans the run's validation shards (planning reads no weights)."""
+    from saeflow.analysis import evaluate
     from saeflow.errors import SaeflowError
     from saeflow.extraction import extract, specs
 
-    run_cfg = run.config()
-    val_hash = run_cfg.get("val_shards") or run_cfg.get("train_shards")
+    val_hash = evaluate.validation_hash(run)
     for name, spec in activations.items():
         typed = specs.ActivationSpec.from_dict(spec)
         if val_hash in (md.hash for _, md in extract.per_layer(typed, extract.plan_activation(typed))):

@@ -1,0 +1,136 @@
+"""A transcoder set evaluated whole (analysis/replacement.py, `saeflow evaluate --run ... --run ... --out`): every
+layer's MLP replaced at once. Known answers (each block's own MLP as its "transcoder" recovers everything) and the
+numbers of a trained set against an independent computation: plain transformers with a forward hook written here on
+every block's MLP, torch's own cross-entropy and KL. Each run alone equals `saeflow evaluate` of that run."""
+
+import json
+
+import pytest
+import torch
+
+from builders import run_from_sae_spec, typed
+from saeflow import cli
+from saeflow.analysis import evaluate, splice
+from saeflow.errors import SaeflowError
+from saeflow.extraction import extract
+from saeflow.store import shards
+from saeflow.training import loaders, sae, train
+from test_hooks import spec_of
+from test_splice import Plain, plain_model
+
+LAYERS = (0, 1)  # of 3 blocks (test_hooks.spec_of)
+
+
+@pytest.fixture(scope="module")
+def gpt2_set(tmp_path_factory):
+    """A random 3-block GPT-2's mlp_in and mlp_out at blocks 0 and 1 (a directory per layer, as `saeflow extract`
+    writes them), a TopK transcoder trained per layer, and the config naming both activations."""
+    root = tmp_path_factory.mktemp("replacement")
+    specs_ = {hook: spec_of("gpt2", hook=hook) for hook in ("mlp_in", "mlp_out")}
+    cfg = {"shards_root": str(root / "shards"), "runs_root": str(root / "runs"), "saes": {},
+           "activations": {"tc_in": specs_["mlp_in"], "tc_out": specs_["mlp_out"]}}  # fmt: skip
+    (root / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["extract", str(root / "config.json"), "--no-progress"]) == 0
+    sds = {hook: {unit.layers[0]: shards.ShardDir(root / "shards" / extract.plan_activation(unit).hash)
+                  for unit in extract.plan_units(typed(spec))} for hook, spec in specs_.items()}  # fmt: skip
+    members = [run_from_sae_spec(root / "runs", sds["mlp_in"][layer], target_sd=sds["mlp_out"][layer], layer=layer,
+                                 arch="topk", k=4, expansion=2, batch_size=32, n_epochs=2) for layer in LAYERS]
+    train.train_runs([run.root for run in members], train.TrainSettings(device="cpu"))
+    return root, sds, members
+
+
+def plain_replacement(plain: Plain, predict: dict) -> torch.Tensor:
+    """Plain transformers' logits with block l's MLP output replaced, at the mask, by predict[l](its ln_2 output)."""
+    handles = []
+    for layer, fn in predict.items():
+        block = plain.model.base_model.h[layer]
+        got = {}
+        handles.append(block.ln_2.register_forward_hook(lambda m, a, out, got=got: got.update(x=out[plain.mask])))
+
+        def write(module, args, out, got=got, fn=fn):
+            new = out.clone()
+            new[plain.mask] = fn(got.pop("x"))
+            return new
+
+        handles.append(block.mlp.register_forward_hook(write))
+    try:
+        with torch.no_grad():
+            return plain.model(input_ids=plain.ids, attention_mask=torch.ones_like(plain.ids), use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_the_set_of_each_blocks_own_mlp_recovers_everything(gpt2_set):
+    _, sds, _ = gpt2_set
+    sd = sds["mlp_in"][0]
+    plan = extract.plan(typed({**spec_of("gpt2", hook="mlp_in"), "layers": [0]}))
+    m = splice.load_model(plan.info, plan.spec.model, "float32", torch.device("cpu"))
+    own = tuple(splice.Splice(splice.Point("mlp_in", layer), splice.Point("mlp_out", layer),
+                              m.blocks[layer].mlp.forward) for layer in LAYERS)  # fmt: skip
+    view = loaders.LayerView(sd, 0, "no_special")
+    metrics = evaluate.three_passes(m, plan, view, own, sd.n_ex, 4, "cpu", progress=False)
+    assert metrics["ce_loss_recovered"] == pytest.approx(1.0, abs=1e-5) and metrics["kl_spliced"] < 1e-9
+    assert metrics["kl_ablated"] > 0  # zeroing both MLPs changes the output
+
+
+def test_a_trained_set_spliced_whole_agrees_with_plain_transformers(gpt2_set, tmp_path):
+    root, sds, members = gpt2_set
+    out = tmp_path / "set.json"
+    argv = ["evaluate", *[a for run in members for a in ("--run", str(run.root))], str(root / "config.json"),
+            "--activation", "tc_in", "--out", str(out), "--no-progress", "--device", "cpu", "--batch-size", "4"]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    written = [one["write"] for one in result["config"]["splices"]]
+    assert written == [{"hook": "mlp_out", "layer": layer} for layer in LAYERS]
+
+    plan = extract.plan(typed({**spec_of("gpt2", hook="mlp_in"), "layers": [0]}))
+    plain = Plain("gpt2", plan, sds["mlp_in"][0], plain_model("gpt2"))
+    tcs = {layer: sae.load_sae(run.sae_fpath) for layer, run in zip(LAYERS, members)}
+
+    def predict(layer):
+        return lambda x: tcs[layer](x)[0]
+
+    def mean_of(layer):
+        view = loaders.LayerView(sds["mlp_out"][layer], layer, "no_special")
+        mean_d = evaluate.mean_activation(view)[0].float()
+        return lambda x: mean_d.expand_as(x)
+
+    outs = {"clean": plain_replacement(plain, {}),
+            "spliced": plain_replacement(plain, {layer: predict(layer) for layer in LAYERS}),
+            "ablated": plain_replacement(plain, dict.fromkeys(LAYERS, torch.zeros_like)),
+            "mean_ablated": plain_replacement(plain, {layer: mean_of(layer) for layer in LAYERS})}  # fmt: skip
+    want = plain.metrics(outs, False)
+    for key, value in want.items():
+        assert result["replacement"][key] == pytest.approx(value, abs=1e-7), key
+    assert want["kl_spliced"] > 1e-4  # the transcoders are not the MLPs
+    for layer, run in zip(LAYERS, members):  # each alone: what `saeflow evaluate` writes for the run
+        one = ["evaluate", "--run", str(run.root), str(root / "config.json"), "--activation", "tc_in", "--no-progress",
+               "--device", "cpu", "--batch-size", "4"]  # fmt: skip
+        assert cli.main(one) == 0
+        alone = json.loads(run.evaluation_fpath(run.config()["val_shards"]).read_text())["metrics"]
+        assert result["per_layer"][str(layer)] == pytest.approx(alone, abs=1e-9)
+    replaced_both = result["replacement"]["kl_spliced"]
+    assert replaced_both > max(result["per_layer"][str(layer)]["kl_spliced"] for layer in LAYERS)
+    print(f"replacement: CE recovered {result['replacement']['ce_loss_recovered']:.3f}, KL {replaced_both:.4f}; "
+          + ", ".join(f"layer {layer} alone {result['per_layer'][str(layer)]['ce_loss_recovered']:.3f}"
+                      for layer in LAYERS))
+
+
+def test_a_set_is_refused_in_one_line_without_out_or_with_a_layer_twice(gpt2_set, tmp_path, capsys):
+    root, _, members = gpt2_set
+    config_fpath = str(root / "config.json")
+    twice = ["--run", str(members[0].root), "--run", str(members[0].root)]
+    assert cli.main(["evaluate", *twice, config_fpath, "--activation", "tc_in"]) == 1
+    assert "give --out FILE for its evaluation" in capsys.readouterr().err
+    assert cli.main(["evaluate", *twice, config_fpath, "--activation", "tc_in", "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "both splice layer 0; a set has one run per layer" in err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(SaeflowError, match="already exists"):
+        (tmp_path / "y").write_text("{}")
+        from saeflow.analysis import replacement
+
+        replacement.run_set_evaluation(replacement.SetEvaluateConfig(
+            runs=(members[0].root,), spec=typed(spec_of("gpt2", hook="mlp_in")),
+            out=tmp_path / "y"))  # fmt: skip
