@@ -3,24 +3,28 @@ GPT-2 saved as `gpt2` in a Hugging Face cache, its mlp_in and mlp_out (and resid
 trained per layer by saeflow, exported with `saeflow export-checkpoint --format circuit-tracer`, then loaded by
 circuit-tracer's own loader in a subprocess (its pinned packages on PYTHONPATH: it needs transformers 4.57): its
 transcoders compute saeflow's outputs to 1e-5, and `attribute()` builds an attribution graph whose replacement score
-is reported. What circuit-tracer cannot load is refused in one line, before OUT exists."""
+is reported. What circuit-tracer cannot load is refused in one line, before OUT exists. Back in: sets circuit-tracer
+saved itself import a layer at a time and compute its outputs; hostile ones are refused in one line."""
 
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import huggingface_hub.constants
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import yaml
 
-from builders import HANG_SEC, pip_site, run_from_sae_spec, typed
+from builders import HANG_SEC, pip_site, run_from_sae_spec, typed, write_shards
 from saeflow import cli
 from saeflow.extraction import extract
-from saeflow.store import shards
+from saeflow.interop.checkpoints import circuit_tracer
+from saeflow.store import runs, shards
 from saeflow.training import sae, train
 from workflow_helpers import CORPUS, hf_cache_repo
 
@@ -171,3 +175,77 @@ def test_what_circuit_tracer_cannot_load_is_refused_in_one_line(gpt2_set, capsys
     assert cli.main(["export-checkpoint", "--format", "saelens", "--run", str(layer0), "--run", str(layer1),
                      str(out)]) == 1  # fmt: skip
     assert "--format saelens writes one run; got --run 2 times" in capsys.readouterr().err
+
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "circuit_tracer" / "sets"
+
+
+@pytest.fixture(scope="module")
+def layer_shards(tmp_path_factory):
+    """mlp_in and mlp_out shards (d 16) of layers 0 and 1, for the imported transcoders to read and predict."""
+    root, g = tmp_path_factory.mktemp("ct-import"), np.random.default_rng(0)
+    return {hook: write_shards(root, g.standard_normal((8, 2, 4, 16)).astype(np.float32), layers=(0, 1), tag="ct",
+                               data={"hook": hook}, family="gpt2") for hook in ("mlp_in", "mlp_out")}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["relu", "jumprelu", "jumprelu-skip"])
+def test_a_set_circuit_tracer_saved_imports_a_layer_at_a_time_and_computes_its_outputs(name, layer_shards, tmp_path,
+                                                                                      capsys):  # fmt: skip
+    """Sets circuit-tracer 0.5.0 built and saved itself (tests/fixtures/circuit_tracer/make_circuit_tracer_sets.py):
+    each layer imports as a run (the format detected), whose codes and prediction equal circuit-tracer's own to 1e-5,
+    with its hook names mapped back; exported again, the files hold the same tensors."""
+    src = FIXTURES / name
+    outputs = np.load(src / "outputs.npz")
+    x = torch.from_numpy(outputs["x"])
+    for layer in (0, 1):
+        argv = ["import-checkpoint", str(src), "--layer", str(layer), "--runs-root", str(tmp_path / "runs"),
+                "--shards", str(layer_shards["mlp_in"].dpath), "--target-shards", str(layer_shards["mlp_out"].dpath)]
+        assert cli.main(argv) == 0
+        run = runs.open_run(capsys.readouterr().out.strip())
+        config = run.config()
+        assert config["arch"] == ("jumprelu" if name.startswith("jumprelu") else "relu") and config["layer"] == layer
+        assert config["skip"] == name.endswith("skip") and config["imported"]["format"] == "circuit-tracer"
+        assert config["imported"]["hooks"] == {
+            "input": {"name": f"blocks.{layer}.mlp.hook_in", "hook": "mlp_in", "layer": layer},
+            "target": {"name": f"blocks.{layer}.hook_mlp_out", "hook": "mlp_out", "layer": layer}}
+        model = sae.load_sae(run.sae_fpath)
+        with torch.no_grad():
+            recon, codes = model(x)[0], model.encode(x)
+        np.testing.assert_allclose(recon.numpy(), outputs[f"recon{layer}"], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(codes.numpy(), outputs[f"codes{layer}"], atol=1e-5, rtol=0)
+        again = circuit_tracer.layer_tensors(model)
+        theirs = safetensors.torch.load_file(src / f"layer_{layer}.safetensors")
+        assert set(again) == set(theirs)
+        for key, tensor in theirs.items():
+            torch.testing.assert_close(again[key], tensor, atol=1e-6, rtol=0)
+
+
+def test_a_hostile_or_foreign_set_is_refused_in_one_line_and_writes_nothing(layer_shards, tmp_path, capsys):
+    runs_root = tmp_path / "runs"
+
+    def refused(src, *extra) -> str:
+        argv = ["import-checkpoint", str(src), "--format", "circuit-tracer", "--runs-root", str(runs_root),
+                "--shards", str(layer_shards["mlp_in"].dpath), "--target-shards", str(layer_shards["mlp_out"].dpath),
+                *extra]  # fmt: skip
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and not runs_root.exists(), err
+        return err
+
+    assert "say which (--layer L)" in refused(FIXTURES / "relu")
+    bad = tmp_path / "bad"
+    shutil.copytree(FIXTURES / "jumprelu", bad)
+    (bad / "config.yaml").write_text("model_kind: cross_layer_transcoder\nfeature_input_hook: hook_resid_mid\n"
+                                     "feature_output_hook: hook_mlp_out\n")  # fmt: skip
+    assert "model_kind 'cross_layer_transcoder'; saeflow imports transcoder_set" in refused(bad, "--layer", "0")
+    (bad / "config.yaml").write_text("!!python/object/apply:os.system ['true']\n")
+    assert "not valid YAML" in refused(bad, "--layer", "0")
+    shutil.copy(FIXTURES / "jumprelu" / "config.yaml", bad / "config.yaml")
+    tensors = safetensors.torch.load_file(bad / "layer_0.safetensors")
+    narrow = {**tensors, "W_dec": tensors["W_dec"][:, :8].contiguous()}  # b_dec says 16
+    safetensors.torch.save_file(narrow, bad / "layer_0.safetensors")
+    assert "tensor 'W_dec' has shape [32, 8]" in refused(bad, "--layer", "0")
+    safetensors.torch.save_file({**tensors, "log_thresholds": tensors["b_enc"].clone()}, bad / "layer_0.safetensors")
+    assert "log_thresholds" in refused(bad, "--layer", "0")
+    (bad / "layer_0.safetensors").write_bytes((bad / "layer_1.safetensors").read_bytes()[:300])
+    assert "layer_0.safetensors" in refused(bad, "--layer", "0")

@@ -8,7 +8,7 @@ import pathlib
 
 from saeflow import config
 from saeflow.interop.budget import DEFAULT_MEMORY_BUDGET
-from saeflow.interop.spec import CHECKPOINT_EXPORT_FORMATS, CIRCUIT_TRACER, SAE_FORMATS, SINK_FORMATS
+from saeflow.interop.spec import CHECKPOINT_FORMATS, CIRCUIT_TRACER, SINK_FORMATS
 
 EXPORT_DESCRIPTION = """\
 Run a text model over a prompt dataset and write an interop dataset:
@@ -75,17 +75,18 @@ saeflow.hookpoint). OUT must not exist; it is published in one rename.
 
 IMPORT_CHECKPOINT_DESCRIPTION = """\
 Turn a SAELens (cfg.json + sae_weights.safetensors) or sparsify (cfg.json + sae.safetensors) SAE directory into a
-saeflow run directory ROOT/<run_id>/ (checkpoint/config.json naming the origin, the weights' sha256, the layer and
-the shard directory; checkpoint/sae.pt; links/train-shards -> DIR), ready for
-`saeflow inference --run RUN --shards DIR` and `saeflow visuals`. The run id is the sha256 of that config, so an
-import is idempotent. Architectures: SAELens standard, topk, jumprelu (per-latent or shared thresholds; BatchTopK when
-its training metadata says so), gated, and the transcoders transcoder, skip_transcoder, jumprelu_transcoder,
-jumprelu_skip_transcoder; sparsify topk (transcode and skip_connection too). A transcoder needs --target-shards (the
-activation it predicts; a sparsify SAE with a skip connection predicts its input: --shards). The checkpoint's hook
-names are recorded in the config. No code from the checkpoint runs: it is read as untrusted input, refused in one
-line before anything is written when cfg.json's values are mistyped (a boolean written as a string), its sizes or k
-disagree with the tensors, a hook name is no hook name, a tensor is non-finite, not float16/bfloat16/float32 (float64
-only when exact) or unused, or a file is over its cap or no regular file (docs/interop.md, "Hostile checkpoints").
+saeflow run directory ROOT/<run_id>/ (checkpoint/config.json naming the origin, the weights' sha256, the layer and the
+shard directory; checkpoint/sae.pt; links/train-shards -> DIR), ready for `saeflow inference --run RUN --shards DIR`
+and `saeflow visuals`. The run id is the sha256 of that config, so an import is idempotent. Architectures: SAELens
+standard, topk, jumprelu (per-latent or shared thresholds; BatchTopK when its training metadata says so), gated, and
+the transcoders transcoder, skip_transcoder, jumprelu_transcoder, jumprelu_skip_transcoder; sparsify topk (transcode
+and skip_connection too); one layer (--layer L) of a circuit-tracer transcoder set (config.yaml +
+layer_{i}.safetensors: relu or JumpReLU, skip path). A transcoder needs --target-shards (the activation it predicts; a
+sparsify SAE with a skip connection predicts its input: --shards). The checkpoint's hook names are recorded in the
+config. No code from the checkpoint runs: it is read as untrusted input, refused in one line before anything is
+written when cfg.json's values are mistyped (a boolean written as a string), its sizes or k disagree with the tensors,
+a hook name is no hook name, a tensor is non-finite, not float16/bfloat16/float32 (float64 only when exact) or unused,
+or a file is over its cap or no regular file (docs/interop.md, "Hostile checkpoints").
 """
 
 
@@ -163,18 +164,19 @@ def _add_checkpoint_commands(subparsers):
 def _export_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, type=pathlib.Path, action="append",
                    help="a trained run directory (circuit-tracer: once per layer)")
-    p.add_argument("--format", required=True, choices=CHECKPOINT_EXPORT_FORMATS, help="which library's files to write")
+    p.add_argument("--format", required=True, choices=CHECKPOINT_FORMATS, help="which library's files to write")
     p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (must not exist)")
 
 
 def _import_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", type=pathlib.Path, metavar="SRC", help="the SAE directory (holding cfg.json)")
-    p.add_argument("--format", choices=SAE_FORMATS, default=None, help="default: detected from the weights file name")
+    p.add_argument("--format", choices=CHECKPOINT_FORMATS, default=None,
+                   help="default: detected from the weights file name (circuit-tracer: config.yaml beside layer_0)")
     p.add_argument("--runs-root", required=True, type=pathlib.Path, help="where run directories <run_id>/ live")
     p.add_argument("--shards", required=True, type=pathlib.Path, help="the shard directory the SAE will read")
     p.add_argument("--layer", type=int, default=None,
                    help="the stored layer the SAE reads (optional when the shards store one layer, or store the "
-                        "layer the checkpoint's hook name says)")
+                        "layer the checkpoint's hook name says; a circuit-tracer set: which layer's file, needed)")
     p.add_argument("--target-shards", type=pathlib.Path, default=None,
                    help="a transcoder's: the shard directory of the activation it predicts, paired with --shards")
 

@@ -22,8 +22,8 @@ SAEV_EXPORT_FORMAT = "saev2.1"
 SINK_FORMATS = (*config.enum("export_spec", "format"), "saev", SAEV_EXPORT_FORMAT)
 # The SAE checkpoints `saeflow export-checkpoint` writes and `import-checkpoint` reads (interop.checkpoints).
 SAE_FORMATS = ("saelens", "sparsify")
-CIRCUIT_TRACER = "circuit-tracer"  # a whole transcoder set, one run per layer (interop.checkpoints.circuit_tracer)
-CHECKPOINT_EXPORT_FORMATS = (*SAE_FORMATS, CIRCUIT_TRACER)
+CIRCUIT_TRACER = "circuit-tracer"  # a whole transcoder set, a run per layer (interop.checkpoints.circuit_tracer)
+CHECKPOINT_FORMATS = (*SAE_FORMATS, CIRCUIT_TRACER)
 
 
 @dataclasses.dataclass(frozen=True)

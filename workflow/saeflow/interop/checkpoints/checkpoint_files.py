@@ -32,7 +32,7 @@ from saeflow.training import archs
 MAX_CFG_BYTES = 1 << 20  # a SAELens training cfg.json is a few KB
 MAX_HEADER_BYTES = 1 << 20  # an SAE has at most a few tensors: a few hundred bytes of header each
 MAX_TENSORS = 64
-LIBRARIES = {"saelens": "SAELens", "sparsify": "sparsify"}
+LIBRARIES = {"saelens": "SAELens", "sparsify": "sparsify", "circuit-tracer": "circuit-tracer"}
 # the safetensors dtypes saeflow reads: float32 as it is, float16 and bfloat16 exactly widened, float64 only exact
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _CHUNK_ITEMS = 1 << 22  # float64 -> float32 check granularity (32 MiB of float64)
@@ -58,7 +58,11 @@ SHAPES = {
                 "W_skip": ("d_out", "d_in")},
     "sparsify": {"encoder.weight": ("d_sae", "d_in"), "W_dec": ("d_sae", "d_in"), "b_dec": ("d_in",),
                  "W_skip": ("d_in", "d_in")},
+    "circuit-tracer": {"W_enc": ("d_sae", "d_in"), "W_dec": ("d_sae", "d_out"), "b_dec": ("d_out",),
+                       "W_skip": ("d_out", "d_in")},
 }  # fmt: skip
+# a format whose config gives no sizes: they come from these tensors' shapes in the header (size -> (tensor, axis))
+HEADER_SIZES = {"circuit-tracer": {"d_sae": ("b_enc", 0), "d_in": ("W_enc", 1), "d_out": ("b_dec", 0)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +116,9 @@ def open_regular(fpath: pathlib.Path):
     return os.fdopen(fd, "rb"), st.st_size
 
 
-def read_cfg(fpath: pathlib.Path) -> dict:
-    """cfg.json as an object, refused before reading when over `MAX_CFG_BYTES` or not a regular file."""
+def read_cfg(fpath: pathlib.Path, yaml_file: bool = False) -> dict:
+    """cfg.json (a YAML file: circuit-tracer's config.yaml) as an object, refused before reading when over
+    `MAX_CFG_BYTES` or not a regular file."""
     fd, size = open_regular(fpath)
     with fd:
         if size > MAX_CFG_BYTES:
@@ -123,12 +128,23 @@ def read_cfg(fpath: pathlib.Path) -> dict:
     if len(data) > MAX_CFG_BYTES:
         raise SaeflowError(f"{fpath}: grew past {fmt_bytes(MAX_CFG_BYTES)} while read; refusing")
     try:
-        cfg = json.loads(data)
+        cfg = _safe_yaml(data) if yaml_file else json.loads(data)
     except (ValueError, RecursionError) as err:
-        raise SaeflowError(f"{fpath}: not valid JSON ({' '.join(str(err).split())[:120]})") from None
+        raise SaeflowError(f"{fpath}: not valid {'YAML' if yaml_file else 'JSON'} "
+                           f"({' '.join(str(err).split())[:120]})") from None  # fmt: skip
     if not isinstance(cfg, dict):
         raise SaeflowError(f"{fpath}: holds a {type(cfg).__name__}, not a config object")
     return cfg
+
+
+def _safe_yaml(data: bytes):
+    """YAML's plain data only (no tags that build objects); its errors as ValueError."""
+    import yaml
+
+    try:
+        return yaml.safe_load(data)
+    except yaml.YAMLError as err:
+        raise ValueError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,13 +229,15 @@ def weights_bytes(sizes: Sizes, fmt: str, names) -> int:
     return sum(math.prod(sizes.shape(fmt, name)) for name in names) * 4
 
 
-def read_weights(fpath: pathlib.Path, fmt: str, sizes: Sizes, cfg_fname: str) -> tuple[Tensors, str]:
+def read_weights(fpath: pathlib.Path, fmt: str, sizes: Sizes | None, cfg_fname: str) -> tuple[Tensors, str]:
     """(the tensors as float32, the file's sha256), every tensor checked against its header entry and `sizes`
-    before a byte of the data is read; the file is read once, through one descriptor."""
+    (None: the format's `HEADER_SIZES`, from the header) before a byte of the data is read; the file is read once,
+    through one descriptor."""
     fd, size = open_regular(fpath)
     with fd:
         digest = hashlib.sha256()
         header, data_start = _read_header(fd, fpath, size, digest)
+        sizes = sizes or _header_sizes(header, fpath, fmt)
         layout = _check_header(header, fpath, fmt, sizes, size - data_start, cfg_fname)
         tensors = {}
         for name, dtype, shape, n_bytes in layout:
@@ -249,6 +267,21 @@ def _read_header(fd, fpath: pathlib.Path, size: int, digest) -> tuple[dict, int]
     if not isinstance(header, dict):
         raise SaeflowError(f"{fpath}: safetensors header is not an object")
     return header, 8 + n_header
+
+
+def _header_sizes(header: dict, fpath: pathlib.Path, fmt: str) -> Sizes:
+    """The sizes a format without them in its config takes from its tensors' shapes (`HEADER_SIZES`); every other
+    shape is then checked against them, and the offsets against the file's length, so a claimed size is one the file
+    holds."""
+    found = {}
+    for size, (name, axis) in HEADER_SIZES[fmt].items():
+        desc = header.get(name)
+        shape = desc.get("shape") if isinstance(desc, dict) else None
+        if not isinstance(shape, list) or len(shape) <= axis or not all(type(n) is int and n > 0 for n in shape):
+            raise SaeflowError(f"{fpath}: no tensor {name!r} of a positive shape in its header; not a "
+                               f"{LIBRARIES[fmt]} transcoder file")  # fmt: skip
+        found[size] = shape[axis]
+    return Sizes(**found)
 
 
 def _check_header(header: dict, fpath: pathlib.Path, fmt: str, sizes: Sizes, n_data: int, cfg_fname: str) -> list:

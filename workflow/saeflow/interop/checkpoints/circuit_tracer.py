@@ -1,7 +1,8 @@
-"""Transcoder sets out to circuit-tracer: one saeflow transcoder run per layer -> the directory its loader reads.
+"""Transcoder sets to and from circuit-tracer: one saeflow transcoder run per layer <-> the directory its loader reads.
 
     saeflow export-checkpoint --format circuit-tracer --run RUN_L0 --run RUN_L1 ... OUT
     ReplacementModel.from_pretrained("gpt2", "/abs/OUT")      # circuit-tracer 0.5.0, offline: an absolute path
+    saeflow import-checkpoint SET --format circuit-tracer --layer 3 --shards IN_3 --target-shards OUT_3 --runs-root R
 
 OUT holds `config.yaml` (`model_kind: transcoder_set`, `feature_input_hook` and `feature_output_hook`, the runs'
 hook points in circuit-tracer's names: `hooks.HookPoint.circuit_tracer`) and `layer_{i}.safetensors` for every layer
@@ -17,13 +18,18 @@ JumpReLU, and BatchTopK as the JumpReLU of its inference threshold. Its replacem
 in place of block i's MLP, so every run must predict `mlp_out` of its own layer from a hook point of that layer
 (`mlp_in`, circuit-tracer's `mlp.hook_in`, or `resid_mid`), all runs from the same hook point, one run per layer
 from 0 up. Anything else is refused in one line before OUT is made.
+
+An import reads one layer's file of a set as untrusted input (`checkpoint_files`: its sizes from the header, every
+shape and offset checked before the data is read, no tensor but those above) and config.yaml (at most 1 MiB, plain
+YAML; only its model_kind and hook names are kept), as the SAELens transcoder it is (`sae_formats.from_saelens`: relu,
+or jumprelu with its thresholds; a skip path), its hook names mapped back (`hooknames.from_circuit_tracer`).
 """
 
 import os
 import pathlib
 
 from saeflow.errors import SaeflowError
-from saeflow.interop.checkpoints import hooknames, sae_formats
+from saeflow.interop.checkpoints import checkpoint_files, hooknames, sae_formats
 from saeflow.store import atomic, runs
 from saeflow.training import sae
 
@@ -41,8 +47,6 @@ def export_transcoder_set(run_dpaths: list, out_dpath: str | os.PathLike) -> pat
     import safetensors.torch
     import yaml
 
-    from saeflow.interop.checkpoints.sae_checkpoints import run_hooks
-
     out_dpath = pathlib.Path(out_dpath)
     if out_dpath.exists():
         raise SaeflowError(f"{out_dpath} already exists; exports never overwrite")
@@ -50,7 +54,7 @@ def export_transcoder_set(run_dpaths: list, out_dpath: str | os.PathLike) -> pat
     for run_dpath in run_dpaths:
         run = runs.open_run(run_dpath)
         model = sae.load_sae(run.require_checkpoint())
-        where = run_hooks(run, run.config().get("layer"), model.cfg.transcoder)
+        where = hooknames.run_where(run, run.config().get("layer"), model.cfg.transcoder)
         layer = _check_member(run, model, where)
         if layer in by_layer:
             raise SaeflowError(f"{run.root}: a second run for layer {layer} (the first: {by_layer[layer][0].root})")
@@ -106,3 +110,59 @@ def layer_tensors(model: sae.SAE) -> dict:
     if weights.W_skip_dd is not None:
         tensors["W_skip"] = weights.W_skip_dd.T
     return {name: t.detach().float().contiguous() for name, t in tensors.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import
+# ---------------------------------------------------------------------------------------------------------------
+
+FORMAT = "circuit-tracer"
+CONFIG_KEYS = ("model_kind", "feature_input_hook", "feature_output_hook")
+
+
+def is_set(src_dpath: pathlib.Path) -> bool:
+    return (src_dpath / CONFIG_FNAME).is_file() and (src_dpath / layer_fname(0)).exists()
+
+
+def read_config(src_dpath: pathlib.Path) -> dict:
+    """config.yaml's model_kind and hook names (strings), checked: a transcoder set's; nothing else is kept."""
+    fpath = src_dpath / CONFIG_FNAME
+    raw = checkpoint_files.read_cfg(fpath, yaml_file=True)
+    cfg = {key: raw.get(key) for key in CONFIG_KEYS}
+    bad = [key for key, value in cfg.items() if not isinstance(value, str) or len(value) > 200]
+    if bad:
+        raise SaeflowError(f"{fpath}: {', '.join(bad)} must be strings (a circuit-tracer transcoder set's config)")
+    if cfg["model_kind"] != "transcoder_set":
+        raise SaeflowError(f"{fpath}: model_kind {cfg['model_kind']!r}; saeflow imports transcoder_set directories "
+                           "(one transcoder per layer)")  # fmt: skip
+    return cfg
+
+
+def read_layer(src_dpath: pathlib.Path, layer: int | None):
+    """(source cfg, arch, k, RawWeights, weights path, sha256, hook names) of layer `layer` of a set."""
+    if layer is None:
+        raise SaeflowError(f"{src_dpath}: a circuit-tracer set holds a transcoder per layer; say which (--layer L)")
+    cfg = read_config(src_dpath)
+    fpath = src_dpath / layer_fname(layer)
+    tensors, sha256 = checkpoint_files.read_weights(fpath, FORMAT, None, layer_fname(layer))
+    skip = "W_skip" in tensors
+    jumprelu = "activation_function.threshold" in tensors
+    architecture = ("jumprelu_" if jumprelu else "") + ("skip_transcoder" if skip else "transcoder")
+    d_sae, d_in = tensors["W_enc"].shape
+    saelens_cfg = {"architecture": architecture, "d_in": d_in, "d_sae": d_sae, "d_out": tensors["b_dec"].shape[0],
+                   "apply_b_dec_to_input": False}  # fmt: skip
+    renamed = {"W_enc": tensors["W_enc"].T, "W_dec": tensors["W_dec"], "b_enc": tensors["b_enc"],
+               "b_dec": tensors["b_dec"]}  # fmt: skip
+    renamed.update({"threshold": tensors["activation_function.threshold"]} if jumprelu else {})
+    renamed.update({"W_skip": tensors["W_skip"]} if skip else {})
+    arch, k, weights = sae_formats.from_saelens(saelens_cfg, checkpoint_files.Tensors(renamed))
+    unknown = sorted(set(tensors) - {"W_enc", "W_dec", "b_enc", "b_dec", "activation_function.threshold", "W_skip"})
+    if unknown:
+        raise SaeflowError(f"{fpath}: tensors {', '.join(n[:60] for n in unknown[:4])} are no circuit-tracer "
+                           "transcoder's (its loader fails on them)")  # fmt: skip
+    problem = sae_formats.check_shapes(weights)
+    if problem is not None:
+        raise SaeflowError(f"{fpath}: {problem}")
+    names = {role: hooknames.from_circuit_tracer(cfg[key], layer)
+             for role, key in (("input", "feature_input_hook"), ("target", "feature_output_hook"))}  # fmt: skip
+    return {**cfg, "layer": layer}, arch, k, weights, fpath, sha256, names

@@ -20,10 +20,14 @@ whole block `layers.3` is residual 3 (a transcoder: residual 2 -> residual 3). r
 block's input plus the attention's), so no sparsify hookpoint names it.
 """
 
+import logging
 import re
 
+from saeflow.errors import SaeflowError
 from saeflow.extraction import hooks
 from saeflow.extraction.models import MODEL_TYPES
+
+logger = logging.getLogger(__name__)
 
 Where = tuple[str, int]  # (saeflow hook point, layer)
 
@@ -63,6 +67,14 @@ def from_transformerlens(name) -> Where | None:
 def to_transformerlens(where: Where) -> str:
     hook, layer = where
     return f"blocks.{layer}.{hooks.HOOK_POINTS[hook].transformerlens}"
+
+
+def from_circuit_tracer(hook_name: str, layer: int) -> dict:
+    """A circuit-tracer hook (after `blocks.{l}.`) of layer `layer`: {"name", "hook", "layer"}, as the SAELens and
+    sparsify imports record names (no "hook" where saeflow stores no such activation)."""
+    found = [name for name, point in hooks.HOOK_POINTS.items() if point.circuit_tracer == hook_name]
+    found += ["mlp_out"] if hook_name == "mlp.hook_out" else []  # its MLP's own name for hook_mlp_out
+    return {"name": f"blocks.{layer}.{hook_name}", **({"hook": found[0], "layer": layer} if found else {})}
 
 
 def to_circuit_tracer(hook: str) -> str:
@@ -118,3 +130,20 @@ def well_formed(fmt: str, name) -> bool:
     """Whether `name` is a hook name of the form `fmt` gives its hooks (no path, no spaces, at most 200 characters);
     where it maps to saeflow's hook points is `from_transformerlens` / `from_sparsify`'s."""
     return isinstance(name, str) and len(name) <= 200 and _WELL_FORMED[fmt].fullmatch(name) is not None
+
+
+def run_where(run, layer, transcoder: bool) -> dict:
+    """{"family", "input": (hook, layer)[, "target": ...]} of the run's linked shards; {} where they are not there
+    to read (the export then names no hook)."""
+    from saeflow.store.shards import ShardDir
+
+    links = [("input", run.TRAIN_SHARDS)] + ([("target", run.TARGET_SHARDS)] if transcoder else [])
+    found = {}
+    for role, link in links:
+        try:
+            md = ShardDir(run.link(link).resolve()).metadata
+        except (SaeflowError, OSError) as err:
+            logger.info("%s: no hook names in the export (%s)", run.root, err)
+            return {}
+        found.update({"family": md.family, role: (hooks.stored(md.data), layer)})
+    return found if isinstance(layer, int) else {}

@@ -37,7 +37,7 @@ import pathlib
 
 from saeflow.errors import SaeflowError
 from saeflow.interop.checkpoints import checkpoint_files, hooknames, sae_formats
-from saeflow.interop.spec import SAE_FORMATS
+from saeflow.interop.spec import CHECKPOINT_FORMATS, CIRCUIT_TRACER, SAE_FORMATS
 from saeflow.store import atomic, runs
 from saeflow.training import archs, sae
 
@@ -66,25 +66,7 @@ def export_run(run_dpath: str | os.PathLike, fmt: str, out_dpath: str | os.PathL
         origin["target_scale_folded"] = float(model.target_scale)
     if model.cfg.matryoshka:
         origin["matryoshka"] = list(model.cfg.matryoshka)
-    return export_sae(model, fmt, out_dpath, origin, run_hooks(run, layer, model.cfg.transcoder))
-
-
-def run_hooks(run: runs.Run, layer, transcoder: bool) -> dict:
-    """{"family", "input": (hook, layer)[, "target": ...]} of the run's linked shards; {} where they are not there
-    to read (the export then names no hook)."""
-    from saeflow.extraction import hooks
-    from saeflow.store.shards import ShardDir
-
-    links = [("input", run.TRAIN_SHARDS)] + ([("target", run.TARGET_SHARDS)] if transcoder else [])
-    found = {}
-    for role, link in links:
-        try:
-            md = ShardDir(run.link(link).resolve()).metadata
-        except (SaeflowError, OSError) as err:
-            logger.info("%s: no hook names in the export (%s)", run.root, err)
-            return {}
-        found.update({"family": md.family, role: (hooks.stored(md.data), layer)})
-    return found if isinstance(layer, int) else {}
+    return export_sae(model, fmt, out_dpath, origin, hooknames.run_where(run, layer, model.cfg.transcoder))
 
 
 def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: dict | None = None,
@@ -114,9 +96,9 @@ def export_sae(model: sae.SAE, fmt: str, out_dpath: str | os.PathLike, origin: d
     return out_dpath
 
 
-def _check_format(fmt: str) -> None:
-    if fmt not in SAE_FORMATS:
-        raise SaeflowError(f"unknown SAE checkpoint format {fmt!r}; choose one of {SAE_FORMATS}")
+def _check_format(fmt: str, formats: tuple[str, ...] = SAE_FORMATS) -> None:
+    if fmt not in formats:
+        raise SaeflowError(f"unknown SAE checkpoint format {fmt!r}; choose one of {formats}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,7 +141,10 @@ def sae_subdirs(src_dpath: pathlib.Path, max_depth: int = 3) -> list[str]:
 def detect_format(src_dpath: pathlib.Path) -> str:
     """saelens or sparsify, from the weights file in SRC (one that exists, whatever its type: `checkpoint_files`
     refuses what is no regular file)."""
+    from saeflow.interop.checkpoints import circuit_tracer
+
     found = [fmt for fmt in SAE_FORMATS if (src_dpath / WEIGHTS_FNAMES[fmt]).exists()]
+    found += [CIRCUIT_TRACER] if circuit_tracer.is_set(src_dpath) else []
     if len(found) == 1:
         return found[0]
     if found:
@@ -174,12 +159,15 @@ def detect_format(src_dpath: pathlib.Path) -> str:
     )
 
 
-def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imported:
-    """Read a SAELens or sparsify SAE directory (format detected when `fmt` is None) without running their code,
-    as untrusted input (`checkpoint_files`: every check before the bytes it guards are read)."""
+def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None, layer: int | None = None) -> Imported:
+    """Read a SAELens or sparsify SAE directory, or `layer` of a circuit-tracer transcoder set (format detected when
+    `fmt` is None) without running their code, as untrusted input (`checkpoint_files`: every check before the bytes
+    it guards are read)."""
     src_dpath = pathlib.Path(src_dpath)
     fmt = fmt or detect_format(src_dpath)
-    _check_format(fmt)
+    _check_format(fmt, CHECKPOINT_FORMATS)
+    if fmt == CIRCUIT_TRACER:
+        return _read_circuit_tracer(src_dpath, layer)
     cfg_fpath = src_dpath / CFG_FNAME
     cfg = checkpoint_files.read_cfg(cfg_fpath)
     sizes = checkpoint_files.check_cfg(fmt, cfg, cfg_fpath)
@@ -198,6 +186,16 @@ def read_checkpoint(src_dpath: str | os.PathLike, fmt: str | None = None) -> Imp
     target_is_input = fmt == "sparsify" and weights.transcoder and not cfg.get("transcode")
     names = sae_formats.source_names(fmt, cfg, src_dpath.resolve().name, weights.transcoder, target_is_input)
     return Imported(fmt, arch, k, weights, cfg, weights_fpath, weights_sha256, names, target_is_input)
+
+
+def _read_circuit_tracer(src_dpath: pathlib.Path, layer: int | None) -> Imported:
+    from saeflow.interop.checkpoints import circuit_tracer
+
+    try:
+        cfg, arch, k, weights, fpath, sha256, names = circuit_tracer.read_layer(src_dpath, layer)
+    except KeyError as err:
+        raise SaeflowError(f"{src_dpath}: circuit-tracer transcoder file lacks {err}") from None
+    return Imported(CIRCUIT_TRACER, arch, k, weights, cfg, fpath, sha256, names)
 
 
 def _described(fmt: str, cfg: dict, arch: str) -> str:
@@ -221,7 +219,7 @@ def import_checkpoint(
     a transcoder's also links its target's shards (`target_shards`, paired with `shards_dpath`)."""
     from saeflow.store.shards import ShardDir
 
-    imported = read_checkpoint(src_dpath, fmt)
+    imported = read_checkpoint(src_dpath, fmt, layer)
     sd = ShardDir(shards_dpath)
     md = sd.metadata
     source = imported.hooks.get("input", {})
