@@ -150,6 +150,71 @@ def test_circuit_tracer_loads_an_exported_set_computes_its_outputs_and_builds_a_
           f"{float(got['completeness']):.3f}, {int(got['n_features'])} features")
 
 
+def save_llama(dpath: pathlib.Path) -> None:
+    """A 2-block Llama at d=32, random (seed 0), with a byte-level BPE saved as a PreTrainedTokenizerFast (which both
+    saeflow's transformers and circuit-tracer's 4.57 load)."""
+    import tokenizers
+    import transformers
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([CORPUS], trainer)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>",
+                                               pad_token="<pad>")  # fmt: skip
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=D_MODEL, intermediate_size=64,
+                                   num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, bos_token_id=tok.bos_token_id,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(dpath)
+    tok.save_pretrained(dpath)
+    tok_cfg_fpath = dpath / "tokenizer_config.json"  # transformers 5 names its own backend class, 4.57 has none
+    tok_cfg_fpath.write_text(json.dumps({**json.loads(tok_cfg_fpath.read_text()),
+                                         "tokenizer_class": "PreTrainedTokenizerFast"}))  # fmt: skip
+
+
+def test_circuit_tracer_traces_a_tiny_llama_through_nnsight(tmp_path, circuit_tracer_site):
+    """A Llama-family model in a local directory goes through circuit-tracer's nnsight backend (nnsight 0.7.0):
+    saeflow extracts it, trains a ReLU transcoder per layer, exports; circuit-tracer computes saeflow's outputs and
+    builds an attribution graph."""
+    save_llama(tmp_path / "llama")
+    spec = {"model": {"name": str(tmp_path / "llama")}, "layers": list(range(N_LAYERS)), "context_length": 16,
+            "batch_size": 8, "dataset": {"kind": "builtin_text", "n_ex": 48}, "device": "cpu"}  # fmt: skip
+    results = extract.extract_pass([typed({**spec, "hook": hook}) for hook in ("mlp_in", "mlp_out")],
+                                   tmp_path / "shards", progress=False)  # fmt: skip
+    sd_in, sd_out = (shards.ShardDir(r.dpath) for r in results)
+    members = [run_from_sae_spec(tmp_path / "runs", sd_in, target_sd=sd_out, layer=layer, arch="relu", expansion=2,
+                                 batch_size=64, n_epochs=2) for layer in range(N_LAYERS)]  # fmt: skip
+    train.train_runs([run.root for run in members], train.TrainSettings(device="cpu"))
+    assert export([run.root for run in members], tmp_path / "set") == 0
+    inputs, want = {}, {}
+    for layer, run in enumerate(members):
+        x_nd = torch.from_numpy(np.stack([sd_in.example(i, layer) for i in range(8)])).reshape(-1, D_MODEL)
+        np.save(tmp_path / f"x{layer}.npy", x_nd.numpy())
+        inputs[layer] = str(tmp_path / f"x{layer}.npy")
+        with torch.no_grad():
+            want[layer] = sae.load_sae(run.sae_fpath)(x_nd)[0].numpy()
+    job = {"model": str(tmp_path / "llama"), "backend": "nnsight", "transcoders": str((tmp_path / "set").resolve()),
+           "inputs": inputs, "out": str(tmp_path / "results.npz"), "prompt": "the quick brown fox"}  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    script = pathlib.Path(__file__).parent / "_circuit_tracer_peer.py"
+    env = {**os.environ, "PYTHONPATH": str(circuit_tracer_site), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "job.json")], capture_output=True, text=True,
+                          env=env, timeout=HANG_SEC)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(tmp_path / "results.npz") as npz:
+        got = {name: npz[name] for name in npz.files}
+    for layer in want:
+        np.testing.assert_allclose(got[f"layer{layer}"], want[layer], atol=1e-5, rtol=0)
+    assert got["n_features"] > 0 and got["adjacency_nonzero"] > 0
+    assert 0.0 <= float(got["replacement"]) <= 1.0
+    print(f"circuit-tracer nnsight llama set: replacement {float(got['replacement']):.3f}, completeness "
+          f"{float(got['completeness']):.3f}, {int(got['n_features'])} features")
+
+
 def test_what_circuit_tracer_cannot_load_is_refused_in_one_line(gpt2_set, capsys):
     root, _, sds, sets = gpt2_set
     out = root / "refused"
