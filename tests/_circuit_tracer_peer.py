@@ -3,10 +3,10 @@
     python _circuit_tracer_peer.py JOB.json
 
 JOB: {"model": a TransformerLens model name (in HF_HUB_CACHE) or, with "backend": "nnsight", a model directory,
-"transcoders": an absolute transcoder-set directory (saeflow's export), "inputs": {layer: x.npy}, "tokens": token ids,
-"prompt": text, "out": results.npz}. circuit-tracer loads the set with its own loader and the model through the
-backend, runs each layer's transcoder on its inputs, records (TransformerLens) its model's activations at the set's
-input and output hooks for the tokens, and builds an attribution graph of the prompt. results.npz holds layer<i>
+"transcoders": an absolute transcoder-set or CLT directory (saeflow's export), "inputs": {layer: x.npy}, "tokens":
+token ids, "prompt": text, "out": results.npz}. circuit-tracer loads the set with its own loader and the model through
+the backend, runs each layer's transcoder on its inputs, records (TransformerLens) its model's activations at the
+set's input and output hooks for the tokens, and builds an attribution graph of the prompt. results.npz holds layer<i>
 (each transcoder's output), hook:<name> (T, d_model), the graph's replacement and completeness scores, its feature
 count and nonzero edges, and circuit-tracer's version.
 """
@@ -27,7 +27,10 @@ def transcoder_outputs(transcoders_dpath: str, inputs: dict) -> dict:
     """Each layer's transcoder, as circuit-tracer's own loader (the one ReplacementModel uses) loads the set."""
     from circuit_tracer.utils.hf_utils import load_transcoder_from_hub
 
-    transcoders, _ = load_transcoder_from_hub(transcoders_dpath, device=torch.device("cpu"), dtype=torch.float32)
+    transcoders, config = load_transcoder_from_hub(transcoders_dpath, device=torch.device("cpu"), dtype=torch.float32)
+    if config["model_kind"] == "cross_layer_transcoder":  # one model over every layer: inputs (L, n, d) at once
+        x_lnd = torch.stack([torch.from_numpy(np.load(inputs[str(layer)])) for layer in range(len(inputs))])
+        return {f"layer{layer}": y_nd.numpy() for layer, y_nd in enumerate(transcoders(x_lnd))}
     return {f"layer{layer}": transcoders[int(layer)](torch.from_numpy(np.load(fpath))).numpy()
             for layer, fpath in inputs.items()}  # fmt: skip
 

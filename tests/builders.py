@@ -166,6 +166,23 @@ def run_from_sae_spec(
     return runs.create_run(runs_root, plan.train_config.to_dict(), train_sd.dpath, val_sd.dpath, target_shards=pair)
 
 
+def run_of_clt(runs_root: pathlib.Path, in_sds: list, out_sds: list, layers: list | None = None, **spec) -> runs.Run:
+    """A cross-layer transcoder's run directory over the directories of its layers (`in_sds`, `out_sds`: one per
+    layer; `layers`, by default each directory's first), planned and linked as `saeflow create-run` plans and links
+    one (schema defaults filled; validated on its training directories)."""
+    layers = layers or [sd.metadata.layers[0] for sd in in_sds]
+    cfg = config.validate({"activations": {}, "saes": {"c": {"train": "tr", "target": "tg", "layer": layers,
+                                                             "shape": "clt", **spec}}})  # fmt: skip
+    (plan,) = sweeps.plan_runs({"c": sweeps.SAESpec.from_dict("c", cfg["saes"]["c"])},
+                               {"tr": {layer: sd.hash for layer, sd in zip(layers, in_sds)},
+                                "tg": {layer: sd.hash for layer, sd in zip(layers, out_sds)}},
+                               {"tr": auto_tokens_of(in_sds[0].metadata), "tg": "content"})  # fmt: skip
+    by_layer = {runs.Run.TRAIN_SHARDS: in_sds, runs.Run.VAL_SHARDS: in_sds, runs.Run.TARGET_SHARDS: out_sds,
+                runs.Run.VAL_TARGET_SHARDS: out_sds}  # fmt: skip
+    links = {name: {layer: sd.dpath for layer, sd in zip(layers, sds)} for name, sds in by_layer.items()}
+    return runs.create_run(runs_root, plan.train_config.to_dict(), None, layer_links=links)
+
+
 def planted_pairs(n: int, d_in: int, d_out: int, n_atoms: int, k: int, seed: int = 0, noise: float = 0.0):
     """A transcoder's planted data: inputs that are sums of k of n_atoms random unit input directions with positive
     weights, targets the same weights on the atoms' unit output directions (plus Gaussian `noise` on each):
@@ -180,6 +197,30 @@ def planted_pairs(n: int, d_in: int, d_out: int, n_atoms: int, k: int, seed: int
     x_nd = np.einsum("nk,nkd->nd", coef_nk, atoms_in_ad[idx_nk]) + noise * rng.standard_normal((n, d_in))
     y_nd = np.einsum("nk,nkd->nd", coef_nk, atoms_out_ad[idx_nk]) + noise * rng.standard_normal((n, d_out))
     return x_nd.astype(np.float32), y_nd.astype(np.float32), atoms_in_ad, atoms_out_ad
+
+
+def planted_cross_layer(n: int, n_layers: int, d: int, n_per_layer: int, k: int, seed: int = 0, noise: float = 0.0):
+    """A cross-layer transcoder's planted data: each feature reads one layer (its input direction, unit, persisting
+    in the residual at every later layer's input, as a residual stream carries it) and writes its own unit output
+    direction at that layer and every later one, the same code at each; `k` features active per token at each
+    layer, with positive weights (plus Gaussian `noise`). Returns (xs_lnd, ys_lnd, dec_fld: each feature's output
+    directions per layer it writes (zero before its own), src_f: its layer)."""
+    rng = np.random.default_rng(seed)
+    n_feat = n_layers * n_per_layer
+    src_f = np.repeat(np.arange(n_layers), n_per_layer)
+    enc_fd = rng.standard_normal((n_feat, d)).astype(np.float32)
+    enc_fd /= np.linalg.norm(enc_fd, axis=1, keepdims=True)
+    dec_fld = rng.standard_normal((n_feat, n_layers, d)).astype(np.float32)
+    dec_fld /= np.linalg.norm(dec_fld, axis=2, keepdims=True)
+    dec_fld *= (np.arange(n_layers)[None, :] >= src_f[:, None])[..., None]
+    coef_nf = np.zeros((n, n_feat), dtype=np.float32)
+    for layer in range(n_layers):
+        idx_nk = np.argsort(rng.random((n, n_per_layer)), axis=1)[:, :k] + layer * n_per_layer
+        np.put_along_axis(coef_nf, idx_nk, rng.uniform(1.0, 3.0, size=(n, k)).astype(np.float32), axis=1)
+    reads_lf = (src_f[None, :] <= np.arange(n_layers)[:, None]).astype(np.float32)  # (L, F): in layer l's residual
+    xs = np.einsum("nf,lf,fd->lnd", coef_nf, reads_lf, enc_fd) + noise * rng.standard_normal((n_layers, n, d))
+    ys = np.einsum("nf,fld->lnd", coef_nf, dec_fld) + noise * rng.standard_normal((n_layers, n, d))
+    return xs.astype(np.float32), ys.astype(np.float32), dec_fld, src_f
 
 
 def run_around_sae(

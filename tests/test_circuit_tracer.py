@@ -20,12 +20,14 @@ import safetensors.torch
 import torch
 import yaml
 
-from builders import HANG_SEC, pip_site, run_from_sae_spec, typed, write_shards
+from builders import HANG_SEC, pip_site, run_from_sae_spec, run_of_clt, typed, write_shards
 from saeflow import cli
+from saeflow.errors import SaeflowError
 from saeflow.extraction import extract
-from saeflow.interop.checkpoints import circuit_tracer
+from saeflow.interop.checkpoints import circuit_tracer, circuit_tracer_clt
 from saeflow.store import runs, shards
-from saeflow.training import sae, train
+from saeflow.training import clt, sae, train
+from saeflow.training.entry import train_runs
 from workflow_helpers import CORPUS, hf_cache_repo
 
 CIRCUIT_TRACER_VERSION = "0.5.0"
@@ -108,6 +110,17 @@ def export(runs_, out: pathlib.Path) -> int:
                      str(out)])  # fmt: skip
 
 
+def run_peer(job_fpath: pathlib.Path, job: dict, env: dict, site: pathlib.Path) -> dict:
+    """tests/_circuit_tracer_peer.py on `job` in circuit-tracer's packages: its results.npz, by name."""
+    job_fpath.write_text(json.dumps(job))
+    script = pathlib.Path(__file__).parent / "_circuit_tracer_peer.py"
+    proc = subprocess.run([sys.executable, str(script), str(job_fpath)], capture_output=True, text=True,
+                          env={**os.environ, **env, "PYTHONPATH": str(site)}, timeout=HANG_SEC)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with np.load(job["out"]) as npz:
+        return {name: npz[name] for name in npz.files}
+
+
 @pytest.mark.parametrize("source", ["mlp_in", "resid_mid"])
 def test_circuit_tracer_loads_an_exported_set_computes_its_outputs_and_builds_a_graph(gpt2_set, circuit_tracer_site,
                                                                                         source):
@@ -130,13 +143,7 @@ def test_circuit_tracer_loads_an_exported_set_computes_its_outputs_and_builds_a_
     tokens = np.asarray(sds[source].aux("tokens.bin")[0], dtype=np.int64).tolist()  # example 0's ids, as extracted
     job = {"model": "gpt2", "transcoders": str(out.resolve()), "inputs": inputs, "out": str(root / "results.npz"),
            "prompt": "the quick brown fox jumps over the lazy dog", "tokens": tokens}  # fmt: skip
-    (root / "job.json").write_text(json.dumps(job))
-    script = pathlib.Path(__file__).parent / "_circuit_tracer_peer.py"
-    proc = subprocess.run([sys.executable, str(script), str(root / "job.json")], capture_output=True, text=True,
-                          env={**os.environ, **env, "PYTHONPATH": str(circuit_tracer_site)}, timeout=HANG_SEC)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(root / "results.npz") as npz:
-        got = {name: npz[name] for name in npz.files}
+    got = run_peer(root / "job.json", job, env, circuit_tracer_site)
     assert str(got["version"]) == CIRCUIT_TRACER_VERSION
     for layer in want:
         np.testing.assert_allclose(got[f"layer{layer}"], want[layer], atol=1e-5, rtol=0)
@@ -148,6 +155,46 @@ def test_circuit_tracer_loads_an_exported_set_computes_its_outputs_and_builds_a_
     assert 0.0 <= float(got["replacement"]) <= 1.0 and 0.0 <= float(got["completeness"]) <= 1.0
     print(f"circuit-tracer {source} set: replacement {float(got['replacement']):.3f}, completeness "
           f"{float(got['completeness']):.3f}, {int(got['n_features'])} features")
+
+
+def test_circuit_tracer_loads_an_exported_clt_computes_its_outputs_and_builds_a_graph(gpt2_set, circuit_tracer_site):
+    """One JumpReLU cross-layer transcoder over both layers (resid_mid -> mlp_out), trained by saeflow, exported as
+    circuit-tracer's CLT: its loader computes saeflow's predictions at every layer to 1e-5, and its replacement model
+    builds a graph. A TopK CLT is refused in one line, before OUT exists."""
+    root, env, sds, _ = gpt2_set
+    mid, out_sd = sds["resid_mid"], sds["mlp_out"]
+    run = run_of_clt(root / "clt-runs", [mid, mid], [out_sd, out_sd], layers=[0, 1], arch="jumprelu", expansion=2,
+                     batch_size=64, n_epochs=3)  # fmt: skip
+    train_runs([run.root], train.TrainSettings(device="cpu"))
+    out = root / "export-clt"
+    assert export([run.root], out) == 0
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert (config["model_kind"], config["feature_input_hook"]) == ("cross_layer_transcoder", "hook_resid_mid")
+    assert sorted(p.name for p in out.iterdir()) == ["W_dec_0.safetensors", "W_dec_1.safetensors",
+                                                     "W_enc_0.safetensors", "W_enc_1.safetensors", "config.yaml"]
+    xs = [torch.from_numpy(np.stack([mid.example(i, layer) for i in range(8)])).reshape(-1, D_MODEL)
+          for layer in range(N_LAYERS)]  # fmt: skip
+    inputs = {}
+    for layer, x_nd in enumerate(xs):
+        np.save(root / f"clt-x{layer}.npy", x_nd.numpy())
+        inputs[layer] = str(root / f"clt-x{layer}.npy")
+    want, _ = clt.load_clt(run.sae_fpath)(xs)
+    job = {"model": "gpt2", "transcoders": str(out.resolve()), "inputs": inputs, "out": str(root / "clt.npz"),
+           "prompt": "the quick brown fox jumps over the lazy dog", "tokens": [1, 2, 3]}  # fmt: skip
+    got = run_peer(root / "clt-job.json", job, env, circuit_tracer_site)
+    for layer in range(N_LAYERS):
+        np.testing.assert_allclose(got[f"layer{layer}"], want[layer].numpy(), atol=1e-5, rtol=0)
+        assert np.abs(want[layer].numpy()).max() > 1e-3
+    assert got["n_features"] > 0 and got["adjacency_nonzero"] > 0
+    assert 0.0 <= float(got["replacement"]) <= 1.0 and 0.0 <= float(got["completeness"]) <= 1.0
+    print(f"circuit-tracer CLT: replacement {float(got['replacement']):.3f}, completeness "
+          f"{float(got['completeness']):.3f}, {int(got['n_features'])} features")
+    topk = run_of_clt(root / "clt-runs", [mid, mid], [out_sd, out_sd], layers=[0, 1], arch="topk", k=4,
+                      expansion=2, batch_size=64, n_epochs=1)  # fmt: skip
+    train_runs([topk.root], train.TrainSettings(device="cpu"))
+    with pytest.raises(SaeflowError, match="a topk CLT; circuit-tracer's CLTs compute ReLU and JumpReLU"):
+        circuit_tracer_clt.export_clt(topk.root, root / "export-topk")
+    assert not (root / "export-topk").exists()
 
 
 def save_llama(dpath: pathlib.Path) -> None:
@@ -199,14 +246,7 @@ def test_circuit_tracer_traces_a_tiny_llama_through_nnsight(tmp_path, circuit_tr
             want[layer] = sae.load_sae(run.sae_fpath)(x_nd)[0].numpy()
     job = {"model": str(tmp_path / "llama"), "backend": "nnsight", "transcoders": str((tmp_path / "set").resolve()),
            "inputs": inputs, "out": str(tmp_path / "results.npz"), "prompt": "the quick brown fox"}  # fmt: skip
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    script = pathlib.Path(__file__).parent / "_circuit_tracer_peer.py"
-    env = {**os.environ, "PYTHONPATH": str(circuit_tracer_site), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "job.json")], capture_output=True, text=True,
-                          env=env, timeout=HANG_SEC)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    with np.load(tmp_path / "results.npz") as npz:
-        got = {name: npz[name] for name in npz.files}
+    got = run_peer(tmp_path / "job.json", job, {"HF_HUB_OFFLINE": "1"}, circuit_tracer_site)
     for layer in want:
         np.testing.assert_allclose(got[f"layer{layer}"], want[layer], atol=1e-5, rtol=0)
     assert got["n_features"] > 0 and got["adjacency_nonzero"] > 0

@@ -207,8 +207,8 @@ class WorkflowPlan:
         return layout.RunLayout.at(self.cfg.runs_root, run_id)
 
     def dumps(self) -> list[tuple[str, str]]:
-        """(run_id, shard_hash) of every inference dump: each run on its validation shards (its layer's)."""
-        return [(run_id, plan.train_config.val_shards) for run_id, plan in self.runs.items()]
+        """(run_id, shard_hash) of every inference dump: each run on its validation shards (a CLT has none)."""
+        return [(r, p.train_config.val_shards) for r, p in self.runs.items() if not p.train_config.cross_layer]
 
     def probes(self) -> list[tuple[str, str]]:
         """(run_id, shard_hash) of every dump whose shards carry labels (labels.bin, classes.bin): saeflow probe."""
@@ -300,10 +300,11 @@ def single_directories(layer_hash: dict[str, dict[int, str]]) -> dict[str, str]:
 def check_runs(plan: WorkflowPlan) -> None:
     """What training would refuse of every run, from the planned shard metadata (`run_checks.check_run`)."""
     for run in plan.runs.values():
-        cfg = run.train_config
-        targets = None if cfg.target is None else (plan.metadata[cfg.target], plan.metadata[cfg.val_target])
-        run_checks.check_run(run, plan.metadata[cfg.train_shards], plan.metadata[cfg.val_shards],
-                         plan.cfg.settings["train"], targets)  # fmt: skip
+        for one in run_checks.per_layer(run):  # a CLT's checks are its layers' as transcoders, and its own
+            cfg = one.train_config
+            targets = None if cfg.target is None else (plan.metadata[cfg.target], plan.metadata[cfg.val_target])
+            run_checks.check_run(one, plan.metadata[cfg.train_shards], plan.metadata[cfg.val_shards], None, targets)
+        run_checks.check_parallel(run, plan.cfg.settings["train"])  # the parallel mode, in the run's own shape
 
 
 def pending_passes(plan: WorkflowPlan) -> dict[str, tuple[str, ...]]:
@@ -392,6 +393,8 @@ def shard_hashes_to_read(plan: WorkflowPlan) -> list[str]:
         val_hash = run_plan.train_config.val_shards
         if not run.config_fpath.exists() or not run.sae_fpath.exists():
             hashes.update(dict.fromkeys(run_plan.read_shards))
+        elif run_plan.train_config.cross_layer:  # trained, and no dump (WorkflowPlan.dumps)
+            continue
         elif not run.dump(val_hash).metrics_fpath.exists():
             hashes.update(dict.fromkeys(run_plan.val_shards))
         elif (run_id, val_hash) in probed and not run.probe_fpath(val_hash).exists():

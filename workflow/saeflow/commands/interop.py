@@ -62,7 +62,8 @@ loads with its own code:
             jumprelu_transcoder, skip_transcoder / jumprelu_skip_transcoder with a skip path
   sparsify  cfg.json + sae.safetensors: sparsify.Sae.load_from_disk(OUT) (topk only; the others are refused);
             a topk transcoder as transcode: true (skip_connection: true with a skip path), d_out = d_model only
-  circuit-tracer  config.yaml + layer_{i}.safetensors, from --run given once per layer 0..L-1, each a relu,
+  circuit-tracer  config.yaml + layer_{i}.safetensors, from --run given once per layer 0..L-1 (or once, a CLT
+                  run: W_enc_{i} and W_dec_{i}.safetensors, model_kind cross_layer_transcoder), each a relu,
             jumprelu or batchtopk transcoder to mlp_out of its layer from one hook point (mlp_in or resid_mid):
             circuit_tracer.ReplacementModel.from_pretrained(MODEL, "/absolute/OUT")
 
@@ -242,9 +243,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_export_checkpoint(args: argparse.Namespace) -> int:
     from saeflow.errors import SaeflowError
-    from saeflow.interop.checkpoints import circuit_tracer, sae_checkpoints
+    from saeflow.interop.checkpoints import circuit_tracer, circuit_tracer_clt, sae_checkpoints
 
-    if args.format == CIRCUIT_TRACER:
+    if args.format == CIRCUIT_TRACER and len(args.run) == 1 and circuit_tracer_clt.is_clt_run(args.run[0]):
+        print(circuit_tracer_clt.export_clt(args.run[0], args.out))  # one cross-layer transcoder
+    elif args.format == CIRCUIT_TRACER:
         print(circuit_tracer.export_transcoder_set(args.run, args.out))
     elif len(args.run) != 1:
         raise SaeflowError(f"--format {args.format} writes one run; got --run {len(args.run)} times")

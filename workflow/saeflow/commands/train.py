@@ -72,21 +72,28 @@ def cmd_create_run(args: argparse.Namespace) -> int:
         train_config = next(run.train_config for run in plan.runs.values()
                             if args.index in (run.index, *run.same_points))  # fmt: skip
     shards_root = config_mod.root(cfg, "shards_root", args.shards_root, "--shards-root")
-    train_shards = layout.ShardLayout.at(shards_root, train_config.train_shards)
-    val_shards = layout.ShardLayout.at(shards_root, train_config.val_shards)
-    targets = None  # a transcoder's target shard directories (train, val)
-    if train_config.transcoder:
+    train_shards = layout.ShardLayout.at(shards_root, train_config.per_layer("train_shards")[0])
+    val_shards = layout.ShardLayout.at(shards_root, train_config.per_layer("val_shards")[0])
+    targets, layer_links = None, None  # a transcoder's target shard directories (train, val); a CLT's, per layer
+    if train_config.cross_layer:
+        links = {runs.Run.TRAIN_SHARDS: "train_shards", runs.Run.VAL_SHARDS: "val_shards",
+                 runs.Run.TARGET_SHARDS: "target", runs.Run.VAL_TARGET_SHARDS: "val_target"}  # fmt: skip
+        layer_links = {name: {layer: layout.ShardLayout.at(shards_root, h).dpath for layer, h in
+                              zip(train_config.layers, train_config.per_layer(key))} for name, key in links.items()}
+    elif train_config.transcoder:
         targets = tuple(layout.ShardLayout.at(shards_root, h).dpath for h in (train_config.target,
                                                                               train_config.val_target))  # fmt: skip
+    plain = layer_links is None
     run = runs.create_run(
         config_mod.root(cfg, "runs_root", args.runs_root, "--runs-root"),
         train_config.to_dict(),
-        train_shards=train_shards.dpath,
-        val_shards=val_shards.dpath,
+        train_shards=train_shards.dpath if plain else None,
+        val_shards=val_shards.dpath if plain else None,
         train_dataset=_dataset_of(train_shards),
         val_dataset=_dataset_of(val_shards),
         target_shards=targets,
         readable=train_config.readable(),
+        layer_links=layer_links,
     )
     print(run.root)
     return 0

@@ -255,6 +255,11 @@ class RunLayout(_ContentAddressed):
             raise ValueError(f"unknown run link {name!r}; the layout has {self.LINK_NAMES + self.TARGET_LINK_NAMES}")
         return self.links_dpath / name
 
+    def layer_link(self, name: str, layer: int) -> pathlib.Path:
+        """A cross-layer transcoder's link `name` (`link`'s names) for one of its layers: links/<name>.layer<layer>
+        (it reads a directory per layer of each role)."""
+        return self.link(name).with_name(f"{name}.layer{layer}")
+
     def dump(self, shard_hash: str) -> DumpLayout:
         """The inference dump of this run's SAE on the shard directory `shard_hash`."""
         return DumpLayout(self.inference_dpath / shard_hash)

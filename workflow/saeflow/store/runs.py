@@ -74,15 +74,18 @@ def _same_shard_hash(a: pathlib.Path, b: pathlib.Path) -> bool:
 def create_run(
     runs_root: str | os.PathLike,
     train_config: dict,
-    train_shards: str | os.PathLike,
+    train_shards: str | os.PathLike | None,
     val_shards: str | os.PathLike | None = None,
     train_dataset: str | os.PathLike | None = None,
     val_dataset: str | os.PathLike | None = None,
     target_shards: tuple[str | os.PathLike, str | os.PathLike] | None = None,
     readable: dict | None = None,
+    layer_links: dict[str, dict[int, str | os.PathLike]] | None = None,
 ) -> Run:
     """Create (or find, unchanged) `<runs_root>/<run_id>/` with checkpoint/config.json and links/, and the
     `readable` view of its config (`TrainConfig.readable`) as checkpoint/hyperparameters.json when given and absent.
+    A cross-layer transcoder's shard directories are `layer_links` (link name -> {layer: directory}:
+    links/<name>.layer<l>), with `train_shards` and `val_shards` None.
 
     Idempotent: the same training config gives the same run and rewrites nothing. Runs under the run's lock, so
     two workflows creating the same run do not race on its links.
@@ -106,4 +109,7 @@ def create_run(
         _symlink(val_dataset, run.link(run.VAL_DATASET))
         for name, target in zip(run.TARGET_LINK_NAMES, target_shards or ()):  # a transcoder's targets (train, val)
             _symlink(target, run.link(name))
+        for name, by_layer in (layer_links or {}).items():
+            for layer, dpath in by_layer.items():
+                _symlink(dpath, run.layer_link(name, layer))
     return run

@@ -35,6 +35,9 @@ INTRODUCED: dict[str, typing.Any] = {
     "target": None,
     "val_target": None,
     "skip": False,
+    # Dictionary shapes (issue 43, training/shapes.py): "clt" for a cross-layer transcoder, whose `layer`, shard and
+    # target keys are then lists, a layer each; "auto": an SAE or a transcoder, as `target` says
+    "shape": "auto",
 }
 
 
@@ -42,7 +45,7 @@ INTRODUCED: dict[str, typing.Any] = {
 # softplus). The others are read only by the architectures that declare them (`Arch.hyper`, `Arch.reads`).
 COMMON = ("trainer", "train_shards", "val_shards", "layer", "tokens", "arch", "expansion", "matryoshka", "aux_k",
           "aux_alpha", "dead_after_vectors", "lr", "lr_warmup_frac", "batch_size", "n_epochs", "n_train_vectors",
-          "n_val_vectors", "seed", "data_seed", "target", "val_target", "skip")  # fmt: skip
+          "n_val_vectors", "seed", "data_seed", "target", "val_target", "skip", "shape")  # fmt: skip
 ARCH_KEYS = tuple(sorted({key for arch in archs.REGISTRY.values() for key in arch.hyper}))  # each read by some
 
 

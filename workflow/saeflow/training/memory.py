@@ -144,13 +144,17 @@ def _room_bytes(mode: str, cfgs: list[TrainConfig], d_model: int, comm: Comm) ->
 
 
 def pool_bytes(group: list[tuple[runs.Run, TrainConfig]], setting: str | int, mode: str, train_dir: ShardDir,
-               comm: Comm) -> int:  # fmt: skip
+               comm: Comm, row_dirs: list[ShardDir] | None = None) -> int:  # fmt: skip
     """The job's shuffle pool for a pass: what a resumed member recorded (so a resumed epoch keeps its plan), else
     `setting` (the whole job's pool), or for `auto` the ranks' shares of their memory added up. A transcoder's pool
-    row holds a pair (its input's row and its target's: `ShuffledLoader(target_dir=...)`)."""
+    row holds a pair (its input's row and its target's: `ShuffledLoader(target_dir=...)`), a CLT's a row of each of
+    `row_dirs`."""
     md = train_dir.metadata
     run0, cfg0 = group[0]
-    mds = [md, *([ShardDir(run0.link(run0.TARGET_SHARDS).resolve()).metadata] if cfg0.transcoder else [])]
+    if row_dirs is not None:
+        mds = [sd.metadata for sd in row_dirs]
+    else:
+        mds = [md, *([ShardDir(run0.link(run0.TARGET_SHARDS).resolve()).metadata] if cfg0.transcoder else [])]
     row_bytes = sum(m.d_model * np.dtype(m.dtype).itemsize for m in mds)
     recorded = comm.on_root(lambda: next((info[1] for run, _ in group if (info := resume_info(run)) and info[1]),
                                          None))  # fmt: skip

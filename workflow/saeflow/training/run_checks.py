@@ -2,11 +2,12 @@
 `check_run` (a layer the directory lacks, k above d_sae, CLS tokens, widths, the parallel mode) and a transcoder's
 pairs (`check_pairs`). planning.check_runs calls it for every run."""
 
+import dataclasses
 import typing
 
 from saeflow.errors import SaeflowError
 from saeflow.extraction import hooks
-from saeflow.training import archs
+from saeflow.training import shapes
 from saeflow.training.sweeps import RunPlan, auto_tokens_of, config_key
 
 
@@ -42,14 +43,24 @@ def check_run(plan: RunPlan, train_md, val_md, train_settings: typing.Mapping[st
         check_parallel(plan, train_settings)
 
 
+def per_layer(plan: RunPlan) -> list[RunPlan]:
+    """The run as `check_run` checks it: itself, or a CLT as the transcoder of each of its layers (its layer's
+    directories and its own hyper-parameters; the CLT's own checks are `check_parallel`'s)."""
+    cfg = plan.train_config
+    if not cfg.cross_layer:
+        return [plan]
+    keys = ("layer", "train_shards", "val_shards", "target", "val_target")
+    return [dataclasses.replace(plan, train_config=dataclasses.replace(cfg, shape="auto", **dict(zip(keys, values))))
+            for values in zip(*(cfg.per_layer(key) for key in keys))]  # fmt: skip
+
+
 def check_parallel(plan: RunPlan, train_settings: typing.Mapping[str, typing.Any]) -> None:
-    """Refuse at plan time, in one line, a parallel mode (`train.parallel`) the run's architecture (as an SAE or as a
-    transcoder) does not train in, when the job has several ranks (`train.gpus` x `train.nodes`; one process trains
-    every architecture)."""
+    """Refuse at plan time, in one line, a parallel mode (`train.parallel`) the run's architecture does not train in
+    in its shape (an SAE, a transcoder, a CLT: training/shapes.py), when the job has several ranks (`train.gpus` x
+    `train.nodes`; one process trains every architecture in every shape)."""
     if train_settings["gpus"] * train_settings["nodes"] > 1:
         where = f"{config_key(plan.sae_name, plan.index, bool(plan.varying))}.arch"
-        cfg = plan.train_config
-        archs.check_mode(cfg.arch, train_settings["parallel"], where, cfg.transcoder)
+        shapes.check_mode(plan.train_config, train_settings["parallel"], where)
 
 
 def _pair_identity(md) -> dict:

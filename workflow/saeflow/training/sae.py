@@ -371,21 +371,27 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
-def load_sae(fpath: str | os.PathLike) -> SAE:
-    """Load `sae.pt` into an SAE in eval mode on CPU. Only tensors and plain data are unpickled."""
-    fpath = pathlib.Path(fpath)
+def read_checkpoint(fpath: pathlib.Path, what: str):
+    """`torch.load` of a checkpoint (`what` it is, for errors) on CPU, only tensors and plain data unpickled; a
+    missing, unreadable or damaged file is one line."""
     try:
         with warnings.catch_warnings():  # torch warns about odd pickle protocols before failing on a damaged file
             warnings.simplefilter("ignore")
-            obj = torch.load(fpath, map_location="cpu", weights_only=True)
+            return torch.load(fpath, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise SaeflowError(f"{fpath}: no such SAE checkpoint") from None
+        raise SaeflowError(f"{fpath}: no such {what}") from None
     except OSError as err:
         raise unreadable(fpath, err) from None
     except Exception as err:  # torch raises many types (and long messages) for a damaged file
         raise SaeflowError(
-            f"{fpath}: not a readable SAE checkpoint (damaged, or not written by torch.save: {type(err).__name__})"
+            f"{fpath}: not a readable {what} (damaged, or not written by torch.save: {type(err).__name__})"
         ) from None
+
+
+def load_sae(fpath: str | os.PathLike) -> SAE:
+    """Load `sae.pt` into an SAE in eval mode on CPU. Only tensors and plain data are unpickled."""
+    fpath = pathlib.Path(fpath)
+    obj = read_checkpoint(fpath, "SAE checkpoint")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise SaeflowError(f"{fpath}: not a saeflow SAE checkpoint (no format={FORMAT!r} marker)")
     if obj.get("version") not in READ_VERSIONS:

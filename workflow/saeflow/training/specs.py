@@ -7,11 +7,13 @@ import typing
 
 from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.training import archs
+from saeflow.training import archs, shapes
 from saeflow.training.keys import COMMON, INTRODUCED, canonical_spec
 
 ARCHS = config.enum("sae_spec", "arch")  # the SAE architectures (each one module of training/archs)
 NOT_SWEPT = ("train", "val", "target", "val_target")  # activation names (a run config holds their shard hashes)
+# A cross-layer transcoder's keys that hold a value per layer (lists in its config.json, tuples here)
+PER_LAYER = ("layer", "train_shards", "val_shards", "target", "val_target")
 
 
 def is_sweep(key: str, value) -> bool:
@@ -42,12 +44,45 @@ def check_trainer(run_config: dict, where: str) -> None:
                            "run")  # fmt: skip
 
 
+class _Layers:
+    """What a run's config says of its layers and its data: a `TrainConfig` is one (kept apart for its size)."""
+
+    @property
+    def cross_layer(self) -> bool:
+        """A cross-layer transcoder: `layer` and the shard keys are tuples, a value per layer."""
+        return shapes.of(self).cross_layer
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers it reads: a CLT's list, or the one layer of any other run."""
+        return tuple(self.layer) if self.cross_layer else (self.layer,)
+
+    def per_layer(self, key: str) -> tuple:
+        """A PER_LAYER key's values, one per layer of `layers` (an SAE's or a transcoder's single value once)."""
+        value = getattr(self, key)
+        return tuple(value) if self.cross_layer else (value,)
+
+    def loader_key(self) -> tuple:
+        """Runs with equal keys see identical batches, so they can share one pass."""
+        return (
+            self.train_shards,
+            self.layer,
+            self.tokens,
+            self.batch_size,
+            self.data_seed,
+            self.n_epochs,
+            self.n_train_vectors,
+            self.target,  # a transcoder's batches are pairs: its target's rows ride along
+            self.shape,
+        )
+
+
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(_Layers):
     """The hyper-parameters of one run (exactly the keys of the run's config.json; defaults live in the schema)."""
 
     trainer: str
-    train_shards: str
+    train_shards: str  # a CLT's: one per layer (PER_LAYER), as are val_shards, layer, target and val_target
     val_shards: str
     layer: int
     tokens: str
@@ -83,6 +118,8 @@ class TrainConfig:
     target: str | None = INTRODUCED["target"]  # a transcoder's target shard hash (train_shards' pair); None: an SAE
     val_target: str | None = INTRODUCED["val_target"]  # the target shard hash paired with val_shards
     skip: bool = INTRODUCED["skip"]  # a transcoder's learned linear skip path (d_in x d_out)
+    shape: str = INTRODUCED["shape"]  # "clt": a cross-layer transcoder (training/shapes.py); "auto": by target
+
 
     @property
     def transcoder(self) -> bool:
@@ -99,10 +136,14 @@ class TrainConfig:
         if missing or extra:
             raise SaeflowError(f"{where}: training config keys differ: missing {missing}, unexpected {extra}")
         check_trainer(obj, where)
-        swept = [k for k, v in obj.items() if is_sweep(k, v)]
+        if obj["shape"] in ("sae", "transcoder"):  # a spec's shape other than a CLT: what `target` says
+            obj = {**obj, "shape": "auto"}
+        per_layer = PER_LAYER if obj.get("shape") == "clt" else ()
+        swept = [k for k, v in obj.items() if is_sweep(k, v) and k not in per_layer]
         if swept:
             raise SaeflowError(f"{where}: {swept} are still lists; a run holds one point of a sweep")
-        return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"])})
+        lists = {key: tuple(obj[key]) for key in per_layer if isinstance(obj[key], list)}
+        return cls(**{**obj, "matryoshka": tuple(obj["matryoshka"]), **lists})
 
     def to_dict(self) -> dict:
         """The run's config.json, whose hash is the run id: values as the config gave them, matryoshka a list, the
@@ -110,7 +151,9 @@ class TrainConfig:
         return canonical_spec(self._values())
 
     def _values(self) -> dict:
-        return {**dataclasses.asdict(self), "matryoshka": list(self.matryoshka)}
+        values = dataclasses.asdict(self)
+        lists = {key: list(values[key]) for key in PER_LAYER if isinstance(values[key], tuple)}  # a CLT's
+        return {**values, "matryoshka": list(self.matryoshka), **lists}
 
     def read_keys(self) -> tuple[str, ...]:
         """The keys this run reads: the common ones and its architecture's in its mode (`Arch.reads`)."""
@@ -141,25 +184,13 @@ class TrainConfig:
         prefixes = tuple(sorted({max(1, int(f * d_sae)) for f in self.matryoshka}))
         if self.arch in ARCHS:
             archs.check(self)  # its own hyper-parameters (e.g. a JumpReLU bandwidth), a transcoder where it has one
+            shapes.check(shapes.of(self), self.arch, self.matryoshka, self.skip)
         d_out = (d_model if d_out is None else d_out) if self.transcoder else None
         try:
             return SAEConfig(d_model=d_model, d_sae=d_sae, arch=self.arch, k=self.k, matryoshka=prefixes, d_out=d_out,
                              skip=self.skip)  # fmt: skip
         except SaeflowError as err:
             raise SaeflowError(f"{err} (d_sae = expansion {self.expansion} x d_model {d_model})") from None
-
-    def loader_key(self) -> tuple:
-        """Runs with equal keys see identical batches, so they can share one pass."""
-        return (
-            self.train_shards,
-            self.layer,
-            self.tokens,
-            self.batch_size,
-            self.data_seed,
-            self.n_epochs,
-            self.n_train_vectors,
-            self.target,  # a transcoder's batches are pairs: its target's rows ride along
-        )
 
 
 @dataclasses.dataclass(frozen=True)

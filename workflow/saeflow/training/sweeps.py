@@ -20,7 +20,7 @@ import typing
 from saeflow.errors import SaeflowError
 from saeflow.extraction import tokenization
 from saeflow.store import runs
-from saeflow.training import archs
+from saeflow.training import archs, shapes
 from saeflow.training.keys import ARCH_KEYS, INTRODUCED, same_value
 from saeflow.training.specs import NOT_SWEPT, TrainConfig, is_sweep, trainer_of, trains
 
@@ -38,14 +38,15 @@ def unread_value(key: str):
     return INTRODUCED[key] if key in INTRODUCED else UNREAD[key]
 
 
-def swept_keys(spec: dict) -> list[str]:
-    """The keys of a spec that are swept (list-valued), in its key order."""
-    return [key for key, value in spec.items() if is_sweep(key, value)]
+def swept_keys(spec: dict, whole: tuple[str, ...] = ()) -> list[str]:
+    """The keys of a spec that are swept (list-valued, but those in `whole`: a CLT's `layer`), in its key order."""
+    return [key for key, value in spec.items() if is_sweep(key, value) and key not in whole]
 
 
-def expand_sweep(spec: dict) -> list[dict]:
-    """The cartesian product of every list-valued key (in the spec's key order; the last key varies fastest)."""
-    keys = swept_keys(spec)
+def expand_sweep(spec: dict, whole: tuple[str, ...] = ()) -> list[dict]:
+    """The cartesian product of every list-valued key but `whole`'s (in the spec's key order; the last key varies
+    fastest)."""
+    keys = swept_keys(spec, whole)
     combos = itertools.product(*(spec[key] for key in keys))
     return [{**spec, **dict(zip(keys, combo))} for combo in combos]
 
@@ -73,6 +74,7 @@ class SAESpec:
     hyper: dict[str, typing.Any]  # every other key, in the spec's order (the sweep order); list values are swept
     target: str | None = None  # a transcoder's: the activation it predicts from `train`'s; None: an SAE
     val_target: str | None = None  # the target validated on, paired with `val`; None: `target`
+    shape: str = "sae"  # training/shapes.py: sae, transcoder or clt (`shape: auto` resolved by `target`)
 
     @classmethod
     def from_dict(cls, name: str, obj: typing.Mapping[str, typing.Any]) -> "SAESpec":
@@ -80,9 +82,10 @@ class SAESpec:
         `skip` or `val_target` without a `target`, a transcoder of its own input (`target` the `train` activation,
         `val_target` the `val` one), and a transcoder validated on another activation without the target of it
         (`val_target`)."""
-        hyper = {key: value for key, value in obj.items() if key not in NOT_SWEPT}
+        hyper = {key: value for key, value in obj.items() if key not in (*NOT_SWEPT, "shape")}
+        shape = _resolve_shape(obj.get("shape", "auto"), obj.get("target"), hyper.get("layer"))
         spec = cls(name=name, train=obj["train"], val=obj.get("val"), hyper=hyper, target=obj.get("target"),
-                   val_target=obj.get("val_target"))  # fmt: skip
+                   val_target=obj.get("val_target"), shape=shape)  # fmt: skip
         skips = hyper.get("skip", False)
         if spec.target is None and (skips is True or (isinstance(skips, list) and True in skips)):
             raise SaeflowError("skip: the linear skip path is a transcoder's (set target: <activation>); a plain SAE "
@@ -108,19 +111,25 @@ class SAESpec:
         """The target paired with `val_activation` (None: an SAE)."""
         return self.val_target or self.target
 
+    @property
+    def whole(self) -> tuple[str, ...]:
+        """The list-valued keys that are one run's value, not a sweep: a CLT's `layer`."""
+        return ("layer",) if shapes.get(self.shape).cross_layer else ()
+
     def points(self) -> list[dict]:
         """The hyper-parameters of each run of the sweep, in run-index order."""
-        return expand_sweep(self.hyper)
+        return expand_sweep(self.hyper, self.whole)
 
     def varying(self, point: dict) -> dict:
         """What names a point of the sweep: its values of the swept keys."""
-        return {key: point[key] for key in swept_keys(self.hyper)}
+        return {key: point[key] for key in swept_keys(self.hyper, self.whole)}
 
     def values(self, key: str) -> list:
         """The values the sweep gives `key` (one when not swept, none when not given)."""
         if key not in self.hyper:
             return []
-        return list(self.hyper[key]) if is_sweep(key, self.hyper[key]) else [self.hyper[key]]
+        swept = is_sweep(key, self.hyper[key]) and key not in self.whole
+        return list(self.hyper[key]) if swept else [self.hyper[key]]
 
     def unread_values(self) -> dict[str, typing.Any]:
         """Architecture key -> the value a point of this sweep that does not read it is hashed at
@@ -137,6 +146,23 @@ class SAESpec:
             else:
                 out[key] = min(values)
         return out
+
+
+def _resolve_shape(shape: str, target: str | None, layer) -> str:
+    """The spec's dictionary shape (`auto`: by `target`), refused in one line where the keys contradict it: a
+    transcoder or CLT without a target, an SAE with one, a CLT whose `layer` is not ascending layers."""
+    if shape == "auto":
+        return "sae" if target is None else "transcoder"
+    if shapes.get(shape).transcodes != (target is not None):
+        if target is None:
+            raise SaeflowError(f"shape: a {shape} predicts another activation; set target: <activation>")
+        raise SaeflowError(f"shape: an sae reconstructs its own input; leave target out, or set shape: transcoder "
+                           f"(or clt) to predict {target!r}")  # fmt: skip
+    if shapes.get(shape).cross_layer:
+        layers = layer if isinstance(layer, list) else [layer]
+        if layers != sorted(set(layers)):
+            raise SaeflowError(f"layer: a cross-layer transcoder's layers are ascending and each once, got {layers}")
+    return shape
 
 
 def readable_config(run_config: dict, where: str) -> dict:
@@ -193,16 +219,19 @@ class RunPlan:
 
     @property
     def read_shards(self) -> tuple[str, ...]:
-        """The shard directories the run reads (its layer's), in `read_activations`' order, each once."""
+        """The shard directories the run reads (its layer's; a CLT's, of every layer), in `read_activations`' order,
+        each once."""
         cfg = self.train_config
-        return tuple(dict.fromkeys(h for h in (cfg.train_shards, cfg.val_shards, cfg.target, cfg.val_target) if h))
+        keys = ("train_shards", "val_shards", "target", "val_target")
+        return tuple(dict.fromkeys(h for key in keys if getattr(cfg, key) for h in cfg.per_layer(key)))
 
     @property
     def val_shards(self) -> tuple[str, ...]:
         """The shard directories its validation (and inference) reads: the validation one, then a transcoder's
         target of it."""
         cfg = self.train_config
-        return (cfg.val_shards,) if cfg.val_target is None else (cfg.val_shards, cfg.val_target)
+        keys = ("val_shards",) if cfg.val_target is None else ("val_shards", "val_target")
+        return tuple(h for key in keys for h in cfg.per_layer(key))
 
 
 def config_key(sae_name: str, index: int, swept: bool) -> str:
@@ -234,7 +263,9 @@ def plan_runs(
         for index, hyper in enumerate(spec.points()):
             where = config_key(sae_name, index, bool(spec.varying(hyper)))
 
-            def shards_of(role: str, name: str, layer=hyper["layer"], where=where) -> str:
+            def shards_of(role: str, name: str, layer=hyper["layer"], where=where) -> str | list[str]:
+                if isinstance(layer, list):  # a CLT's: a directory per layer
+                    return [shards_of(role, name, one) for one in layer]
                 return layer_shards(layer_hashes[name], layer, f"{where}.layer: layer {layer} is not extracted "
                                     f"by the {role} activation {name!r} (activations.{name}.layers resolve to")
 
@@ -247,6 +278,7 @@ def plan_runs(
                 "val_shards": shards_of("val", spec.val_activation),
                 **hyper,
                 **targets,  # none for an SAE, whose config then has no target key (INTRODUCED)
+                **({"shape": spec.shape} if shapes.get(spec.shape).cross_layer else {}),  # else `target` says
             }
             if obj.get("tokens") == "auto":
                 obj["tokens"] = auto_tokens[spec.train]
@@ -255,6 +287,10 @@ def plan_runs(
                 raise SaeflowError(f"{where}.trainer: this saeflow does not train {arch.name} as {obj['trainer']!r}; "
                                    f"choose one of {', '.join((arch.trainer, *arch.earlier_trainers))}")  # fmt: skip
             train_config = TrainConfig.from_dict(obj, where).canonical(unread)
+            try:  # what its shape cannot train (a CLT's skip path, say), before any metadata
+                shapes.check(shapes.of(train_config), train_config.arch, train_config.matryoshka, train_config.skip)
+            except SaeflowError as err:
+                raise SaeflowError(f"{where}.{err}") from None
             run_id = runs.run_id(train_config.to_dict())
             if run_id in planned:  # an earlier point differs from it only in keys the architecture does not read
                 first = plans[planned[run_id]]

@@ -160,7 +160,7 @@ class Checkpoint:
                 keep.append(line)
         atomic.write_file_atomic(fpath, "".join(line + "\n" for line in keep).encode())
 
-    def publish(self, result: dict, sae: SAE, prov: dict) -> None:
+    def publish(self, result: dict, sae: SAE, prov: dict, save: typing.Callable | None = None) -> None:
         """Stage metrics.jsonl (with the final line), metrics.json, provenance.json and sae.pt together, then rename
         them out; a degenerate result (saeflow.training.degenerate) is said in one line of the log.
 
@@ -169,7 +169,7 @@ class Checkpoint:
         shows metrics.json without sae.pt. sae.pt is renamed out last: its presence means "done". All three are
         published read-only.
         """
-        if problem := degenerate.reason(result, sae.d_sae, sae.cfg.arch):  # one line per run, in the training log
+        if problem := degenerate.reason(result, sae.d_sae, sae.arch.name):  # one line per run, in the training log
             logger.warning("%s: degenerate result: %s", self.run.root, problem)
         staging = self.run.publish_dpath
         atomic.remove_staging(staging)
@@ -187,7 +187,7 @@ class Checkpoint:
                     (staging / fname).write_text(text, encoding="utf-8")
                     atomic.fsync_path(staging / fname)
                     os.chmod(staging / fname, atomic.READONLY_FILE_MODE)
-                save_sae(sae, staging / self.run.sae_fpath.name, readonly=True)  # seals the staging directory
+                (save or save_sae)(sae, staging / self.run.sae_fpath.name, readonly=True)  # seals the staging dir
             except BaseException:
                 atomic.remove_staging(staging)
                 raise
@@ -225,6 +225,9 @@ class Trainer:
         self.objective = Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
+        self._common_state()
+
+    def _common_state(self) -> None:
         self.last: dict = {}  # the latest metrics record (for the progress bar)
         self.platforms = [provenance.platform()]  # of each attempt that trained it, when they differ (resume.pt)
         self.started_at = provenance.utc_now()
@@ -303,10 +306,13 @@ class Trainer:
             self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
         result = {**measured_on(self.cfg, val_dir), "step": self.step, "peak_lr": self.peak_lr, **metrics}
-        self.sae.cpu()
+        return self.publish(result)
+
+    def publish(self, result: dict, save: typing.Callable | None = None) -> dict:
+        self.sae.cpu()  # the run's final files from its validation `result`: the model written by `save`, sae.pt last
         prov = {**provenance.collect(), "started_at": self.started_at, "finished_at": provenance.utc_now(),
                 "platforms": self.platforms, "mixed_platforms": len(self.platforms) > 1}  # fmt: skip
-        self.checkpoint.publish(result, self.sae, prov)
+        self.checkpoint.publish(result, self.sae, prov, save)
         self.tracker.close(final=result)
         return result
 
@@ -341,7 +347,8 @@ def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: to
     return acc.result()
 
 
-def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSettings = DEFAULT_SETTINGS) -> list[dict]:
+def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSettings = DEFAULT_SETTINGS,
+               open_clt: typing.Callable | None = None) -> list[dict]:  # fmt: skip
     """Train every run not yet done (checkpoint/sae.pt absent) in this process, sharing passes over the data where
     possible.
 
@@ -349,8 +356,8 @@ def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSet
     time, in the order given: each publishes its own sae.pt, in that order. Returns the final validation metrics of
     runs that finished. Each run's lock (`RunLayout.lock_fpath`) is held throughout, so a second trainer of the same
     run waits and then finds it done.
-    The ranks of a launched job train together instead (saeflow.training.entry.train_runs chooses).
-    """
+    The ranks of a launched job train together instead (saeflow.training.entry.train_runs chooses). A cross-layer
+    transcoder's pass is opened by `open_clt` (saeflow.training.clt_train.open_pass, which entry passes)."""
     dev = devices.resolve_device(settings.device)
     opened = {str(run.root): run for run in map(runs.open_run, run_paths)}
     with contextlib.ExitStack() as locks:
@@ -365,8 +372,9 @@ def train_runs(run_paths: typing.Sequence[str | os.PathLike], settings: TrainSet
             todo.setdefault(cfg.loader_key(), []).append((run, cfg))
         results = []
         for group in todo.values():
+            open_pass = open_clt if group[0][1].cross_layer else _open_pass
             for first in range(0, len(group), settings.runs_per_pass):
-                results.extend(_train_group(group[first : first + settings.runs_per_pass], dev, settings))
+                results.extend(_train_group(group[first : first + settings.runs_per_pass], dev, settings, open_pass))
     return results
 
 
@@ -403,7 +411,8 @@ def _open_data(group: list[tuple[runs.Run, TrainConfig]], local_copy: str, make_
     return loader, val_dirs
 
 
-def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, settings: TrainSettings) -> list[dict]:
+def _open_pass(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, settings: TrainSettings):
+    """(the pass's shuffled loader, each run's validation shards, its trainers, the steps of the run)."""
     cfg0 = group[0][1]
     train_dir = _open_shards(group[0][0], runs.Run.TRAIN_SHARDS)
     pool = memory.pool_bytes(group, settings.buffer_bytes, "sweep", train_dir, Comm.alone(dev))
@@ -416,6 +425,11 @@ def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, s
     d_model, d_out = loader.views[0].d_model, loader.views[-1].d_model
     n_steps = -(-cfg0.n_train_vectors // cfg0.batch_size) if cfg0.n_train_vectors else cfg0.n_epochs * len(loader)
     trainers = [Trainer(run, cfg, d_model, n_steps, dev, d_out) for run, cfg in group]
+    return loader, val_dirs, trainers, n_steps
+
+
+def _train_group(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, settings: TrainSettings, open_pass):
+    loader, val_dirs, trainers, n_steps = open_pass(group, dev, settings)
     for t in trainers:
         t.pool_rows = loader.n_pool
     fresh = [t for t in trainers if not t.checkpoint.restore(t)]

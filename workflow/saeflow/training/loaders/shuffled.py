@@ -388,7 +388,8 @@ class ShuffledLoader:
     With `target_dir` (a transcoder's target: the same examples and tokens at another hook point) every batch is a
     pair (input rows, target rows): row i of both is the same token. The pairs follow one plan, the input's blocks
     read from both directories into the same pool slots, so they mix exactly as the input alone would with a pool of
-    as many rows; `buffer_bytes` holds both (rows = buffer_bytes / both rows' bytes).
+    as many rows; `buffer_bytes` holds both (rows = buffer_bytes / both rows' bytes). A cross-layer transcoder's
+    batches are its layers' inputs and targets (`also`: more (directory, layer) pairs, read the same way), a tuple.
     """
 
     def __init__(
@@ -402,11 +403,13 @@ class ShuffledLoader:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         borrowed: bool = False,
         target_dir: ShardDir | None = None,
+        also: typing.Sequence[tuple[ShardDir, int]] = (),
     ):
         if batch_size < 1:
             raise SaeflowError(f"batch_size must be positive, got {batch_size}")
         self.view = LayerView(shard_dir, layer, tokens)
         self.views = [self.view] + ([] if target_dir is None else [paired_view(self.view, target_dir)])
+        self.views += [paired_view(self.view, sd, one_layer) for sd, one_layer in also]
         self.batch_size, self.seed, self.borrowed = batch_size, seed, borrowed
         self.block_list = self.view.blocks(block_bytes)
         row_bytes = sum(view.row_bytes for view in self.views)

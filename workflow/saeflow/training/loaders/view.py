@@ -246,10 +246,11 @@ class IndexedReader:
         self.view.close()
 
 
-def paired_view(view: LayerView, target_dir: ShardDir) -> LayerView:
-    """The same layer and tokens of a transcoder's target directory, refused in one line unless its examples, tokens
-    and shards line up with `view`'s row for row (the plan checks the metadata first: run_checks.check_pairs)."""
-    target = LayerView(target_dir, view.layer, view.tokens)
+def paired_view(view: LayerView, target_dir: ShardDir, layer: int | None = None) -> LayerView:
+    """The same layer (or `layer`: a CLT reads one directory per layer) and tokens of a transcoder's target
+    directory, refused in one line unless its examples, tokens and shards line up with `view`'s row for row (the
+    plan checks the metadata first: run_checks.check_pairs)."""
+    target = LayerView(target_dir, view.layer if layer is None else layer, view.tokens)
     a, b = view.md, target.md
     layout_a = (a.n_ex, a.tokens_per_ex, a.cls_token, tuple(view.sd.shard_sizes), view.n_vectors)
     layout_b = (b.n_ex, b.tokens_per_ex, b.cls_token, tuple(target.sd.shard_sizes), target.n_vectors)
