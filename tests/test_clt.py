@@ -202,3 +202,60 @@ def test_a_clt_trains_from_the_cli_and_several_ranks_refuse_it_in_one_line(tmp_p
     with pytest.raises(SaeflowError, match="a cross-layer transcoder trains on one process; train it without --gpus"):
         entry.train_runs([other.root], train.TrainSettings(device="cpu"))
     assert not other.sae_fpath.exists()
+
+
+def _ids(cfg: dict) -> dict[str, set[str]]:
+    ids: dict[str, set[str]] = {}
+    for run_id, run_plan in _plan(cfg).runs.items():
+        ids.setdefault(run_plan.sae_name, set()).add(run_id)
+    return ids
+
+
+def test_changing_a_clts_sparsity_or_adding_a_layer_to_a_set_retrains_only_what_it_must():
+    """A CLT and a per-layer set side by side (config/examples/gpt2-clt.yaml's shape): a new CLT coefficient names a
+    new CLT and leaves the set's runs; a layer added to the set's sweep adds its run alone; the CLT is one model, so a
+    layer added to it names a new CLT."""
+    base = _case(arch="jumprelu", layer=[0, 1])
+    base["saes"]["set"] = {"train": "mid", "target": "out", "layer": [0, 1], "arch": "jumprelu", "expansion": 2}
+    before = _ids(base)
+    assert len(before["clt"]) == 1 and len(before["set"]) == 2
+    sparser = copy.deepcopy(base)
+    sparser["saes"]["clt"]["l0_coeff"] = 4.0
+    after = _ids(sparser)
+    assert after["set"] == before["set"] and after["clt"].isdisjoint(before["clt"])
+    unread = copy.deepcopy(base)
+    unread["saes"]["clt"]["gate_l1_coeff"] = 9.0  # no key of jumprelu: no new run
+    assert _ids(unread) == before
+    wider = copy.deepcopy(base)
+    wider["saes"]["set"]["layer"] = [0, 1, 2]
+    wider["saes"]["clt"]["layer"] = [0, 1, 2]
+    grown = _ids(wider)
+    assert before["set"] < grown["set"] and len(grown["set"] - before["set"]) == 1
+    assert grown["clt"].isdisjoint(before["clt"])
+
+
+def test_a_clt_trains_through_the_workflow_and_a_new_coefficient_retrains_it_alone(tmp_path):
+    """The real MiniLM's mlp_in -> mlp_out of two layers (one forward pass), a TopK CLT over both beside a per-layer
+    set, through Snakemake: the CLT publishes its sae.pt and its validation metrics of each layer (it has no
+    inference dump, so no summary row); a new CLT k then plans one create_run and one train, the set untouched."""
+    from workflow_helpers import job_counts, snakemake, tiny_config, write_config
+
+    cfg = tiny_config(n_ex=24, layer=1)
+    docs = {**cfg["activations"]["docs"], "layers": [1, 2]}
+    cfg["activations"] = {"in": {**docs, "hook": "mlp_in"}, "out": {**docs, "hook": "mlp_out"}}
+    common = {"train": "in", "target": "out", "layer": [1, 2], "arch": "topk", "k": 4, "expansion": 1,
+              "batch_size": 64, "n_epochs": 1, "aux_k": 16}  # fmt: skip
+    cfg["saes"] = {"clt": {**common, "shape": "clt"}, "set": common}
+    config_fpath = write_config(tmp_path, cfg)
+    snakemake(tmp_path, config_fpath, "--cores", "2")
+    plan = WorkflowPlan.from_config(config.load(config_fpath))
+    (clt_id,) = [r for r, p in plan.runs.items() if p.sae_name == "clt"]
+    model = clt.load_clt(tmp_path / plan.run(clt_id).sae_fpath)
+    assert model.cfg.layers == (1, 2) and model.cfg.d_out == 384
+    metrics = json.loads((tmp_path / plan.run(clt_id).final_metrics_fpath).read_text())
+    assert sorted(metrics["layers"]) == ["1", "2"] and metrics["nmse"] < 1
+    assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {}
+    cfg["saes"]["clt"]["k"] = 8
+    write_config(tmp_path, cfg)
+    assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {"create_run": 1, "train": 1, "summary": 1,
+                                                                          "all": 1}  # fmt: skip
