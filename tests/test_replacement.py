@@ -134,3 +134,58 @@ def test_a_set_is_refused_in_one_line_without_out_or_with_a_layer_twice(gpt2_set
         replacement.run_set_evaluation(replacement.SetEvaluateConfig(
             runs=(members[0].root,), spec=typed(spec_of("gpt2", hook="mlp_in")),
             out=tmp_path / "y"))  # fmt: skip
+
+
+def test_a_clt_spliced_whole_agrees_with_plain_transformers(gpt2_set, tmp_path):
+    """A ReLU cross-layer transcoder over both blocks (mlp_in -> mlp_out), `saeflow evaluate --run CLT --out`: the
+    replacement equals plain transformers with block l's MLP output replaced by b_dec_l + sum_{i <= l} f_i @ W_dec_i
+    (circuit-tracer's tensors, computed here from the raw weights); each layer alone reads the clean earlier inputs."""
+    from builders import run_of_clt
+    from saeflow.training import clt, entry
+
+    root, sds, _ = gpt2_set
+    run = run_of_clt(tmp_path / "runs", [sds["mlp_in"][layer] for layer in LAYERS],
+                     [sds["mlp_out"][layer] for layer in LAYERS], arch="relu", expansion=2, batch_size=32,
+                     n_epochs=2)  # fmt: skip
+    entry.train_runs([run.root], train.TrainSettings(device="cpu"))
+    out = tmp_path / "clt.json"
+    argv = ["evaluate", "--run", str(run.root), str(root / "config.json"), "--activation", "tc_in", "--out", str(out),
+            "--no-progress", "--device", "cpu", "--batch-size", "4"]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    w = clt.load_clt(run.sae_fpath).weights()
+
+    def predictor():
+        codes = {}
+
+        def predict(layer):
+            def fn(x):
+                codes[layer] = torch.relu(x @ w[f"W_enc_{layer}"].T + w[f"b_enc_{layer}"])
+                return w[f"b_dec_{layer}"] + sum(codes[i] @ w[f"W_dec_{i}"][:, layer - i] for i in range(layer + 1))
+            return fn
+        return predict
+
+    plan = extract.plan(typed({**spec_of("gpt2", hook="mlp_in"), "layers": [0]}))
+    plain = Plain("gpt2", plan, sds["mlp_in"][0], plain_model("gpt2"))
+    predict = predictor()
+    outs = {"clean": plain_replacement(plain, {}),
+            "spliced": plain_replacement(plain, {layer: predict(layer) for layer in LAYERS}),
+            "ablated": plain_replacement(plain, dict.fromkeys(LAYERS, torch.zeros_like))}  # fmt: skip
+    view = {layer: loaders.LayerView(sds["mlp_out"][layer], layer, "no_special") for layer in LAYERS}
+    means = {layer: evaluate.mean_activation(view[layer])[0].float() for layer in LAYERS}
+    outs["mean_ablated"] = plain_replacement(plain, {layer: (lambda x, m=means[layer]: m.expand_as(x))
+                                                     for layer in LAYERS})  # fmt: skip
+    want = plain.metrics(outs, False)
+    for key, value in want.items():
+        assert result["replacement"][key] == pytest.approx(value, abs=1e-7), key
+    assert want["kl_spliced"] > 1e-4
+    alone = predictor()  # layer 1 alone: layer 0's codes from the clean pass, its MLP output its own
+    record_layer0 = alone(0)
+
+    def own_mlp_recording_codes(x):
+        record_layer0(x)
+        return plain.model.base_model.h[0].mlp.forward(x)  # position-wise (forward: not its hook again)
+
+    outs_alone = {**outs, "spliced": plain_replacement(plain, {0: own_mlp_recording_codes, 1: alone(1)})}
+    assert result["per_layer"]["1"]["kl_spliced"] == pytest.approx(plain.metrics(outs_alone, False)["kl_spliced"],
+                                                                   abs=1e-7)

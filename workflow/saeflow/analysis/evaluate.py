@@ -166,15 +166,16 @@ def _mean_of(mean_d: torch.Tensor, x_nd: torch.Tensor) -> torch.Tensor:
 
 def baselines(splice: Splice | Splices, mean_d: torch.Tensor | dict | None) -> dict[str, Splices | None]:
     """Each pass's splices: clean (none), the splice itself (or every splice of a set), and the ablations of the
-    tensors they write, at their write points and positions: zeros (`ablated`) and, given `mean_d` (a set's: {write
-    point: mean}), each tensor's mean (`mean_ablated`)."""
+    tensors they write (not an observing splice's: `Splice.observes`), at their write points and positions: zeros
+    (`ablated`) and, given `mean_d` (a set's: {write point: mean}), each tensor's mean (`mean_ablated`)."""
     splices = as_splices(splice)
-    zeros = tuple(Splice.at(one.write, torch.zeros_like) for one in splices)
+    written = [one for one in splices if not one.observes]
+    zeros = tuple(Splice.at(one.write, torch.zeros_like) for one in written)
     passes = {"clean": None, "spliced": splices, "ablated": zeros}
     if mean_d is not None:
-        means = mean_d if isinstance(mean_d, dict) else {splices[0].write: mean_d}
+        means = mean_d if isinstance(mean_d, dict) else {written[0].write: mean_d}
         passes["mean_ablated"] = tuple(Splice.at(one.write, functools.partial(_mean_of, means[one.write]))
-                                       for one in splices)  # fmt: skip
+                                       for one in written)  # fmt: skip
     return passes
 
 

@@ -10,6 +10,11 @@ replacement model computes it. The ablations replace every target at once (zeros
 `per_layer` is each run alone, the numbers `saeflow evaluate` writes for it. The runs' validation shards are per-layer
 directories of one activation spec (`spec`, every layer); each run is checked against its own as evaluate checks one
 run, and all must select the same tokens. Memory: one batch's passes, as evaluate; time: (L + 1) evaluations.
+
+A cross-layer transcoder (`--run` once, a `shape: clt` run: training/clt.py) is a member per layer (`clt_members`):
+layer l's splice reads its input hook point, encodes it, and writes l's prediction from the codes of every layer up
+to l, which the pass's earlier splices left (`CLTPass`). Alone, layer l's prediction reads the clean inputs of the
+layers before it (their splices record their codes and write their tensor back unchanged).
 """
 
 import dataclasses
@@ -18,6 +23,8 @@ import logging
 import math
 import pathlib
 
+import torch
+
 from saeflow import devices
 from saeflow.analysis import evaluate
 from saeflow.analysis.inference import target_of, trained_layer
@@ -25,7 +32,7 @@ from saeflow.analysis.splice import Point, Splice, load_model
 from saeflow.errors import SaeflowError
 from saeflow.extraction import extract, hooks, specs
 from saeflow.store import atomic, provenance, runs
-from saeflow.training import loaders, sae
+from saeflow.training import clt, loaders, sae
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ class Member:
     view: loaders.LayerView
     written_view: loaders.LayerView
     splice: Splice
+    alone: tuple[Splice, ...] | None = None  # what splices it alone, where that is more than `splice` (a CLT's)
 
     def close(self) -> None:
         self.view.close()
@@ -61,8 +69,15 @@ class Member:
             self.written_view.close()
 
 
-def open_member(run_dpath: pathlib.Path, spec: specs.ActivationSpec, device) -> Member:
+def open_members(run_dpath: pathlib.Path, spec: specs.ActivationSpec, device) -> list[Member]:
+    """The run as the set's members: a transcoder's one, a CLT's one per layer."""
     run = runs.open_run(run_dpath)
+    if run.config().get("shape") == "clt":
+        return clt_members(run, spec, device)
+    return [open_member(run, spec, device)]
+
+
+def open_member(run: runs.Run, spec: specs.ActivationSpec, device) -> Member:
     model = sae.load_sae(run.require_checkpoint())
     layer = trained_layer(run)
     plan = extract.plan(evaluate.layer_spec(spec, layer, evaluate.validation_hash(run)))
@@ -74,6 +89,51 @@ def open_member(run_dpath: pathlib.Path, spec: specs.ActivationSpec, device) -> 
     written_view = view if written_sd is sd else loaders.LayerView(written_sd, layer, tokens)
     read, write = (Point(hooks.stored(s.metadata.data), layer) for s in (sd, written_sd))
     return Member(run, layer, plan, view, written_view, evaluate.sae_splice(model.to(device), read, write))
+
+
+class CLTPass:
+    """One forward pass of a CLT spliced in: each layer's codes as its splice encodes them, read by the later ones."""
+
+    def __init__(self, model: clt.CLT):
+        self.model, self.codes = model, {}
+
+    @torch.no_grad()
+    def predict(self, i: int, x_nd: torch.Tensor, write: bool = True) -> torch.Tensor:
+        """Layer index i's splice: its codes of `x_nd` (raw), and its prediction (raw) from every layer's codes up to
+        it; with `write` False its own tensor back (the layer only feeds later ones)."""
+        if i == 0:
+            self.codes.clear()  # a new pass
+        model, d = self.model, self.model.cfg.d_out
+        self.codes[i] = model.encoders[i].encode(x_nd)
+        if not write:
+            return x_nd
+        yn_nd = model.output_bias(i) + sum(self.codes[h] @ model.encoders[h].W_dec[:, (i - h) * d : (i - h + 1) * d]
+                                           for h in range(i + 1))  # fmt: skip
+        return yn_nd / model.target_scale[i]
+
+
+def clt_members(run: runs.Run, spec: specs.ActivationSpec, device) -> list[Member]:
+    """A CLT run as a member per layer (module docstring), each checked as evaluate checks a run of that layer."""
+    model = clt.load_clt(run.require_checkpoint()).to(device)
+    layers, whole, tokens, members = model.cfg.layers, CLTPass(model), run.tokens(), []
+    for i, layer in enumerate(layers):
+        sd, written_sd = (evaluate.open_val_shards(run.layer_link(link, layer).resolve(), shard_hash) for link,
+                          shard_hash in ((run.VAL_SHARDS, run.config()["val_shards"][i]),
+                                         (run.VAL_TARGET_SHARDS, run.config()["val_target"][i])))  # fmt: skip
+        plan = extract.plan(evaluate.layer_spec(spec, layer, sd.hash))
+        if plan.metadata.hash != sd.hash:
+            raise SaeflowError(f"{run.config_fpath}: layer {layer} was validated on shards {sd.hash}, but the "
+                               f"activation spec given plans {plan.metadata.hash}; pass its validation activation spec")
+        view, written_view = loaders.LayerView(sd, layer, tokens), loaders.LayerView(written_sd, layer, tokens)
+        read, write = (Point(hooks.stored(s.metadata.data), layer) for s in (sd, written_sd))
+        alone_pass = CLTPass(model)
+        alone = tuple(Splice(Point(read.hook, before), Point(read.hook, before), observes=True,
+                             fn=lambda x, h=h, p=alone_pass: p.predict(h, x, write=False))
+                      for h, before in enumerate(layers[:i]))  # fmt: skip
+        mine = Splice(read, write, lambda x, i=i: whole.predict(i, x))
+        members.append(Member(run, layer, plan, view, written_view, mine,
+                              (*alone, Splice(read, write, lambda x, i=i, p=alone_pass: p.predict(i, x)))))
+    return members
 
 
 def check_set(members: list[Member]) -> None:
@@ -97,7 +157,8 @@ def run_set_evaluation(cfg: SetEvaluateConfig) -> pathlib.Path:
     if cfg.out.exists():
         raise SaeflowError(f"{cfg.out} already exists; evaluations never overwrite")
     device = devices.resolve_device(cfg.device)
-    members = sorted((open_member(run_dpath, cfg.spec, device) for run_dpath in cfg.runs), key=lambda one: one.layer)
+    members = sorted((one for run_dpath in cfg.runs for one in open_members(run_dpath, cfg.spec, device)),
+                     key=lambda one: one.layer)  # fmt: skip
     try:
         check_set(members)
         return _evaluate(cfg, members, device)
@@ -122,8 +183,8 @@ def _evaluate(cfg: SetEvaluateConfig, members: list[Member], device) -> pathlib.
 
     splices = tuple(one.splice for one in members)
     whole = evaluate.three_passes(m, plan, view, splices, n_ex, cfg.batch_size, device, cfg.progress, check, means)
-    per_layer = {one.layer: evaluate.three_passes(m, plan, view, one.splice, n_ex, cfg.batch_size, device,
-                                                  cfg.progress, mean_d=means[one.splice.write])
+    per_layer = {one.layer: evaluate.three_passes(m, plan, view, one.alone or one.splice, n_ex, cfg.batch_size,
+                                                  device, cfg.progress, mean_d=means[one.splice.write])
                  for one in members}  # fmt: skip
     result = {
         "config": {

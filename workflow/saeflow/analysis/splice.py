@@ -74,6 +74,7 @@ class Splice:
     read: Point
     write: Point
     fn: Reconstruct
+    observes: bool = False  # fn only reads (a CLT's earlier layer, for a later one's prediction): no ablation of it
 
     @classmethod
     def at(cls, point: Point, fn: Reconstruct) -> "Splice":

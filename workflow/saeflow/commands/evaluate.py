@@ -23,12 +23,13 @@ def register(subparsers):
         "the mean-pooled output (and the CLS token), with the same recovered fractions. Writes "
         "RUN/evaluation/<val_shard_hash>.json (the summary reads it) and prints its path. Given --run once per layer "
         "(a transcoder set) and --out FILE, splices them all at once, the replacement model, and each alone, and "
-        "writes FILE: {replacement, per_layer}.",
+        "writes FILE: {replacement, per_layer}; a cross-layer transcoder (one --run of shape: clt, with --out FILE) "
+        "is spliced the same way, every layer's prediction from the codes of every layer up to it.",
     )
     p.add_argument("--run", type=pathlib.Path, required=True, action="append",
                    help="the run directory (holds a trained SAE); again for each layer of a transcoder set")
     p.add_argument("--out", type=pathlib.Path, metavar="FILE",
-                   help="a set's evaluation JSON (must not exist); needed with more than one --run")
+                   help="a set's or a CLT's evaluation JSON (must not exist); needed with more than one --run")
     p.add_argument("config", type=pathlib.Path, metavar="CONFIG",
                    help="a config holding the run's validation activation spec (the workflow passes its per-shard "
                    "config); its planned shard hash must be the run's val_shards")
@@ -49,11 +50,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from saeflow.extraction import specs
     from saeflow.store import runs
 
-    if len(args.run) > 1 and args.out is None:
-        raise SaeflowError(f"--run given {len(args.run)} times (a transcoder set): give --out FILE for its evaluation")
-    if len(args.run) == 1 and args.out is not None:
-        raise SaeflowError("--out is a set's (more than one --run); one run's evaluation goes to RUN/evaluation/")
     run = runs.open_run(args.run[0])
+    cross_layer = len(args.run) == 1 and run.config().get("shape") == "clt"  # one model over many layers: a set's
+    if (len(args.run) > 1 or cross_layer) and args.out is None:
+        what = "a cross-layer transcoder" if cross_layer else f"--run given {len(args.run)} times (a transcoder set)"
+        raise SaeflowError(f"{what}: give --out FILE for its evaluation")
+    if len(args.run) == 1 and args.out is not None and not cross_layer:
+        raise SaeflowError("--out is a set's (more than one --run, or a CLT); one run's evaluation goes to "
+                           "RUN/evaluation/")  # fmt: skip
     cfg_dict = config.load(args.config)
     activations = cfg_dict["activations"]
     if args.activation is None and len(activations) > 1:
@@ -82,6 +86,7 @@ def _validation_activation(run, activations: dict, config_fpath: pathlib.Path) -
     from saeflow.extraction import extract, specs
 
     val_hash = evaluate.validation_hash(run)
+    val_hash = val_hash[0] if isinstance(val_hash, list) else val_hash  # a CLT's: its first layer's
     for name, spec in activations.items():
         typed = specs.ActivationSpec.from_dict(spec)
         if val_hash in (md.hash for _, md in extract.per_layer(typed, extract.plan_activation(typed))):
