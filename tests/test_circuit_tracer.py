@@ -354,3 +354,62 @@ def test_a_hostile_or_foreign_set_is_refused_in_one_line_and_writes_nothing(laye
     assert "log_thresholds" in refused(bad, "--layer", "0")
     (bad / "layer_0.safetensors").write_bytes((bad / "layer_1.safetensors").read_bytes()[:300])
     assert "layer_0.safetensors" in refused(bad, "--layer", "0")
+
+
+def read_feature(out: pathlib.Path, feature_id: int) -> dict:
+    """A reader written from the format (interop/feature_files.py): the Cantor pair unpaired as the frontend does,
+    the layer's offsets from the gzip index, the record's 4-byte little-endian length, its zlib JSON."""
+    import gzip
+    import math
+    import struct
+    import zlib
+
+    w = (math.isqrt(8 * feature_id + 1) - 1) // 2
+    index = feature_id - w * (w + 1) // 2
+    layer = w - index
+    entry = json.loads(gzip.decompress((out / "features" / "index.json.gz").read_bytes()))[layer]
+    data = (out / "features" / entry["filename"]).read_bytes()[entry["offsets"][index] : entry["offsets"][index + 1]]
+    (length,) = struct.unpack("<I", data[:4])
+    return json.loads(zlib.decompress(data[4 : 4 + length]))
+
+
+def test_feature_view_files_from_inference_dumps_read_back_and_validate_as_circuit_tracers_model(
+        gpt2_set, circuit_tracer_site, tmp_path):  # fmt: skip
+    """saeflow inference of each layer's transcoder, then `saeflow export-features`: every latent of every layer reads
+    back by its Cantor-pair id, its top example's activation at its train token is the dump's, and circuit-tracer's
+    own pydantic feature model (frontend/feature_models.py) accepts the records."""
+    from saeflow.interop import feature_files
+
+    root, env, sds, sets = gpt2_set
+    members = sets["mlp_in"]
+    for run in members:
+        assert cli.main(["inference", "--run", str(run.root), "--shards", str(sds["mlp_in"].dpath)]) == 0
+    out = tmp_path / "features-out"
+    assert cli.main(["export-features", *[a for r in members for a in ("--run", str(r.root))], str(out)]) == 0
+    for layer, run in enumerate(members):
+        with np.load(run.dump(sds["mlp_in"].hash).latents_fpath) as npz:
+            top_values, freq = npz["topk_values"], npz["freq"]
+        d_sae = top_values.shape[0]
+        for i in range(d_sae):
+            feature = read_feature(out, feature_files.cantor_pair(layer, i))
+            assert feature["index"] == i and feature["activation_frequency"] == pytest.approx(float(freq[i]))
+            examples = feature["examples_quantiles"][0]["examples"] if feature["examples_quantiles"] else []
+            assert len(examples) == int((top_values[i] > 0).sum())
+            if examples:
+                best = examples[0]
+                assert best["tokens_acts_list"][best["train_token_ind"]] == pytest.approx(float(top_values[i][0]),
+                                                                                          rel=1e-5)  # fmt: skip
+                assert len(best["tokens"]) == len(best["tokens_acts_list"])
+    check = ("import sys, json; from circuit_tracer.frontend.feature_models import Model; "
+             "[Model(**json.loads(line)) for line in sys.stdin]; print('ok')")  # fmt: skip
+    lines = "".join(json.dumps(read_feature(out, feature_files.cantor_pair(layer, i))) + "\n"
+                    for layer in range(len(members)) for i in range(4))  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", check], input=lines, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(circuit_tracer_site)}, timeout=HANG_SEC)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    with pytest.raises(SaeflowError, match="already exists"):
+        feature_files.export_features([members[0].root], out)
+    with pytest.raises(SaeflowError, match="no inference dump of the run on its validation shards; run saeflow "
+                                           "inference"):  # fmt: skip
+        feature_files.export_features([sets["resid_mid"][0].root], tmp_path / "none")
+    assert not (tmp_path / "none").exists()

@@ -142,6 +142,18 @@ def register(subparsers):
                    help="bound for reading saev's JSON files and unpickling its data field (default 1 GiB)")
     s.set_defaults(func=cmd_import_saev)
     _add_checkpoint_commands(subparsers)
+    p = subparsers.add_parser(
+        "export-features", help="write circuit-tracer's feature-view files from a transcoder set's inference dumps",
+        description="Read each --run's inference dump on its validation shards (saeflow inference) and write "
+        "OUT/features/index.json.gz (per layer: its file and every feature's byte offset) and layer_<l>.bin (per "
+        "feature: a 4-byte little-endian length, then zlib-compressed JSON of its top examples, activation "
+        "frequency, maximum and histogram), the files circuit-tracer's frontend reads for a feature node (named by "
+        "the Cantor pair of layer and index). --run once per layer, every layer from 0 up; OUT must not exist.",
+    )
+    p.add_argument("--run", required=True, type=pathlib.Path, action="append", help="a run with its dump (per layer)")
+    p.add_argument("--tokenizer", default=None, help="decode tokens with this tokenizer (default: the shards' model)")
+    p.add_argument("out", type=pathlib.Path, metavar="OUT", help="output directory (must not exist)")
+    p.set_defaults(func=cmd_export_features)
 
 
 def _add_checkpoint_commands(subparsers):
@@ -253,6 +265,13 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
         raise SaeflowError(f"--format {args.format} writes one run; got --run {len(args.run)} times")
     else:
         print(sae_checkpoints.export_run(args.run[0], args.format, args.out))
+    return 0
+
+
+def cmd_export_features(args: argparse.Namespace) -> int:
+    from saeflow.interop import feature_files
+
+    print(feature_files.export_features(args.run, args.out, args.tokenizer))
     return 0
 
 
