@@ -14,11 +14,12 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from builders import planted_cross_layer, run_of_clt, write_shards
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan
+from saeflow.planning import WorkflowPlan, transcoder_sets
 from saeflow.training import archs, clt, entry, shapes, train
 from saeflow.training.entry import train_runs
 from saeflow.training.specs import SAEConfig
@@ -259,3 +260,19 @@ def test_a_clt_trains_through_the_workflow_and_a_new_coefficient_retrains_it_alo
     write_config(tmp_path, cfg)
     assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {"create_run": 1, "train": 1, "summary": 1,
                                                                           "all": 1}  # fmt: skip
+
+
+def test_the_plan_knows_a_sweep_over_layers_as_one_transcoder_set_and_saeflow_plan_says_so(tmp_path, capsys):
+    cfg = _case()
+    cfg["saes"]["set"] = {"train": "mid", "target": "out", "layer": [0, 1, 2], "k": [4, 8], "expansion": 2}
+    plan = _plan(cfg)
+    sets = transcoder_sets(plan)
+    assert sorted(sets) == ["set[k=4]", "set[k=8]"]  # one set per point of the other swept keys; the CLT is none
+    for name, members in sets.items():
+        assert list(members) == [0, 1, 2]
+        assert {plan.runs[r].train_config.k for r in members.values()} == {int(name[6])}
+    config_fpath = tmp_path / "config.yaml"
+    config_fpath.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["plan", str(config_fpath)]) == 0
+    out = capsys.readouterr().out
+    assert "transcoder set set[k=4]: layers 0, 1, 2" in out and "a cross-layer transcoder of layers [0, 1, 2]" in out

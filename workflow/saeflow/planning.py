@@ -476,6 +476,22 @@ def describe_run(plan: WorkflowPlan, run_id: str) -> str:
     <activation>, val <activation>)`, a transcoder's with its `target` and `val_target` activations."""
     run = plan.runs[run_id]
     reads = f"train {run.train_activation}, val {run.val_activation}"
+    if run.train_config.cross_layer:
+        reads = f"a cross-layer transcoder of layers {list(run.train_config.layers)}: " + reads
     if run.target_activation is not None:
         reads += f", target {run.target_activation}, val_target {run.val_target_activation}"
     return f"run {run.name}: {run_id} ({reads})"
+
+
+def transcoder_sets(plan: WorkflowPlan) -> dict[str, dict[int, str]]:
+    """Whole-model transcoder sets: a spec's transcoder runs that differ only in `layer` (a sweep over layers), as
+    {set name (its point's name without the layer): {layer: run id}}, for two layers or more. What `saeflow evaluate
+    --run ... --out` splices whole and `export-checkpoint --format circuit-tracer` writes as one set."""
+    groups: dict[str, dict[int, str]] = {}
+    for run_id, run in plan.runs.items():
+        cfg = run.train_config
+        if cfg.target is None or cfg.cross_layer:
+            continue
+        name = sweeps.point_name(run.sae_name, {k: v for k, v in run.varying.items() if k != "layer"})
+        groups.setdefault(name, {})[cfg.layer] = run_id
+    return {name: dict(sorted(members.items())) for name, members in groups.items() if len(members) > 1}

@@ -110,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     """The roots (and where each came from), every activation (hash) and every run of the config, as the workflow
     plans them."""
-    from saeflow.planning import WorkflowPlan, describe_run, extraction_passes
+    from saeflow.planning import WorkflowPlan, describe_run, extraction_passes, transcoder_sets
 
     plan = WorkflowPlan.from_config(cfg)
     for line in config.describe_roots(cfg, root_sources):
@@ -123,6 +123,10 @@ def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
         print(f"extraction pass {key[:16]}: {names}, {len(hashes)} directories (one forward pass, a directory each)")
     for run_id in plan.runs:
         print(describe_run(plan, run_id))
+    for name, members in transcoder_sets(plan).items():
+        layers, ids = ", ".join(map(str, members)), ", ".join(r[:12] for r in members.values())
+        print(f"transcoder set {name}: layers {layers} (runs {ids}; one model: saeflow evaluate --run ... --out, "
+              "export-checkpoint --format circuit-tracer)")  # fmt: skip
     for line in _unread_sweeps(plan):
         print(line)
     return 0
