@@ -357,7 +357,7 @@ def test_a_hostile_or_foreign_set_is_refused_in_one_line_and_writes_nothing(laye
 
 
 def read_feature(out: pathlib.Path, feature_id: int) -> dict:
-    """A reader written from the format (interop/feature_files.py): the Cantor pair unpaired as the frontend does,
+    """A reader written from the format (analysis/feature_files.py): the Cantor pair unpaired as the frontend does,
     the layer's offsets from the gzip index, the record's 4-byte little-endian length, its zlib JSON."""
     import gzip
     import math
@@ -378,7 +378,7 @@ def test_feature_view_files_from_inference_dumps_read_back_and_validate_as_circu
     """saeflow inference of each layer's transcoder, then `saeflow export-features`: every latent of every layer reads
     back by its Cantor-pair id, its top example's activation at its train token is the dump's, and circuit-tracer's
     own pydantic feature model (frontend/feature_models.py) accepts the records."""
-    from saeflow.interop import feature_files
+    from saeflow.analysis import feature_files
 
     root, env, sds, sets = gpt2_set
     members = sets["mlp_in"]
@@ -413,3 +413,61 @@ def test_feature_view_files_from_inference_dumps_read_back_and_validate_as_circu
                                            "inference"):  # fmt: skip
         feature_files.export_features([sets["resid_mid"][0].root], tmp_path / "none")
     assert not (tmp_path / "none").exists()
+
+
+CLT_FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "circuit_tracer" / "clts"
+
+
+@pytest.mark.parametrize("name", ["relu", "jumprelu"])
+def test_clts_circuit_tracer_saved_import_and_compute_its_codes_and_predictions(tmp_path, name):
+    """CLTs circuit-tracer 0.5.0 built and saved itself (tests/fixtures/circuit_tracer/make_circuit_tracer_clts.py):
+    `saeflow import-checkpoint` makes a CLT run whose codes and predictions equal circuit-tracer's own to 1e-5, and
+    exported again its files hold circuit-tracer's tensors."""
+    src = CLT_FIXTURES / name
+    n_layers, d = 3, 16
+    x_lnd = np.load(src / "outputs.npz")["x"]
+    ins = [write_shards(tmp_path / "s", np.repeat(x_lnd[layer][None, None], 1, 0), layers=(layer,), tag="clt-import",
+                        data={"hook": "resid_mid"}) for layer in range(n_layers)]  # fmt: skip
+    outs = [write_shards(tmp_path / "s", np.zeros((1, 1, 20, d), np.float32), layers=(layer,), tag="clt-import",
+                         data={"hook": "mlp_out"}) for layer in range(n_layers)]  # fmt: skip
+    argv = ["import-checkpoint", str(src), "--runs-root", str(tmp_path / "runs"),
+            *[a for sd in ins for a in ("--shards", str(sd.dpath))],
+            *[a for sd in outs for a in ("--target-shards", str(sd.dpath))]]  # fmt: skip
+    assert cli.main(argv) == 0
+    (run_dpath,) = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    run = runs.open_run(run_dpath)
+    model = clt.load_clt(run.sae_fpath)
+    want = np.load(src / "outputs.npz")
+    preds, codes = model([torch.from_numpy(x_nd) for x_nd in x_lnd])
+    for layer in range(n_layers):
+        np.testing.assert_allclose(codes[layer].numpy(), want["codes"][layer], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(preds[layer].numpy(), want["recon"][layer], atol=1e-5, rtol=0)
+    assert run.config()["shape"] == "clt" and run.config()["arch"] == name
+    assert cli.main(argv) == 0  # idempotent: the same run
+    out = tmp_path / "again"
+    assert export([run.root], out) == 0
+    for fname in sorted(f.name for f in src.glob("W_*.safetensors")):
+        theirs, ours = safetensors.torch.load_file(src / fname), safetensors.torch.load_file(out / fname)
+        assert sorted(theirs) == sorted(ours), fname
+        for key in theirs:
+            torch.testing.assert_close(ours[key], theirs[key].float(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "W_dec_1.safetensors").write_bytes((d / "W_dec_1.safetensors").read_bytes()[:200]),
+     "W_dec_1.safetensors"),
+    (lambda d: (d / "config.yaml").write_text("model_kind: !!python/object:os.system x\\n"), "config.yaml"),
+    (lambda d: (d / "W_dec_2.safetensors").unlink(), "W_dec_2.safetensors"),
+    (lambda d: safetensors.torch.save_file({**safetensors.torch.load_file(d / "W_enc_1.safetensors"),
+                                            "evil": torch.zeros(24)}, str(d / "W_enc_1.safetensors")), "W_enc_1"),
+])  # fmt: skip
+def test_a_damaged_or_hostile_clt_directory_is_refused_in_one_line_and_makes_no_run(tmp_path, damage, message):
+    src = tmp_path / "clt"
+    shutil.copytree(CLT_FIXTURES / "jumprelu", src)
+    damage(src)
+    sd = write_shards(tmp_path / "s", np.zeros((1, 3, 20, 16), np.float32), layers=(0, 1, 2), tag="hostile",
+                      data={"hook": "resid_mid"})  # fmt: skip
+    with pytest.raises(SaeflowError, match=message) as err:
+        circuit_tracer_clt.import_clt(src, tmp_path / "runs", [sd.dpath], [sd.dpath])
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

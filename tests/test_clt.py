@@ -252,7 +252,7 @@ def test_a_clt_trains_through_the_workflow_and_a_new_coefficient_retrains_it_alo
     plan = WorkflowPlan.from_config(config.load(config_fpath))
     (clt_id,) = [r for r, p in plan.runs.items() if p.sae_name == "clt"]
     model = clt.load_clt(tmp_path / plan.run(clt_id).sae_fpath)
-    assert model.cfg.layers == (1, 2) and model.cfg.d_out == 384
+    assert model.cfg.layer_ids == (1, 2) and model.cfg.d_out == 384
     metrics = json.loads((tmp_path / plan.run(clt_id).final_metrics_fpath).read_text())
     assert sorted(metrics["layers"]) == ["1", "2"] and metrics["nmse"] < 1
     assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {}

@@ -477,7 +477,7 @@ def describe_run(plan: WorkflowPlan, run_id: str) -> str:
     run = plan.runs[run_id]
     reads = f"train {run.train_activation}, val {run.val_activation}"
     if run.train_config.cross_layer:
-        reads = f"a cross-layer transcoder of layers {list(run.train_config.layers)}: " + reads
+        reads = f"a cross-layer transcoder of layers {list(run.train_config.spanned_layers)}: " + reads
     if run.target_activation is not None:
         reads += f", target {run.target_activation}, val_target {run.val_target_activation}"
     return f"run {run.name}: {run_id} ({reads})"

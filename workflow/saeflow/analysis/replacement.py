@@ -115,7 +115,7 @@ class CLTPass:
 def clt_members(run: runs.Run, spec: specs.ActivationSpec, device) -> list[Member]:
     """A CLT run as a member per layer (module docstring), each checked as evaluate checks a run of that layer."""
     model = clt.load_clt(run.require_checkpoint()).to(device)
-    layers, whole, tokens, members = model.cfg.layers, CLTPass(model), run.tokens(), []
+    layers, whole, tokens, members = model.cfg.layer_ids, CLTPass(model), run.tokens(), []
     for i, layer in enumerate(layers):
         sd, written_sd = (evaluate.open_val_shards(run.layer_link(link, layer).resolve(), shard_hash) for link,
                           shard_hash in ((run.VAL_SHARDS, run.config()["val_shards"][i]),

@@ -82,7 +82,9 @@ and `saeflow visuals`. The run id is the sha256 of that config, so an import is 
 standard, topk, jumprelu (per-latent or shared thresholds; BatchTopK when its training metadata says so), gated, and
 the transcoders transcoder, skip_transcoder, jumprelu_transcoder, jumprelu_skip_transcoder; sparsify topk (transcode
 and skip_connection too); one layer (--layer L) of a circuit-tracer transcoder set (config.yaml +
-layer_{i}.safetensors: relu or JumpReLU, skip path). A transcoder needs --target-shards (the activation it predicts; a
+layer_{i}.safetensors: relu or JumpReLU, skip path); a circuit-tracer cross-layer transcoder (config.yaml + W_enc_{i}
+and W_dec_{i}.safetensors) as one CLT run, --shards and --target-shards once (a directory of every layer) or once per
+layer. A transcoder needs --target-shards (the activation it predicts; a
 sparsify SAE with a skip connection predicts its input: --shards). The checkpoint's hook names are recorded in the
 config. No code from the checkpoint runs: it is read as untrusted input, refused in one line before anything is
 written when cfg.json's values are mistyped (a boolean written as a string), its sizes or k disagree with the tensors,
@@ -186,12 +188,15 @@ def _import_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=CHECKPOINT_FORMATS, default=None,
                    help="default: detected from the weights file name (circuit-tracer: config.yaml beside layer_0)")
     p.add_argument("--runs-root", required=True, type=pathlib.Path, help="where run directories <run_id>/ live")
-    p.add_argument("--shards", required=True, type=pathlib.Path, help="the shard directory the SAE will read")
+    p.add_argument("--shards", required=True, type=pathlib.Path, action="append",
+                   help="the shard directory the SAE will read (a circuit-tracer CLT: one of every layer, or one per "
+                        "layer, repeated)")
     p.add_argument("--layer", type=int, default=None,
                    help="the stored layer the SAE reads (optional when the shards store one layer, or store the "
                         "layer the checkpoint's hook name says; a circuit-tracer set: which layer's file, needed)")
-    p.add_argument("--target-shards", type=pathlib.Path, default=None,
-                   help="a transcoder's: the shard directory of the activation it predicts, paired with --shards")
+    p.add_argument("--target-shards", type=pathlib.Path, default=None, action="append",
+                   help="a transcoder's: the shard directory of the activation it predicts, paired with --shards (a "
+                        "CLT's: as --shards)")
 
 
 def _positive_bytes(text: str) -> int:
@@ -269,16 +274,23 @@ def cmd_export_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_export_features(args: argparse.Namespace) -> int:
-    from saeflow.interop import feature_files
+    from saeflow.analysis import feature_files
 
     print(feature_files.export_features(args.run, args.out, args.tokenizer))
     return 0
 
 
 def cmd_import_checkpoint(args: argparse.Namespace) -> int:
-    from saeflow.interop.checkpoints import sae_checkpoints
+    from saeflow.errors import SaeflowError
+    from saeflow.interop.checkpoints import circuit_tracer_clt, sae_checkpoints
 
-    run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards, layer=args.layer, fmt=args.format,
-                                           target_shards=args.target_shards)
+    if args.format in (None, CIRCUIT_TRACER) and circuit_tracer_clt.is_clt_dir(args.src):  # a CLT: every layer
+        print(circuit_tracer_clt.import_clt(args.src, args.runs_root, args.shards, args.target_shards).root)
+        return 0
+    for flag, given in (("--shards", args.shards), ("--target-shards", args.target_shards or [None])):
+        if len(given) != 1:
+            raise SaeflowError(f"{flag} given {len(given)} times; an SAE or a transcoder reads one directory")
+    run = sae_checkpoints.import_checkpoint(args.src, args.runs_root, args.shards[0], layer=args.layer,
+                                           fmt=args.format, target_shards=(args.target_shards or [None])[0])
     print(run.root)
     return 0

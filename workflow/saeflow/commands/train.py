@@ -78,8 +78,9 @@ def cmd_create_run(args: argparse.Namespace) -> int:
     if train_config.cross_layer:
         links = {runs.Run.TRAIN_SHARDS: "train_shards", runs.Run.VAL_SHARDS: "val_shards",
                  runs.Run.TARGET_SHARDS: "target", runs.Run.VAL_TARGET_SHARDS: "val_target"}  # fmt: skip
-        layer_links = {name: {layer: layout.ShardLayout.at(shards_root, h).dpath for layer, h in
-                              zip(train_config.layers, train_config.per_layer(key))} for name, key in links.items()}
+        layers = train_config.spanned_layers
+        layer_links = {name: {layer: layout.ShardLayout.at(shards_root, h).dpath
+                              for layer, h in zip(layers, train_config.per_layer(key))} for name, key in links.items()}
     elif train_config.transcoder:
         targets = tuple(layout.ShardLayout.at(shards_root, h).dpath for h in (train_config.target,
                                                                               train_config.val_target))  # fmt: skip

@@ -39,11 +39,11 @@ class CLTConfig:
     """Everything that rebuilds a CLT: its layers and its layer-0 encoder's transcoder (`sae`: widths, architecture,
     latents per layer; its d_out is one layer's target width)."""
 
-    layers: tuple[int, ...]
+    layer_ids: tuple[int, ...]  # the layers it spans, ascending
     sae: SAEConfig
 
     def __post_init__(self):
-        object.__setattr__(self, "layers", tuple(int(layer) for layer in self.layers))
+        object.__setattr__(self, "layer_ids", tuple(int(layer) for layer in self.layer_ids))
         if isinstance(self.sae, dict):  # as save_clt writes it
             object.__setattr__(self, "sae", SAEConfig(**{**self.sae, "matryoshka": tuple(self.sae["matryoshka"])}))
 
@@ -57,11 +57,11 @@ class CLTConfig:
 
     def encoder(self, i: int) -> SAEConfig:
         """The transcoder of layer index `i`: its latents write the targets of layers i..L-1."""
-        return dataclasses.replace(self.sae, d_out=(len(self.layers) - i) * self.d_out)
+        return dataclasses.replace(self.sae, d_out=(len(self.layer_ids) - i) * self.d_out)
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, d_model: int, d_out: int) -> "CLTConfig":
-        return cls(cfg.layers, cfg.sae_config(d_model, d_out))  # what the run's keys must satisfy: k, the shape
+        return cls(cfg.spanned_layers, cfg.sae_config(d_model, d_out))  # what the run's keys must satisfy: k, the shape
 
 
 class CLT(torch.nn.Module):
@@ -70,9 +70,9 @@ class CLT(torch.nn.Module):
     def __init__(self, cfg: CLTConfig):
         super().__init__()
         self.cfg = cfg
-        self.encoders = torch.nn.ModuleList(SAE(cfg.encoder(i)) for i in range(len(cfg.layers)))
-        self.register_buffer("target_scale", torch.ones(len(cfg.layers)))
-        self.d_sae = cfg.d_sae * len(cfg.layers)  # every latent (what a degenerate result is judged against)
+        self.encoders = torch.nn.ModuleList(SAE(cfg.encoder(i)) for i in range(len(cfg.layer_ids)))
+        self.register_buffer("target_scale", torch.ones(len(cfg.layer_ids)))
+        self.d_sae = cfg.d_sae * len(cfg.layer_ids)  # every latent (what a degenerate result is judged against)
 
     @property
     def arch(self):
@@ -103,7 +103,7 @@ class CLT(torch.nn.Module):
         """circuit-tracer's CLT tensors in RAW space (interop/checkpoints/circuit_tracer.py): W_enc_i (s, d), b_enc_i,
         b_dec_i (d) and W_dec_i (s, L - i, d), the scales folded (the encoders read raw inputs, the decoders write
         raw targets)."""
-        L, d, out = len(self.cfg.layers), self.cfg.d_out, {}
+        L, d, out = len(self.cfg.layer_ids), self.cfg.d_out, {}
         for i, sae in enumerate(self.encoders):
             scale_o = self.target_scale[i:].repeat_interleave(d)  # raw target j = normalized / target_scale_j
             out[f"W_enc_{i}"] = (sae.W_enc * sae.scale).T.contiguous()

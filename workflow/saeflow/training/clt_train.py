@@ -29,7 +29,7 @@ ROLES = ((runs.Run.TRAIN_SHARDS, "train_shards"), (runs.Run.TARGET_SHARDS, "targ
 def layer_dirs(run: runs.Run, cfg: TrainConfig, link: str, key: str) -> list[ShardDir]:
     """The directories of one role (`link`, its config key `key`), one per layer, each checked against the config."""
     dirs = []
-    for layer, shard_hash in zip(cfg.layers, cfg.per_layer(key)):
+    for layer, shard_hash in zip(cfg.spanned_layers, cfg.per_layer(key)):
         link_fpath = run.layer_link(link, layer)
         if not link_fpath.is_symlink():
             raise SaeflowError(f"{link_fpath}: missing; create the run again (saeflow create-run)")
@@ -59,7 +59,7 @@ class CLTTrainer(Trainer):
 
     def init_from_data(self, *parts: torch.Tensor) -> None:
         """The start from a sample of every layer's inputs, then targets (`parts`: the loader's tuple)."""
-        n = len(self.cfg.layers)
+        n = len(self.cfg.spanned_layers)
         clt_mod.init_from_data(self.sae, list(parts[:n]), list(parts[n:]), self.cfg.seed, self.cfg, self.run.root)
 
     def state_dict(self) -> dict:
@@ -76,7 +76,7 @@ class CLTTrainer(Trainer):
         return self.deads[0]  # what Trainer.load_state_dict restores first (the others follow)
 
     def train_step(self, batch: tuple[torch.Tensor, ...]) -> None:
-        n, clt = len(self.cfg.layers), self.sae
+        n, clt = len(self.cfg.spanned_layers), self.sae
         self.set_lr()
         loss = clt_mod.clt_loss(clt, list(batch[:n]), list(batch[n:]), self.step, self.n_steps, self.deads, self.cfg)
         self.opt.zero_grad()
@@ -112,8 +112,8 @@ def validation_metrics(clt: clt_mod.CLT, inputs: list[ShardDir], targets: list[S
     (`layers`: NMSE of its target, L0, dead and dense latents of its own latents) and the whole (NMSE over every
     layer's target, L0 the sum of the layers', dead and dense counted over every latent)."""
     readers = [OrderedLoader(sd, layer, cfg.batch_size, cfg.tokens, borrowed=True)
-               for sd, layer in [*zip(inputs, cfg.layers), *zip(targets, cfg.layers)]]  # fmt: skip
-    n, n_max = len(cfg.layers), cfg.n_val_vectors or readers[0].n_vectors
+               for sd, layer in [*zip(inputs, cfg.spanned_layers), *zip(targets, cfg.spanned_layers)]]  # fmt: skip
+    n, n_max = len(cfg.spanned_layers), cfg.n_val_vectors or readers[0].n_vectors
     accs = [MetricsAccumulator(clt.cfg.d_out, clt.cfg.d_sae) for _ in range(n)]
     seen = 0
     for batch in zip(*readers, strict=True):
@@ -126,7 +126,7 @@ def validation_metrics(clt: clt_mod.CLT, inputs: list[ShardDir], targets: list[S
             break
     for reader in readers:
         reader.close()
-    per_layer = {str(layer): acc.result() for layer, acc in zip(cfg.layers, accs)}
+    per_layer = {str(layer): acc.result() for layer, acc in zip(cfg.spanned_layers, accs)}
     err = sum(acc.sq_err for acc in accs)
     var = sum(acc.sum_sq - float(acc.sum_d.square().sum()) / max(acc.n_vectors, 1) for acc in accs)
     nmse = err / var if var > 0 else float("nan")
@@ -152,8 +152,8 @@ def open_pass(group: list[tuple[runs.Run, TrainConfig]], dev: torch.device, sett
                                for sds in (train_in, train_out))  # fmt: skip
     rows = [*train_in, *train_out]
     pool = memory.pool_bytes(group, settings.buffer_bytes, "sweep", train_in[0], Comm.alone(dev), rows)
-    also = [*zip(train_in[1:], cfg.layers[1:]), *zip(train_out, cfg.layers)]
-    loader = ShuffledLoader(train_in[0], cfg.layers[0], cfg.batch_size, cfg.data_seed, tokens=cfg.tokens,
+    also = [*zip(train_in[1:], cfg.spanned_layers[1:]), *zip(train_out, cfg.spanned_layers)]
+    loader = ShuffledLoader(train_in[0], cfg.spanned_layers[0], cfg.batch_size, cfg.data_seed, tokens=cfg.tokens,
                             buffer_bytes=pool, borrowed=True, also=also)  # fmt: skip
     widths = {sd.metadata.d_model for sd in [*train_in, *dirs["val_shards"]]}
     out_widths = {sd.metadata.d_model for sd in [*train_out, *dirs["val_target"]]}

@@ -53,12 +53,12 @@ class _Layers:
         return shapes.of(self).cross_layer
 
     @property
-    def layers(self) -> tuple[int, ...]:
+    def spanned_layers(self) -> tuple[int, ...]:
         """The layers it reads: a CLT's list, or the one layer of any other run."""
         return tuple(self.layer) if self.cross_layer else (self.layer,)
 
     def per_layer(self, key: str) -> tuple:
-        """A PER_LAYER key's values, one per layer of `layers` (an SAE's or a transcoder's single value once)."""
+        """A PER_LAYER key's values, one per layer of `spanned_layers` (an SAE's or a transcoder's one value)."""
         value = getattr(self, key)
         return tuple(value) if self.cross_layer else (value,)
 

@@ -32,7 +32,8 @@ from saeflow.training import archs
 MAX_CFG_BYTES = 1 << 20  # a SAELens training cfg.json is a few KB
 MAX_HEADER_BYTES = 1 << 20  # an SAE has at most a few tensors: a few hundred bytes of header each
 MAX_TENSORS = 64
-LIBRARIES = {"saelens": "SAELens", "sparsify": "sparsify", "circuit-tracer": "circuit-tracer"}
+LIBRARIES = {"saelens": "SAELens", "sparsify": "sparsify", "circuit-tracer": "circuit-tracer",
+             "circuit-tracer-clt": "circuit-tracer"}  # fmt: skip
 # the safetensors dtypes saeflow reads: float32 as it is, float16 and bfloat16 exactly widened, float64 only exact
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 _CHUNK_ITEMS = 1 << 22  # float64 -> float32 check granularity (32 MiB of float64)
@@ -60,9 +61,12 @@ SHAPES = {
                  "W_skip": ("d_in", "d_in")},
     "circuit-tracer": {"W_enc": ("d_sae", "d_in"), "W_dec": ("d_sae", "d_out"), "b_dec": ("d_out",),
                        "W_skip": ("d_out", "d_in")},
+    # a CLT's files name each tensor with its layer (W_enc_3): the shape is the name's without it
+    "circuit-tracer-clt": {"W_enc": ("d_sae", "d_in"), "W_dec": ("d_sae", "n_out", "d_out"), "b_dec": ("d_out",)},
 }  # fmt: skip
 # a format whose config gives no sizes: they come from these tensors' shapes in the header (size -> (tensor, axis))
-HEADER_SIZES = {"circuit-tracer": {"d_sae": ("b_enc", 0), "d_in": ("W_enc", 1), "d_out": ("b_dec", 0)}}
+HEADER_SIZES = {"circuit-tracer": {"d_sae": ("b_enc", 0), "d_in": ("W_enc", 1), "d_out": ("b_dec", 0)},
+                "circuit-tracer-clt": {"d_sae": ("b_enc_0", 0), "d_in": ("W_enc_0", 1), "d_out": ("b_dec_0", 0)}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +76,11 @@ class Sizes:
     d_in: int
     d_sae: int
     d_out: int
+    n_out: int = 1  # the layers a CLT's decoder writes (its W_dec_i: d_sae x n_out x d_out)
 
     def shape(self, fmt: str, name: str) -> tuple[int, ...]:
-        return tuple(getattr(self, size) for size in SHAPES[fmt].get(name, ("d_sae",)))
+        base = name.rstrip("0123456789").removesuffix("_") if fmt == "circuit-tracer-clt" else name
+        return tuple(getattr(self, size) for size in SHAPES[fmt].get(base, ("d_sae",)))
 
 
 class Tensors(dict):

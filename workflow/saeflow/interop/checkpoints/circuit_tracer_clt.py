@@ -13,18 +13,27 @@ raw activation space (training/clt.py `CLT.weights` folds the scales):
 circuit-tracer's CLTs compute ReLU and JumpReLU (a threshold per layer's latents: saeflow's jumprelu, and batchtopk
 as the JumpReLU of its inference threshold), carry no skip path, and read every layer of the model from 0 up, from
 one hook point to `mlp_out`; anything else is refused in one line before OUT is made.
+
+    saeflow import-checkpoint CLT_DIR --runs-root ROOT --shards IN [--shards IN_1 ...] --target-shards OUT [...]
+
+reads such a directory back (circuit-tracer's own `to_safetensors` writes the same files) as untrusted input, as a
+set's layers are read (`checkpoint_files`: every size from W_enc_0's header, every other shape and offset checked
+against them and each file's length before its data is read, no tensor but the ones above, config.yaml plain YAML of
+at most 1 MiB), into a CLT run (`shape: clt`, relu or jumprelu) linked to its shards: one directory of every layer,
+or one per layer (`--shards` and `--target-shards` once each per layer).
 """
 
 import os
 import pathlib
 
 from saeflow.errors import SaeflowError
-from saeflow.interop.checkpoints import hooknames
+from saeflow.interop.checkpoints import checkpoint_files, hooknames
 from saeflow.store import atomic, runs
 from saeflow.store.shards import ShardDir
 from saeflow.training import clt
 
-CONFIG_FNAME, TARGET, EXPORT_VERSION = "config.yaml", "mlp_out", 1
+CONFIG_FNAME, TARGET, EXPORT_VERSION, IMPORT_VERSION = "config.yaml", "mlp_out", 1, 1
+FORMAT, MAX_LAYERS = "circuit-tracer-clt", 1024
 
 
 def is_clt_run(run_dpath) -> bool:
@@ -72,7 +81,7 @@ def _check(run: runs.Run, model: clt.CLT) -> tuple[str, str]:
     if model.arch.saelens_transcoder is None:
         raise SaeflowError(f"{run.root}: a {model.arch.name} CLT; circuit-tracer's CLTs compute ReLU and JumpReLU "
                            "(relu, jumprelu, batchtopk)")  # fmt: skip
-    layers = model.cfg.layers
+    layers = model.cfg.layer_ids
     if layers != tuple(range(len(layers))):
         raise SaeflowError(f"{run.root}: a CLT of layers {list(layers)}; circuit-tracer's reads every layer from 0 up")
     try:
@@ -84,3 +93,105 @@ def _check(run: runs.Run, model: clt.CLT) -> tuple[str, str]:
     if target != TARGET or source == TARGET:
         raise SaeflowError(f"{run.root}: predicts {target} from {source}; circuit-tracer's CLTs predict {TARGET}")
     return source, mds[0].family
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_clt_dir(src_dpath) -> bool:
+    src_dpath = pathlib.Path(src_dpath)
+    return (src_dpath / CONFIG_FNAME).is_file() and (src_dpath / "W_enc_0.safetensors").exists()
+
+
+def read_clt(src_dpath: pathlib.Path) -> tuple[dict, clt.CLT, dict]:
+    """(config.yaml's model_kind and hook names, the CLT, each file's sha256) of a circuit-tracer CLT directory."""
+    import torch
+
+    from saeflow.training.specs import SAEConfig
+
+    fpath = src_dpath / CONFIG_FNAME
+    raw = checkpoint_files.read_cfg(fpath, yaml_file=True)
+    cfg = {key: raw.get(key) for key in ("model_kind", "feature_input_hook", "feature_output_hook")}
+    if not all(isinstance(v, str) and len(v) <= 200 for v in cfg.values()):
+        raise SaeflowError(f"{fpath}: model_kind, feature_input_hook and feature_output_hook must be strings")
+    if cfg["model_kind"] != "cross_layer_transcoder":
+        raise SaeflowError(f"{fpath}: model_kind {cfg['model_kind']!r}, not a cross_layer_transcoder")
+    n_layers = next(i for i in range(MAX_LAYERS + 1) if not (src_dpath / f"W_enc_{i}.safetensors").exists())
+    if n_layers > MAX_LAYERS:
+        raise SaeflowError(f"{src_dpath}: more than {MAX_LAYERS} layers; refusing")
+    files, sha256 = {}, {}
+    sizes = None
+    for i in range(n_layers):
+        for kind in ("enc", "dec"):
+            fname = f"W_{kind}_{i}.safetensors"
+            layer_sizes = None if sizes is None else checkpoint_files.Sizes(sizes.d_in, sizes.d_sae, sizes.d_out,
+                                                                             n_layers - i)  # fmt: skip
+            files[fname], sha256[fname] = checkpoint_files.read_weights(src_dpath / fname, FORMAT, layer_sizes, fname)
+            if sizes is None:
+                sizes = checkpoint_files.Sizes(files[fname]["W_enc_0"].shape[1], files[fname]["b_enc_0"].shape[0],
+                                               files[fname]["b_dec_0"].shape[0])  # fmt: skip
+    jumprelu = "threshold_0" in files["W_enc_0.safetensors"]
+    for i in range(n_layers):
+        want = {"enc": {f"W_enc_{i}", f"b_enc_{i}", f"b_dec_{i}", *([f"threshold_{i}"] if jumprelu else [])},
+                "dec": {f"W_dec_{i}"}}  # fmt: skip
+        for kind, names in want.items():
+            got = set(files[f"W_{kind}_{i}.safetensors"])
+            if got != names:
+                raise SaeflowError(f"{src_dpath / f'W_{kind}_{i}.safetensors'}: holds {sorted(got)[:6]}, not "
+                                   f"{sorted(names)} (a circuit-tracer CLT's, every layer alike)")  # fmt: skip
+    model = clt.CLT(clt.CLTConfig(tuple(range(n_layers)), SAEConfig(d_model=sizes.d_in, d_sae=sizes.d_sae,
+                    arch="jumprelu" if jumprelu else "relu", k=1, d_out=sizes.d_out)))  # fmt: skip
+    with torch.no_grad():
+        for i, sae in enumerate(model.encoders):
+            enc, dec = files[f"W_enc_{i}.safetensors"], files[f"W_dec_{i}.safetensors"]
+            sae.W_enc.copy_(enc[f"W_enc_{i}"].T)
+            sae.b_enc.copy_(enc[f"b_enc_{i}"])
+            sae.W_dec.copy_(dec[f"W_dec_{i}"].reshape(sizes.d_sae, -1))
+            sae.b_dec.zero_()
+            sae.b_dec[: sizes.d_out] = enc[f"b_dec_{i}"]  # b_dec_j is every encoder's bias at j, summed
+            if jumprelu:  # circuit-tracer's pre * (pre > threshold): saeflow's relu(pre) * H, a negative one at 0
+                sae.log_threshold.copy_(enc[f"threshold_{i}"].clamp(min=0).log())
+    return cfg, model.eval(), sha256
+
+
+def import_clt(src_dpath, runs_root, shards: list, target_shards: list) -> runs.Run:
+    """Make (or find) the run directory of an imported circuit-tracer CLT, linked to its input and target shards
+    (one directory of every layer, or one per layer, each list)."""
+    src_dpath = pathlib.Path(src_dpath)
+    cfg, model, sha256 = read_clt(src_dpath)
+    layers = model.cfg.layer_ids
+    by_role = {}
+    for role, given, hook_key in (("input", shards, "feature_input_hook"),
+                                  ("target", target_shards or [], "feature_output_hook")):  # fmt: skip
+        flag = "--shards" if role == "input" else "--target-shards"
+        if len(given) not in (1, len(layers)):
+            raise SaeflowError(f"{flag}: a CLT of {len(layers)} layers takes one directory of every layer or one per "
+                               f"layer, got {len(given)}")  # fmt: skip
+        dirs = [ShardDir(d) for d in given] * (len(layers) if len(given) == 1 else 1)
+        want = hooknames.from_circuit_tracer(cfg[hook_key], 0).get("hook")
+        for layer, sd in zip(layers, dirs):
+            md = sd.metadata
+            if layer not in md.layers or (md.d_model != (model.cfg.sae.d_model if role == "input" else
+                                                         model.cfg.d_out)):  # fmt: skip
+                raise SaeflowError(f"{flag} {sd.dpath}: does not hold layer {layer} at the CLT's width")
+            if want is not None and hooknames.hooks.stored(md.data) != want:
+                raise SaeflowError(f"{flag} {sd.dpath}: holds {hooknames.hooks.stored(md.data)}, but the CLT's "
+                                   f"{hook_key} is {cfg[hook_key]} ({want})")  # fmt: skip
+        by_role[role] = dirs
+    run_config = {
+        "imported": {"format": "circuit-tracer", "cfg": cfg, "weights_sha256": sha256,
+                     "importer_version": IMPORT_VERSION},
+        "shape": "clt", "arch": model.arch.name, "layer": list(layers),
+        **{key: [sd.hash for sd in by_role[role]] for key, role in (("train_shards", "input"), ("val_shards", "input"),
+                                                                    ("target", "target"), ("val_target", "target"))},
+    }  # fmt: skip
+    links = {name: {layer: sd.dpath for layer, sd in zip(layers, by_role[role])}
+             for name, role in ((runs.Run.TRAIN_SHARDS, "input"), (runs.Run.VAL_SHARDS, "input"),
+                                (runs.Run.TARGET_SHARDS, "target"), (runs.Run.VAL_TARGET_SHARDS, "target"))}
+    run = runs.create_run(runs_root, run_config, None, layer_links=links)
+    with atomic.exclusive_lock(run.lock_fpath):
+        if not run.sae_fpath.exists():
+            clt.save_clt(model, run.sae_fpath, readonly=True)
+    return run
