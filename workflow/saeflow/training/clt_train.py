@@ -17,10 +17,10 @@ from saeflow.training import localcopy, memory
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import DeadLatents, Objective, dead_after_steps
+from saeflow.training.objectives import DeadLatents, dead_after_steps
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.specs import TrainConfig
-from saeflow.training.train import Checkpoint, Trainer, TrainSettings, auto_lr, lr_scales
+from saeflow.training.train import LOG_EVERY, Checkpoint, Trainer, TrainSettings, auto_lr, lr_scales
 
 ROLES = ((runs.Run.TRAIN_SHARDS, "train_shards"), (runs.Run.TARGET_SHARDS, "target"),
          (runs.Run.VAL_SHARDS, "val_shards"), (runs.Run.VAL_TARGET_SHARDS, "val_target"))  # fmt: skip
@@ -51,7 +51,6 @@ class CLTTrainer(Trainer):
         self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.cfg.d_sae)
         scales = [scale for sae in self.sae.encoders for scale in lr_scales(sae, cfg)]
         self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=scales)
-        self.objective = Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None
         dead_steps = dead_after_steps(cfg, n_steps)
         self.deads = [DeadLatents(self.sae.cfg.d_sae, dead_steps, device) for _ in self.sae.encoders]
@@ -87,7 +86,7 @@ class CLTTrainer(Trainer):
                 dead.update(codes.fired_s())
                 sae.arch.after_step(sae, codes.activations(), self.step, reduce_min=lambda t: t)
         self.step += 1
-        if self.step % 10 == 0 or self.step == self.n_steps:
+        if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = {"step": self.step, "n_vectors": self.step * self.cfg.batch_size,
                          "lr": self.opt.param_groups[0]["lr"], "loss": float(loss.total.detach()),
                          **{name: float(value.detach()) for name, value in loss.terms.items()}, "nmse": loss.nmse(),
