@@ -19,10 +19,11 @@ import yaml
 from builders import planted_cross_layer, run_of_clt, write_shards
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan, transcoder_sets
+from saeflow.planning import WorkflowPlan, cli_configs
 from saeflow.training import archs, clt, entry, shapes, train
 from saeflow.training.entry import train_runs
 from saeflow.training.specs import SAEConfig
+from saeflow.training.sweeps import seed_group_configs, transcoder_sets
 from test_identity import RANDOM_GPT2, ROOTS
 
 GPT2_3 = {**RANDOM_GPT2, "model": {"random": {**RANDOM_GPT2["model"]["random"],
@@ -276,3 +277,12 @@ def test_the_plan_knows_a_sweep_over_layers_as_one_transcoder_set_and_saeflow_pl
     assert cli.main(["plan", str(config_fpath)]) == 0
     out = capsys.readouterr().out
     assert "transcoder set set[k=4]: layers 0, 1, 2" in out and "a cross-layer transcoder of layers [0, 1, 2]" in out
+
+
+def test_a_clt_seed_sweep_forms_no_seed_group_the_stability_stage_would_need_dumps_for():
+    cfg = _case(seed=[0, 1])
+    cfg["saes"]["set"] = {"train": "mid", "target": "out", "layer": 1, "k": 4, "expansion": 2, "seed": [0, 1]}
+    plan = _plan(cfg)
+    configs = seed_group_configs(plan)
+    assert {plan.runs[r].sae_name for r in configs} == {"set"} and len(configs) == 2
+    assert sum(path.parts[0] == "stability" for path in cli_configs(plan)) == 1  # the set's seed group alone

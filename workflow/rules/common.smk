@@ -30,6 +30,7 @@ from saeflow.store.layout import (
     SHARD_HASH_WILDCARD,
     CliConfigLayout,
 )
+from saeflow.training import sweeps as saeflow_sweeps
 from saeflow.training.ranks.launch import rule_resources
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
@@ -225,9 +226,7 @@ def get_probes():
 
 
 # Seed groups: runs whose training configs differ only in seed/data_seed (group id -> run ids; saeflow.analysis.stability).
-STABILITY_GROUPS = saeflow_stability.seed_groups(
-    {run_id: plan.train_config.to_dict() for run_id, plan in PLAN.runs.items()}
-)
+STABILITY_GROUPS = saeflow_stability.seed_groups(saeflow_sweeps.seed_group_configs(PLAN))
 STABILITY_GROUP_WILDCARD = "{group}"
 
 

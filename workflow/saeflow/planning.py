@@ -461,7 +461,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     }
     configs[plan.cli_config("stages", "evaluate")] = {"evaluate": plan.cfg.settings["evaluate"]}
     configs[plan.cli_config("stages", "probe")] = {"probe": plan.cfg.settings["probe"]}
-    for group, run_ids in stability.seed_groups({r: p.train_config.to_dict() for r, p in plan.runs.items()}).items():
+    for group, run_ids in stability.seed_groups(sweeps.seed_group_configs(plan)).items():
         configs[plan.cli_config("stability", group)] = {"runs": run_ids}  # the group's members: its rerun trigger
     configs[plan.cli_config("stages", "summary")] = {
         "runs": sorted(str(plan.run(run_id).root) for run_id in plan.runs),
@@ -481,17 +481,3 @@ def describe_run(plan: WorkflowPlan, run_id: str) -> str:
     if run.target_activation is not None:
         reads += f", target {run.target_activation}, val_target {run.val_target_activation}"
     return f"run {run.name}: {run_id} ({reads})"
-
-
-def transcoder_sets(plan: WorkflowPlan) -> dict[str, dict[int, str]]:
-    """Whole-model transcoder sets: a spec's transcoder runs that differ only in `layer` (a sweep over layers), as
-    {set name (its point's name without the layer): {layer: run id}}, for two layers or more. What `saeflow evaluate
-    --run ... --out` splices whole and `export-checkpoint --format circuit-tracer` writes as one set."""
-    groups: dict[str, dict[int, str]] = {}
-    for run_id, run in plan.runs.items():
-        cfg = run.train_config
-        if cfg.target is None or cfg.cross_layer:
-            continue
-        name = sweeps.point_name(run.sae_name, {k: v for k, v in run.varying.items() if k != "layer"})
-        groups.setdefault(name, {})[cfg.layer] = run_id
-    return {name: dict(sorted(members.items())) for name, members in groups.items() if len(members) > 1}

@@ -110,7 +110,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _print_workflow_plan(cfg: dict, root_sources: dict[str, str]) -> int:
     """The roots (and where each came from), every activation (hash) and every run of the config, as the workflow
     plans them."""
-    from saeflow.planning import WorkflowPlan, describe_run, extraction_passes, transcoder_sets
+    from saeflow.planning import WorkflowPlan, describe_run, extraction_passes
+    from saeflow.training.sweeps import transcoder_sets
 
     plan = WorkflowPlan.from_config(cfg)
     for line in config.describe_roots(cfg, root_sources):

@@ -317,3 +317,24 @@ def auto_tokens_of(md) -> str:
     """What `tokens: auto` means for a shard directory: `no_special` when its metadata records the special ids of
     a text packing (text saeflow extracted), else `content`."""
     return "content" if tokenization.recorded_packing(md) is None else "no_special"
+
+
+def transcoder_sets(plan) -> dict[str, dict[int, str]]:
+    """Whole-model transcoder sets: a spec's transcoder runs that differ only in `layer` (a sweep over layers), as
+    {set name (its point's name without the layer): {layer: run id}}, for two layers or more. What `saeflow evaluate
+    --run ... --out` splices whole and `export-checkpoint --format circuit-tracer` writes as one set."""
+    groups: dict[str, dict[int, str]] = {}
+    for run_id, run in plan.runs.items():
+        cfg = run.train_config
+        if cfg.target is None or cfg.cross_layer:
+            continue
+        name = point_name(run.sae_name, {k: v for k, v in run.varying.items() if k != "layer"})
+        groups.setdefault(name, {})[cfg.layer] = run_id
+    return {name: dict(sorted(members.items())) for name, members in groups.items() if len(members) > 1}
+
+
+def seed_group_configs(plan) -> dict[str, dict]:
+    """Run id -> training config of the runs whose seed groups the stability stage compares: those with an inference
+    dump (`WorkflowPlan.dumps`; a CLT has none)."""
+    dumped = {run_id for run_id, _ in plan.dumps()}
+    return {r: p.train_config.to_dict() for r, p in plan.runs.items() if r in dumped}
