@@ -237,9 +237,10 @@ def test_changing_a_clts_sparsity_or_adding_a_layer_to_a_set_retrains_only_what_
 
 
 def test_a_clt_trains_through_the_workflow_and_a_new_coefficient_retrains_it_alone(tmp_path):
-    """The real MiniLM's mlp_in -> mlp_out of two layers (one forward pass), a TopK CLT over both beside a per-layer
-    set, through Snakemake: the CLT publishes its sae.pt and its validation metrics of each layer (it has no
-    inference dump, so no summary row); a new CLT k then plans one create_run and one train, the set untouched."""
+    """The real MiniLM's mlp_in -> mlp_out of two layers (one forward pass), a TopK CLT over both, through Snakemake:
+    the CLT publishes its sae.pt and its validation metrics of each layer (it has no inference dump, so no summary
+    row); a new CLT k then plans one create_run and one train (a set beside it keeping its runs: the plan-level test
+    above)."""
     from workflow_helpers import job_counts, snakemake, tiny_config, write_config
 
     cfg = tiny_config(n_ex=24, layer=1)
@@ -247,11 +248,11 @@ def test_a_clt_trains_through_the_workflow_and_a_new_coefficient_retrains_it_alo
     cfg["activations"] = {"in": {**docs, "hook": "mlp_in"}, "out": {**docs, "hook": "mlp_out"}}
     common = {"train": "in", "target": "out", "layer": [1, 2], "arch": "topk", "k": 4, "expansion": 1,
               "batch_size": 64, "n_epochs": 1, "aux_k": 16}  # fmt: skip
-    cfg["saes"] = {"clt": {**common, "shape": "clt"}, "set": common}
+    cfg["saes"] = {"clt": {**common, "shape": "clt"}}
     config_fpath = write_config(tmp_path, cfg)
     snakemake(tmp_path, config_fpath, "--cores", "2")
     plan = WorkflowPlan.from_config(config.load(config_fpath))
-    (clt_id,) = [r for r, p in plan.runs.items() if p.sae_name == "clt"]
+    (clt_id,) = plan.runs
     model = clt.load_clt(tmp_path / plan.run(clt_id).sae_fpath)
     assert model.cfg.layer_ids == (1, 2) and model.cfg.d_out == 384
     metrics = json.loads((tmp_path / plan.run(clt_id).final_metrics_fpath).read_text())
@@ -259,8 +260,8 @@ def test_a_clt_trains_through_the_workflow_and_a_new_coefficient_retrains_it_alo
     assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {}
     cfg["saes"]["clt"]["k"] = 8
     write_config(tmp_path, cfg)
-    assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {"create_run": 1, "train": 1, "summary": 1,
-                                                                          "all": 1}  # fmt: skip
+    assert job_counts(snakemake(tmp_path, config_fpath, "-n").stdout) == {"create_run": 1, "train": 1, "all": 1}
+    assert not (tmp_path / "summary").exists()  # no run with a dump: no summary is planned (it would have no row)
 
 
 def test_the_plan_knows_a_sweep_over_layers_as_one_transcoder_set_and_saeflow_plan_says_so(tmp_path, capsys):
@@ -286,3 +287,14 @@ def test_a_clt_seed_sweep_forms_no_seed_group_the_stability_stage_would_need_dum
     configs = seed_group_configs(plan)
     assert {plan.runs[r].sae_name for r in configs} == {"set"} and len(configs) == 2
     assert sum(path.parts[0] == "stability" for path in cli_configs(plan)) == 1  # the set's seed group alone
+
+
+def test_the_memory_model_counts_a_clts_parameters_as_the_model_holds_them():
+    from saeflow.training import memory
+
+    (run_plan,) = _plan(_case()).runs.values()
+    cfg = run_plan.train_config
+    d = 16
+    model = clt.CLT(clt.CLTConfig.of_run(cfg, d, d))
+    assert memory.sae_params(cfg, d) == sum(t.numel() for name, t in model.named_parameters()
+                                            if not name.endswith("log_threshold"))  # fmt: skip

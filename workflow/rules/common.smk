@@ -23,6 +23,7 @@ from saeflow.planning import (
     extraction_passes,
     pending_passes,
     read_planned,
+    summarized_runs,
 )
 from saeflow.store.layout import (
     HASH_REGEX,
@@ -226,7 +227,10 @@ def get_probes():
 
 
 # Seed groups: runs whose training configs differ only in seed/data_seed (group id -> run ids; saeflow.analysis.stability).
-STABILITY_GROUPS = saeflow_stability.seed_groups(saeflow_sweeps.seed_group_configs(PLAN))
+STABILITY_GROUPS = saeflow_stability.seed_groups(
+    saeflow_sweeps.seed_group_configs(PLAN)
+)
+SUMMARIZED = summarized_runs(PLAN)  # the runs with dumps (a CLT has none)
 STABILITY_GROUP_WILDCARD = "{group}"
 
 

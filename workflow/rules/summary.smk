@@ -49,14 +49,14 @@ rule summary:
     conda:
         SAEFLOW_ENV
     params:
-        runs=[f"--run={PLAN.run(run_id).root}" for run_id in sorted(PLAN.runs)],
+        runs=[f"--run={PLAN.run(run_id).root}" for run_id in sorted(SUMMARIZED)],
         labels=[
             f"--label={run_id}={plan.name}"
-            for run_id, plan in sorted(PLAN.runs.items())
+            for run_id, plan in sorted(SUMMARIZED.items())
         ],
         group_labels=[
             f"--group-label={run_id}={plan.group_name}"
-            for run_id, plan in sorted(PLAN.runs.items())
+            for run_id, plan in sorted(SUMMARIZED.items())
         ],
         stability=[f"--stability={fpath}" for fpath in get_stability_results()],
         out=PLAN.cfg.summary_dir,

@@ -238,12 +238,12 @@ class WorkflowPlan:
 
     def targets(self) -> list[pathlib.Path]:
         """What `snakemake` builds by default: every run's config and checkpoint (so a purged one is made again,
-        not left missing behind its up-to-date dump), every dump's visuals, the summary, every export."""
+        not left missing behind its up-to-date dump), every dump's visuals, the summary (of dumps), every export."""
         return [
             *(self.run(run_id).config_fpath for run_id in self.runs),
             *dict.fromkeys(self.run(self.trained_by(run_id)).sae_fpath for run_id in self.runs),
             *(self.run(run_id).dump(shard_hash).index_fpath for run_id, shard_hash in self.dumps()),
-            *self.summary_fpaths(),
+            *(self.summary_fpaths() if self.dumps() else ()),
             *(self.export_marker(name) for name in self.cfg.exports),
         ]
 
@@ -463,12 +463,19 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     configs[plan.cli_config("stages", "probe")] = {"probe": plan.cfg.settings["probe"]}
     for group, run_ids in stability.seed_groups(sweeps.seed_group_configs(plan)).items():
         configs[plan.cli_config("stability", group)] = {"runs": run_ids}  # the group's members: its rerun trigger
+    summarized = summarized_runs(plan)
     configs[plan.cli_config("stages", "summary")] = {
-        "runs": sorted(str(plan.run(run_id).root) for run_id in plan.runs),
-        "labels": {run_id: p.name for run_id, p in sorted(plan.runs.items())},
-        "group_labels": {run_id: p.group_name for run_id, p in sorted(plan.runs.items())},
+        "runs": sorted(str(plan.run(run_id).root) for run_id in summarized),
+        "labels": {run_id: p.name for run_id, p in sorted(summarized.items())},
+        "group_labels": {run_id: p.group_name for run_id, p in sorted(summarized.items())},
     }
     return configs
+
+
+def summarized_runs(plan: WorkflowPlan) -> dict:
+    """Run id -> plan of the runs the summary shows: those with an inference dump (a CLT has none yet)."""
+    dumped = {run_id for run_id, _ in plan.dumps()}
+    return {run_id: run for run_id, run in plan.runs.items() if run_id in dumped}
 
 
 def describe_run(plan: WorkflowPlan, run_id: str) -> str:

@@ -123,13 +123,16 @@ def sae_params(cfg: TrainConfig, d_model: int) -> int:
     taken as wide as its input (the mode and the pool are chosen before its target directory is opened; an MLP's
     output is)."""
     d_sae = cfg.expansion * d_model
+    if cfg.cross_layer:  # a CLT: an encoder a layer, layer l's decoders write L - l layers (docs/distributed.md)
+        n = len(cfg.spanned_layers)
+        return n * (d_model * d_sae + d_sae) + (d_sae * d_model + d_model) * n * (n + 1) // 2
     return 2 * d_model * d_sae + d_sae + d_model + (d_model * d_model if cfg.skip else 0)
 
 
 def state_bytes(cfg: TrainConfig, d_model: int) -> int:
     """One SAE's training state: weights, gradients and two Adam moments (fp32), and the (batch, d_sae)
-    pre-activations, codes and their gradient."""
-    return 16 * sae_params(cfg, d_model) + 12 * cfg.batch_size * cfg.expansion * d_model
+    pre-activations, codes and their gradient (a CLT's: of every layer)."""
+    return 16 * sae_params(cfg, d_model) + 12 * cfg.batch_size * cfg.expansion * d_model * len(cfg.spanned_layers)
 
 
 def _room_bytes(mode: str, cfgs: list[TrainConfig], d_model: int, comm: Comm) -> int:
