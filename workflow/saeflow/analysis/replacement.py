@@ -103,13 +103,8 @@ class CLTPass:
         it; with `write` False its own tensor back (the layer only feeds later ones)."""
         if i == 0:
             self.codes.clear()  # a new pass
-        model, d = self.model, self.model.cfg.d_out
-        self.codes[i] = model.encoders[i].encode(x_nd)
-        if not write:
-            return x_nd
-        yn_nd = model.output_bias(i) + sum(self.codes[h] @ model.encoders[h].W_dec[:, (i - h) * d : (i - h + 1) * d]
-                                           for h in range(i + 1))  # fmt: skip
-        return yn_nd / model.target_scale[i]
+        self.codes[i] = self.model.encoders[i].encode(x_nd)
+        return self.model.predict(self.codes, i) if write else x_nd
 
 
 def clt_members(run: runs.Run, spec: specs.ActivationSpec, device) -> list[Member]:

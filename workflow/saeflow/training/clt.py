@@ -92,12 +92,19 @@ class CLT(torch.nn.Module):
         d = self.cfg.d_out
         return [sum(decodes[i][:, (j - i) * d : (j - i + 1) * d] for i in range(j + 1)) for j in range(len(decodes))]
 
+    def predict(self, codes, j: int) -> torch.Tensor:
+        """Layer index j's RAW prediction (b, d) from the codes (b, s) of layers 0..j (`codes[i]`: a list, or the
+        dict a pass fills layer by layer): (b_dec_j + sum_{i <= j} f_i @ W_dec_i[:, j - i]) / target_scale_j."""
+        d = self.cfg.d_out
+        yn_bd = self.output_bias(j) + sum(codes[i] @ self.encoders[i].W_dec[:, (j - i) * d : (j - i + 1) * d]
+                                          for i in range(j + 1))  # fmt: skip
+        return yn_bd / self.target_scale[j]
+
     @torch.no_grad()
     def forward(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """RAW inputs, a (b, d) per layer -> (RAW predictions per layer, codes (b, s) per layer)."""
         codes = [sae.encode(x_bd) for sae, x_bd in zip(self.encoders, xs)]
-        preds = self.outputs([sae.decode_normed(f_bs) for sae, f_bs in zip(self.encoders, codes)])
-        return [yn_bd / self.target_scale[j] for j, yn_bd in enumerate(preds)], codes
+        return [self.predict(codes, j) for j in range(len(codes))], codes
 
     def weights(self) -> dict[str, torch.Tensor]:
         """circuit-tracer's CLT tensors in RAW space (interop/checkpoints/circuit_tracer.py): W_enc_i (s, d), b_enc_i,

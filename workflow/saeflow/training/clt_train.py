@@ -127,7 +127,7 @@ def validation_metrics(clt: clt_mod.CLT, inputs: list[ShardDir], targets: list[S
         reader.close()
     per_layer = {str(layer): acc.result() for layer, acc in zip(cfg.spanned_layers, accs)}
     err = sum(acc.sq_err for acc in accs)
-    var = sum(acc.sum_sq - float(acc.sum_d.square().sum()) / max(acc.n_vectors, 1) for acc in accs)
+    var = sum(acc.total_var() for acc in accs)
     nmse = err / var if var > 0 else float("nan")
     whole = {"n_vectors": seen, "nmse": nmse, "explained_variance": 1.0 - nmse,
              "mse": err / max(seen * clt.cfg.d_out * n, 1), "l0": sum(r["l0"] for r in per_layer.values()),

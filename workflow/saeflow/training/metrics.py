@@ -53,10 +53,13 @@ class MetricsAccumulator:
         self.n_active += int(fires_s.sum())
         self.fires_s += fires_s.to("cpu", torch.int64)
 
+    def total_var(self) -> float:
+        """Total variance around the mean: sum ||x||^2 - n ||mean||^2 (exact in float64 for our scales)."""
+        return self.sum_sq - float(self.sum_d.square().sum()) / max(self.n_vectors, 1)
+
     def result(self) -> dict:
         n = max(self.n_vectors, 1)
-        # Total variance around the mean: sum ||x||^2 - n ||mean||^2 (exact in float64 for our scales).
-        total_var = self.sum_sq - float(self.sum_d.square().sum()) / n
+        total_var = self.total_var()
         nmse = self.sq_err / total_var if total_var > 0 else float("nan")
         freq_s = self.fires_s.double() / n
         return {
