@@ -19,11 +19,11 @@ import yaml
 from builders import planted_cross_layer, run_of_clt, write_shards
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
-from saeflow.planning import WorkflowPlan, cli_configs
+from saeflow.planning import WorkflowPlan, cli_configs, seed_group_configs
 from saeflow.training import archs, clt, entry, shapes, train
 from saeflow.training.entry import train_runs
 from saeflow.training.specs import SAEConfig
-from saeflow.training.sweeps import seed_group_configs, transcoder_sets
+from saeflow.training.sweeps import transcoder_sets
 from test_identity import RANDOM_GPT2, ROOTS
 
 GPT2_3 = {**RANDOM_GPT2, "model": {"random": {**RANDOM_GPT2["model"]["random"],

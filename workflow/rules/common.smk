@@ -23,6 +23,7 @@ from saeflow.planning import (
     extraction_passes,
     pending_passes,
     read_planned,
+    seed_group_configs,
     summarized_runs,
 )
 from saeflow.store.layout import (
@@ -31,7 +32,6 @@ from saeflow.store.layout import (
     SHARD_HASH_WILDCARD,
     CliConfigLayout,
 )
-from saeflow.training import sweeps as saeflow_sweeps
 from saeflow.training.ranks.launch import rule_resources
 
 # The rules call `saeflow`: here a shell function for the interpreter running Snakemake (its venv need not be on
@@ -227,9 +227,7 @@ def get_probes():
 
 
 # Seed groups: runs whose training configs differ only in seed/data_seed (group id -> run ids; saeflow.analysis.stability).
-STABILITY_GROUPS = saeflow_stability.seed_groups(
-    saeflow_sweeps.seed_group_configs(PLAN)
-)
+STABILITY_GROUPS = saeflow_stability.seed_groups(seed_group_configs(PLAN))
 SUMMARIZED = summarized_runs(PLAN)  # the runs with dumps (a CLT has none)
 STABILITY_GROUP_WILDCARD = "{group}"
 

@@ -461,7 +461,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
     }
     configs[plan.cli_config("stages", "evaluate")] = {"evaluate": plan.cfg.settings["evaluate"]}
     configs[plan.cli_config("stages", "probe")] = {"probe": plan.cfg.settings["probe"]}
-    for group, run_ids in stability.seed_groups(sweeps.seed_group_configs(plan)).items():
+    for group, run_ids in stability.seed_groups(seed_group_configs(plan)).items():
         configs[plan.cli_config("stability", group)] = {"runs": run_ids}  # the group's members: its rerun trigger
     summarized = summarized_runs(plan)
     configs[plan.cli_config("stages", "summary")] = {
@@ -476,6 +476,11 @@ def summarized_runs(plan: WorkflowPlan) -> dict:
     """Run id -> plan of the runs the summary shows: those with an inference dump (a CLT has none yet)."""
     dumped = {run_id for run_id, _ in plan.dumps()}
     return {run_id: run for run_id, run in plan.runs.items() if run_id in dumped}
+
+
+def seed_group_configs(plan: WorkflowPlan) -> dict[str, dict]:
+    """Run id -> training config of the runs whose seed groups the stability stage compares: those with dumps."""
+    return {run_id: run.train_config.to_dict() for run_id, run in summarized_runs(plan).items()}
 
 
 def describe_run(plan: WorkflowPlan, run_id: str) -> str:

@@ -331,10 +331,3 @@ def transcoder_sets(plan) -> dict[str, dict[int, str]]:
         name = point_name(run.sae_name, {k: v for k, v in run.varying.items() if k != "layer"})
         groups.setdefault(name, {})[cfg.layer] = run_id
     return {name: dict(sorted(members.items())) for name, members in groups.items() if len(members) > 1}
-
-
-def seed_group_configs(plan) -> dict[str, dict]:
-    """Run id -> training config of the runs whose seed groups the stability stage compares: those with an inference
-    dump (`WorkflowPlan.dumps`; a CLT has none)."""
-    dumped = {run_id for run_id, _ in plan.dumps()}
-    return {r: p.train_config.to_dict() for r, p in plan.runs.items() if r in dumped}
