@@ -169,7 +169,7 @@ def clt_loss(clt: CLT, xs: list[torch.Tensor], ys: list[torch.Tensor], step: int
         xn_bd = x_bd * sae.scale
         pre = pre_acts(cfg, sae, xn_bd)
         dead_z, pick_bk = pick_dead(pre.pre_bs, dead.dead_s, cfg.aux_k)
-        code, aux_pre_bk = encode(sae, xn_bd, pre, None if pick_bk is None else dead_z[pick_bk], cfg)
+        code, aux_pre_bk = encode(sae, xn_bd, pre, None if pick_bk is None else dead_z[pick_bk], cfg, (step, n_steps))
         xns.append(xn_bd), pres.append(pre.pre_bs), picks.append((dead_z, pick_bk)), codes.append(code)
         aux_pres.append(aux_pre_bk), decodes.append(code.decode(sae))
     yns = [y_bd * clt.target_scale[j] for j, y_bd in enumerate(ys)]

@@ -17,7 +17,7 @@ from saeflow.training import localcopy, memory
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import DeadLatents, dead_after_steps
+from saeflow.training.objectives import DeadLatents, dead_after_steps, one_process
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.specs import TrainConfig
 from saeflow.training.train import LOG_EVERY, Checkpoint, Trainer, TrainSettings, auto_lr, lr_scales
@@ -84,7 +84,7 @@ class CLTTrainer(Trainer):
         with torch.no_grad():
             for sae, dead, codes in zip(clt.encoders, self.deads, loss.codes):
                 dead.update(codes.fired_s())
-                sae.arch.after_step(sae, codes.activations(), self.step, reduce_min=lambda t: t)
+                sae.arch.after_step(sae, codes.activations(), self.step, one_process)
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = {"step": self.step, "n_vectors": self.step * self.cfg.batch_size,

@@ -88,10 +88,10 @@ def batch_codes(pre: PreActs, keep_bs: torch.Tensor) -> Codes:
 
 
 def encode(sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None,
-           cfg: TrainConfig | None = None):  # fmt: skip
+           cfg: TrainConfig | None = None, progress: tuple[int, int] = (0, 1)):  # fmt: skip
     """The batch's codes from its normalized inputs `xn_bd` and their pre-activations `pre` (in training, `cfg`
-    given: `Arch.train_activate`; a WHOLE_DICTIONARY selection: `Arch.encode` of the inputs), and the
-    pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
+    given: `Arch.train_activate` at `progress`, (step, n_steps); a WHOLE_DICTIONARY selection: `Arch.encode` of the
+    inputs), and the pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).
 
     Selection.TOP_K chooses without gradient and gathers its values and AuxK's in one gather, so the gradient reaching
     the (b, s) pre-activations is built once, not once per term and then summed (the same values, placed the same).
@@ -105,7 +105,7 @@ def encode(sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor
         if sae.arch.selection is Selection.WHOLE_DICTIONARY:
             f_bs = sae.arch.encode(sae, xn_bd)
         else:
-            f_bs = sae.activate(pre_bs) if cfg is None else sae.arch.train_activate(sae, pre_bs, cfg)
+            f_bs = sae.activate(pre_bs) if cfg is None else sae.arch.train_activate(sae, pre_bs, cfg, *progress)
         return Codes(pre_bs, f_bs, None, None), aux_pre_bk
     n_kept = sae.cfg.n_kept(1)
     with torch.no_grad():
@@ -125,6 +125,11 @@ def reconstruction_loss(sae: SAE, codes: Codes, xn_bd: torch.Tensor) -> tuple[to
     recon = [(codes.decode(sae, m) - xn_bd).square().sum(-1).mean() for m in sae.cfg.matryoshka]
     mse = torch.stack([*recon, (xn_hat_bd - xn_bd).square().sum(-1).mean()]).mean()
     return mse, xn_hat_bd
+
+
+def one_process(t: torch.Tensor, op: str) -> torch.Tensor:
+    """`Arch.after_step`'s reduction over the ranks when there is one: the tensor itself."""
+    return t
 
 
 def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
@@ -226,7 +231,7 @@ def loss_terms(
     cfg: TrainConfig, model, xn_bd: torch.Tensor, pre_bs: torch.Tensor, f_bs: torch.Tensor | None, mse: torch.Tensor,
     aux_error: typing.Callable[[], torch.Tensor | None], step: int, n_steps: int, weight: float | None = None,
     dead_s: torch.Tensor | None = None, target_bd: torch.Tensor | None = None,
-    over_latents: typing.Callable | None = None,
+    over_latents: typing.Callable | None = None, batch_mean: typing.Callable | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The loss terms of one step, the one definition every trainer uses: `mse` (the Matryoshka reconstruction
     error), the architecture's sparsity terms (`Arch.sparsity_terms`: ReLU's L1, ...), then AuxK's error
@@ -234,7 +239,8 @@ def loss_terms(
     data-parallel rank's share of the batch). `model` is the SAE or a rank's latent shard (its terms cover its own
     latents; `over_latents` sums a partial decode over the ranks: `TermInputs.over_latents`). `target_bd`: a
     transcoder's (`latent_target`), which an architecture's own reconstruction terms aim at (without gradient: the
-    skip path learns from `mse`). The terms are built in this order, which fixes the order their gradients are summed
+    skip path learns from `mse`); `batch_mean`: `TermInputs.batch_mean` over a data-parallel batch. The terms are built
+    in this order, which fixes the order their gradients are summed
     in."""
 
     def weighted(term: torch.Tensor) -> torch.Tensor:
@@ -245,6 +251,8 @@ def loss_terms(
     batch = TermInputs(cfg, model, xn_bd, pre_bs, f_bs, step, n_steps, dead_s, target_bd)
     if over_latents is not None:
         batch = dataclasses.replace(batch, over_latents=over_latents)
+    if batch_mean is not None:
+        batch = dataclasses.replace(batch, batch_mean=batch_mean)
     for name, term in model.arch.sparsity_terms(batch).items():
         terms[name] = weighted(term)
     terms["aux"] = torch.zeros((), device=xn_bd.device)
@@ -261,9 +269,9 @@ class Objective:
     cfg: TrainConfig  # what loss_terms and the architecture read (aux_k, aux_alpha, l1_coeff, ...)
     n_steps: int  # of the whole run (warm-ups are fractions of it)
 
-    def encode(self, sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None):
-        """`encode` in training, with this run's SAE and config."""
-        return encode(sae, xn_bd, pre, aux_ids_bk, self.cfg)
+    def encode(self, sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None, step: int):
+        """`encode` in training at `step`, with this run's SAE and config."""
+        return encode(sae, xn_bd, pre, aux_ids_bk, self.cfg, (step, self.n_steps))
 
     def __call__(self, sae: SAE, x_bd: torch.Tensor, step: int, dead: DeadLatents, y_bd: torch.Tensor | None = None
                  ) -> Loss:  # fmt: skip
@@ -273,7 +281,7 @@ class Objective:
         pre = pre_acts(cfg, sae, xn_bd)
         pre_bs = pre.pre_bs
         dead_z, pick_bk = pick_dead(pre_bs, dead.dead_s, cfg.aux_k)
-        codes, aux_pre_bk = self.encode(sae, xn_bd, pre, None if pick_bk is None else dead_z[pick_bk])
+        codes, aux_pre_bk = self.encode(sae, xn_bd, pre, None if pick_bk is None else dead_z[pick_bk], step)
         recon_bd, yn_bd = latent_target(sae, xn_bd, y_bd)
         mse, xn_hat_bd = reconstruction_loss(sae, codes, recon_bd)
 

@@ -96,7 +96,7 @@ def check_mode(cfg, mode: str, where: str) -> None:
     """Refuse, in one line, a parallel mode the run's shape does not train its architecture in."""
     shape = of(cfg)
     if not shape.cross_layer:
-        archs.check_mode(cfg.arch, mode, where, cfg.transcoder)
+        archs.check_mode(cfg.arch, mode, where, cfg.transcoder, cfg)
         return
     if mode in archs.MODES and mode not in shape.trains_in(cfg.arch):
         raise SaeflowError(f"{where}: cross-layer transcoders train on one process, not with parallel: {mode} "

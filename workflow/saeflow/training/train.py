@@ -30,7 +30,7 @@ from saeflow.training import degenerate, localcopy, memory, resume, tracking
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps
+from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps, one_process
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE, forward_picks, init_from_data, save_atomic, save_sae
 from saeflow.training.specs import TrainConfig
@@ -277,7 +277,7 @@ class Trainer:
         adam_step(self.opt, sae)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s())
-            sae.arch.after_step(sae, loss.codes.activations(), self.step, reduce_min=lambda t: t)  # BatchTopK
+            sae.arch.after_step(sae, loss.codes.activations(), self.step, one_process)
         self.step += 1
         if self.step % LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = self._record(x_bd, loss)

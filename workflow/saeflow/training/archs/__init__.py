@@ -47,13 +47,17 @@ def names(mode: str | None = None, transcoder: bool = False, uses_k: bool | None
                   and (uses_k is None or arch.uses_k == uses_k))  # fmt: skip
 
 
-def check_mode(name: str, mode: str, where: str = "arch", transcoder: bool = False) -> None:
-    """Refuse, in one line, a parallel mode the architecture does not train in (as a transcoder: `transcoder`)."""
+def check_mode(name: str, mode: str, where: str = "arch", transcoder: bool = False, cfg=None) -> None:
+    """Refuse, in one line, a parallel mode the architecture does not train in (as a transcoder: `transcoder`), or
+    not with the run's config `cfg` (`Arch.mode_refusal`)."""
     modes = trains_in(get(name), transcoder)
     if mode in MODES and mode not in modes:
         what = f"{name} transcoders" if transcoder else f"{name} SAEs"
         raise SaeflowError(f"{where}: {what} do not train with parallel: {mode} (they train with "
                            f"{', '.join(modes)})")  # fmt: skip
+    refusal = None if cfg is None or mode not in MODES else get(name).mode_refusal(cfg, mode)
+    if refusal:
+        raise SaeflowError(f"{where}: {refusal}")
 
 
 def check(cfg) -> None:

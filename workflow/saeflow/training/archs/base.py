@@ -75,6 +75,9 @@ class TermInputs:
     # A (b, d) sum over the latents (a decode) made whole: the identity on one SAE; on a latent shard
     # (training.ranks.sharded) the sum over the ranks' parts, whose backward is the identity.
     over_latents: typing.Callable = lambda partial_bd: partial_bd  # noqa: E731
+    # The mean over the whole batch of a per-vector value (b,), without gradient: this batch's in one process, the
+    # ranks' slices' together in data-parallel training (a term not linear in the vectors needs it: JumpReLU's target)
+    batch_mean: typing.Callable = lambda value_b: value_b.detach().mean()  # noqa: E731
 
     @property
     def recon_bd(self):
@@ -183,8 +186,9 @@ class Arch(SAELensMapping):
         pre-activations; a WHOLE_DICTIONARY selection computes them from the inputs (in training too)."""
         return self.activate(sae, sae.pre_acts_normed(xn_bd))
 
-    def train_activate(self, sae, pre_bs, cfg):
-        """`activate` in training (DENSE): the same values, with the gradient the run's config (`cfg`) asks for."""
+    def train_activate(self, sae, pre_bs, cfg, step: int, n_steps: int):
+        """`activate` in training (DENSE), at `step` of the run's `n_steps`: the same values, with the gradient the
+        run's config (`cfg`) asks for (or another selection early in the run: JumpReLU's TopK warm-up)."""
         return self.activate(sae, pre_bs)
 
     def parameters(self, d_sae: int) -> dict:
@@ -206,6 +210,10 @@ class Arch(SAELensMapping):
     def init_parameters(self, sae, cfg) -> None:
         """Set those parameters at the start of training (after the data-based init of the common ones)."""
 
+    def mode_refusal(self, cfg, mode: str) -> str | None:
+        """Why the run `cfg` cannot train in the parallel `mode` (one of its `modes`), or None."""
+        return None
+
     def check(self, cfg) -> None:
         """Refuse hyper-parameters it cannot train with, as SaeflowError "<key>: <problem>" (plan and train time)."""
 
@@ -213,12 +221,12 @@ class Arch(SAELensMapping):
         """The loss terms beyond reconstruction and AuxK (name -> scalar, weights applied), per vector averaged."""
         return {}
 
-    def after_step(self, sae, acts, step: int, reduce_min) -> None:
+    def after_step(self, sae, acts, step: int, reduce) -> None:
         """After each optimizer step (every trainer calls it once a step, every rank, under no_grad): what the SAE
         keeps beside its gradients, e.g. BatchTopK's inference threshold, or matching pursuit's encoder tied to its
         decoder. `sae` is the SAE or a rank's latent shard; `acts` the step's activations as its codes hold them
-        (dense (b, s), or the picks' values);
-        `reduce_min`: the minimum over every rank of a one-element tensor (the identity in one process)."""
+        (dense (b, s), or the picks' values); `reduce(t, op)`: `t` reduced elementwise over every rank by op "min",
+        "max" or "sum" (`objectives.one_process` in one process; over a latent shard's ranks, a one-element tensor)."""
 
     def foldable(self) -> bool:
         """Decoder row norms can move into the encoder without changing the codes (`SAE.fold_decoder_norms`)."""

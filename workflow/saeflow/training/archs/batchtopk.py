@@ -35,11 +35,11 @@ class BatchTopK(Arch):
             keep[flat.topk(sae.cfg.n_kept(pre_bs.shape[0]), sorted=False).indices] = True
         return keep.view_as(pre_bs)
 
-    def after_step(self, sae, acts, step: int, reduce_min) -> None:
+    def after_step(self, sae, acts, step: int, reduce) -> None:
         """The inference threshold: the running mean of the smallest kept activation (over every rank); a step
         where nothing fired leaves it."""
         kept = acts[acts > 0]
-        min_kept = reduce_min(kept.min() if kept.numel() else acts.new_tensor(torch.inf))
+        min_kept = reduce(kept.min() if kept.numel() else acts.new_tensor(torch.inf), "min")
         if not bool(torch.isfinite(min_kept)):
             min_kept = sae.threshold
         sae.threshold.copy_(min_kept if step == 0 else 0.99 * sae.threshold + 0.01 * min_kept)

@@ -57,7 +57,7 @@ class MatchingPursuit(Arch):
     def encode(self, sae, xn_bd):
         return pursue(xn_bd - sae.b_dec, sae.W_dec, sae.cfg.n_kept(1), float(sae.threshold))
 
-    def after_step(self, sae, acts, step: int, reduce_min) -> None:
+    def after_step(self, sae, acts, step: int, reduce) -> None:
         """The encoder tied to the decoder again (the pre-activations AuxK reads)."""
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.zero_()

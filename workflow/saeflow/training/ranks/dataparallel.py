@@ -62,7 +62,7 @@ def data_parallel_loss(
         codes = objectives.batch_codes(pre, global_batch_keep(pre_bs, sae.cfg.n_kept(batch_size), comm))
         aux_pre_bk = None if aux_ids_bk is None else pre.gather(aux_ids_bk)
     else:
-        codes, aux_pre_bk = objective.encode(sae, xn_bd, pre, aux_ids_bk)
+        codes, aux_pre_bk = objective.encode(sae, xn_bd, pre, aux_ids_bk, step)
     recon_bd, yn_bd = objectives.latent_target(sae, xn_bd, y_bd)
     if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
         if pick_bk is not None:
@@ -80,9 +80,12 @@ def data_parallel_loss(
         energy = comm.all_reduce(resid_bd.detach().square().sum().reshape(1))[0] / batch_size
         return objectives.aux_k_loss(sae, aux_pre_bk, dead_z, pick_bk, resid_bd, sae.arch.ghost_aux, energy)
 
+    def batch_mean(value_b):
+        return comm.all_reduce(value_b.detach().sum().reshape(1))[0] / batch_size
+
     terms = objectives.loss_terms(cfg, sae, xn_bd, pre_bs, codes.f_bs, mse, aux_error, step, objective.n_steps,
                                   weight=n / batch_size, dead_s=dead.dead_s,
-                                  target_bd=None if yn_bd is None else recon_bd)  # fmt: skip
+                                  target_bd=None if yn_bd is None else recon_bd, batch_mean=batch_mean)  # fmt: skip
     return objectives.transcoder_loss({"total": sum(terms.values()), "terms": terms, "xn_hat_bd": xn_hat_bd,
                                        "codes": codes}, recon_bd, yn_bd)  # fmt: skip
 
@@ -166,7 +169,7 @@ class DataParallelTrainer(train.Trainer):
         with torch.no_grad():
             fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
             self.dead.update(fired_s)
-            sae.arch.after_step(sae, loss.codes.activations(), self.step, self._global_min)
+            sae.arch.after_step(sae, loss.codes.activations(), self.step, self._global)
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             n_active = (loss.codes.f_bs > 0).sum() if loss.codes.idx_bk is None else (loss.codes.vals_bk > 0).sum()
@@ -175,9 +178,9 @@ class DataParallelTrainer(train.Trainer):
                 self.checkpoint.log(self.last)
                 self.tracker.log(self.last)
 
-    def _global_min(self, value: torch.Tensor) -> torch.Tensor:
-        """The minimum of a one-element tensor over the ranks (threshold statistics of the global batch)."""
-        return self.comm.all_reduce(value.reshape(1).clone(), "min")[0]
+    def _global(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        """A tensor reduced elementwise over the ranks by `op` (statistics of the global batch: `Arch.after_step`)."""
+        return self.comm.all_reduce(value.reshape(-1).clone(), op).reshape(value.shape)
 
     def finish(self, val_dir) -> dict | None:
         """Rank 0 validates and publishes (the others hold the same SAE and wait)."""

@@ -135,7 +135,7 @@ def _train_pass(comm: Comm, group: list[tuple[runs.Run, TrainConfig]], settings:
     biggest = max(memory.state_bytes(cfg, d_model) for _, cfg in group)
     mode = comm.on_root(lambda: choose_mode(settings.parallel, len(group), comm.world_size, biggest, dev_bytes))
     for run, cfg in group:  # an architecture trains in the modes it names (training/archs), or is refused here
-        archs.check_mode(cfg.arch, mode, f"{run.config_fpath}: arch", cfg.transcoder)
+        archs.check_mode(cfg.arch, mode, f"{run.config_fpath}: arch", cfg.transcoder, cfg)
     pool = memory.pool_bytes(group, settings.buffer_bytes, mode, train_dir, comm)
 
     def make_loader(shard_dir: ShardDir, cfg: TrainConfig, target_dir: ShardDir | None):

@@ -151,14 +151,14 @@ def _mine(shard: LatentShard, gids_bk: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def encode(shard: LatentShard, pre: PreActs, comm: Comm, batch_size: int, training: bool,
-           train_cfg=None) -> ShardCodes:  # fmt: skip
+           train_cfg=None, progress: tuple[int, int] = (0, 1)) -> ShardCodes:  # fmt: skip
     """The codes of a batch (its pre-activations `pre`) by the architecture's selection (archs.Selection): TOP_K picks
     globally, BATCH_TOP_K keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE
     needs nobody (in training with the run's config `train_cfg`: `Arch.train_activate`, e.g. JumpReLU's
     straight-through gradient)."""
     cfg, selection, pre_bs = shard.cfg, shard.arch.selection, pre.pre_bs
     if selection is Selection.DENSE and training and train_cfg is not None:
-        return ShardCodes(shard.arch.train_activate(shard, pre_bs, train_cfg))
+        return ShardCodes(shard.arch.train_activate(shard, pre_bs, train_cfg, *progress))
     if selection is Selection.DENSE or (selection is Selection.BATCH_TOP_K and not training):
         return ShardCodes(shard.arch.activate(shard, pre_bs))
     if selection is Selection.BATCH_TOP_K:
@@ -218,7 +218,8 @@ def sharded_loss(trainer: "ShardedTrainer", batch: pairs.Batch) -> Loss:
     pre = objectives.pre_acts(cfg, shard, xn_bd)
     pre_bs = pre.pre_bs
     picks_bk = dead_picks(shard, pre_bs, trainer.dead.dead_s, cfg.aux_k, comm)
-    codes = encode(shard, pre, comm, x_bd.shape[0], training=True, train_cfg=cfg)
+    codes = encode(shard, pre, comm, x_bd.shape[0], training=True, train_cfg=cfg,
+                   progress=(trainer.step, trainer.n_steps))
     recon_pbd = decode(shard, codes, comm, shard.cfg.matryoshka)
     target_bd, yn_bd = objectives.latent_target(shard, xn_bd, y_bd)
     xn_hat_bd = recon_pbd[-1]
@@ -294,7 +295,7 @@ class ShardedTrainer(train.Trainer):
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s(shard))
             shard.arch.after_step(shard, loss.codes.activations(), self.step,
-                                  lambda t: comm.all_reduce(t.reshape(1).clone(), "min")[0])  # over the ranks' latents
+                                  lambda t, op: comm.all_reduce(t.reshape(1).clone(), op)[0])  # over the ranks' latents
         self.step += 1
         if self.step % train.LOG_EVERY == 0 or self.step == self.n_steps:
             self.last = sharded_record(self, pairs.split(batch)[0], loss)
