@@ -233,6 +233,12 @@ def run_around_sae(
     return run
 
 
+# Settings under which every architecture trains in every parallel mode it declares: JumpReLU's defaults, its TopK
+# warm-up and target loss, read every latent of a vector, so latent shards refuse them
+# (tests/test_archs.py: test_jumprelus_topk_warmup_is_refused_on_latent_shards_at_plan_time_in_one_line)
+MODE_FREE = {"topk_warmup_frac": 0.0, "jumprelu_loss": "step"}
+
+
 # Extraction specs (tiny random models built from transformers configs, offline)
 
 TINY_VISION = dict(

@@ -7,9 +7,12 @@ gradient, its codes are non-negative. The modes themselves are checked against o
 tests/test_distributed.py, over the registry crossed with the modes.
 """
 
+import copy
+
 import pytest
 import torch
 
+from builders import MODE_FREE
 from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.planning import WorkflowPlan
@@ -113,8 +116,8 @@ def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name)
 def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode, monkeypatch):
     """Each architecture plans in the modes it names; without `mode` (as an architecture that lacks it) the plan
     refuses the pairing in one line, and one process (gpus: 1) trains it whatever the mode says."""
-    cfg = {**CASES["archs-off-default"], "saes": {"s": {"train": "vit", "layer": 1, "arch": name, "expansion": 2}},
-           "train": {"parallel": mode, "gpus": 2}}  # fmt: skip
+    spec = {"train": "vit", "layer": 1, "arch": name, "expansion": 2, **MODE_FREE}
+    cfg = {**CASES["archs-off-default"], "saes": {"s": spec}, "train": {"parallel": mode, "gpus": 2}}
     if mode in archs.get(name).modes:
         WorkflowPlan.from_config(config.validate(cfg))
     monkeypatch.setattr(archs.get(name), "modes", tuple(m for m in archs.get(name).modes if m != mode))
@@ -123,6 +126,26 @@ def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one
     assert str(err.value) == (f"saes.s.arch: {name} SAEs do not train with parallel: {mode} (they train with "
                               f"{', '.join(archs.get(name).modes)})")  # fmt: skip
     WorkflowPlan.from_config(config.validate({**cfg, "train": {"parallel": mode, "gpus": 1}}))  # one process: any
+
+
+def test_jumprelus_topk_warmup_is_refused_on_latent_shards_at_plan_time_in_one_line():
+    """The warm-up picks each vector's k largest latents, which no latent shard holds; data and sweep split no
+    vector's latents, and one process trains it whatever the mode."""
+    spec = {"train": "vit", "layer": 1, "arch": "jumprelu", "expansion": 2}
+    cfg = {**CASES["archs-off-default"], "saes": {"s": spec}, "train": {"parallel": "latents", "gpus": 2}}
+    with pytest.raises(SaeflowError) as err:
+        WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    assert str(err.value) == ("saes.s.arch: jumprelu's TopK warm-up (topk_warmup_frac 0.5) picks each vector's k "
+                              "largest of every latent, which a latent shard does not hold, so it does not train with "
+                              "parallel: latents (set topk_warmup_frac: 0 for it, or parallel: sweep or data)")
+    for settings in ({"parallel": "data", "gpus": 2}, {"parallel": "sweep", "gpus": 2}, {"parallel": "latents"}):
+        WorkflowPlan.from_config(config.validate(copy.deepcopy({**cfg, "train": settings})))
+    spec.update(topk_warmup_frac=0.0)  # the target loss, its default, refuses them too
+    with pytest.raises(SaeflowError, match=r"^saes\.s\.arch: jumprelu's target loss steers each vector's L0 over every "
+                                           r"latent, .* \(set jumprelu_loss: step or tanh for it, or parallel: sweep "
+                                           r"or data\)$"):  # fmt: skip
+        WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    WorkflowPlan.from_config(config.validate({**cfg, "saes": {"s": {**spec, **MODE_FREE}}}))
 
 
 def test_the_sae_config_checks_k_only_for_architectures_that_use_it():
@@ -211,7 +234,7 @@ def test_every_architecture_trains_through_the_workflow_in_the_modes_it_declares
     trained = {run.sae_name: open_run(tmp_path / "runs" / run_id) for run_id, run in plan.runs.items()}
     assert sorted(trained) == ARCH_NAMES and all(run.sae_fpath.exists() for run in trained.values())
     for mode in archs.MODES:
-        claim = {name: cfg["saes"][name] for name in archs.names(mode=mode)}
+        claim = {name: {**cfg["saes"][name], **MODE_FREE} for name in archs.names(mode=mode)}
         ranks = {**cfg, "saes": claim, "train": {"gpus": 2, "parallel": mode}}
         snakemake(tmp_path, write_config(tmp_path, ranks, "ranks.yaml"), "-n")
         for name in sorted(set(ARCH_NAMES) - set(claim)):
@@ -264,7 +287,8 @@ def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_
     dL/dtheta_s = -sum_b (theta_s / bandwidth) rect((pre - theta_s) / bandwidth) dL/df (and log_threshold by theta x
     that); a plain step would give the thresholds no gradient at all."""
     torch.manual_seed(0)
-    cfg = _train_config("jumprelu", l0_coeff=0.0, aux_alpha=0.0, bandwidth=0.5, threshold_init=0.3)
+    cfg = _train_config("jumprelu", jumprelu_loss="step", l0_coeff=0.0, aux_alpha=0.0, bandwidth=0.5,
+                        threshold_init=0.3)
     sae = SAE(cfg.sae_config(8)).train()
     with torch.no_grad():
         sae.W_dec.normal_()
@@ -283,6 +307,47 @@ def test_jumprelu_thresholds_learn_from_the_reconstruction_through_the_straight_
     want_s = theta_s * -(theta_s / 0.5 * rect_bs * f_bs.grad).sum(0)
     assert bool(want_s.abs().sum() > 0)
     torch.testing.assert_close(sae.log_threshold.grad, want_s, rtol=1e-4, atol=1e-6)
+
+
+def _ranks_reduce(n_ranks: int):
+    """`n_ranks` threads' `Arch.after_step` reduction (elementwise over the threads, as the ranks' all-reduce)."""
+    import threading
+
+    barrier, slots, lock = threading.Barrier(n_ranks), {}, threading.Lock()
+    ops = {"sum": lambda ts: sum(ts[1:], ts[0]), "min": lambda ts: torch.stack(ts).amin(0),
+           "max": lambda ts: torch.stack(ts).amax(0)}  # fmt: skip
+
+    def reduce(t, op):
+        with lock:
+            slots[threading.get_ident()] = t.clone()
+        barrier.wait()
+        out = ops[op]([slots[key] for key in sorted(slots)])
+        barrier.wait()
+        return out
+
+    return reduce
+
+
+def test_jumprelus_topk_warmup_calibration_fires_each_latent_as_often_as_topk_kept_it_on_any_split():
+    """A warm-up step's thresholds (`calibrated_thresholds`) fire each latent on exactly as many of the batch's vectors
+    as TopK kept it on; the batch split over 3 ranks (an empty slice among them) finds the same bytes."""
+    from saeflow.training.archs import jumprelu
+
+    pre_bs = torch.randn(96, 40, generator=torch.Generator().manual_seed(0)) + 1.5
+    pre_bs[:, 0] -= 3  # a latent TopK never keeps: its threshold is above all of its pre-activations
+    keep_bs = torch.zeros_like(pre_bs).scatter_(1, pre_bs.topk(5, dim=-1).indices, 1.0)
+    count_s = keep_bs.sum(0)
+    theta_s = jumprelu.calibrated_thresholds(pre_bs, count_s, objectives.one_process)
+    free_s = theta_s > jumprelu.MIN_THRESHOLD  # not held at the floor
+    assert bool(free_s.all()) and bool((count_s > 0).any()) and bool((count_s == 0).any())
+    assert torch.equal((pre_bs > theta_s).sum(0).float(), count_s)
+    import concurrent.futures
+
+    reduce, parts = _ranks_reduce(3), (slice(0, 40), slice(40, 40), slice(40, 96))
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        split = list(pool.map(lambda rows: jumprelu.calibrated_thresholds(pre_bs[rows], keep_bs[rows].sum(0), reduce),
+                              parts))  # fmt: skip
+    assert all(torch.equal(theta, theta_s) for theta in split)
 
 
 def _one_step_gradients(name: str, extra: dict, mode: str) -> dict:
@@ -331,13 +396,17 @@ def _one_step_gradients(name: str, extra: dict, mode: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "extra", "mode"), [
-    *((n, {}, mode) for n in ARCH_NAMES for mode in ("data", "latents") if mode in archs.get(n).modes),
-    *(("jumprelu", {"jumprelu_loss": "tanh"}, mode) for mode in ("data", "latents"))])  # fmt: skip
+    *((n, {}, mode) for n in ARCH_NAMES for mode in ("data", "latents") if mode in archs.get(n).modes
+      and not (n == "jumprelu" and mode == "latents")),
+    *(("jumprelu", {"jumprelu_loss": loss, "topk_warmup_frac": 0.0}, mode) for loss in ("step", "tanh")
+      for mode in ("data", "latents")),
+    ("jumprelu", {"topk_warmup_frac": 0.6}, "data")])  # fmt: skip
 def test_one_data_parallel_or_latent_sharded_step_has_the_one_process_gradients(name, extra, mode):
     """Every architecture in each of `data` and `latents` it trains in: the gradients of 2 ranks (data: the
     all-reduced gradients of their slices; latents: each rank's latents, b_dec's all-reduced) equal one process's on
-    the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; both losses for JumpReLU,
-    so each term's share of a slice or of the latents is right. (Multi-step runs of JumpReLU part across summation
+    the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; every loss for JumpReLU
+    (its default, the target loss, in data: latent shards refuse it), and its TopK warm-up, so each term's share of a
+    slice or of the latents is right. (Multi-step runs of JumpReLU part across summation
     orders: tests/test_distributed.py.)"""
     from _ranks import run_ranks
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from _ranks import run_ranks, start_ranks
-from builders import planted_data, run_from_sae_spec, write_shards
+from builders import MODE_FREE, planted_data, run_from_sae_spec, write_shards
 from hang import HANG_SEC
 from saeflow import cli, config
 from saeflow.errors import SaeflowError
@@ -430,12 +430,17 @@ SUPPORTED = [(mode, name) for name in sorted(archs.REGISTRY) for mode in archs.M
 SMALL_JUMPS = {"jumprelu": {"threshold_init": 0.05, "bandwidth": 0.05, "l0_coeff": 1.0}}
 
 
+def _extra(arch: str, mode: str) -> dict:
+    """The spec's keys beyond SPEC for `arch` trained in `mode` (latent shards: MODE_FREE)."""
+    return {**SMALL_JUMPS.get(arch, {}), **(MODE_FREE if mode == "latents" else {})}
+
+
 @pytest.mark.parametrize("mode, arch", [pair for pair in SUPPORTED if pair[0] != "sweep"])
 def test_data_and_latents_on_two_ranks_match_one_process(tmp_path, shards, mode, arch):
     """One SAE trained data-parallel or latent-sharded on 2 ranks ends within TOL of one process (the sums are taken
     in another order), its validation metrics within 1e-4, with the same number of metrics lines; with Matryoshka
     prefixes, so every reconstruction term is covered."""
-    extra = {"matryoshka": [0.25], **SMALL_JUMPS.get(arch, {})}
+    extra = {"matryoshka": [0.25], **_extra(arch, mode)}
     (split,) = _runs(tmp_path / "split", shards, arch=arch, **extra)
     (alone,) = _runs(tmp_path / "alone", shards, arch=arch, **extra)
     (result,), _ = run_ranks(2, _train, [split.root], mode)
@@ -456,7 +461,7 @@ def test_resume_on_one_process_after_two_ranks(tmp_path, shards, mode, arch):
     """2 ranks train 20 steps and stop (a resume checkpoint: whole tensors, or one file per rank and a manifest for
     latents); one process resumes to the end. The result is an uninterrupted one-process run's: the same bytes for
     sweep, within TOL otherwise. And the other way: a one-process checkpoint resumed on 2 ranks."""
-    extra = SMALL_JUMPS.get(arch, {})
+    extra = _extra(arch, mode)
     (run,) = _runs(tmp_path / "two", shards, arch=arch, **extra)
     assert run_ranks(2, _train, [run.root], mode, max_steps=20, checkpoint_every=7) == [[], []]
     assert run.resume_manifest_fpath.exists() == (mode == "latents")

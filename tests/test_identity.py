@@ -109,15 +109,31 @@ def _default_config(monkeypatch, tmp_path) -> dict:
     return config.load(REPO_ROOT / "config" / "config.yaml")
 
 
+# Schema defaults moved off their introduction values, each with why (a moved default names new runs of the
+# architectures that read the key, and only those: test_a_moved_default_moves_only_the_runs_that_read_it)
+MOVED_DEFAULTS = {
+    "jumprelu_loss": "target",  # issue 42: the L0 steered to k (docs/training.md)
+    "topk_warmup_frac": 0.5,  # issue 42: JumpReLU's TopK start
+}
+
+
 @pytest.fixture
 def at_pinned_trainers(monkeypatch):
-    """Every architecture's trainer as it was when the pins were made (`FIRST_TRAINER`)."""
+    """Every architecture's trainer as it was when the pins were made (`FIRST_TRAINER`), and every moved default at
+    its introduction value."""
     pinned_trainers(monkeypatch.setattr)
+    pinned_defaults(monkeypatch.setitem)
 
 
 def pinned_trainers(setattr_=setattr) -> None:
     for arch in archs.REGISTRY.values():
         setattr_(arch, "trainer", FIRST_TRAINER)
+
+
+def pinned_defaults(setitem=dict.__setitem__) -> None:
+    properties = config.def_schema("sae_spec")["properties"]
+    for key in MOVED_DEFAULTS:
+        setitem(properties[key], "default", keys.INTRODUCED[key])
 
 
 def identities(cfg: dict) -> dict:
@@ -156,10 +172,34 @@ def test_a_trainer_bump_moves_only_its_architectures_run_ids(name, monkeypatch):
         assert (run_id != then_ids[run.sae_name, run.index]) == bumped, (run.sae_name, run.index)
 
 
+@pytest.mark.parametrize("name", [DEFAULT, *sorted(CASES)])
+def test_a_moved_default_moves_only_the_runs_that_read_it(name, monkeypatch, tmp_path):
+    """At today's defaults (the pins' trainers), a run keeps its pinned id and job config unless its architecture
+    reads a moved default (`MOVED_DEFAULTS`, none given in its spec); the shard hashes never move."""
+    pinned_trainers(monkeypatch.setattr)
+    cfg = _default_config(monkeypatch, tmp_path) if name == DEFAULT else CASES[name]
+    now, pinned = identities(cfg), _fixture()[name]
+    plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
+    assert now["shards"] == pinned["shards"]
+    for run_id, run in plan.runs.items():
+        moved = any(key in run.train_config.read_keys() for key in MOVED_DEFAULTS)
+        job = f"runs/{run_id}.json"
+        kept = run_id in pinned["runs"] and now["job_configs"][job] == pinned["job_configs"].get(job)
+        assert kept != moved, (run.sae_name, run.index)
+
+
+def test_the_moved_defaults_are_the_schemas():
+    properties = config.def_schema("sae_spec")["properties"]
+    moved = {key: properties[key]["default"] for key in keys.INTRODUCED if properties[key]["default"] !=
+             keys.INTRODUCED[key]}  # fmt: skip
+    assert moved == MOVED_DEFAULTS
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_trainer_pinned_in_the_config_names_the_runs_that_trainer_made(name):
+def test_a_trainer_pinned_in_the_config_names_the_runs_that_trainer_made(name, monkeypatch):
     """`trainer: saeflow-train-3` on every SAE (each architecture still trains that way) plans exactly the pinned run
     ids, those planned before any architecture's trainer moved: an upgrade need not retrain what it moved on from."""
+    pinned_defaults(monkeypatch.setitem)
     cfg = copy.deepcopy(CASES[name])
     for spec in cfg["saes"].values():
         spec["trainer"] = FIRST_TRAINER
@@ -248,7 +288,8 @@ def test_every_key_added_to_the_training_config_is_introduced():
     fields = {f.name for f in sweeps.dataclasses.fields(specs.TrainConfig)}
     assert fields - first == set(sweeps.INTRODUCED)
     properties = config.def_schema("sae_spec")["properties"]
-    assert {key: properties[key]["default"] for key in sweeps.INTRODUCED} == sweeps.INTRODUCED  # (no default moved)
+    defaults = {key: properties[key]["default"] for key in sweeps.INTRODUCED}
+    assert defaults == {**sweeps.INTRODUCED, **MOVED_DEFAULTS}  # (no default moved but those listed)
 
 
 def test_a_data_key_added_later_changes_no_shard_hash(monkeypatch):

@@ -26,9 +26,10 @@ from test_identity import RANDOM_VIT, ROOTS
 # is the other loss
 OFF = {"k": 7, "l1_coeff": 11.0, "sparsity_warmup_frac": 0.9, "jumprelu_loss": "tanh", "l0_coeff": 9.0,
        "bandwidth": 0.3, "threshold_init": 0.7, "tanh_coeff": 5.0, "tanh_scale": 9.0, "pre_act_coeff": 0.5,
-       "gate_l1_coeff": 1.0, "threshold_lr_scale": 9.0, "gate_bias_lr_scale": 9.0}  # fmt: skip
-# Every architecture, and JumpReLU in each of its losses
-KINDS = [(name, {}) for name in archs.NAMES] + [("jumprelu", {"jumprelu_loss": "tanh"})]
+       "gate_l1_coeff": 1.0, "threshold_lr_scale": 9.0, "gate_bias_lr_scale": 9.0, "target_l0_coeff": 3.0,
+       "topk_warmup_frac": 0.9}  # fmt: skip
+# Every architecture, and JumpReLU in each of its losses (its default: target)
+KINDS = [(name, {}) for name in archs.NAMES] + [("jumprelu", {"jumprelu_loss": loss}) for loss in ("step", "tanh")]
 
 
 def _config(saes: dict) -> dict:
@@ -42,7 +43,8 @@ def _runs(**sae) -> dict:
 
 @pytest.mark.parametrize(("arch", "mode", "extra"), [
     ("topk", {}, {"l1_coeff": 5.0}), ("gated", {}, {"k": 8}), ("relu", {}, {"k": 8, "gate_l1_coeff": 9.0}),
-    ("batchtopk", {}, {"l1_coeff": 5.0, "sparsity_warmup_frac": 0.5}), ("jumprelu", {}, {"l1_coeff": 5.0, "k": 8}),
+    ("batchtopk", {}, {"l1_coeff": 5.0, "sparsity_warmup_frac": 0.5}),
+    ("jumprelu", {"jumprelu_loss": "step", "topk_warmup_frac": 0.0}, {"l1_coeff": 5.0, "k": 8}),
     ("jumprelu", {"jumprelu_loss": "tanh"}, {"gate_bias_lr_scale": 1.0}),
 ])  # fmt: skip
 def test_a_key_the_architecture_does_not_read_keeps_the_run_id(arch, mode, extra):
@@ -51,8 +53,8 @@ def test_a_key_the_architecture_does_not_read_keeps_the_run_id(arch, mode, extra
 
 
 @pytest.mark.parametrize(("arch", "key", "value"), [
-    ("topk", "k", 8), ("gated", "gate_l1_coeff", 9.0), ("relu", "l1_coeff", 5.0), ("jumprelu", "l0_coeff", 3.0),
-    ("jumprelu", "bandwidth", 0.5), ("gated", "aux_k", 64),
+    ("topk", "k", 8), ("gated", "gate_l1_coeff", 9.0), ("relu", "l1_coeff", 5.0), ("jumprelu", "target_l0_coeff", 3.0),
+    ("jumprelu", "bandwidth", 0.5), ("gated", "aux_k", 64), ("jumprelu", "k", 8), ("jumprelu", "topk_warmup_frac", 0.2),
 ])  # fmt: skip
 def test_a_key_the_architecture_reads_still_changes_the_run_id(arch, key, value):
     assert list(_runs(arch=arch, **{key: value})) != list(_runs(arch=arch))
@@ -107,18 +109,26 @@ def test_every_training_key_is_read_by_every_run_or_declared_by_an_architecture(
     assert {key: properties[key]["default"] for key in sweeps.UNREAD} == sweeps.UNREAD  # the defaults they froze
 
 
-def _one_step(cfg: specs.TrainConfig) -> dict:
-    """What the run `cfg` computes in one step of one process: its initial state, loss terms, gradients and the
-    learning-rate multiples of its parameters (AuxK and the dead-latent terms active, inside the warm-up)."""
+def _one_step(cfg: specs.TrainConfig, step: int) -> dict:
+    """What the run `cfg` computes in one step of one process (`step` of 100): its initial state, loss terms,
+    gradients, state after the step's forward and the learning-rate multiples of its parameters (AuxK and the
+    dead-latent terms active)."""
+    torch.manual_seed(0)
     sae = _random_sae(cfg, b_enc_std=0.5)  # wider biases: more latents fire, so more keys reach the step
     state = {name: t.clone() for name, t in sae.state_dict().items()}
     dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
     dead.since_fired_s.fill_(5)
-    loss = objectives.Objective(cfg, 100)(sae, torch.randn(32, 16) * 2, 1, dead)
+    loss = objectives.Objective(cfg, 100)(sae, torch.randn(32, 16) * 2, step, dead)
     loss.total.backward()
     grads = {name: p.grad.clone() for name, p in sae.named_parameters()}
     return {"state": state, "terms": {n: t.detach() for n, t in loss.terms.items()}, "grads": grads,
+            "after": {name: t.detach().clone() for name, t in sae.state_dict().items()},
             "lr_scales": sae.arch.lr_scales(cfg)}  # fmt: skip
+
+
+def _steps(cfg: specs.TrainConfig) -> dict:
+    """`_one_step` early in the run (inside the sparsity and TopK warm-ups) and late (after both)."""
+    return {"early": _one_step(cfg, 1), "late": _one_step(cfg, 70)}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -137,9 +147,9 @@ def test_an_architecture_reads_exactly_the_keys_it_declares(arch, mode):
                                                 "arch": arch, "k": 4, "aux_k": 8, **mode}}})["saes"]["s"].items()
               if k not in ("train", "val")}}  # fmt: skip
     cfg = specs.TrainConfig.from_dict(obj, arch)
-    base, read = _one_step(cfg), cfg.read_keys()
+    base, read = _steps(cfg), cfg.read_keys()
     for key, value in {**OFF, "jumprelu_loss": "step" if cfg.jumprelu_loss == "tanh" else "tanh"}.items():
-        changed = _one_step(dataclasses.replace(cfg, **{key: value}))
+        changed = _steps(dataclasses.replace(cfg, **{key: value}))
         if key in read:
             assert not _same(base, changed), f"{arch}: declares {key} but does not read it"
         else:
@@ -147,7 +157,7 @@ def test_an_architecture_reads_exactly_the_keys_it_declares(arch, mode):
 
 
 def _gated_and_step_jumprelu(tmp_path, capsys) -> dict:
-    """arch -> the run directory `saeflow create-run` makes for a Gated SAE and a step-mode JumpReLU at defaults."""
+    """arch -> the run directory `saeflow create-run` makes for a Gated SAE and a JumpReLU at defaults."""
     cfg = {**ROOTS, "runs_root": str(tmp_path / "runs"), "activations": {"vit": RANDOM_VIT},
            "saes": {"gated": {"train": "vit", "layer": 1, "arch": "gated"},
                     "jumprelu": {"train": "vit", "layer": 1, "arch": "jumprelu"}}}  # fmt: skip
@@ -168,8 +178,9 @@ def test_the_readable_file_holds_every_value_the_run_trains_with(tmp_path, capsy
     assert gated["gate_l1_coeff"] == 7.0 and gated["gate_bias_lr_scale"] == 4.0 and gated["aux_k"] == 256
     assert "k" not in gated and {"k", "l1_coeff", "l0_coeff"} <= set(gated["not_read"])
     jumprelu = json.loads(made["jumprelu"].hyperparameters_fpath.read_text())
-    assert jumprelu["jumprelu_loss"] == "step" and jumprelu["l0_coeff"] == 2.0 and jumprelu["bandwidth"] == 1.0
-    assert {"tanh_coeff", "tanh_scale", "pre_act_coeff", "k"} <= set(jumprelu["not_read"])
+    assert jumprelu["jumprelu_loss"] == "target" and jumprelu["target_l0_coeff"] == 8.0 and jumprelu["k"] == 32
+    assert jumprelu["topk_warmup_frac"] == 0.5 and jumprelu["bandwidth"] == 1.0
+    assert {"tanh_coeff", "tanh_scale", "pre_act_coeff", "l0_coeff"} <= set(jumprelu["not_read"])
     fields = {f.name for f in dataclasses.fields(specs.TrainConfig)}
     for view in (gated, jumprelu):
         assert set(view) - {"not_read"} | set(view["not_read"]) == fields
@@ -185,7 +196,8 @@ def test_summary_csv_has_a_column_for_every_value_and_blank_where_the_run_does_n
         dump.metrics_fpath.write_text(json.dumps({"l0": 4.0, "nmse": 0.2}))
     rows = list(csv.DictReader(io.StringIO(summary.to_csv(summary.collect([r.root for r in made.values()])))))
     by_arch = {row["config.arch"]: row for row in rows}
-    assert by_arch["gated"]["config.gate_l1_coeff"] == "7.0" and by_arch["gated"]["config.l0_coeff"] == ""
-    assert by_arch["jumprelu"]["config.jumprelu_loss"] == "step" and by_arch["jumprelu"]["config.l0_coeff"] == "2.0"
+    assert by_arch["gated"]["config.gate_l1_coeff"] == "7.0" and by_arch["gated"]["config.target_l0_coeff"] == ""
+    assert by_arch["jumprelu"]["config.jumprelu_loss"] == "target" and "config.l0_coeff" not in by_arch["jumprelu"]
+    assert by_arch["jumprelu"]["config.target_l0_coeff"] == "8.0" and by_arch["jumprelu"]["config.k"] == "32"
     assert by_arch["jumprelu"]["config.bandwidth"] == "1.0" and by_arch["jumprelu"]["config.gate_l1_coeff"] == ""
     assert "l1_coeff" in json.loads(by_arch["gated"]["config.not_read"])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from builders import planted_pairs, run_from_sae_spec, write_shards
+from builders import MODE_FREE, planted_pairs, run_from_sae_spec, write_shards
 from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.planning import WorkflowPlan, evaluations
@@ -108,7 +108,7 @@ def test_a_mode_a_transcoder_does_not_train_in_is_refused_at_plan_time_in_one_li
     """The registry says in which parallel modes each architecture trains as a transcoder; the plan refuses the
     others before any job (one process trains every transcoding architecture as a transcoder)."""
     arch = archs.get(name)
-    cfg = {**_case(arch=name), "train": {"parallel": mode, "gpus": 2}}
+    cfg = {**_case(arch=name, **MODE_FREE), "train": {"parallel": mode, "gpus": 2}}
     modes = archs.trains_in(arch, transcoder=True)
     assert "sweep" in modes and "data" in modes or "data" not in arch.modes
     if mode in modes:
@@ -285,7 +285,7 @@ def test_sae_pt_keeps_an_saes_format_and_a_transcoder_says_it_is_one(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-PLANTED_SPECS = {"topk": {"k": 3}, "batchtopk": {"k": 3}, "relu": {"l1_coeff": 2.0}, "jumprelu": {}, "gated": {}}
+PLANTED_SPECS = {"topk": {"k": 3}, "batchtopk": {"k": 3}, "relu": {"l1_coeff": 2.0}, "jumprelu": {"k": 3}, "gated": {}}
 
 
 @pytest.fixture(scope="module")

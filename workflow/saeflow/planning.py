@@ -446,7 +446,7 @@ def cli_configs(plan: WorkflowPlan) -> dict[pathlib.Path, dict]:
         configs[plan.cli_config("runs", run_id)] = {
             **roots,
             "activations": {name: activation(name) for name in names},
-            "saes": {run_plan.sae_name: keys.canonical_spec(raw["saes"][run_plan.sae_name])},
+            "saes": {run_plan.sae_name: keys.job_spec(raw["saes"][run_plan.sae_name])},
         }
     for name, spec in plan.cfg.activations.items():  # what a job's own parse takes as planned (read_planned)
         if isinstance(spec, ActivationSpec):

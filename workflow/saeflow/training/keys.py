@@ -30,6 +30,10 @@ INTRODUCED: dict[str, typing.Any] = {
     # JumpReLU and Gated (issue 34, where codes switch on): their thresholds' learning rate, a multiple of the run's
     "threshold_lr_scale": 4.0,
     "gate_bias_lr_scale": 4.0,
+    # JumpReLU (issue 42): the L0 steered to k (`jumprelu_loss: target`), and a TopK start whose firing rates set the
+    # thresholds; at 0 a run starts with its thresholds
+    "target_l0_coeff": 8.0,
+    "topk_warmup_frac": 0.0,
     # Transcoders (issue 35): the target activation's shard hash (train and validation) and the linear skip path;
     # at these values the run is a plain SAE
     "target": None,
@@ -57,6 +61,17 @@ def same_value(a, b) -> bool:
 def at_introduction(key: str, value) -> bool:
     """True when `key` is an introduced key and `value` is the value it was introduced at (left out when hashed)."""
     return key in INTRODUCED and same_value(value, INTRODUCED[key])
+
+
+def job_spec(spec: typing.Mapping[str, typing.Any]) -> dict:
+    """An `saes.<name>` entry as its run jobs' configs hold it (their rerun trigger): `canonical_spec`, less the
+    introduced keys none of its architectures declares, so a default one architecture changes (JumpReLU's loss)
+    leaves the other architectures' job configs byte for byte as they were."""
+    names = spec.get("arch", ())
+    declared = {key for name in ([names] if isinstance(names, str) else names) if name in archs.REGISTRY
+                for key in archs.get(name).hyper}  # fmt: skip
+    return {key: value for key, value in canonical_spec(spec).items()
+            if key not in INTRODUCED or key not in ARCH_KEYS or key in declared}  # fmt: skip
 
 
 def canonical_spec(obj: typing.Mapping[str, typing.Any]) -> dict:

@@ -23,12 +23,53 @@ dictionary, README), so the thresholds train at `threshold_lr_scale` times it (`
 
 import math
 
+from saeflow import config
 from saeflow.errors import SaeflowError
 from saeflow.training.archs.base import Arch, Selection, TermInputs, torch
 from saeflow.training.archs.relu import l1_ramp
 
-# The keys only the step loss reads, and only the tanh loss (`JumpReLU.hyper`'s others both read)
-STEP_KEYS, TANH_KEYS = ("l0_coeff",), ("tanh_coeff", "tanh_scale", "pre_act_coeff")
+# The keys only each sparsity loss reads (`JumpReLU.hyper`'s others every loss reads)
+LOSS_KEYS = config.by_enum({"step": ("l0_coeff",), "tanh": ("tanh_coeff", "tanh_scale", "pre_act_coeff"),
+                            "target": ("target_l0_coeff",)}, "sae_spec", "jumprelu_loss")  # fmt: skip
+# The TopK warm-up's calibration: each step moves every log threshold this far toward the one that fires its latent
+# as often as TopK kept it in the batch (an exponential moving average over the last few warm-up steps)
+CALIBRATION_RATE = 0.2
+CALIBRATION_HALVINGS = 24  # bisection steps for that threshold: float32's precision over the column's range
+MIN_THRESHOLD = 1e-3  # a latent TopK kept whenever positive gets this threshold (thresholds are positive)
+CALIBRATION_ATTR = "_warmup_batch"  # where a warm-up step leaves (pre_bs, count_s) for `after_step` (not state)
+
+
+def topk_warmup_steps(cfg, n_steps: int) -> int:
+    """The steps at the start of a run whose codes are each vector's k largest (`topk_warmup_frac`)."""
+    return int(cfg.topk_warmup_frac * n_steps)
+
+
+def _topk_warmup(sae, pre_bs, k: int):
+    """A TopK step: each vector keeps its k largest pre-activations (their gradient is TopK's). It leaves the batch
+    and how often TopK kept each latent in it for `after_step`, which moves the thresholds toward the ones that fire
+    every latent as often (`calibrated_thresholds`), so that when the thresholds take over the firing rates hold."""
+    with torch.no_grad():
+        idx_bk = pre_bs.topk(min(k, pre_bs.shape[1]), dim=-1, sorted=False).indices
+        keep_bs = torch.zeros_like(pre_bs).scatter_(1, idx_bk, 1.0)
+        setattr(sae, CALIBRATION_ATTR, (pre_bs.detach(), keep_bs.sum(0)))
+    return torch.relu(pre_bs) * keep_bs
+
+
+def calibrated_thresholds(pre_bs, count_s, reduce):
+    """(s,): each latent's smallest threshold that it clears on no more of the batch's vectors than `count_s` (summed
+    over the ranks' slices by `reduce`, as `Arch.after_step` gives it), found by halving the range of its
+    pre-activations. Every test is a count of vectors, an integer, so any split of the batch over ranks finds the bytes
+    one process finds; at least MIN_THRESHOLD."""
+    n_s = pre_bs.shape[1]
+    count_s = reduce(count_s.clone(), "sum")
+    empty = pre_bs.shape[0] == 0  # a rank's empty slice takes part in every reduction
+    lo_s = reduce(pre_bs.new_full((n_s,), torch.inf) if empty else pre_bs.amin(0), "min")
+    hi_s = reduce(pre_bs.new_full((n_s,), -torch.inf) if empty else pre_bs.amax(0), "max")
+    for _ in range(CALIBRATION_HALVINGS):
+        mid_s = (lo_s + hi_s) / 2
+        over_s = reduce((pre_bs > mid_s).sum(0).to(pre_bs.dtype), "sum") > count_s
+        lo_s, hi_s = torch.where(over_s, mid_s, lo_s), torch.where(over_s, hi_s, mid_s)
+    return hi_s.clamp(min=MIN_THRESHOLD)
 
 
 def _rectangle(u):
@@ -98,16 +139,19 @@ class JumpReLU(Arch):
     name = "jumprelu"
     selection = Selection.DENSE
     hyper = ("jumprelu_loss", "l0_coeff", "tanh_coeff", "bandwidth", "threshold_init", "tanh_scale", "pre_act_coeff",
-             "threshold_lr_scale", "sparsity_warmup_frac")  # fmt: skip
+             "threshold_lr_scale", "sparsity_warmup_frac", "target_l0_coeff", "topk_warmup_frac")  # fmt: skip
     ghost_aux = True  # a dead latent sits below its threshold, usually below zero: AuxK reaches it through softplus
     term_names = ("mse", "l0", "pre_act", "aux")
     saelens = "jumprelu"
     saelens_transcoder = "jumprelu_transcoder"
 
     def reads(self, cfg) -> tuple[str, ...]:
-        """Its loss's own keys and not the other loss's (`STEP_KEYS`, `TANH_KEYS`), as `sparsity_terms` reads them."""
-        other = STEP_KEYS if cfg.jumprelu_loss == "tanh" else TANH_KEYS
-        return tuple(key for key in self.hyper if key not in other)
+        """Its loss's own keys and not the others' (`LOSS_KEYS`), as `sparsity_terms` reads them; and `k` where the
+        target loss or the TopK warm-up reads it (not in `hyper`: a run that reads neither hashes k at its fixed
+        value, as it did before either existed)."""
+        other = {key for loss, keys in LOSS_KEYS.items() if loss != cfg.jumprelu_loss for key in keys}
+        own = tuple(key for key in self.hyper if key not in other)
+        return (*own, "k") if cfg.jumprelu_loss == "target" or cfg.topk_warmup_frac > 0 else own
 
     def parameters(self, d_sae: int) -> dict:
         return {"log_threshold": torch.zeros(d_sae)}
@@ -118,12 +162,30 @@ class JumpReLU(Arch):
     def lr_scales(self, cfg) -> dict:
         return {"log_threshold": cfg.threshold_lr_scale}
 
+    def mode_refusal(self, cfg, mode: str) -> str | None:
+        if mode != "latents":
+            return None
+        if cfg.topk_warmup_frac > 0:
+            return (f"jumprelu's TopK warm-up (topk_warmup_frac {cfg.topk_warmup_frac}) picks each vector's k largest "
+                    "of every latent, which a latent shard does not hold, so it does not train with parallel: "
+                    "latents (set topk_warmup_frac: 0 for it, or parallel: sweep or data)")
+        if cfg.jumprelu_loss == "target":
+            return ("jumprelu's target loss steers each vector's L0 over every latent, which a latent shard does not "
+                    "hold, so it does not train with parallel: latents (set jumprelu_loss: step or tanh for it, or "
+                    "parallel: sweep or data)")
+        return None
+
     def check(self, cfg) -> None:
         if not cfg.threshold_lr_scale > 0:
             raise SaeflowError(f"threshold_lr_scale: the thresholds' learning-rate multiple must be positive, got "
                                f"{cfg.threshold_lr_scale}")  # fmt: skip
         if not cfg.bandwidth > 0:
             raise SaeflowError(f"bandwidth: the straight-through kernel's width must be positive, got {cfg.bandwidth}")
+        if not 0 <= cfg.topk_warmup_frac < 1:
+            raise SaeflowError(f"topk_warmup_frac: the TopK warm-up's share of the steps is in [0, 1), got "
+                               f"{cfg.topk_warmup_frac}")  # fmt: skip
+        if not cfg.target_l0_coeff > 0:
+            raise SaeflowError(f"target_l0_coeff: the target loss's weight must be positive, got {cfg.target_l0_coeff}")
         if not cfg.threshold_init > 0:
             raise SaeflowError(f"threshold_init: JumpReLU thresholds are positive (a log parameter), got "
                                f"{cfg.threshold_init}")  # fmt: skip
@@ -132,8 +194,17 @@ class JumpReLU(Arch):
         theta_s = sae.log_threshold.exp()
         return torch.relu(pre_bs) * (pre_bs > theta_s).to(pre_bs.dtype)
 
-    def train_activate(self, sae, pre_bs, cfg):
+    def train_activate(self, sae, pre_bs, cfg, step: int, n_steps: int):
+        if step < topk_warmup_steps(cfg, n_steps):
+            return _topk_warmup(sae, pre_bs, cfg.k)
         return _JumpReLU.apply(pre_bs, sae.log_threshold.exp(), cfg.bandwidth)
+
+    def after_step(self, sae, acts, step: int, reduce) -> None:
+        """A TopK warm-up step's calibration (`_topk_warmup`): the thresholds move toward the global batch's."""
+        warmup_batch = sae.__dict__.pop(CALIBRATION_ATTR, None)
+        if warmup_batch is not None:
+            theta_s = calibrated_thresholds(*warmup_batch, reduce)
+            sae.log_threshold.mul_(1 - CALIBRATION_RATE).add_(CALIBRATION_RATE * theta_s.log())
 
     def sparsity_terms(self, batch: TermInputs) -> dict:
         cfg, model, pre_bs = batch.cfg, batch.model, batch.pre_bs
@@ -142,6 +213,10 @@ class JumpReLU(Arch):
         norm_s = model.W_dec.norm(dim=-1)
         if cfg.jumprelu_loss == "tanh":
             l0 = cfg.tanh_coeff * torch.tanh(cfg.tanh_scale * batch.f_bs * norm_s).sum(-1).mean()
+        elif cfg.jumprelu_loss == "target":  # c k (L0 / k - 1)^2 of the whole batch's L0, as a sum over vectors
+            l0_b = _Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1)
+            off = batch.batch_mean(l0_b) / cfg.k - 1  # the same on every data-parallel rank
+            l0 = cfg.target_l0_coeff * (cfg.k * off.square() + 2 * off * (l0_b.mean() - l0_b.mean().detach()))
         else:
             l0 = cfg.l0_coeff * _Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1).mean()
         terms = {"l0": ramp * l0, "pre_act": pre_bs.new_zeros(())}
