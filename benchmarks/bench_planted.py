@@ -48,12 +48,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import planted  # noqa: E402
 from saeflow import config  # noqa: E402
 from saeflow.store import runs  # noqa: E402
-from saeflow.training import specs, sweeps, train  # noqa: E402
+from saeflow.training import keys, specs, sweeps, train  # noqa: E402
 
 PEERS_DNAME = "sae-lens-6.54.12+eai-sparsify-1.3.3"
-# --grid trains at the schema's defaults of these (the rest of train_saeflow's spec is the run's shape)
-SCHEMA_DEFAULTS = ("l1_coeff", "aux_k", "aux_alpha", "dead_after_vectors", "lr", "lr_warmup_frac",
-                   "sparsity_warmup_frac")
+# Every run trains at the schema's defaults of every architecture's keys but k (the planted count); --grid at those
+# of these too (the rest of train_saeflow's spec is the run's shape)
+SCHEMA_DEFAULTS = ("aux_k", "aux_alpha", "dead_after_vectors", "lr", "lr_warmup_frac")
 DENSE_FREQ = 0.1  # a latent that fires on more than this share of the held-out vectors is dense
 # --grid: what users' data varies (issue 42): d_model, atoms per dimension, active atoms per vector, latents per atom,
 # the coefficients' distribution (planted.MAGNITUDES)
@@ -78,17 +78,23 @@ def stream(atoms_ad, args, step: int, n: int):
     return planted.pair_batch(atoms_ad, atoms_out_ad, args.n_active, n, args.seed, step, args.noise)
 
 
+def _schema_defaults(names) -> dict:
+    """The schema's default of each key of `names` (the user's defaults, not the bench's)."""
+    properties = config.def_schema("sae_spec")["properties"]
+    return {key: properties[key]["default"] for key in names}
+
+
 def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> dict:
     """One saeflow SAE (or transcoder) trained with `Trainer.train_step` on the planted stream; its scores."""
     d_model, n_atoms = atoms_ad.shape[1], atoms_ad.shape[0]
     spec = dict(
         trainer="", train_shards="planted", val_shards="planted", layer=0, tokens="all", arch="topk",
         expansion=max(1, args.latents_per_atom * n_atoms // d_model),
-        k=args.n_active, matryoshka=(), l1_coeff=5.0, aux_k=256,
-        aux_alpha=1 / 32, dead_after_vectors=10_000_000, lr=None, lr_warmup_frac=0.05, sparsity_warmup_frac=0.05,
+        matryoshka=(), aux_k=256, aux_alpha=1 / 32, dead_after_vectors=10_000_000, lr=None, lr_warmup_frac=0.05,
         batch_size=args.batch_size, n_epochs=1, n_train_vectors=None, n_val_vectors=None, seed=seed, data_seed=0,
-        **sweeps.INTRODUCED,  # the keys added later, at their defaults
+        **sweeps.INTRODUCED,  # the keys added later, at their introduction values, then the architectures' defaults
     )  # fmt: skip
+    spec.update(_schema_defaults(key for key in keys.ARCH_KEYS if key != "k"), k=args.n_active)
     if args.transcoder:
         spec.update(target="planted-target", val_target="planted-target", skip=args.skip)
     if args.dead_after_vectors:
@@ -224,8 +230,7 @@ def run_grid(args) -> None:
     print(f"planted grid, {n_steps} steps of {args.batch_size} ({n_steps * args.batch_size:,} vectors) per cell, "
           f"input noise {args.input_noise}, torch threads {torch.get_num_threads()}")  # fmt: skip
     table = {name: [] for name in args.only.split(",")}
-    properties = config.def_schema("sae_spec")["properties"]
-    defaults = {key: properties[key]["default"] for key in SCHEMA_DEFAULTS}  # the user's defaults, not the bench's
+    defaults = _schema_defaults(SCHEMA_DEFAULTS)
     for cell in grid_cells(args):
         n_atoms = cell["atoms_per_dim"] * cell["d_model"]
         cell_args = argparse.Namespace(**{**vars(args), **cell, "n_atoms": n_atoms, "dead_after_vectors": 0})

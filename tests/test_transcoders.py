@@ -443,7 +443,7 @@ def test_a_latent_shard_of_a_transcoder_starts_as_its_latents_of_one_process(nam
 
 
 LATENT_SPECS = {"topk": {"k": 2, "matryoshka": [0.25]}, "batchtopk": {"k": 2}, "relu": {"l1_coeff": 2.0},
-                "jumprelu": {}, "gated": {}}  # fmt: skip
+                "jumprelu": MODE_FREE, "gated": {}}  # fmt: skip
 
 
 @pytest.mark.slow

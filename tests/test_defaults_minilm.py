@@ -1,0 +1,32 @@
+"""The defaults on real activations (issue 42): JumpReLU at its defaults stays sane on MiniLM's MLP output.
+
+The packaged all-MiniLM-L6-v2 is extracted on half the built-in corpus at layer 4's `mlp_out`, the site where the
+step loss ended with 97% of its latents dead (README, "Real activations at the defaults"). JumpReLU and TopK train
+there at the schema's defaults in the default workflow's shape through `benchmarks/bench_minilm_defaults.py`'s own
+code, and its judge (L0 within its band of TopK's, NMSE within its factor of TopK's at that L0, neither all dead nor
+all dense) finds nothing. The whole table, every architecture at six sites, is the benchmark's (minutes).
+"""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "bench_minilm_defaults.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_minilm_defaults", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.slow
+def test_jumprelu_at_its_defaults_is_sane_on_minilms_mlp_output(tmp_path):
+    bench = _bench()
+    (x_nd,) = bench.extract_sites(tmp_path, ["mlp_out"], [4], n_ex=1033).values()
+    results = bench.site_results(x_nd, ["jumprelu", "topk"], epochs=2)
+    assert bench.judge(results, results["topk"]) == [], results
+    jumprelu = results["jumprelu"]
+    assert jumprelu["dead"] < 0.5 and abs(jumprelu["l0"] / results["topk"]["l0"] - 1) < 0.25, jumprelu
