@@ -9,11 +9,14 @@ with rect(u) = 1 on (-1/2, 1/2); the pre-activations get f's ordinary gradient (
 SAELens 6.54.12's `JumpReLU` and `Step` functions (`jumprelu_ste_to_input: false`, DeepMind's choice). Sparsity,
 `jumprelu_loss`:
 
+    target (the default)  target_l0_coeff x ramp x k x (L0 / k - 1)^2,  L0 = mean_b sum_s H(pre - theta)
     step (DeepMind's L0)  l0_coeff x ramp x mean_b sum_s H(pre - theta)
     tanh (Anthropic, Jan 2025)  tanh_coeff x ramp x mean_b sum_s tanh(tanh_scale x f ||W_dec[s]||)
                           + pre_act_coeff x mean_b sum_s relu(theta - pre) x dead_s x ||W_dec[s]||
 
 (the pre-activation loss pulls dead latents' pre-activations up to their thresholds; ramp: `sparsity_warmup_frac`).
+The first `topk_warmup_frac` of the steps train as TopK and calibrate the thresholds to TopK's firing rates
+(`_topk_warmup`, `calibrated_thresholds`): issue 42's planted grid and MiniLM, docs/training.md.
 Decoder rows are unit vectors (both penalties ignore a row's norm or weigh it in). The L0 is not fixed: each vector
 keeps what clears the thresholds, so metrics report the mean L0 over vectors (and inference its spread). The
 threshold is a log parameter (DeepMind's): positive by construction, and Adam moves it by about its learning rate
