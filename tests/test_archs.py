@@ -329,8 +329,9 @@ def _ranks_reduce(n_ranks: int):
 
 
 def test_jumprelus_topk_warmup_calibration_fires_each_latent_as_often_as_topk_kept_it_on_any_split():
-    """A warm-up step's thresholds (`calibrated_thresholds`) fire each latent on exactly as many of the batch's vectors
-    as TopK kept it on; the batch split over 3 ranks (an empty slice among them) finds the same bytes."""
+    """A warm-up step's thresholds (`calibrated_thresholds`) fire each latent on no more of the batch's vectors than
+    TopK kept it on, and 0.1% lower would fire it on at least as many; the batch split over 3 ranks (an empty slice
+    among them) finds the same bytes."""
     from saeflow.training.archs import jumprelu
 
     pre_bs = torch.randn(96, 40, generator=torch.Generator().manual_seed(0)) + 1.5
@@ -340,7 +341,8 @@ def test_jumprelus_topk_warmup_calibration_fires_each_latent_as_often_as_topk_ke
     theta_s = jumprelu.calibrated_thresholds(pre_bs, count_s, objectives.one_process)
     free_s = theta_s > jumprelu.MIN_THRESHOLD  # not held at the floor
     assert bool(free_s.all()) and bool((count_s > 0).any()) and bool((count_s == 0).any())
-    assert torch.equal((pre_bs > theta_s).sum(0).float(), count_s)
+    assert bool(((pre_bs > theta_s).sum(0) <= count_s).all())
+    assert bool(((pre_bs > theta_s * 0.999).sum(0) >= count_s).all())
     import concurrent.futures
 
     reduce, parts = _ranks_reduce(3), (slice(0, 40), slice(40, 40), slice(40, 96))
