@@ -88,7 +88,7 @@ def batch_codes(pre: PreActs, keep_bs: torch.Tensor) -> Codes:
 
 
 def encode(sae: SAE, xn_bd: torch.Tensor, pre: PreActs, aux_ids_bk: torch.Tensor | None,
-           cfg: TrainConfig | None = None, progress: tuple[int, int] = (0, 1)):  # fmt: skip
+           cfg: TrainConfig | None = None, progress: tuple[int, int] | None = None):  # fmt: skip
     """The batch's codes from its normalized inputs `xn_bd` and their pre-activations `pre` (in training, `cfg`
     given: `Arch.train_activate` at `progress`, (step, n_steps); a WHOLE_DICTIONARY selection: `Arch.encode` of the
     inputs), and the pre-activations (b, aux k) of AuxK's picks `aux_ids_bk` (None: no dead latent).

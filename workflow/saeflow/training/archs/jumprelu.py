@@ -44,6 +44,12 @@ MIN_THRESHOLD = 1e-3  # a latent TopK kept whenever positive gets this threshold
 CALIBRATION_ATTR = "_warmup_batch"  # where a warm-up step leaves (pre_bs, count_s) for `after_step` (not state)
 
 
+def reads_whole_vectors(cfg) -> bool:
+    """The run's training reads every latent of a vector, and k: the target loss (L0 over all of them) or the TopK
+    warm-up (each vector's k largest)."""
+    return cfg.jumprelu_loss == "target" or cfg.topk_warmup_frac > 0
+
+
 def topk_warmup_steps(cfg, n_steps: int) -> int:
     """The steps at the start of a run whose codes are each vector's k largest (`topk_warmup_frac`)."""
     return int(cfg.topk_warmup_frac * n_steps)
@@ -155,7 +161,7 @@ class JumpReLU(Arch):
         value, as it did before either existed)."""
         other = {key for loss, keys in LOSS_KEYS.items() if loss != cfg.jumprelu_loss for key in keys}
         own = tuple(key for key in self.hyper if key not in other)
-        return (*own, "k") if cfg.jumprelu_loss == "target" or cfg.topk_warmup_frac > 0 else own
+        return (*own, "k") if reads_whole_vectors(cfg) else own
 
     def parameters(self, d_sae: int) -> dict:
         return {"log_threshold": torch.zeros(d_sae)}
@@ -167,17 +173,15 @@ class JumpReLU(Arch):
         return {"log_threshold": cfg.threshold_lr_scale}
 
     def mode_refusal(self, cfg, mode: str) -> str | None:
-        if mode != "latents":
+        if mode != "latents" or not reads_whole_vectors(cfg):
             return None
         if cfg.topk_warmup_frac > 0:
             return (f"jumprelu's TopK warm-up (topk_warmup_frac {cfg.topk_warmup_frac}) picks each vector's k largest "
                     "of every latent, which a latent shard does not hold, so it does not train with parallel: "
                     "latents (set topk_warmup_frac: 0 for it, or parallel: sweep or data)")
-        if cfg.jumprelu_loss == "target":
-            return ("jumprelu's target loss steers each vector's L0 over every latent, which a latent shard does not "
-                    "hold, so it does not train with parallel: latents (set jumprelu_loss: step or tanh for it, or "
-                    "parallel: sweep or data)")
-        return None
+        return ("jumprelu's target loss steers each vector's L0 over every latent, which a latent shard does not hold, "
+                "so it does not train with parallel: latents (set jumprelu_loss: step or tanh for it, or parallel: "
+                "sweep or data)")
 
     def check(self, cfg) -> None:
         if not cfg.threshold_lr_scale > 0:

@@ -151,7 +151,7 @@ def _mine(shard: LatentShard, gids_bk: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def encode(shard: LatentShard, pre: PreActs, comm: Comm, batch_size: int, training: bool,
-           train_cfg=None, progress: tuple[int, int] = (0, 1)) -> ShardCodes:  # fmt: skip
+           train_cfg=None, progress: tuple[int, int] | None = None) -> ShardCodes:  # fmt: skip
     """The codes of a batch (its pre-activations `pre`) by the architecture's selection (archs.Selection): TOP_K picks
     globally, BATCH_TOP_K keeps the global top k x batch in training (its own activation, a threshold, in eval), DENSE
     needs nobody (in training with the run's config `train_cfg`: `Arch.train_activate`, e.g. JumpReLU's
