@@ -679,3 +679,37 @@ def test_a_resumed_run_keeps_the_pool_it_started_with(tmp_path, shards, capsys, 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert cli.main(["train", "--run", str(run.root), "--nodes", "2"]) == 1
     assert "--nodes 2: ranks on several nodes are started with srun inside a Slurm" in capsys.readouterr().err
+
+
+def _loss_with_an_empty_slice(name: str) -> float:
+    """One data-parallel loss of a batch of one vector on two ranks: rank 0's slice is empty."""
+    from saeflow.training.ranks.dataparallel import data_parallel_loss
+    from test_archs import _random_sae, _train_config
+
+    comm = distributed.init("cpu")
+    cfg = _train_config(name, k=4, aux_k=8)  # at its defaults: JumpReLU's target loss
+    sae = _random_sae(cfg)
+    dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
+    dead.since_fired_s.fill_(5)  # AuxK's collective runs too
+    x_bd = torch.randn(1, 16, generator=torch.Generator().manual_seed(1))[: comm.rank]  # rank 0: no row
+    loss = data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd, 1, 90, dead, comm)
+    total = float(comm.all_reduce(loss.total.detach().reshape(1))[0])
+    comm.close()
+    return total
+
+
+@pytest.mark.parametrize("name", ["jumprelu", "relu"])
+def test_a_rank_with_no_row_of_the_last_batch_joins_every_collective_of_the_loss(name):
+    """A last batch smaller than the world leaves a rank without rows; it still joins each all-reduce the others'
+    loss makes (the target loss's batch mean, AuxK's residual energy), so the step neither hangs nor pairs one
+    rank's sum with another's, and the loss is the one process's."""
+    from test_archs import _random_sae, _train_config
+
+    cfg = _train_config(name, k=4, aux_k=8)
+    sae = _random_sae(cfg)
+    dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
+    dead.since_fired_s.fill_(5)
+    x_bd = torch.randn(1, 16, generator=torch.Generator().manual_seed(1))
+    alone = float(objectives.Objective(cfg, 100)(sae, x_bd, 90, dead).total.detach())
+    totals = run_ranks(2, _loss_with_an_empty_slice, name)
+    assert totals[0] == totals[1] and abs(totals[0] - alone) <= 1e-5 * max(1.0, abs(alone)), (totals, alone)

@@ -115,7 +115,35 @@ class SAELensMapping:
         return weights
 
 
-class Arch(SAELensMapping):
+class RunPolicy:
+    """What an architecture's training does for one run, asked with its config `cfg` (a specs.TrainConfig): the keys
+    it reads, its parameters' learning rates, the collectives its loss takes, the parallel modes and values it
+    refuses. Mixed into `Arch`, whose class attributes it reads."""
+
+    def reads(self, cfg) -> tuple[str, ...]:
+        """The keys of `hyper` the run `cfg` (a specs.TrainConfig) reads: all of them, unless a mode of the
+        architecture leaves some unread (JumpReLU's `jumprelu_loss`)."""
+        return self.hyper
+
+    def lr_scales(self, cfg) -> dict:
+        """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
+        the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`)."""
+        return {}
+
+    def mode_refusal(self, cfg, mode: str) -> str | None:
+        """Why the run `cfg` cannot train in the parallel `mode` (one of its `modes`), or None."""
+        return None
+
+    def batch_means(self, cfg) -> int:
+        """How many `TermInputs.batch_mean`s the run `cfg`'s `sparsity_terms` take (each an all-reduce in
+        data-parallel training, which a rank without rows of the batch joins with zeros)."""
+        return 0
+
+    def check(self, cfg) -> None:
+        """Refuse hyper-parameters it cannot train with, as SaeflowError "<key>: <problem>" (plan and train time)."""
+
+
+class Arch(SAELensMapping, RunPolicy):
     """One SAE architecture. Subclasses set the class attributes and override what differs from the defaults."""
 
     name: str = ""  # the schema's sae_spec.arch value
@@ -161,11 +189,6 @@ class Arch(SAELensMapping):
         """k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)."""
         return "k" in self.hyper
 
-    def reads(self, cfg) -> tuple[str, ...]:
-        """The keys of `hyper` the run `cfg` (a specs.TrainConfig) reads: all of them, unless a mode of the
-        architecture leaves some unread (JumpReLU's `jumprelu_loss`)."""
-        return self.hyper
-
     def unit_rows(self, sae_cfg) -> bool:
         """Whether the trainer keeps this SAE's decoder rows at unit norm (`unit_decoder`); a transcoder's train
         freely from zero, as sparsify trains them (`sae.init_transcoder` has the measurements), whatever the
@@ -202,20 +225,8 @@ class Arch(SAELensMapping):
         are per-latent vectors (axis 0); one that is not overrides this."""
         return {**COMMON_AXES, **dict.fromkeys(self.parameters(0), 0)}
 
-    def lr_scales(self, cfg) -> dict:
-        """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
-        the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`)."""
-        return {}
-
     def init_parameters(self, sae, cfg) -> None:
         """Set those parameters at the start of training (after the data-based init of the common ones)."""
-
-    def mode_refusal(self, cfg, mode: str) -> str | None:
-        """Why the run `cfg` cannot train in the parallel `mode` (one of its `modes`), or None."""
-        return None
-
-    def check(self, cfg) -> None:
-        """Refuse hyper-parameters it cannot train with, as SaeflowError "<key>: <problem>" (plan and train time)."""
 
     def sparsity_terms(self, batch: TermInputs) -> dict:
         """The loss terms beyond reconstruction and AuxK (name -> scalar, weights applied), per vector averaged."""

@@ -183,6 +183,9 @@ class JumpReLU(Arch):
                 "so it does not train with parallel: latents (set jumprelu_loss: step or tanh for it, or parallel: "
                 "sweep or data)")
 
+    def batch_means(self, cfg) -> int:
+        return int(cfg.jumprelu_loss == "target")
+
     def check(self, cfg) -> None:
         if not cfg.threshold_lr_scale > 0:
             raise SaeflowError(f"threshold_lr_scale: the thresholds' learning-rate multiple must be positive, got "

@@ -64,8 +64,8 @@ def data_parallel_loss(
     else:
         codes, aux_pre_bk = objective.encode(sae, xn_bd, pre, aux_ids_bk, step)
     recon_bd, yn_bd = objectives.latent_target(sae, xn_bd, y_bd)
-    if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives
-        if pick_bk is not None:
+    if n == 0:  # a last batch smaller than the world: no rows here, but the same collectives, in the same order
+        for _ in range(sae.arch.batch_means(cfg) + (pick_bk is not None)):  # the sparsity terms', then AuxK's
             comm.all_reduce(torch.zeros(1, device=x_bd.device))
         zero = sum(p.sum() for p in sae.parameters()) * 0.0
         empty = {"total": zero, "terms": dict.fromkeys(sae.arch.term_names, zero), "xn_hat_bd": codes.decode(sae),
