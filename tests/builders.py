@@ -22,6 +22,7 @@ Run as a script (`python tests/builders.py ROOT N_EX`) it writes the standard te
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -334,7 +335,12 @@ def pip_site(dname: str, requirements: list[str], probe: str) -> pathlib.Path:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_SEC)
         if proc.returncode != 0:
             pytest.skip(f"cannot install {dname}: {proc.stderr[-500:]}")
-        os.replace(tmp, site)
+        try:
+            os.replace(tmp, site)
+        except OSError:  # another worker's install landed first (xdist): keep it
+            if not (site / probe).exists():
+                raise
+            shutil.rmtree(tmp)
     return site
 
 
