@@ -79,7 +79,7 @@ def train_one(x_nd: torch.Tensor, arch: str, epochs: int, **overrides) -> dict:
         for step in range(n_steps):
             trainer.train_step(train_nd[order[step * cfg.batch_size : (step + 1) * cfg.batch_size]])
         sae = trainer.sae.eval()
-        if not sae.arch.unit_decoder:
+        if not sae.arch.unit_decoder_for(cfg):
             sae.fold_decoder_norms()
         with torch.no_grad():
             x_hat_nd, f_ns = sae(held_nd)

@@ -112,7 +112,7 @@ def train_saeflow(atoms_ad, args, n_steps: int, seed: int = 0, **overrides) -> d
         for step in range(n_steps):
             trainer.train_step(stream(atoms_ad, args, step, args.batch_size))
         sae = trainer.sae.eval()
-        if not sae.arch.unit_decoder:
+        if not sae.arch.unit_decoder_for(cfg):
             sae.fold_decoder_norms()
         with torch.no_grad():
             held = stream(atoms_ad, args, n_steps + 2, args.batch_size)

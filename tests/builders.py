@@ -234,10 +234,10 @@ def run_around_sae(
     return run
 
 
-# Settings under which every architecture trains in every parallel mode it declares: JumpReLU's defaults, its TopK
-# warm-up and target loss, read every latent of a vector, so latent shards refuse them
-# (tests/test_archs.py: test_jumprelus_topk_warmup_is_refused_on_latent_shards_at_plan_time_in_one_line)
-MODE_FREE = {"topk_warmup_frac": 0.0, "jumprelu_loss": "step"}
+# Settings under which every architecture trains in every parallel mode it declares: JumpReLU's and Gated's defaults,
+# their TopK warm-up and target loss, read every latent of a vector, so latent shards refuse them
+# (tests/test_archs.py: test_the_topk_warmup_and_target_loss_are_refused_on_latent_shards_at_plan_time_in_one_line)
+MODE_FREE = {"topk_warmup_frac": 0.0, "jumprelu_loss": "step", "gated_loss": "l1"}
 
 
 # Extraction specs (tiny random models built from transformers configs, offline)

@@ -104,7 +104,7 @@ def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name)
     dead.since_fired_s.fill_(5)  # every latent dead: AuxK runs
     x_bd = torch.randn(32, 16)
     loss = objectives.Objective(cfg, 100)(sae, x_bd, 10, dead)
-    assert tuple(loss.terms) == archs.get(name).term_names and torch.isfinite(loss.total)
+    assert tuple(loss.terms) == archs.get(name).logged_terms(cfg) and torch.isfinite(loss.total)
     loss.total.backward()
     for pname, param in sae.named_parameters():
         assert param.grad is not None and bool(param.grad.abs().sum() > 0), f"{name}: no gradient reaches {pname}"
@@ -128,21 +128,23 @@ def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one
     WorkflowPlan.from_config(config.validate({**cfg, "train": {"parallel": mode, "gpus": 1}}))  # one process: any
 
 
-def test_jumprelus_topk_warmup_is_refused_on_latent_shards_at_plan_time_in_one_line():
+@pytest.mark.parametrize(("name", "loss_key", "others"), [("jumprelu", "jumprelu_loss", "step or tanh"),
+                                                           ("gated", "gated_loss", "l1")])  # fmt: skip
+def test_the_topk_warmup_and_target_loss_are_refused_on_latent_shards_at_plan_time_in_one_line(name, loss_key, others):
     """The warm-up picks each vector's k largest latents, which no latent shard holds; data and sweep split no
-    vector's latents, and one process trains it whatever the mode."""
-    spec = {"train": "vit", "layer": 1, "arch": "jumprelu", "expansion": 2}
+    vector's latents, and one process trains it whatever the mode. JumpReLU's and Gated's defaults both do."""
+    spec = {"train": "vit", "layer": 1, "arch": name, "expansion": 2}
     cfg = {**CASES["archs-off-default"], "saes": {"s": spec}, "train": {"parallel": "latents", "gpus": 2}}
     with pytest.raises(SaeflowError) as err:
         WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
-    assert str(err.value) == ("saes.s.arch: jumprelu's TopK warm-up (topk_warmup_frac 0.5) picks each vector's k "
+    assert str(err.value) == (f"saes.s.arch: {name}'s TopK warm-up (topk_warmup_frac 0.5) picks each vector's k "
                               "largest of every latent, which a latent shard does not hold, so it does not train with "
                               "parallel: latents (set topk_warmup_frac: 0 for it, or parallel: sweep or data)")
     for settings in ({"parallel": "data", "gpus": 2}, {"parallel": "sweep", "gpus": 2}, {"parallel": "latents"}):
         WorkflowPlan.from_config(config.validate(copy.deepcopy({**cfg, "train": settings})))
     spec.update(topk_warmup_frac=0.0)  # the target loss, its default, refuses them too
-    with pytest.raises(SaeflowError, match=r"^saes\.s\.arch: jumprelu's target loss steers each vector's L0 over every "
-                                           r"latent, .* \(set jumprelu_loss: step or tanh for it, or parallel: sweep "
+    with pytest.raises(SaeflowError, match=rf"^saes\.s\.arch: {name}'s target loss steers each vector's L0 over every "
+                                           rf"latent, .* \(set {loss_key}: {others} for it, or parallel: sweep "
                                            r"or data\)$"):  # fmt: skip
         WorkflowPlan.from_config(config.validate(copy.deepcopy(cfg)))
     WorkflowPlan.from_config(config.validate({**cfg, "saes": {"s": {**spec, **MODE_FREE}}}))
@@ -399,16 +401,17 @@ def _one_step_gradients(name: str, extra: dict, mode: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "extra", "mode"), [
     *((n, {}, mode) for n in ARCH_NAMES for mode in ("data", "latents") if mode in archs.get(n).modes
-      and not (n == "jumprelu" and mode == "latents")),
+      and not (n in ("jumprelu", "gated") and mode == "latents")),
     *(("jumprelu", {"jumprelu_loss": loss, "topk_warmup_frac": 0.0}, mode) for loss in ("step", "tanh")
       for mode in ("data", "latents")),
+    *(("gated", {"gated_loss": "l1"}, mode) for mode in ("data", "latents")),
     ("jumprelu", {"topk_warmup_frac": 0.6}, "data")])  # fmt: skip
 def test_one_data_parallel_or_latent_sharded_step_has_the_one_process_gradients(name, extra, mode):
     """Every architecture in each of `data` and `latents` it trains in: the gradients of 2 ranks (data: the
     all-reduced gradients of their slices; latents: each rank's latents, b_dec's all-reduced) equal one process's on
     the whole batch (1e-5 relative, every parameter), with AuxK and every sparsity term on; every loss for JumpReLU
-    (its default, the target loss, in data: latent shards refuse it), and its TopK warm-up, so each term's share of a
-    slice or of the latents is right. (Multi-step runs of JumpReLU part across summation
+    and Gated (their default, the target loss, in data: latent shards refuse it), and JumpReLU's TopK warm-up, so
+    each term's share of a slice or of the latents is right. (Multi-step runs of JumpReLU part across summation
     orders: tests/test_distributed.py.)"""
     from _ranks import run_ranks
 

@@ -160,7 +160,7 @@ def recovered(model: clt.CLT, dec_fld: np.ndarray, src_f: np.ndarray, min_cos: f
 
 
 CLT_ARCHS = [name for name in archs.NAMES if shapes.get("clt").refusal(name) is None]
-PLANTED_SPECS = {"topk": {"k": K}, "batchtopk": {"k": K}, "relu": {}, "jumprelu": {"k": K}, "gated": {}}
+PLANTED_SPECS = {"topk": {"k": K}, "batchtopk": {"k": K}, "relu": {}, "jumprelu": {"k": K}, "gated": {"k": K}}
 MIN_RECOVERED = {"topk": 0.9, "batchtopk": 0.9, "relu": 0.6, "jumprelu": 0.6, "gated": 0.5}
 
 

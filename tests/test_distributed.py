@@ -687,7 +687,7 @@ def _loss_with_an_empty_slice(name: str) -> float:
     from test_archs import _random_sae, _train_config
 
     comm = distributed.init("cpu")
-    cfg = _train_config(name, k=4, aux_k=8)  # at its defaults: JumpReLU's target loss
+    cfg = _train_config(name, k=4, aux_k=8)  # at its defaults: JumpReLU's and Gated's target loss
     sae = _random_sae(cfg)
     dead = objectives.DeadLatents(sae.d_sae, 1, torch.device("cpu"))
     dead.since_fired_s.fill_(5)  # AuxK's collective runs too
@@ -698,7 +698,7 @@ def _loss_with_an_empty_slice(name: str) -> float:
     return total
 
 
-@pytest.mark.parametrize("name", ["jumprelu", "relu"])
+@pytest.mark.parametrize("name", ["jumprelu", "gated", "relu"])
 def test_a_rank_with_no_row_of_the_last_batch_joins_every_collective_of_the_loss(name):
     """A last batch smaller than the world leaves a rank without rows; it still joins each all-reduce the others'
     loss makes (the target loss's batch mean, AuxK's residual energy), so the step neither hangs nor pairs one

@@ -114,6 +114,7 @@ def _default_config(monkeypatch, tmp_path) -> dict:
 MOVED_DEFAULTS = {
     "jumprelu_loss": "target",  # issue 42: the L0 steered to k (docs/training.md)
     "topk_warmup_frac": 0.5,  # issue 42: JumpReLU's TopK start
+    "gated_loss": "target",  # issue 42: Gated's gates trained by JumpReLU's mechanism (docs/training.md)
 }
 
 

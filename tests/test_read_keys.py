@@ -28,8 +28,9 @@ OFF = {"k": 7, "l1_coeff": 11.0, "sparsity_warmup_frac": 0.9, "jumprelu_loss": "
        "bandwidth": 0.3, "threshold_init": 0.7, "tanh_coeff": 5.0, "tanh_scale": 9.0, "pre_act_coeff": 0.5,
        "gate_l1_coeff": 1.0, "threshold_lr_scale": 9.0, "gate_bias_lr_scale": 9.0, "target_l0_coeff": 3.0,
        "topk_warmup_frac": 0.9}  # fmt: skip
-# Every architecture, and JumpReLU in each of its losses (its default: target)
-KINDS = [(name, {}) for name in archs.NAMES] + [("jumprelu", {"jumprelu_loss": loss}) for loss in ("step", "tanh")]
+# Every architecture, JumpReLU in each of its losses and Gated in its other (their defaults: target)
+KINDS = ([(name, {}) for name in archs.NAMES] + [("jumprelu", {"jumprelu_loss": loss}) for loss in ("step", "tanh")]
+         + [("gated", {"gated_loss": "l1"})])  # fmt: skip
 
 
 def _config(saes: dict) -> dict:
@@ -42,7 +43,9 @@ def _runs(**sae) -> dict:
 
 
 @pytest.mark.parametrize(("arch", "mode", "extra"), [
-    ("topk", {}, {"l1_coeff": 5.0}), ("gated", {}, {"k": 8}), ("relu", {}, {"k": 8, "gate_l1_coeff": 9.0}),
+    ("topk", {}, {"l1_coeff": 5.0}),
+    ("gated", {"gated_loss": "l1"}, {"k": 8, "target_l0_coeff": 3.0, "bandwidth": 0.5}),
+    ("gated", {}, {"gate_l1_coeff": 9.0, "l0_coeff": 5.0}), ("relu", {}, {"k": 8, "gate_l1_coeff": 9.0}),
     ("batchtopk", {}, {"l1_coeff": 5.0, "sparsity_warmup_frac": 0.5}),
     ("jumprelu", {"jumprelu_loss": "step", "topk_warmup_frac": 0.0}, {"l1_coeff": 5.0, "k": 8}),
     ("jumprelu", {"jumprelu_loss": "tanh"}, {"gate_bias_lr_scale": 1.0}),
@@ -53,7 +56,8 @@ def test_a_key_the_architecture_does_not_read_keeps_the_run_id(arch, mode, extra
 
 
 @pytest.mark.parametrize(("arch", "key", "value"), [
-    ("topk", "k", 8), ("gated", "gate_l1_coeff", 9.0), ("relu", "l1_coeff", 5.0), ("jumprelu", "target_l0_coeff", 3.0),
+    ("topk", "k", 8), ("gated", "k", 8), ("gated", "gated_loss", "l1"), ("gated", "target_l0_coeff", 3.0),
+    ("relu", "l1_coeff", 5.0), ("jumprelu", "target_l0_coeff", 3.0),
     ("jumprelu", "bandwidth", 0.5), ("gated", "aux_k", 64), ("jumprelu", "k", 8), ("jumprelu", "topk_warmup_frac", 0.2),
 ])  # fmt: skip
 def test_a_key_the_architecture_reads_still_changes_the_run_id(arch, key, value):
@@ -138,7 +142,7 @@ def _same(a: dict, b: dict) -> bool:
                (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]) for k in a)  # fmt: skip
 
 
-@pytest.mark.parametrize(("arch", "mode"), KINDS, ids=[f"{a}-{m.get('jumprelu_loss', '')}" for a, m in KINDS])
+@pytest.mark.parametrize(("arch", "mode"), KINDS, ids=[f"{a}-{''.join(m.values())}" for a, m in KINDS])
 def test_an_architecture_reads_exactly_the_keys_it_declares(arch, mode):
     """The declarations are what training computes: changing a key the run does not read changes nothing of one
     step (so hashing it at a fixed value trains the same SAE), changing one it reads changes something."""
@@ -148,7 +152,9 @@ def test_an_architecture_reads_exactly_the_keys_it_declares(arch, mode):
               if k not in ("train", "val")}}  # fmt: skip
     cfg = specs.TrainConfig.from_dict(obj, arch)
     base, read = _steps(cfg), cfg.read_keys()
-    for key, value in {**OFF, "jumprelu_loss": "step" if cfg.jumprelu_loss == "tanh" else "tanh"}.items():
+    other_losses = {"jumprelu_loss": "step" if cfg.jumprelu_loss == "tanh" else "tanh",
+                    "gated_loss": "l1" if cfg.gated_loss == "target" else "target"}
+    for key, value in {**OFF, **other_losses}.items():
         changed = _steps(dataclasses.replace(cfg, **{key: value}))
         if key in read:
             assert not _same(base, changed), f"{arch}: declares {key} but does not read it"
@@ -175,8 +181,9 @@ def test_the_readable_file_holds_every_value_the_run_trains_with(tmp_path, capsy
     for run in made.values():  # the hashed config is what it always was: its sha256 is the run id
         assert runs.run_id(run.config()) == run.run_id and "gate_l1_coeff" not in run.config()
     gated = json.loads(made["gated"].hyperparameters_fpath.read_text())
-    assert gated["gate_l1_coeff"] == 7.0 and gated["gate_bias_lr_scale"] == 4.0 and gated["aux_k"] == 256
-    assert "k" not in gated and {"k", "l1_coeff", "l0_coeff"} <= set(gated["not_read"])
+    assert gated["gated_loss"] == "target" and gated["target_l0_coeff"] == 8.0 and gated["k"] == 32
+    assert gated["gate_bias_lr_scale"] == 4.0 and gated["aux_k"] == 256 and gated["topk_warmup_frac"] == 0.5
+    assert {"gate_l1_coeff", "l1_coeff", "l0_coeff", "threshold_init"} <= set(gated["not_read"])
     jumprelu = json.loads(made["jumprelu"].hyperparameters_fpath.read_text())
     assert jumprelu["jumprelu_loss"] == "target" and jumprelu["target_l0_coeff"] == 8.0 and jumprelu["k"] == 32
     assert jumprelu["topk_warmup_frac"] == 0.5 and jumprelu["bandwidth"] == 1.0
@@ -196,8 +203,9 @@ def test_summary_csv_has_a_column_for_every_value_and_blank_where_the_run_does_n
         dump.metrics_fpath.write_text(json.dumps({"l0": 4.0, "nmse": 0.2}))
     rows = list(csv.DictReader(io.StringIO(summary.to_csv(summary.collect([r.root for r in made.values()])))))
     by_arch = {row["config.arch"]: row for row in rows}
-    assert by_arch["gated"]["config.gate_l1_coeff"] == "7.0" and by_arch["gated"]["config.target_l0_coeff"] == ""
+    assert by_arch["gated"]["config.target_l0_coeff"] == "8.0" and "config.gate_l1_coeff" not in by_arch["gated"]
     assert by_arch["jumprelu"]["config.jumprelu_loss"] == "target" and "config.l0_coeff" not in by_arch["jumprelu"]
     assert by_arch["jumprelu"]["config.target_l0_coeff"] == "8.0" and by_arch["jumprelu"]["config.k"] == "32"
-    assert by_arch["jumprelu"]["config.bandwidth"] == "1.0" and by_arch["jumprelu"]["config.gate_l1_coeff"] == ""
+    assert by_arch["jumprelu"]["config.bandwidth"] == "1.0" and by_arch["jumprelu"]["config.gate_bias_lr_scale"] == ""
+    assert by_arch["gated"]["config.threshold_lr_scale"] == "" and by_arch["gated"]["config.gated_loss"] == "target"
     assert "l1_coeff" in json.loads(by_arch["gated"]["config.not_read"])

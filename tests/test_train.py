@@ -35,8 +35,8 @@ def planted(tmp_path_factory):
 # The planted test's spec of each architecture (k = the planted 3 active atoms where the architecture reads a k:
 # JumpReLU's target L0). The test iterates the registry: a new architecture fails here until it has a spec and
 # recovers the dictionary.
-PLANTED_SPECS = {"topk": {"k": 3}, "batchtopk": {"k": 3}, "relu": {"l1_coeff": 2.0}, "jumprelu": {"k": 3}, "gated": {},
-                 "mp": {"k": 3}}
+PLANTED_SPECS = {"topk": {"k": 3}, "batchtopk": {"k": 3}, "relu": {"l1_coeff": 2.0}, "jumprelu": {"k": 3},
+                 "gated": {"k": 3}, "mp": {"k": 3}}
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,7 @@ def init_from_data(clt: CLT, xs: list[torch.Tensor], ys: list[torch.Tensor], see
         x_nd, y_nd = x_nd.to(device, torch.float32), y_nd.to(device, torch.float32)
         sae.scale.fill_(norm_scale(x_nd, sae.d_model, root))
         clt.target_scale[j] = norm_scale(y_nd, clt.cfg.d_out, root)
-        init_transcoder(sae, x_nd * sae.scale, randn_rows(gen, sae.d_sae, sae.d_model, 0, sae.d_sae))
+        init_transcoder(sae, x_nd * sae.scale, randn_rows(gen, sae.d_sae, sae.d_model, 0, sae.d_sae), cfg)
         sae.b_dec.zero_()
         sae.b_dec[: clt.cfg.d_out] = (y_nd * clt.target_scale[j]).mean(0)
         sae.arch.init_parameters(sae, cfg)

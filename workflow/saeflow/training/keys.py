@@ -34,6 +34,8 @@ INTRODUCED: dict[str, typing.Any] = {
     # thresholds; at 0 a run starts with its thresholds
     "target_l0_coeff": 8.0,
     "topk_warmup_frac": 0.0,
+    # Gated (issue 42): JumpReLU's mechanism for its gates (`gated_loss: target`); at "l1" the paper's L1 loss
+    "gated_loss": "l1",
     # Transcoders (issue 35): the target activation's shard hash (train and validation) and the linear skip path;
     # at these values the run is a plain SAE
     "target": None,

@@ -195,7 +195,7 @@ class Loss:
     """One step's loss and what the step logs and updates from it."""
 
     total: torch.Tensor  # what the optimizer minimizes: the sum of `terms`
-    terms: dict[str, torch.Tensor]  # Arch.term_names: mse, the architecture's sparsity terms, aux; weights applied
+    terms: dict[str, torch.Tensor]  # Arch.logged_terms: mse, the architecture's sparsity terms, aux; weights applied
     xn_hat_bd: torch.Tensor  # the full reconstruction (a transcoder's: of its target less the skip path)
     codes: Codes  # the activations (firing counts, threshold statistics, metrics)
     yn_bd: torch.Tensor | None = None  # a transcoder's target, normalized; None: an SAE, whose target is its input

@@ -248,13 +248,14 @@ def init_from_data(sae: SAE, x_nd: torch.Tensor, y_nd: torch.Tensor | None, cfg,
     if y_nd is None:
         sae.W_dec.copy_(randn_rows(gen, n_rows, sae.d_out, lo, hi))
         sae.normalize_decoder()
-        if sae.arch.decoder_init_norm != 1.0:
-            sae.W_dec.mul_(sae.arch.decoder_init_norm)
+        init_norm = sae.arch.decoder_init_norm_for(cfg)
+        if init_norm != 1.0:
+            sae.W_dec.mul_(init_norm)
         sae.W_enc.copy_(sae.W_dec.T)
         sae.b_enc.zero_()
     else:
         randn_rows(gen, n_rows, sae.d_out, n_rows, n_rows)  # the decoder's draw: a transcoder's starts at zero
-        init_transcoder(sae, x_nd * sae.scale, randn_rows(gen, n_rows, sae.d_model, lo, hi))
+        init_transcoder(sae, x_nd * sae.scale, randn_rows(gen, n_rows, sae.d_model, lo, hi), cfg)
     sae.arch.init_parameters(sae, cfg)  # its own parameters (e.g. JumpReLU's thresholds), on these latents
 
 
@@ -304,7 +305,7 @@ def norm_scale(x_nd: torch.Tensor, width: int, root) -> float:
 
 
 @torch.no_grad()
-def init_transcoder(sae: SAE, xn_nd: torch.Tensor, W_ds: torch.Tensor) -> None:
+def init_transcoder(sae: SAE, xn_nd: torch.Tensor, W_ds: torch.Tensor, cfg) -> None:
     """A transcoder at the start (`xn_nd`: the normalized input sample; `W_ds`: the random draw of its encoder
     columns, a row per latent: a latent shard's rows of one process's draw), as sparsify starts one: random unit encoder
     columns in its input's space (of the architecture's initial decoder row norm), biases that centre the
@@ -314,7 +315,7 @@ def init_transcoder(sae: SAE, xn_nd: torch.Tensor, W_ds: torch.Tensor) -> None:
     output atoms, against 80.2% with unit rows started at random and 85.0% started at what their encoder column
     predicts linearly, at twice the learning rate)."""
     W_ds = W_ds.to(sae.W_enc.device)
-    W_ds = W_ds / W_ds.norm(dim=-1, keepdim=True).clamp_min(1e-8) * sae.arch.decoder_init_norm
+    W_ds = W_ds / W_ds.norm(dim=-1, keepdim=True).clamp_min(1e-8) * sae.arch.decoder_init_norm_for(cfg)
     sae.W_enc.copy_(W_ds.T)
     sae.b_enc.copy_(-(xn_nd.mean(0) @ sae.W_enc))
     sae.W_dec.zero_()

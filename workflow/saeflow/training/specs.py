@@ -113,6 +113,7 @@ class TrainConfig(_Layers):
     tanh_scale: float = INTRODUCED["tanh_scale"]
     pre_act_coeff: float = INTRODUCED["pre_act_coeff"]
     gate_l1_coeff: float = INTRODUCED["gate_l1_coeff"]
+    gated_loss: str = INTRODUCED["gated_loss"]
     target_l0_coeff: float = INTRODUCED["target_l0_coeff"]
     topk_warmup_frac: float = INTRODUCED["topk_warmup_frac"]
     threshold_lr_scale: float = INTRODUCED["threshold_lr_scale"]

@@ -135,9 +135,10 @@ class SAESpec:
         """Architecture key -> the value a point of this sweep that does not read it is hashed at
         (`TrainConfig.canonical`). A key none of the sweep's architectures declares: its fixed value
         (`unread_value`), so it names no run. A key one of them reads (another architecture of the sweep, or this one
-        in another mode: JumpReLU's l0_coeff under tanh): one of the sweep's values, the fixed one when among them,
+        in another mode where its runs hashed it before: JumpReLU's l0_coeff under tanh, `Arch.hashed_unread`): one
+        of the sweep's values, the fixed one when among them,
         else the smallest, so a point keeps the id it had when such keys named runs, and a sweep of it is one run."""
-        declared = {key for arch in self.values("arch") for key in archs.get(arch).hyper}
+        declared = {key for arch in self.values("arch") for key in archs.get(arch).hashed_unread}
         out = {}
         for key in ARCH_KEYS:
             fixed, values = unread_value(key), self.values(key)

@@ -75,11 +75,11 @@ def auto_lr(d_sae: int) -> float:
     return 8e-4 * math.sqrt(16384 / d_sae)
 
 
-def adam_step(opt: Adam, sae) -> None:
-    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy, `Arch.unit_rows`: an SAE's
-    `unit_decoder`, never a transcoder's; see sae.init_from_data) lose the gradient along themselves first and
-    are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
-    unit_rows = sae.arch.unit_rows(sae.cfg)
+def adam_step(opt: Adam, sae, cfg: TrainConfig) -> None:
+    """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy for the run `cfg`,
+    `Arch.unit_rows`: an SAE's `unit_decoder_for`, never a transcoder's; see sae.init_from_data) lose the gradient
+    along themselves first and are renormalized after. `sae` is a whole SAE or a rank's latent shard."""
+    unit_rows = sae.arch.unit_rows(sae.cfg, cfg)
     if unit_rows:
         sae.remove_parallel_grad()
     opt.step()
@@ -274,7 +274,7 @@ class Trainer:
         loss = self.objective(sae, x_bd, self.step, self.dead, y_bd)
         self.opt.zero_grad()
         loss.total.backward()
-        adam_step(self.opt, sae)
+        adam_step(self.opt, sae, self.cfg)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s())
             sae.arch.after_step(sae, loss.codes.activations(), self.step, one_process)
@@ -302,7 +302,7 @@ class Trainer:
         run's final files (sae.pt last)."""
         val_dir, target_dir = val if isinstance(val, tuple) else (val, None)
         self.sae.eval()
-        if not self.sae.arch.unit_decoder:
+        if not self.sae.arch.unit_decoder_for(self.cfg):
             self.sae.fold_decoder_norms()  # an SAE's sae.pt always has unit decoder rows (a TopK transcoder's not)
         metrics = validation_metrics(self.sae, val_dir, self.cfg, self.device, target_dir)
         result = {**measured_on(self.cfg, val_dir), "step": self.step, "peak_lr": self.peak_lr, **metrics}

@@ -117,13 +117,33 @@ class SAELensMapping:
 
 class RunPolicy:
     """What an architecture's training does for one run, asked with its config `cfg` (a specs.TrainConfig): the keys
-    it reads, its parameters' learning rates, the collectives its loss takes, the parallel modes and values it
-    refuses. Mixed into `Arch`, whose class attributes it reads."""
+    it reads, the terms it logs, its decoder rows' norms, its parameters' learning rates, the parallel modes and
+    values it refuses. Mixed into `Arch`, whose class attributes it reads."""
 
     def reads(self, cfg) -> tuple[str, ...]:
         """The keys of `hyper` the run `cfg` (a specs.TrainConfig) reads: all of them, unless a mode of the
         architecture leaves some unread (JumpReLU's `jumprelu_loss`)."""
         return self.hyper
+
+    def logged_terms(self, cfg) -> tuple[str, ...]:
+        """The loss terms a run `cfg` logs, in order: `term_names`, or those of its loss (Gated's `gated_loss`)."""
+        return self.term_names
+
+    def unit_decoder_for(self, cfg) -> bool:
+        """Whether the run `cfg`'s SAE keeps its decoder rows at unit norm (`unit_decoder`); otherwise they train
+        freely and are folded into the encoder when published (`foldable`)."""
+        return self.unit_decoder
+
+    def decoder_init_norm_for(self, cfg) -> float:
+        """The norm the run `cfg`'s decoder rows start at (`decoder_init_norm`; a transcoder's encoder columns)."""
+        return self.decoder_init_norm
+
+    def unit_rows(self, sae_cfg, cfg) -> bool:
+        """Whether the trainer keeps this SAE's decoder rows at unit norm (`unit_decoder_for` the run `cfg`); a
+        transcoder's train freely from zero, as sparsify trains them (`sae.init_transcoder` has the measurements),
+        whatever the architecture: its decoder maps into another space than its encoder reads, so no row norm is
+        the encoder's."""
+        return self.unit_decoder_for(cfg) and not sae_cfg.transcoder
 
     def lr_scales(self, cfg) -> dict:
         """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
@@ -164,10 +184,16 @@ class Arch(SAELensMapping, RunPolicy):
     # The training keys it may read beyond the ones every run reads (`keys.COMMON`), in any mode: a key no
     # architecture of a run declares is hashed at a fixed value (`specs.TrainConfig.canonical`), so it names no run.
     hyper: tuple[str, ...] = ()
-    unit_decoder: bool = True  # decoder rows kept at unit norm (gradient along them removed, renormalized each step)
-    decoder_init_norm: float = 1.0  # the norm decoder rows start at
+    # The keys of `hyper` its runs hash at the spec's value even in a mode that does not read them
+    # (`SAESpec.unread_values`), so that runs they named before its modes read fewer keep their ids; None: all of
+    # `hyper` (JumpReLU's). A key it leaves unread and that never named its runs is hashed at its fixed value.
+    legacy_hashed: tuple[str, ...] | None = None
+    # Decoder rows kept at unit norm (gradient along them removed, renormalized each step), and the norm they start
+    # at: what `unit_decoder_for` and `decoder_init_norm_for` give every run of it, unless its loss decides
+    unit_decoder: bool = True
+    decoder_init_norm: float = 1.0
     ghost_aux: bool = False  # AuxK's dead latents act through softplus (their pre-activations are negative)
-    term_names: tuple[str, ...] = ("mse", "aux")  # the loss terms it logs, in order
+    term_names: tuple[str, ...] = ("mse", "aux")  # the loss terms it logs, in order (`logged_terms`: a run's)
     # Its sparsity terms computed from a whole decode (`TermInputs.over_latents`): the same on every latent shard.
     # The others are sums over the latents, of which a shard computes its own share (summed when logged).
     whole_terms: tuple[str, ...] = ()
@@ -185,15 +211,14 @@ class Arch(SAELensMapping, RunPolicy):
             cls.modes = tuple(mode for mode in MODES if mode != "latents" or cls.selection.shards_latents)
 
     @property
+    def hashed_unread(self) -> tuple[str, ...]:
+        """`legacy_hashed`, or all of `hyper`."""
+        return self.hyper if self.legacy_hashed is None else self.legacy_hashed
+
+    @property
     def uses_k(self) -> bool:
         """k is its active latents per vector (SAEConfig checks 1 <= k <= d_sae)."""
         return "k" in self.hyper
-
-    def unit_rows(self, sae_cfg) -> bool:
-        """Whether the trainer keeps this SAE's decoder rows at unit norm (`unit_decoder`); a transcoder's train
-        freely from zero, as sparsify trains them (`sae.init_transcoder` has the measurements), whatever the
-        architecture: its decoder maps into another space than its encoder reads, so no row norm is the encoder's."""
-        return self.unit_decoder and not sae_cfg.transcoder
 
     def activate(self, sae, pre_bs):
         """Pre-activations (b, s) -> non-negative codes (b, s): inference, and training when DENSE."""

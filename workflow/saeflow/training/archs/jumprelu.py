@@ -16,7 +16,7 @@ SAELens 6.54.12's `JumpReLU` and `Step` functions (`jumprelu_ste_to_input: false
 
 (the pre-activation loss pulls dead latents' pre-activations up to their thresholds; ramp: `sparsity_warmup_frac`).
 The first `topk_warmup_frac` of the steps train as TopK and calibrate the thresholds to TopK's firing rates
-(`_topk_warmup`, `calibrated_thresholds`): issue 42's planted grid and MiniLM, docs/training.md.
+(`topk_warmup`, `calibrated_thresholds`): issue 42's planted grid and MiniLM, docs/training.md.
 Decoder rows are unit vectors (both penalties ignore a row's norm or weigh it in). The L0 is not fixed: each vector
 keeps what clears the thresholds, so metrics report the mean L0 over vectors (and inference its spread). The
 threshold is a log parameter (DeepMind's): positive by construction, and Adam moves it by about its learning rate
@@ -55,15 +55,44 @@ def topk_warmup_steps(cfg, n_steps: int) -> int:
     return int(cfg.topk_warmup_frac * n_steps)
 
 
-def _topk_warmup(sae, pre_bs, k: int):
-    """A TopK step: each vector keeps its k largest pre-activations (their gradient is TopK's). It leaves the batch
-    and how often TopK kept each latent in it for `after_step`, which moves the thresholds toward the ones that fire
-    every latent as often (`calibrated_thresholds`), so that when the thresholds take over the firing rates hold."""
+def topk_warmup(sae, values_bs, k: int):
+    """A TopK step: each vector keeps its k largest values, pre-activations (JumpReLU) or magnitudes (Gated), with
+    TopK's gradient. It leaves the batch and how often TopK kept each latent in it for `after_step`, which moves the
+    thresholds toward the ones that fire every latent as often (`calibration`), so that when the thresholds take
+    over the firing rates hold."""
     with torch.no_grad():
-        idx_bk = pre_bs.topk(min(k, pre_bs.shape[1]), dim=-1, sorted=False).indices
-        keep_bs = torch.zeros_like(pre_bs).scatter_(1, idx_bk, 1.0)
-        setattr(sae, CALIBRATION_ATTR, (pre_bs.detach(), keep_bs.sum(0)))
-    return torch.relu(pre_bs) * keep_bs
+        idx_bk = values_bs.topk(min(k, values_bs.shape[1]), dim=-1, sorted=False).indices
+        keep_bs = torch.zeros_like(values_bs).scatter_(1, idx_bk, 1.0)
+        setattr(sae, CALIBRATION_ATTR, (values_bs.detach(), keep_bs.sum(0)))
+    return torch.relu(values_bs) * keep_bs
+
+
+def calibration(sae, reduce):
+    """After a TopK warm-up step (`topk_warmup`), each latent's threshold on the values it ranked that fires it as
+    often as TopK kept it in the global batch (`calibrated_thresholds`); None after any other step."""
+    warmup_batch = sae.__dict__.pop(CALIBRATION_ATTR, None)
+    return None if warmup_batch is None else calibrated_thresholds(*warmup_batch, reduce)
+
+
+def whole_vector_refusal(cfg, arch: str, loss_key: str, others: str) -> str:
+    """Why a run whose training reads every latent of a vector (the TopK warm-up or the target loss) does not train
+    on a latent shard, in one line naming the key to change (`Arch.mode_refusal`)."""
+    if cfg.topk_warmup_frac > 0:
+        return (f"{arch}'s TopK warm-up (topk_warmup_frac {cfg.topk_warmup_frac}) picks each vector's k largest "
+                "of every latent, which a latent shard does not hold, so it does not train with parallel: "
+                "latents (set topk_warmup_frac: 0 for it, or parallel: sweep or data)")
+    return (f"{arch}'s target loss steers each vector's L0 over every latent, which a latent shard does not hold, "
+            f"so it does not train with parallel: latents (set {loss_key}: {others} for it, or parallel: sweep or "
+            "data)")
+
+
+def target_l0(l0_b, batch: TermInputs):
+    """The target loss, target_l0_coeff x k x (L0 / k - 1)^2 of the whole batch's mean L0 (`TermInputs.batch_mean`:
+    the same on every data-parallel rank), as a sum over this rank's vectors. `l0_b`: each vector's L0 through the
+    step's straight-through estimator (`Step`)."""
+    cfg = batch.cfg
+    off = batch.batch_mean(l0_b) / cfg.k - 1
+    return cfg.target_l0_coeff * (cfg.k * off.square() + 2 * off * (l0_b.mean() - l0_b.mean().detach()))
 
 
 def calibrated_thresholds(pre_bs, count_s, reduce):
@@ -98,7 +127,7 @@ class _JumpReLU:
         return cls.fn.apply(pre_bs, theta_s, bandwidth)
 
 
-class _Step:
+class Step:
     """H(pre - theta), straight-through to theta."""
 
     fn = None
@@ -175,13 +204,7 @@ class JumpReLU(Arch):
     def mode_refusal(self, cfg, mode: str) -> str | None:
         if mode != "latents" or not reads_whole_vectors(cfg):
             return None
-        if cfg.topk_warmup_frac > 0:
-            return (f"jumprelu's TopK warm-up (topk_warmup_frac {cfg.topk_warmup_frac}) picks each vector's k largest "
-                    "of every latent, which a latent shard does not hold, so it does not train with parallel: "
-                    "latents (set topk_warmup_frac: 0 for it, or parallel: sweep or data)")
-        return ("jumprelu's target loss steers each vector's L0 over every latent, which a latent shard does not hold, "
-                "so it does not train with parallel: latents (set jumprelu_loss: step or tanh for it, or parallel: "
-                "sweep or data)")
+        return whole_vector_refusal(cfg, self.name, "jumprelu_loss", "step or tanh")
 
     def batch_means(self, cfg) -> int:
         return int(cfg.jumprelu_loss == "target")
@@ -207,14 +230,13 @@ class JumpReLU(Arch):
 
     def train_activate(self, sae, pre_bs, cfg, step: int, n_steps: int):
         if step < topk_warmup_steps(cfg, n_steps):
-            return _topk_warmup(sae, pre_bs, cfg.k)
+            return topk_warmup(sae, pre_bs, cfg.k)
         return _JumpReLU.apply(pre_bs, sae.log_threshold.exp(), cfg.bandwidth)
 
     def after_step(self, sae, acts, step: int, reduce) -> None:
-        """A TopK warm-up step's calibration (`_topk_warmup`): the thresholds move toward the global batch's."""
-        warmup_batch = sae.__dict__.pop(CALIBRATION_ATTR, None)
-        if warmup_batch is not None:
-            theta_s = calibrated_thresholds(*warmup_batch, reduce)
+        """A TopK warm-up step's calibration (`topk_warmup`): the thresholds move toward the global batch's."""
+        theta_s = calibration(sae, reduce)
+        if theta_s is not None:
             sae.log_threshold.mul_(1 - CALIBRATION_RATE).add_(CALIBRATION_RATE * theta_s.log())
 
     def sparsity_terms(self, batch: TermInputs) -> dict:
@@ -224,12 +246,10 @@ class JumpReLU(Arch):
         norm_s = model.W_dec.norm(dim=-1)
         if cfg.jumprelu_loss == "tanh":
             l0 = cfg.tanh_coeff * torch.tanh(cfg.tanh_scale * batch.f_bs * norm_s).sum(-1).mean()
-        elif cfg.jumprelu_loss == "target":  # c k (L0 / k - 1)^2 of the whole batch's L0, as a sum over vectors
-            l0_b = _Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1)
-            off = batch.batch_mean(l0_b) / cfg.k - 1  # the same on every data-parallel rank
-            l0 = cfg.target_l0_coeff * (cfg.k * off.square() + 2 * off * (l0_b.mean() - l0_b.mean().detach()))
+        elif cfg.jumprelu_loss == "target":
+            l0 = target_l0(Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1), batch)
         else:
-            l0 = cfg.l0_coeff * _Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1).mean()
+            l0 = cfg.l0_coeff * Step.apply(pre_bs, theta_s, cfg.bandwidth).sum(-1).mean()
         terms = {"l0": ramp * l0, "pre_act": pre_bs.new_zeros(())}
         dead_s = batch.dead_s
         if cfg.jumprelu_loss == "tanh" and dead_s is not None and bool(dead_s.any()):

@@ -68,8 +68,8 @@ def data_parallel_loss(
         for _ in range(sae.arch.batch_means(cfg) + (pick_bk is not None)):  # the sparsity terms', then AuxK's
             comm.all_reduce(torch.zeros(1, device=x_bd.device))
         zero = sum(p.sum() for p in sae.parameters()) * 0.0
-        empty = {"total": zero, "terms": dict.fromkeys(sae.arch.term_names, zero), "xn_hat_bd": codes.decode(sae),
-                 "codes": codes}  # fmt: skip
+        empty = {"total": zero, "terms": dict.fromkeys(sae.arch.logged_terms(cfg), zero),
+                 "xn_hat_bd": codes.decode(sae), "codes": codes}  # fmt: skip
         return objectives.transcoder_loss(empty, recon_bd, yn_bd)
     mse, xn_hat_bd = objectives.reconstruction_loss(sae, codes, recon_bd)
 
@@ -165,7 +165,7 @@ class DataParallelTrainer(train.Trainer):
             if param.grad is None:  # the loss did not reach it (mp's tied encoder without dead latents): every rank
                 param.grad = torch.zeros_like(param)  # all-reduces the same tensors, an empty slice's zeros included
             comm.all_reduce(param.grad)
-        train.adam_step(self.opt, sae)
+        train.adam_step(self.opt, sae, self.cfg)
         with torch.no_grad():
             fired_s = comm.all_reduce(loss.codes.fired_s().to(torch.uint8), "max").bool()
             self.dead.update(fired_s)

@@ -291,7 +291,7 @@ class ShardedTrainer(train.Trainer):
         if shard.b_dec.grad is None:  # a transcoder's reaches the loss through rank 0's decode only
             shard.b_dec.grad = torch.zeros_like(shard.b_dec)
         comm.all_reduce(shard.b_dec.grad)
-        train.adam_step(self.opt, shard)
+        train.adam_step(self.opt, shard, self.cfg)
         with torch.no_grad():
             self.dead.update(loss.codes.fired_s(shard))
             shard.arch.after_step(shard, loss.codes.activations(), self.step,
@@ -308,7 +308,7 @@ class ShardedTrainer(train.Trainer):
         assembled and published by rank 0 (Trainer.finish)."""
         val_dir = val[0] if isinstance(val, tuple) else val
         self.sae.eval()
-        if not self.sae.arch.unit_decoder:
+        if not self.sae.arch.unit_decoder_for(self.cfg):
             self.sae.fold_decoder_norms()
         metrics = sharded_validation(self, val)
         self.opt = None  # the Adam moments go before the weights are gathered
