@@ -372,7 +372,7 @@ LOSSES = {
     ("jumprelu-training", "loss_step"): dict(arch="jumprelu", jumprelu_loss="step", l0_coeff=0.7, bandwidth=0.05),
     ("jumprelu-training", "loss_tanh"): dict(arch="jumprelu", jumprelu_loss="tanh", tanh_coeff=0.7, tanh_scale=4.0,
                                              pre_act_coeff=0.3),
-    ("gated-training", "loss"): dict(arch="gated", gate_l1_coeff=0.7),
+    ("gated-training", "loss"): dict(arch="gated", gated_loss="l1", gate_l1_coeff=0.7),
 }
 
 
