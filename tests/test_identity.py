@@ -113,7 +113,7 @@ def _default_config(monkeypatch, tmp_path) -> dict:
 # architectures that read the key, and only those: test_a_moved_default_moves_only_the_runs_that_read_it)
 MOVED_DEFAULTS = {
     "jumprelu_loss": "target",  # issue 42: the L0 steered to k (docs/training.md)
-    "topk_warmup_frac": 0.5,  # issue 42: JumpReLU's TopK start
+    "topk_warmup_frac": 0.75,  # issue 42: JumpReLU's and Gated's TopK start (0.5 before 2026-12-07)
     "gated_loss": "target",  # issue 42: Gated's gates trained by JumpReLU's mechanism (docs/training.md)
 }
 

@@ -131,8 +131,9 @@ def _one_step(cfg: specs.TrainConfig, step: int) -> dict:
 
 
 def _steps(cfg: specs.TrainConfig) -> dict:
-    """`_one_step` early in the run (inside the sparsity and TopK warm-ups) and late (after both)."""
-    return {"early": _one_step(cfg, 1), "late": _one_step(cfg, 70)}
+    """`_one_step` early in the run (inside the sparsity and TopK warm-ups) and late (after both at their defaults,
+    inside OFF's)."""
+    return {"early": _one_step(cfg, 1), "late": _one_step(cfg, 80)}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -182,11 +183,11 @@ def test_the_readable_file_holds_every_value_the_run_trains_with(tmp_path, capsy
         assert runs.run_id(run.config()) == run.run_id and "gate_l1_coeff" not in run.config()
     gated = json.loads(made["gated"].hyperparameters_fpath.read_text())
     assert gated["gated_loss"] == "target" and gated["target_l0_coeff"] == 8.0 and gated["k"] == 32
-    assert gated["gate_bias_lr_scale"] == 4.0 and gated["aux_k"] == 256 and gated["topk_warmup_frac"] == 0.5
+    assert gated["gate_bias_lr_scale"] == 4.0 and gated["aux_k"] == 256 and gated["topk_warmup_frac"] == 0.75
     assert {"gate_l1_coeff", "l1_coeff", "l0_coeff", "threshold_init"} <= set(gated["not_read"])
     jumprelu = json.loads(made["jumprelu"].hyperparameters_fpath.read_text())
     assert jumprelu["jumprelu_loss"] == "target" and jumprelu["target_l0_coeff"] == 8.0 and jumprelu["k"] == 32
-    assert jumprelu["topk_warmup_frac"] == 0.5 and jumprelu["bandwidth"] == 1.0
+    assert jumprelu["topk_warmup_frac"] == 0.75 and jumprelu["bandwidth"] == 1.0
     assert {"tanh_coeff", "tanh_scale", "pre_act_coeff", "l0_coeff"} <= set(jumprelu["not_read"])
     fields = {f.name for f in dataclasses.fields(specs.TrainConfig)}
     for view in (gated, jumprelu):

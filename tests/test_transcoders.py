@@ -357,9 +357,9 @@ def _one_step_gradients(name: str) -> dict:
     dead = objectives.DeadLatents(sae.d_sae, 2, torch.device("cpu"))
     dead.since_fired_s[::3] = 5  # a third of the latents dead: AuxK runs
     whole = copy_mod.deepcopy(sae)
-    objectives.Objective(cfg, 100)(whole, x_bd, 50, dead, y_bd).total.backward()
+    objectives.Objective(cfg, 100)(whole, x_bd, 90, dead, y_bd).total.backward()  # past the TopK warm-up
     part = rank_slice(32, comm)
-    data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 50, dead, comm, y_bd[part]).total.backward()
+    data_parallel_loss(objectives.Objective(cfg, 100), sae, x_bd[part], 32, 90, dead, comm, y_bd[part]).total.backward()
     worst = {}
     for (pname, param), want in zip(sae.named_parameters(), whole.parameters(), strict=True):
         got = comm.all_reduce(param.grad)
