@@ -125,6 +125,12 @@ class RunPolicy:
         architecture leaves some unread (JumpReLU's `jumprelu_loss`)."""
         return self.hyper
 
+    def loss_reads(self, loss_keys: dict, loss: str) -> tuple[str, ...]:
+        """The keys of `hyper` a run of the loss `loss` reads: all but those only another loss of `loss_keys` (loss ->
+        its own keys) reads (JumpReLU's `jumprelu_loss`, Gated's `gated_loss`)."""
+        other = {key for name, keys in loss_keys.items() if name != loss for key in keys}
+        return tuple(key for key in self.hyper if key not in other)
+
     def logged_terms(self, cfg) -> tuple[str, ...]:
         """The loss terms a run `cfg` logs, in order: `term_names`, or those of its loss (Gated's `gated_loss`)."""
         return self.term_names

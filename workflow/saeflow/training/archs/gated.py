@@ -38,6 +38,7 @@ from saeflow.training.archs.jumprelu import (
     CALIBRATION_RATE,
     Step,
     calibration,
+    check_mechanism,
     target_l0,
     topk_warmup,
     topk_warmup_steps,
@@ -78,8 +79,7 @@ class Gated(Arch):
 
     def reads(self, cfg) -> tuple[str, ...]:
         """Its loss's own keys and not the other's (`LOSS_KEYS`), and `k` where the target loss reads it."""
-        other = {key for loss, keys in LOSS_KEYS.items() if loss != cfg.gated_loss for key in keys}
-        own = tuple(key for key in self.hyper if key not in other)
+        own = self.loss_reads(LOSS_KEYS, cfg.gated_loss)
         return (*own, "k") if cfg.gated_loss == "target" else own
 
     def logged_terms(self, cfg) -> tuple[str, ...]:
@@ -106,14 +106,10 @@ class Gated(Arch):
         return int(cfg.gated_loss == "target")
 
     def check(self, cfg) -> None:
-        for key, what in (("gate_bias_lr_scale", "the gate bias's learning-rate multiple"),
-                          ("bandwidth", "the straight-through kernel's width"),
-                          ("target_l0_coeff", "the target loss's weight")):  # fmt: skip
-            if key in self.reads(cfg) and not getattr(cfg, key) > 0:
-                raise SaeflowError(f"{key}: {what} must be positive, got {getattr(cfg, key)}")
-        if "topk_warmup_frac" in self.reads(cfg) and not 0 <= cfg.topk_warmup_frac < 1:
-            raise SaeflowError(f"topk_warmup_frac: the TopK warm-up's share of the steps is in [0, 1), got "
-                               f"{cfg.topk_warmup_frac}")  # fmt: skip
+        if not cfg.gate_bias_lr_scale > 0:
+            raise SaeflowError(f"gate_bias_lr_scale: the gate bias's learning-rate multiple must be positive, got "
+                               f"{cfg.gate_bias_lr_scale}")  # fmt: skip
+        check_mechanism(cfg, self.reads(cfg))
 
     def foldable(self) -> bool:
         return True  # the gate's sign and the magnitude both scale with the row's norm

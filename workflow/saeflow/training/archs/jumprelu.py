@@ -86,6 +86,18 @@ def whole_vector_refusal(cfg, arch: str, loss_key: str, others: str) -> str:
             "data)")
 
 
+def check_mechanism(cfg, keys: tuple[str, ...]) -> None:
+    """Refuse, as SaeflowError "<key>: <problem>", a value of the straight-through, warm-up and target-loss keys
+    among `keys` that the mechanism cannot train with (JumpReLU's and Gated's `Arch.check`)."""
+    if "bandwidth" in keys and not cfg.bandwidth > 0:
+        raise SaeflowError(f"bandwidth: the straight-through kernel's width must be positive, got {cfg.bandwidth}")
+    if "topk_warmup_frac" in keys and not 0 <= cfg.topk_warmup_frac < 1:
+        raise SaeflowError(f"topk_warmup_frac: the TopK warm-up's share of the steps is in [0, 1), got "
+                           f"{cfg.topk_warmup_frac}")  # fmt: skip
+    if "target_l0_coeff" in keys and not cfg.target_l0_coeff > 0:
+        raise SaeflowError(f"target_l0_coeff: the target loss's weight must be positive, got {cfg.target_l0_coeff}")
+
+
 def target_l0(l0_b, batch: TermInputs):
     """The target loss, target_l0_coeff x k x (L0 / k - 1)^2 of the whole batch's mean L0 (`TermInputs.batch_mean`:
     the same on every data-parallel rank), as a sum over this rank's vectors. `l0_b`: each vector's L0 through the
@@ -188,8 +200,7 @@ class JumpReLU(Arch):
         """Its loss's own keys and not the others' (`LOSS_KEYS`), as `sparsity_terms` reads them; and `k` where the
         target loss or the TopK warm-up reads it (not in `hyper`: a run that reads neither hashes k at its fixed
         value, as it did before either existed)."""
-        other = {key for loss, keys in LOSS_KEYS.items() if loss != cfg.jumprelu_loss for key in keys}
-        own = tuple(key for key in self.hyper if key not in other)
+        own = self.loss_reads(LOSS_KEYS, cfg.jumprelu_loss)
         return (*own, "k") if reads_whole_vectors(cfg) else own
 
     def parameters(self, d_sae: int) -> dict:
@@ -213,13 +224,7 @@ class JumpReLU(Arch):
         if not cfg.threshold_lr_scale > 0:
             raise SaeflowError(f"threshold_lr_scale: the thresholds' learning-rate multiple must be positive, got "
                                f"{cfg.threshold_lr_scale}")  # fmt: skip
-        if not cfg.bandwidth > 0:
-            raise SaeflowError(f"bandwidth: the straight-through kernel's width must be positive, got {cfg.bandwidth}")
-        if not 0 <= cfg.topk_warmup_frac < 1:
-            raise SaeflowError(f"topk_warmup_frac: the TopK warm-up's share of the steps is in [0, 1), got "
-                               f"{cfg.topk_warmup_frac}")  # fmt: skip
-        if not cfg.target_l0_coeff > 0:
-            raise SaeflowError(f"target_l0_coeff: the target loss's weight must be positive, got {cfg.target_l0_coeff}")
+        check_mechanism(cfg, self.hyper)
         if not cfg.threshold_init > 0:
             raise SaeflowError(f"threshold_init: JumpReLU thresholds are positive (a log parameter), got "
                                f"{cfg.threshold_init}")  # fmt: skip
