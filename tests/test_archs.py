@@ -8,6 +8,7 @@ tests/test_distributed.py, over the registry crossed with the modes.
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -110,6 +111,21 @@ def test_each_architectures_loss_has_its_terms_and_reaches_every_parameter(name)
         assert param.grad is not None and bool(param.grad.abs().sum() > 0), f"{name}: no gradient reaches {pname}"
     assert bool((sae.encode(x_bd) >= 0).all())
     assert bool((sae.eval().encode(x_bd) >= 0).all())
+
+
+def test_relu_trains_at_three_times_the_auto_rate_since_its_trainer_4_and_a_set_lr_is_the_rate():
+    """Issue 42: ReLU's `lr: null` is 3x `rates.auto_lr` (its L1 codes stayed dense in a short run at 1x); a run made
+    by saeflow-train-3 resumes at 1x, an `lr` the user sets is the rate, and every other architecture is at 1x."""
+    from saeflow.training import rates
+
+    def new_run(name, **extra):  # as a run planned today records it
+        return dataclasses.replace(_train_config(name, **extra), trainer=archs.get(name).trainer)
+
+    auto = rates.auto_lr(1536)
+    assert archs.get("relu").trainer == "saeflow-train-4" and rates.peak_lr(new_run("relu"), 1536) == 3 * auto
+    assert rates.peak_lr(_train_config("relu"), 1536) == auto  # made by saeflow-train-3
+    assert rates.peak_lr(new_run("relu", lr=1e-3), 1536) == 1e-3
+    assert {rates.peak_lr(new_run(name), 1536) for name in ARCH_NAMES if name != "relu"} == {auto}
 
 
 @pytest.mark.parametrize(("name", "mode"), PAIRS)

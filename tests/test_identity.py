@@ -224,9 +224,9 @@ def test_the_migration_looks_for_a_run_under_each_trainer_its_architecture_still
 def test_a_trainer_an_architecture_does_not_compute_is_refused_in_one_line():
     cfg = copy.deepcopy(CASES[sorted(CASES)[0]])
     for spec in cfg["saes"].values():
-        spec["arch"], spec["trainer"] = "relu", "saeflow-train-4"
+        spec["arch"], spec["trainer"] = "relu", "saeflow-train-5"
     with pytest.raises(SaeflowError, match=r"^saes\.[^ ]+\.trainer: this saeflow does not train relu as "
-                                           r"'saeflow-train-4'; choose one of saeflow-train-3$"):
+                                           r"'saeflow-train-5'; choose one of saeflow-train-4, saeflow-train-3$"):
         WorkflowPlan.from_config(config.validate(cfg))
 
 

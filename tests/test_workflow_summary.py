@@ -107,12 +107,12 @@ def test_summary_carries_the_splice_evaluation(tmp_path):
 
 
 def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
-    """Issue 25: `config.lr` is blank when the default (null: `train.auto_lr(d_sae)`) is used, so the rate a run
+    """Issue 25: `config.lr` is blank when the default (null: `rates.auto_lr(d_sae)`) is used, so the rate a run
     trained with was shown nowhere. Training records it in checkpoint/metrics.json (and its final line), and the
     summary shows it as `train.peak_lr`; the run id (the hashed config) is unchanged."""
     from builders import planted_data, run_from_sae_spec, write_shards
     from saeflow.analysis import inference
-    from saeflow.training import train
+    from saeflow.training import rates, train
 
     x_nd, _ = planted_data(512, d_model=16, n_atoms=16, k=2)
     sd = write_shards(tmp_path / "shards", x_nd.reshape(-1, 1, 8, 16), layers=(0,), tag="lr")
@@ -120,14 +120,14 @@ def test_summary_shows_the_learning_rate_a_run_trained_with(tmp_path):
     default = run_from_sae_spec(tmp_path / "runs", sd, **spec)
     explicit = run_from_sae_spec(tmp_path / "runs", sd, **spec, lr=3e-3)
     results = train.train_runs([default.root, explicit.root], train.TrainSettings(device="cpu"))
-    assert sorted(r["peak_lr"] for r in results) == sorted([train.auto_lr(32), 3e-3])
+    assert sorted(r["peak_lr"] for r in results) == sorted([rates.auto_lr(32), 3e-3])
     for run in (default, explicit):
         assert run.root.name == runs.run_id(run.config())
         inference.run_inference(inference.InferenceConfig(run.root, sd.dpath))
     csv_fpath, _ = report.write_summary([default.root, explicit.root], tmp_path / "out")
     rows = {r["run_id"]: r for r in csv.DictReader(io.StringIO(csv_fpath.read_text()))}
     assert rows[default.root.name]["config.lr"] == "" and rows[explicit.root.name]["config.lr"] == "0.003"
-    assert float(rows[default.root.name]["train.peak_lr"]) == train.auto_lr(32)
+    assert float(rows[default.root.name]["train.peak_lr"]) == rates.auto_lr(32)
     assert float(rows[explicit.root.name]["train.peak_lr"]) == 3e-3
 
 

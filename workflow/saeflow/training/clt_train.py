@@ -19,8 +19,9 @@ from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator
 from saeflow.training.objectives import DeadLatents, dead_after_steps, one_process
 from saeflow.training.ranks.distributed import Comm
+from saeflow.training.rates import lr_scales, peak_lr
 from saeflow.training.specs import TrainConfig
-from saeflow.training.train import LOG_EVERY, Checkpoint, Trainer, TrainSettings, auto_lr, lr_scales
+from saeflow.training.train import LOG_EVERY, Checkpoint, Trainer, TrainSettings
 
 ROLES = ((runs.Run.TRAIN_SHARDS, "train_shards"), (runs.Run.TARGET_SHARDS, "target"),
          (runs.Run.VAL_SHARDS, "val_shards"), (runs.Run.VAL_TARGET_SHARDS, "val_target"))  # fmt: skip
@@ -48,7 +49,7 @@ class CLTTrainer(Trainer):
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
         self.checkpoint = Checkpoint(run)
         self.sae = clt_mod.CLT(clt_mod.CLTConfig.of_run(cfg, d_model, d_out)).to(device).train()
-        self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.cfg.d_sae)
+        self.peak_lr = peak_lr(cfg, self.sae.cfg.d_sae)
         scales = [scale for sae in self.sae.encoders for scale in lr_scales(sae, cfg)]
         self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=scales)
         self.step, self.pool_rows = 0, None

@@ -94,7 +94,7 @@ class TrainConfig(_Layers):
     aux_k: int
     aux_alpha: float
     dead_after_vectors: int | None  # None: objectives.dead_after_steps' default
-    lr: float | None  # None: train.auto_lr(d_sae)
+    lr: float | None  # None: rates.peak_lr's default
     lr_warmup_frac: float
     sparsity_warmup_frac: float
     batch_size: int

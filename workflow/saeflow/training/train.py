@@ -26,7 +26,7 @@ from saeflow import config, devices, numerics, preempt
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
-from saeflow.training import degenerate, localcopy, memory, resume, tracking
+from saeflow.training import degenerate, localcopy, memory, rates, resume, tracking
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
@@ -59,22 +59,6 @@ class TrainSettings:
 DEFAULT_SETTINGS = TrainSettings()
 
 
-def auto_lr(d_sae: int) -> float:
-    """The default peak learning rate of every architecture: 8e-4 at d_sae = 16384, scaled by 1/sqrt(d_sae).
-
-    Adam moves every weight by about lr per step whatever its gradient's size, so what matters is lr against the
-    weights' own size: a unit decoder row's (and its encoder column's) entries are about 1/sqrt(d_model), and
-    scaling lr with them keeps the relative step (how fast a latent's direction turns) the same across widths at a
-    fixed expansion (sparsify scales its default the same way). 4e-4 (an older fixed default) left TopK at 1% of a
-    planted dictionary in 256 steps where sparsify's defaults reach 75%. ReLU, whose decoder rows start at norm 0.1,
-    once got a fifth of this (to turn its short rows no faster than TopK's unit ones); that left its encoder biases
-    too slow to sparsify the codes in a short run: 11% of the planted dictionary at L0 70 (true 8), against 91% at
-    L0 13 with the full rate (benchmarks/bench_planted.py, d 128, 512 atoms, 1M vectors; 2x the rate gave 96%,
-    0.5x 87%).
-    """
-    return 8e-4 * math.sqrt(16384 / d_sae)
-
-
 def adam_step(opt: Adam, sae, cfg: TrainConfig) -> None:
     """The optimizer step. Decoder rows of unit norm (the architecture's decoder policy for the run `cfg`,
     `Arch.unit_rows`: an SAE's `unit_decoder_for`, never a transcoder's; see sae.init_from_data) lose the gradient
@@ -85,22 +69,6 @@ def adam_step(opt: Adam, sae, cfg: TrainConfig) -> None:
     opt.step()
     if unit_rows:
         sae.normalize_decoder()
-
-
-def lr_scales(sae, cfg: TrainConfig) -> list[float]:
-    """Each parameter's multiple of the learning rate, in `sae.parameters()` order (`Arch.lr_scales`; 1 for most).
-    `sae` is a whole SAE or a rank's latent shard."""
-    scales = sae.arch.lr_scales(cfg)
-    return [scales.get(name, 1.0) for name, _ in sae.named_parameters()]
-
-
-def lr_at(step: int, n_steps: int, peak: float, warmup_frac: float) -> float:
-    """Linear warm-up, then cosine decay to zero at the last step."""
-    n_warm = int(warmup_frac * n_steps)
-    if step < n_warm:
-        return peak * (step + 1) / n_warm
-    progress = (step - n_warm) / max(1, n_steps - n_warm)
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class Checkpoint:
@@ -220,8 +188,8 @@ class Trainer:
         self.run, self.cfg, self.n_steps, self.device = run, cfg, n_steps, device
         self.checkpoint = Checkpoint(run)
         self.sae = SAE(cfg.sae_config(d_model, d_out)).to(device).train()
-        self.peak_lr = cfg.lr if cfg.lr is not None else auto_lr(self.sae.d_sae)
-        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=lr_scales(self.sae, cfg))
+        self.peak_lr = rates.peak_lr(cfg, self.sae.d_sae)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=rates.lr_scales(self.sae, cfg))
         self.objective = Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
         self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
@@ -263,9 +231,9 @@ class Trainer:
         self.platforms = earlier or [here]
 
     def set_lr(self) -> None:
-        """This step's learning rate (warmup, then decay: lr_at) on every parameter group."""
+        """This step's learning rate (warmup, then decay: rates.lr_at) on every parameter group."""
         for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
+            group["lr"] = rates.lr_at(self.step, self.n_steps, self.peak_lr, self.cfg.lr_warmup_frac)
 
     def train_step(self, batch: pairs.Batch) -> None:
         """One step on a batch: an SAE's inputs, or a transcoder's (inputs, targets)."""

@@ -151,6 +151,11 @@ class RunPolicy:
         the encoder's."""
         return self.unit_decoder_for(cfg) and not sae_cfg.transcoder
 
+    def auto_lr_scale(self, cfg) -> float:
+        """The multiple of `rates.auto_lr` the run `cfg` trains at when its `lr` is null (the default); an `lr` the
+        user sets is the rate."""
+        return 1.0
+
     def lr_scales(self, cfg) -> dict:
         """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
         the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`)."""

@@ -3,6 +3,9 @@
     f_bs = relu(pre_bs)
     loss = mse + l1_coeff x ramp(step) x mean_b sum_s f_bs ||W_dec[s]||   (+ AuxK, dead latents through softplus)
 
+Since saeflow-train-4 its default learning rate is AUTO_LR_SCALE x `rates.auto_lr` (which says why); a run
+made by saeflow-train-3 resumes at the rate it started with.
+
 Decoder rows start at norm 0.1 and their norms train freely (the L1 term weighs each code by its row's norm, so
 rescaling games nothing; training.sae.init_from_data says why); they are folded into the encoder when
 the SAE is published, so sae.pt always has unit rows.
@@ -11,6 +14,7 @@ the SAE is published, so sae.pt always has unit rows.
 from saeflow.training.archs.base import Arch, Selection, TermInputs, torch
 
 DECODER_INIT_NORM = 0.1
+AUTO_LR_SCALE = 3.0  # its `lr: null` rate over every architecture's (rates.auto_lr, docs/training.md)
 
 
 def l1_ramp(step: int, n_steps: int, warmup_frac: float) -> float:
@@ -27,6 +31,8 @@ def l1_penalty(W_dec_sd, f_bs):
 class ReLU(Arch):
     name = "relu"
     selection = Selection.DENSE
+    trainer = "saeflow-train-4"  # the default learning rate at AUTO_LR_SCALE
+    earlier_trainers = ("saeflow-train-3",)
     hyper = ("l1_coeff", "sparsity_warmup_frac")
     unit_decoder = False
     decoder_init_norm = DECODER_INIT_NORM
@@ -34,6 +40,9 @@ class ReLU(Arch):
     term_names = ("mse", "l1", "aux")
     saelens = "standard"
     saelens_transcoder = "transcoder"
+
+    def auto_lr_scale(self, cfg) -> float:
+        return AUTO_LR_SCALE if cfg.trainer == self.trainer else 1.0
 
     def activate(self, sae, pre_bs):
         return torch.relu(pre_bs)

@@ -27,7 +27,7 @@ import math
 import torch
 
 from saeflow.store import provenance
-from saeflow.training import objectives, train
+from saeflow.training import objectives, rates, train
 from saeflow.training.adam import Adam
 from saeflow.training.archs import Selection
 from saeflow.training.loaders import ordered_loader, pairs
@@ -255,8 +255,8 @@ class ShardedTrainer(train.Trainer):
         sae_cfg = cfg.sae_config(d_model, d_out)
         bounds = latent_bounds(sae_cfg.d_sae, comm.world_size)
         self.sae = LatentShard(sae_cfg, bounds[comm.rank], bounds[comm.rank + 1]).to(device).train()
-        self.peak_lr = cfg.lr if cfg.lr is not None else train.auto_lr(sae_cfg.d_sae)
-        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=train.lr_scales(self.sae, cfg))
+        self.peak_lr = rates.peak_lr(cfg, sae_cfg.d_sae)
+        self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=rates.lr_scales(self.sae, cfg))
         self.objective = objectives.Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None
         self.dead = objectives.DeadLatents(self.sae.d_sae, objectives.dead_after_steps(cfg, n_steps), device)
