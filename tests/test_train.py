@@ -115,7 +115,7 @@ def test_dead_relu_latents_come_back(tmp_path, planted, monkeypatch, aux_alpha, 
     """Half the latents of a ReLU SAE start dead (encoder bias -4: negative pre-activations on every input, where
     ReLU passes no gradient). Without dead-latent handling they stay dead; with it (AuxK through softplus once
     they have been silent for the dead window) they fire again by the end. At the every-architecture rate
-    (`rates.auto_lr`, ReLU's own before saeflow-train-4): at ReLU's default 3x, 17 of the 64 fire at the end (12 after
+    (`rates.auto_lr`, ReLU's own before saeflow-train-4): at ReLU's default 2.5x, 28 of the 64 fire at the end (15 after
     4 epochs), as the faster rate shuts rarely firing latents again (docs/training.md, "Learning rate")."""
     init = train.Trainer.init_from_data
 

@@ -18,17 +18,18 @@ def auto_lr(d_sae: int) -> float:
     once got a fifth of this (to turn its short rows no faster than TopK's unit ones); that left its encoder biases
     too slow to sparsify the codes in a short run: 11% of the planted dictionary at L0 70 (true 8), against 91% at
     L0 13 with the full rate (benchmarks/bench_planted.py, d 128, 512 atoms, 1M vectors; 2x the rate gave 96%,
-    0.5x 87%). Since saeflow-train-4 ReLU trains at 3x this (`relu.AUTO_LR_SCALE`): on MiniLM (226 steps) its L1
-    at 1x left the codes dense and short of their decoder (NMSE 1.7x TopK's at its L0 at layer 2's residual; 1.2x at
-    3x, 1.05x at 6x with 22% dead), and on the planted grid 3x recovered more in every cell (d 128, 8 active,
-    log-normal: 51% -> 89%; docs/training.md has the tables).
+    0.5x 87%). Since saeflow-train-4 ReLU trains at 2.5x this (`relu.AUTO_LR_SCALE`): on MiniLM (226 steps) its L1
+    at 1x left the codes dense and short of their decoder (NMSE 1.7x TopK's at its L0 at layer 2's residual; 1.24x
+    at 2.5x), and on the planted grid 2.5x recovered more (docs/training.md has the tables). 3x did better still on
+    MiniLM, but its weights then differed by 11-14% between CPU kernels on the default workflow's run (2.5x: 6.5%;
+    1x: 4%), past the 10% `saeflow compare` allows.
     """
     return 8e-4 * math.sqrt(16384 / d_sae)
 
 
 def peak_lr(cfg, d_sae: int) -> float:
     """The run `cfg`'s peak learning rate: its `lr`, or when that is null `auto_lr(d_sae)` at its architecture's
-    multiple (`Arch.auto_lr_scale`: ReLU's 3 since saeflow-train-4)."""
+    multiple (`Arch.auto_lr_scale`: ReLU's 2.5 since saeflow-train-4)."""
     return cfg.lr if cfg.lr is not None else auto_lr(d_sae) * archs.get(cfg.arch).auto_lr_scale(cfg)
 
 

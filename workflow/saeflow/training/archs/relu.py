@@ -14,7 +14,7 @@ the SAE is published, so sae.pt always has unit rows.
 from saeflow.training.archs.base import Arch, Selection, TermInputs, torch
 
 DECODER_INIT_NORM = 0.1
-AUTO_LR_SCALE = 3.0  # its `lr: null` rate over every architecture's (rates.auto_lr, docs/training.md)
+AUTO_LR_SCALE = 2.5  # its `lr: null` rate over every architecture's (rates.auto_lr, docs/training.md)
 
 
 def l1_ramp(step: int, n_steps: int, warmup_frac: float) -> float:
