@@ -230,7 +230,7 @@ def run_grid(args) -> None:
     print(f"planted grid, {n_steps} steps of {args.batch_size} ({n_steps * args.batch_size:,} vectors) per cell, "
           f"input noise {args.input_noise}, torch threads {torch.get_num_threads()}")  # fmt: skip
     table = {name: [] for name in args.only.split(",")}
-    defaults = _schema_defaults(SCHEMA_DEFAULTS)
+    defaults = {**_schema_defaults(SCHEMA_DEFAULTS), **({} if args.lr is None else {"lr": args.lr})}  # --lr wins
     for cell in grid_cells(args):
         n_atoms = cell["atoms_per_dim"] * cell["d_model"]
         cell_args = argparse.Namespace(**{**vars(args), **cell, "n_atoms": n_atoms, "dead_after_vectors": 0})

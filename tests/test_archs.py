@@ -128,6 +128,31 @@ def test_relu_trains_at_two_and_a_half_times_the_auto_rate_since_its_trainer_4_a
     assert {rates.peak_lr(new_run(name), 1536) for name in ARCH_NAMES if name != "relu"} == {auto}
 
 
+def test_topk_jumprelu_and_gated_decoders_train_at_twice_the_rate_in_new_runs_only():
+    """Issue 42: the unit decoder rows of TopK (since saeflow-train-5), JumpReLU and Gated (since saeflow-train-4)
+    train at DECODER_LR_SCALE x the run's rate, beside each one's own multiples; a run made by an earlier trainer
+    resumes with the rates it started with, and no other architecture's decoder is faster."""
+    from saeflow.training import rates
+    from saeflow.training.archs.base import DECODER_LR_SCALE
+
+    def scales(name, trainer):
+        cfg = dataclasses.replace(_train_config(name, k=4), trainer=trainer)
+        sae = SAE(cfg.sae_config(16))
+        return dict(zip((n for n, _ in sae.named_parameters()), rates.lr_scales(sae, cfg)))
+
+    fast = {"topk": "saeflow-train-5", "jumprelu": "saeflow-train-4", "gated": "saeflow-train-4"}
+    assert DECODER_LR_SCALE == 2.0
+    for name in ARCH_NAMES:
+        now = scales(name, archs.get(name).trainer)
+        assert now["W_dec"] == (DECODER_LR_SCALE if name in fast else 1.0), (name, now)
+        assert now["W_enc"] == 1.0 and now["b_dec"] == 1.0, (name, now)
+        for trainer in archs.get(name).earlier_trainers:
+            assert scales(name, trainer)["W_dec"] == 1.0, (name, trainer)
+    assert archs.get("topk").trainer == fast["topk"] and scales("topk", "saeflow-train-4")["W_dec"] == 1.0
+    assert scales("jumprelu", "saeflow-train-4")["log_threshold"] == 4.0  # its own multiple kept
+    assert scales("gated", "saeflow-train-4")["b_enc"] == 4.0
+
+
 @pytest.mark.parametrize(("name", "mode"), PAIRS)
 def test_a_mode_an_architecture_does_not_train_in_is_refused_at_plan_time_in_one_line(name, mode, monkeypatch):
     """Each architecture plans in the modes it names; without `mode` (as an architecture that lacks it) the plan

@@ -213,12 +213,16 @@ def test_the_migration_looks_for_a_run_under_each_trainer_its_architecture_still
     from saeflow import migration
 
     plan = WorkflowPlan.from_config(config.validate(copy.deepcopy(CASES["jumprelu-gated"])))
-    for run in plan.runs.values():  # JumpReLU and Gated: one trainer version, so only the planned run
-        assert migration.trainer_versions(run.train_config) == [run.train_config]
-    topk = dataclasses.replace(next(iter(plan.runs.values())).train_config, arch="topk", trainer="saeflow-train-4")
-    assert [c.trainer for c in migration.trainer_versions(topk)] == ["saeflow-train-4", "saeflow-train-3"]
+    for run in plan.runs.values():  # JumpReLU and Gated: saeflow-train-4 (their faster decoder), then 3
+        assert [c.trainer for c in migration.trainer_versions(run.train_config)] == ["saeflow-train-4",
+                                                                                     "saeflow-train-3"]  # fmt: skip
+    mp = dataclasses.replace(next(iter(plan.runs.values())).train_config, arch="mp", trainer="saeflow-train-3")
+    assert migration.trainer_versions(mp) == [mp]  # one trainer version, so only the planned run
+    topk = dataclasses.replace(mp, arch="topk", trainer="saeflow-train-4")
+    assert [c.trainer for c in migration.trainer_versions(topk)] == ["saeflow-train-4", "saeflow-train-5",
+                                                                     "saeflow-train-3"]  # fmt: skip
     assert [c.trainer for c in migration.trainer_versions(dataclasses.replace(topk, trainer="saeflow-train-3"))] == [
-        "saeflow-train-3", "saeflow-train-4"]
+        "saeflow-train-3", "saeflow-train-5", "saeflow-train-4"]
 
 
 def test_a_trainer_an_architecture_does_not_compute_is_refused_in_one_line():

@@ -87,10 +87,11 @@ def test_migrate_recomputes_nothing_and_the_workflow_then_plans_nothing(layout1)
 
 
 def test_a_run_of_an_earlier_trainer_moves_under_its_own_id_and_the_config_as_it_was_trains_it_anew(layout1):
-    """Unpinned, the config plans TopK's saeflow-train-4 runs: the migration still moves the saeflow-train-3 ones (the
-    same runs as the pinned config's), says how to keep them, and the workflow extracts nothing, training only those."""
+    """Unpinned, the config plans TopK's runs of its trainer now (saeflow-train-5): the migration still moves the
+    saeflow-train-3 ones (the same runs as the pinned config's), says how to keep them, and the workflow extracts
+    nothing, training only those."""
     plan, plan_now, workdir = layout1["plan"], layout1["plan_now"], layout1["workdir"]
-    assert {p.train_config.trainer for p in plan_now.runs.values()} == {"saeflow-train-4"}
+    assert {p.train_config.trainer for p in plan_now.runs.values()} == {"saeflow-train-5"}
     proc = saeflow_cli(workdir, "migrate", "config.yaml")
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
     lines = proc.stdout.splitlines()

@@ -162,7 +162,8 @@ def test_a_run_of_the_first_trainer_resumes_with_the_dense_gradient_it_started_w
     assert not calls
     want, got = load_sae(whole.sae_fpath).state_dict(), load_sae(stopped.sae_fpath).state_dict()
     assert all(torch.equal(got[name], want[name]) for name in want)
-    now = _run_at(tmp_path, "now", topk.trainer, arch)  # today's trainer: another run id, the picked gradient
+    # the picks' trainer (TopK's since moved on, to its faster decoder): another run id, the picked gradient
+    now = _run_at(tmp_path, "now", objectives.PICKS_SINCE, arch)
     assert now.root.name != whole.root.name
     train.train_runs([now.root], train.TrainSettings(device="cpu"))
     assert calls
@@ -170,6 +171,10 @@ def test_a_run_of_the_first_trainer_resumes_with_the_dense_gradient_it_started_w
     assert not torch.equal(moved["W_enc"], want["W_enc"])  # other roundings ...
     rel = (moved["W_dec"] - want["W_dec"]).norm() / want["W_dec"].norm()
     assert rel < 0.1, float(rel)  # ... of the same maths
+    if topk.trainer != objectives.PICKS_SINCE:  # a later trainer keeps the picks (archs.made_since)
+        calls.clear()
+        train.train_runs([_run_at(tmp_path, "latest", topk.trainer, arch).root], train.TrainSettings(device="cpu"))
+        assert calls
 
 
 def test_a_trainer_that_no_architecture_computes_is_refused_in_one_line(tmp_path, capsys):

@@ -18,7 +18,7 @@ import typing
 
 import torch
 
-from saeflow.training.archs import Selection, TermInputs
+from saeflow.training.archs import Selection, TermInputs, made_since
 from saeflow.training.metrics import batch_nmse
 from saeflow.training.picks import PreActs
 from saeflow.training.sae import SAE
@@ -26,6 +26,7 @@ from saeflow.training.specs import TrainConfig
 
 # The selections whose training reads the pre-activations at their picks only (training/picks.py)
 PICKED = (Selection.TOP_K, Selection.BATCH_TOP_K)
+PICKS_SINCE = "saeflow-train-4"  # the trainer that introduced them (TopK's and BatchTopK's)
 DEAD_AFTER_MAX_VECTORS = 10_000_000  # the default dead-latent window's cap (see dead_after_steps)
 
 
@@ -71,10 +72,9 @@ class Codes:
 
 def pre_acts(cfg: TrainConfig, model, xn_bd: torch.Tensor) -> PreActs:
     """The batch's pre-activations for training `model` (an SAE or a latent shard) in the run `cfg`: a TOP_K
-    selection reads them through its picks (training/picks.py) in a run of its architecture's trainer now; a run made
-    by an earlier trainer, and every other selection, through autograd."""
-    arch = model.arch
-    return PreActs(model, xn_bd, picked=arch.selection in PICKED and cfg.trainer == arch.trainer)
+    selection reads them through its picks (training/picks.py) in a run made since saeflow-train-4 (PICKS_SINCE); a
+    run made before, and every other selection, through autograd."""
+    return PreActs(model, xn_bd, picked=model.arch.selection in PICKED and made_since(cfg, PICKS_SINCE))
 
 
 def batch_codes(pre: PreActs, keep_bs: torch.Tensor) -> Codes:

@@ -22,7 +22,8 @@ def auto_lr(d_sae: int) -> float:
     at 1x left the codes dense and short of their decoder (NMSE 1.7x TopK's at its L0 at layer 2's residual; 1.24x
     at 2.5x), and on the planted grid 2.5x recovered more (docs/training.md has the tables). 3x did better still on
     MiniLM, but its weights then differed by 11-14% between CPU kernels on the default workflow's run (2.5x: 6.5%;
-    1x: 4%), past the 10% `saeflow compare` allows.
+    1x: 4%), past the 10% `saeflow compare` allows. TopK's, JumpReLU's and Gated's decoders train at twice the
+    run's rate (`archs.base.DECODER_LR_SCALE`, through `lr_scales`).
     """
     return 8e-4 * math.sqrt(16384 / d_sae)
 

@@ -28,9 +28,10 @@ from saeflow.store import atomic, provenance, runs
 from saeflow.store.shards import ShardDir
 from saeflow.training import degenerate, localcopy, memory, rates, resume, tracking
 from saeflow.training.adam import Adam
+from saeflow.training.archs import made_since
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import DeadLatents, Loss, Objective, dead_after_steps, one_process
+from saeflow.training.objectives import PICKS_SINCE, DeadLatents, Loss, Objective, dead_after_steps, one_process
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE, forward_picks, init_from_data, save_atomic, save_sae
 from saeflow.training.specs import TrainConfig
@@ -294,10 +295,10 @@ def measured_on(cfg: TrainConfig, val_dir: ShardDir) -> dict:
 def validation_metrics(sae: SAE, val_dir: ShardDir, cfg: TrainConfig, device: torch.device,
                        target_dir: ShardDir | None = None) -> dict:  # fmt: skip
     """The SAE's metrics on the first `n_val_vectors` (all when None) validation vectors, in storage order; a
-    transcoder's (`target_dir`: its validation targets) of its predictions of the targets. k-sparse codes of a run of
-    the architecture's trainer now are decoded from their picks (`forward_picks`), never made dense."""
+    transcoder's (`target_dir`: its validation targets) of its predictions of the targets. k-sparse codes of a run
+    made since the picks (`PICKS_SINCE`) are decoded from them (`forward_picks`), never made dense."""
     acc = MetricsAccumulator(sae.d_out, sae.d_sae)
-    picked = sae.arch.k_sparse and cfg.trainer == sae.arch.trainer
+    picked = sae.arch.k_sparse and made_since(cfg, PICKS_SINCE)
     loader = ordered_loader(val_dir, target_dir, cfg.layer, cfg.batch_size, cfg.tokens, borrowed=True)  # used at once
     n_max = cfg.n_val_vectors or loader.n_vectors
     for batch in loader:

@@ -14,7 +14,7 @@ import pkgutil
 
 from saeflow import config
 from saeflow.errors import SaeflowError
-from saeflow.training.archs.base import MODES, Arch, Selection, TermInputs, Unsupported
+from saeflow.training.archs.base import MODES, Arch, Selection, TermInputs, Unsupported, made_since
 
 MODULES = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"))  # each defines ARCH
 REGISTRY: dict[str, Arch] = {arch.name: arch for arch in (importlib.import_module(f"{__name__}.{m}").ARCH
@@ -87,4 +87,4 @@ def from_saelens(saelens_name: str, cfg: dict, transcoder: bool = False) -> Arch
 
 
 __all__ = ["MODES", "NAMES", "REGISTRY", "Arch", "Selection", "TermInputs", "Unsupported", "check", "check_mode", "get",
-           "names", "trains_in"]
+           "made_since", "names", "trains_in"]

@@ -67,6 +67,9 @@ def _gate(sae, pre_bs, cfg):
 class Gated(Arch):
     name = "gated"
     selection = Selection.DENSE
+    trainer = "saeflow-train-4"  # the decoder at base.DECODER_LR_SCALE
+    earlier_trainers = ("saeflow-train-3",)
+    fast_decoder_since = "saeflow-train-4"
     hyper = ("gated_loss", "gate_l1_coeff", "gate_bias_lr_scale", "sparsity_warmup_frac", "target_l0_coeff",
              "topk_warmup_frac", "bandwidth")  # fmt: skip
     legacy_hashed = ()  # each loss reads every key of hyper it read before the target loss came (issue 42)
@@ -95,7 +98,8 @@ class Gated(Arch):
         return {"r_mag": torch.zeros(d_sae), "b_mag": torch.zeros(d_sae)}
 
     def lr_scales(self, cfg) -> dict:
-        return {"b_enc": cfg.gate_bias_lr_scale}  # where each gate opens: see the module docstring
+        # b_enc: where each gate opens (the module docstring)
+        return {**self.decoder_lr_scales(cfg), "b_enc": cfg.gate_bias_lr_scale}
 
     def mode_refusal(self, cfg, mode: str) -> str | None:
         if mode != "latents" or cfg.gated_loss != "target":

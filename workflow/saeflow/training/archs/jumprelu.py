@@ -189,6 +189,9 @@ def _functions():
 class JumpReLU(Arch):
     name = "jumprelu"
     selection = Selection.DENSE
+    trainer = "saeflow-train-4"  # the decoder at base.DECODER_LR_SCALE
+    earlier_trainers = ("saeflow-train-3",)
+    fast_decoder_since = "saeflow-train-4"
     hyper = ("jumprelu_loss", "l0_coeff", "tanh_coeff", "bandwidth", "threshold_init", "tanh_scale", "pre_act_coeff",
              "threshold_lr_scale", "sparsity_warmup_frac", "target_l0_coeff", "topk_warmup_frac")  # fmt: skip
     ghost_aux = True  # a dead latent sits below its threshold, usually below zero: AuxK reaches it through softplus
@@ -210,7 +213,7 @@ class JumpReLU(Arch):
         sae.log_threshold.fill_(math.log(cfg.threshold_init))
 
     def lr_scales(self, cfg) -> dict:
-        return {"log_threshold": cfg.threshold_lr_scale}
+        return {**self.decoder_lr_scales(cfg), "log_threshold": cfg.threshold_lr_scale}
 
     def mode_refusal(self, cfg, mode: str) -> str | None:
         if mode != "latents" or not reads_whole_vectors(cfg):

@@ -4,7 +4,8 @@ pre-activations (after ReLU); dead latents learn through AuxK. Decoder rows are 
 Training decodes from the k kept (value, latent) pairs only (objectives.Codes), and a latent-sharded SAE picks the
 global top k from every rank's candidates (training.ranks.sharded); inference is `activate`. Since saeflow-train-4
 the encoder's gradient, too, comes from the picks only where that is faster (training/picks.py); a run made by
-saeflow-train-3 resumes with the dense gradient it started with.
+saeflow-train-3 resumes with the dense gradient it started with. Since saeflow-train-5 the decoder trains at
+twice the run's rate (`base.DECODER_LR_SCALE`); an earlier run resumes with the rates it started with.
 """
 
 from saeflow.training.archs.base import Arch, Selection, torch
@@ -14,8 +15,9 @@ class TopK(Arch):
     name = "topk"
     selection = Selection.TOP_K
     k_sparse = True
-    trainer = "saeflow-train-4"  # the encoder's gradient from the picks (training/picks.py)
-    earlier_trainers = ("saeflow-train-3",)
+    trainer = "saeflow-train-5"  # the decoder at base.DECODER_LR_SCALE
+    earlier_trainers = ("saeflow-train-4", "saeflow-train-3")  # 4: the encoder's gradient from the picks
+    fast_decoder_since = "saeflow-train-5"
     hyper = ("k",)
     saelens = "topk"
     saelens_required = ("k",)
