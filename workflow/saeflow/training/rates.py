@@ -35,9 +35,9 @@ def peak_lr(cfg, d_sae: int) -> float:
 
 
 def lr_scales(sae, cfg) -> list[float]:
-    """Each parameter's multiple of the learning rate, in `sae.parameters()` order (`Arch.lr_scales`; 1 for most).
-    `sae` is a whole SAE or a rank's latent shard."""
-    scales = sae.arch.lr_scales(cfg)
+    """Each parameter's multiple of the learning rate, in `sae.parameters()` order (`Arch.decoder_lr_scales` and
+    `Arch.lr_scales`; 1 for most). `sae` is a whole SAE or a rank's latent shard."""
+    scales = {**sae.arch.decoder_lr_scales(cfg), **sae.arch.lr_scales(cfg)}
     return [scales.get(name, 1.0) for name, _ in sae.named_parameters()]
 
 

@@ -172,9 +172,9 @@ class RunPolicy:
 
     def lr_scales(self, cfg) -> dict:
         """Parameters that train at a multiple of the run's learning rate (name -> multiple; the others at 1), from
-        the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`); the decoder's
-        (`decoder_lr_scales`) unless a subclass says otherwise."""
-        return self.decoder_lr_scales(cfg)
+        the run's config `cfg` (e.g. JumpReLU's thresholds: `threshold_lr_scale`). The decoder's multiple is not
+        here but in `decoder_lr_scales`, which `rates.lr_scales` merges with these for every architecture."""
+        return {}
 
     def decoder_lr_scales(self, cfg) -> dict:
         """W_dec at DECODER_LR_SCALE in a run made since the architecture's `fast_decoder_since` trainer, else {}."""

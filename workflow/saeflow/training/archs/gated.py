@@ -98,8 +98,7 @@ class Gated(Arch):
         return {"r_mag": torch.zeros(d_sae), "b_mag": torch.zeros(d_sae)}
 
     def lr_scales(self, cfg) -> dict:
-        # b_enc: where each gate opens (the module docstring)
-        return {**self.decoder_lr_scales(cfg), "b_enc": cfg.gate_bias_lr_scale}
+        return {"b_enc": cfg.gate_bias_lr_scale}  # where each gate opens: see the module docstring
 
     def mode_refusal(self, cfg, mode: str) -> str | None:
         if mode != "latents" or cfg.gated_loss != "target":

@@ -213,7 +213,7 @@ class JumpReLU(Arch):
         sae.log_threshold.fill_(math.log(cfg.threshold_init))
 
     def lr_scales(self, cfg) -> dict:
-        return {**self.decoder_lr_scales(cfg), "log_threshold": cfg.threshold_lr_scale}
+        return {"log_threshold": cfg.threshold_lr_scale}
 
     def mode_refusal(self, cfg, mode: str) -> str | None:
         if mode != "latents" or not reads_whole_vectors(cfg):

@@ -11,10 +11,11 @@ rescaling games nothing; training.sae.init_from_data says why); they are folded 
 the SAE is published, so sae.pt always has unit rows.
 """
 
-from saeflow.training.archs.base import Arch, Selection, TermInputs, torch
+from saeflow.training.archs.base import Arch, Selection, TermInputs, made_since, torch
 
 DECODER_INIT_NORM = 0.1
 AUTO_LR_SCALE = 2.5  # its `lr: null` rate over every architecture's (rates.auto_lr, docs/training.md)
+AUTO_LR_SCALE_SINCE = "saeflow-train-4"
 
 
 def l1_ramp(step: int, n_steps: int, warmup_frac: float) -> float:
@@ -42,7 +43,7 @@ class ReLU(Arch):
     saelens_transcoder = "transcoder"
 
     def auto_lr_scale(self, cfg) -> float:
-        return AUTO_LR_SCALE if cfg.trainer == self.trainer else 1.0
+        return AUTO_LR_SCALE if made_since(cfg, AUTO_LR_SCALE_SINCE) else 1.0
 
     def activate(self, sae, pre_bs):
         return torch.relu(pre_bs)
