@@ -133,7 +133,7 @@ def test_topk_jumprelu_and_gated_decoders_train_at_twice_the_rate_in_new_runs_on
     train at DECODER_LR_SCALE x the run's rate, beside each one's own multiples; a run made by an earlier trainer
     resumes with the rates it started with, and no other architecture's decoder is faster."""
     from saeflow.training import rates
-    from saeflow.training.archs.base import DECODER_LR_SCALE
+    from saeflow.training.archs.base import DECODER_LR_SCALE, made_since
 
     def scales(name, trainer):
         cfg = dataclasses.replace(_train_config(name, k=4), trainer=trainer)
@@ -147,7 +147,10 @@ def test_topk_jumprelu_and_gated_decoders_train_at_twice_the_rate_in_new_runs_on
         assert now["W_dec"] == (DECODER_LR_SCALE if name in fast else 1.0), (name, now)
         assert now["W_enc"] == 1.0 and now["b_dec"] == 1.0, (name, now)
         for trainer in archs.get(name).earlier_trainers:
-            assert scales(name, trainer)["W_dec"] == 1.0, (name, trainer)
+            then = dataclasses.replace(_train_config(name), trainer=trainer)
+            fast_then = name in fast and made_since(then, fast[name])
+            assert scales(name, trainer)["W_dec"] == (DECODER_LR_SCALE if fast_then else 1.0), (name, trainer)
+    assert scales("jumprelu", "saeflow-train-3")["W_dec"] == scales("gated", "saeflow-train-3")["W_dec"] == 1.0
     assert archs.get("topk").trainer == fast["topk"] and scales("topk", "saeflow-train-4")["W_dec"] == 1.0
     assert scales("jumprelu", "saeflow-train-4")["log_threshold"] == 4.0  # its own multiple kept
     assert scales("gated", "saeflow-train-4")["b_enc"] == 4.0

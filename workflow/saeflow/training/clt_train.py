@@ -17,7 +17,7 @@ from saeflow.training import localcopy, memory
 from saeflow.training.adam import Adam
 from saeflow.training.loaders import OrderedLoader, ShuffledLoader
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import DeadLatents, dead_after_steps, one_process
+from saeflow.training.objectives import STATE_KEYS, DeadLatents, dead_latents, one_process
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.rates import lr_scales, peak_lr
 from saeflow.training.specs import TrainConfig
@@ -53,8 +53,7 @@ class CLTTrainer(Trainer):
         scales = [scale for sae in self.sae.encoders for scale in lr_scales(sae, cfg)]
         self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=scales)
         self.step, self.pool_rows = 0, None
-        dead_steps = dead_after_steps(cfg, n_steps)
-        self.deads = [DeadLatents(self.sae.cfg.d_sae, dead_steps, device) for _ in self.sae.encoders]
+        self.deads = [dead_latents(cfg, sae.arch, sae.d_sae, n_steps, device) for sae in self.sae.encoders]
         self._common_state()
 
     def init_from_data(self, *parts: torch.Tensor) -> None:
@@ -64,12 +63,13 @@ class CLTTrainer(Trainer):
 
     def state_dict(self) -> dict:
         state = super().state_dict()
-        return {**state, "since_fired_s": torch.stack([dead.since_fired_s for dead in self.deads])}
+        stacked = {name: torch.stack([dead.state()[name] for dead in self.deads]) for name in self.dead.state()}
+        return {**state, **stacked}
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict({**state, "since_fired_s": state["since_fired_s"][0]})
-        for dead, since_fired_s in zip(self.deads, state["since_fired_s"]):
-            dead.since_fired_s.copy_(since_fired_s)
+        super().load_state_dict({**state, **{name: state[name][0] for name in STATE_KEYS if name in state}})
+        for i, dead in enumerate(self.deads):
+            dead.load_state({name: state[name][i] for name in dead.state()}, self.step)
 
     @property
     def dead(self) -> DeadLatents:

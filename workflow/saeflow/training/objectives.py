@@ -14,6 +14,7 @@ Shapes: b batch, d d_model, s d_sae latents, k active latents per vector, z dead
 """
 
 import dataclasses
+import math
 import typing
 
 import torch
@@ -140,20 +141,66 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
     return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
-class DeadLatents:
-    """Steps since each latent last fired; latents silent for `dead_steps` steps are dead and feed AuxK."""
+# Rare latents (`DeadLatents` with a rarity, for the architectures whose `Arch.revives_rare`): a latent that fires
+# at under RARE_SHARE of the mean rate the run targets (k / d_sae) counts as dead too. JumpReLU's and Gated's latents
+# that duplicate an atom another latent holds fire on ~1e-4 of the vectors, too often for a window of silence, and
+# stay below their thresholds (issue 42: 15 at d 128, 8 active, with 42 atoms unrecovered; docs/training.md).
+RARE_SHARE = 1 / 50
+STATE_KEYS = ("since_fired_s", "fired_steps_s", "rare_s")  # DeadLatents.state's, each with one entry per latent
 
-    def __init__(self, d_sae: int, dead_steps: int, device: torch.device):
+
+class DeadLatents:
+    """Steps since each latent last fired; latents silent for `dead_steps` steps are dead and feed AuxK.
+
+    With `rare_rate` (a firing rate per vector), a latent that fired in fewer of a window's `dead_steps` batches of
+    `batch_size` vectors than one firing at that rate would (1 - exp(-batch_size x rate) of them) is dead too, from
+    the end of that window to the end of the next. The trainers give `update` the latents that fired on some vector of
+    the (global) batch, so a batch count is the estimate every trainer has, whatever its split of the batch."""
+
+    def __init__(self, d_sae: int, dead_steps: int, device: torch.device, rare_rate: float | None = None,
+                 batch_size: int = 1):  # fmt: skip
         self.dead_steps = dead_steps
         self.since_fired_s = torch.zeros(d_sae, dtype=torch.int64, device=device)
+        self.rare_steps = None if rare_rate is None else -math.expm1(-batch_size * rare_rate) * dead_steps
+        if self.rare_steps is not None:
+            self.fired_steps_s = torch.zeros(d_sae, dtype=torch.int64, device=device)  # in the window so far
+            self.rare_s = torch.zeros(d_sae, dtype=torch.bool, device=device)  # the last whole window's verdict
+        self.window_step = 0
 
     @property
     def dead_s(self) -> torch.Tensor:
-        return self.since_fired_s >= self.dead_steps
+        silent_s = self.since_fired_s >= self.dead_steps
+        return silent_s if self.rare_steps is None else silent_s | self.rare_s
 
     def update(self, fired_s: torch.Tensor) -> None:
         self.since_fired_s += 1
         self.since_fired_s[fired_s] = 0
+        if self.rare_steps is None:
+            return
+        self.fired_steps_s += fired_s
+        self.window_step += 1
+        if self.window_step == self.dead_steps:
+            self.rare_s = self.fired_steps_s < self.rare_steps
+            self.fired_steps_s.zero_()
+            self.window_step = 0
+
+    def state(self) -> dict:
+        """Its tensors for resume.pt (STATE_KEYS: only since_fired_s without a rarity, as before rarity existed)."""
+        if self.rare_steps is None:
+            return {"since_fired_s": self.since_fired_s}
+        return {"since_fired_s": self.since_fired_s, "fired_steps_s": self.fired_steps_s, "rare_s": self.rare_s}
+
+    def load_state(self, state: dict, step: int) -> None:
+        """`state`'s tensors (`state()`'s keys) at training step `step` (where in its window the run stopped)."""
+        for name, t in self.state().items():
+            t.copy_(state[name])
+        self.window_step = step % self.dead_steps
+
+
+def dead_latents(cfg: TrainConfig, arch, d_sae: int, n_steps: int, device: torch.device) -> DeadLatents:
+    """The run `cfg`'s dead-latent counter: with rare latents counted dead where `arch.revives_rare(cfg)`."""
+    rare_rate = RARE_SHARE * cfg.k / d_sae if arch.revives_rare(cfg) else None
+    return DeadLatents(d_sae, dead_after_steps(cfg, n_steps), device, rare_rate, cfg.batch_size)
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ import torch
 
 from saeflow.errors import SaeflowError
 from saeflow.store import atomic
+from saeflow.training.objectives import STATE_KEYS
 from saeflow.training.sae import save_atomic
 
 LEGACY_POOL = "legacy"  # resume_info's pool of a resume.pt written before the pool was recorded (loaders' old 1 GiB)
@@ -31,8 +32,8 @@ def _latent_slices(state: dict, lo: int, hi: int, axes: dict) -> dict:
         dim = dims[int(idx)]
         opt_state[idx] = {key: t.narrow(dim, lo, hi - lo) if dim is not None and t.dim() else t
                           for key, t in moments.items()}  # fmt: skip
-    return {**state, "sae": sae, "opt": {**state["opt"], "state": opt_state},
-            "since_fired_s": state["since_fired_s"][lo:hi]}  # fmt: skip
+    counters = {name: state[name][lo:hi] for name in STATE_KEYS if name in state}  # DeadLatents.state's
+    return {**state, "sae": sae, "opt": {**state["opt"], "state": opt_state}, **counters}
 
 
 def _joined(parts: list[dict], axes: dict) -> dict:
@@ -47,8 +48,8 @@ def _joined(parts: list[dict], axes: dict) -> dict:
         dim = dims[int(idx)]
         opt_state[idx] = {key: torch.cat([p["opt"]["state"][idx][key] for p in parts], dim)
                           if dim is not None and t.dim() else t for key, t in moments.items()}  # fmt: skip
-    return {**first, "sae": sae, "opt": {**first["opt"], "state": opt_state},
-            "since_fired_s": torch.cat([p["since_fired_s"] for p in parts])}  # fmt: skip
+    counters = {name: torch.cat([p[name] for p in parts]) for name in STATE_KEYS if name in first}
+    return {**first, "sae": sae, "opt": {**first["opt"], "state": opt_state}, **counters}
 
 
 def _manifest(run) -> dict | None:

@@ -288,6 +288,9 @@ def plan_runs(
                 raise SaeflowError(f"{where}.trainer: this saeflow does not train {arch.name} as {obj['trainer']!r}; "
                                    f"choose one of {', '.join((arch.trainer, *arch.earlier_trainers))}")  # fmt: skip
             train_config = TrainConfig.from_dict(obj, where).canonical(unread)
+            if "trainer" not in hyper:  # the latest version whose maths differ for this run (`Arch.trainer_for`)
+                arch = archs.get(train_config.arch)
+                train_config = dataclasses.replace(train_config, trainer=arch.trainer_for(train_config))
             try:  # what its shape cannot train (a CLT's skip path, say), before any metadata
                 shapes.check(shapes.of(train_config), train_config.arch, train_config.matryoshka, train_config.skip)
             except SaeflowError as err:

@@ -31,7 +31,7 @@ from saeflow.training.adam import Adam
 from saeflow.training.archs import made_since
 from saeflow.training.loaders import ShuffledLoader, ordered_loader, pairs
 from saeflow.training.metrics import MetricsAccumulator
-from saeflow.training.objectives import PICKS_SINCE, DeadLatents, Loss, Objective, dead_after_steps, one_process
+from saeflow.training.objectives import PICKS_SINCE, Loss, Objective, dead_latents, one_process
 from saeflow.training.ranks.distributed import Comm
 from saeflow.training.sae import SAE, forward_picks, init_from_data, save_atomic, save_sae
 from saeflow.training.specs import TrainConfig
@@ -193,7 +193,7 @@ class Trainer:
         self.opt = Adam(self.sae.parameters(), lr=self.peak_lr, lr_scales=rates.lr_scales(self.sae, cfg))
         self.objective = Objective(cfg, n_steps)
         self.step, self.pool_rows = 0, None  # pool_rows: the shuffle pool feeding it (kept in resume.pt)
-        self.dead = DeadLatents(self.sae.d_sae, dead_after_steps(cfg, n_steps), device)
+        self.dead = dead_latents(cfg, self.sae.arch, self.sae.d_sae, n_steps, device)
         self._common_state()
 
     def _common_state(self) -> None:
@@ -212,7 +212,7 @@ class Trainer:
         return {
             "sae": self.sae.state_dict(),
             "opt": self.opt.state_dict(),
-            "since_fired_s": self.dead.since_fired_s,
+            **self.dead.state(),
             "step": self.step,
             "platforms": self.platforms, "pool_rows": self.pool_rows,
         }
@@ -220,8 +220,8 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         self.sae.load_state_dict(state["sae"])
         self.opt.load_state_dict(state["opt"])
-        self.dead.since_fired_s.copy_(state["since_fired_s"])
         self.step = int(state["step"])
+        self.dead.load_state(state, self.step)
         earlier, here = list(state.get("platforms", [])), self.platforms[-1]
         if earlier and numerics.platform_key(earlier[-1]) != numerics.platform_key(here):
             logger.warning(

@@ -181,6 +181,20 @@ class RunPolicy:
         since = self.fast_decoder_since
         return {"W_dec": DECODER_LR_SCALE} if since is not None and made_since(cfg, since) else {}
 
+    def revives_rare(self, cfg) -> bool:
+        """Whether the run `cfg` counts rare latents as dead (objectives.RARE_SHARE of the k / d_sae it targets) and
+        pulls them up (`sparsity_terms`): made since the architecture's `revives_rare_since` trainer, reading `k`."""
+        since = self.revives_rare_since
+        return since is not None and made_since(cfg, since) and "k" in self.reads(cfg)
+
+    def trainer_for(self, cfg) -> str:
+        """The trainer a new run `cfg` records: `trainer`, or the version before it for a run whose maths that version
+        leaves as they were (one that does not revive rare latents, where that is all it changed), so its id stays."""
+        now = dataclasses.replace(cfg, trainer=self.trainer)
+        if self.revives_rare_since == self.trainer and not self.revives_rare(now):
+            return f"saeflow-train-{int(self.trainer.rsplit('-', 1)[1]) - 1}"
+        return self.trainer
+
     def mode_refusal(self, cfg, mode: str) -> str | None:
         """Why the run `cfg` cannot train in the parallel `mode` (one of its `modes`), or None."""
         return None
@@ -204,6 +218,8 @@ class Arch(SAELensMapping, RunPolicy):
     earlier_trainers: tuple[str, ...] = ()
     # The trainer since which its decoder trains at DECODER_LR_SCALE (`decoder_lr_scales`); None: at the run's rate
     fast_decoder_since: str | None = None
+    # The trainer since which a run that targets an L0 (reads `k`) revives its rare latents (`revives_rare`)
+    revives_rare_since: str | None = None
     # The parallel modes it trains in (the plan refuses the others), set from its selection by `__init_subclass__`:
     # every mode, but `latents` for a selection a latent shard cannot compute (`Selection.shards_latents`). A
     # subclass may name fewer.

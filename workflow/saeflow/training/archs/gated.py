@@ -39,6 +39,7 @@ from saeflow.training.archs.jumprelu import (
     Step,
     calibration,
     check_mechanism,
+    revival_pull,
     target_l0,
     topk_warmup,
     topk_warmup_steps,
@@ -67,16 +68,17 @@ def _gate(sae, pre_bs, cfg):
 class Gated(Arch):
     name = "gated"
     selection = Selection.DENSE
-    trainer = "saeflow-train-4"  # the decoder at base.DECODER_LR_SCALE
-    earlier_trainers = ("saeflow-train-3",)
-    fast_decoder_since = "saeflow-train-4"
+    trainer = "saeflow-train-5"  # rare latents revived (jumprelu.revival_pull)
+    earlier_trainers = ("saeflow-train-3", "saeflow-train-4")
+    fast_decoder_since = "saeflow-train-4"  # the decoder at base.DECODER_LR_SCALE
+    revives_rare_since = "saeflow-train-5"  # the target loss's runs (they read k)
     hyper = ("gated_loss", "gate_l1_coeff", "gate_bias_lr_scale", "sparsity_warmup_frac", "target_l0_coeff",
              "topk_warmup_frac", "bandwidth")  # fmt: skip
     legacy_hashed = ()  # each loss reads every key of hyper it read before the target loss came (issue 42)
     ghost_aux = True  # a dead latent's gate is shut (pi_gate < 0): AuxK reaches it through softplus
     unit_decoder = False  # the L1's: as ReLU, rows start short, their norms train (the L1 weighs them), folded
     decoder_init_norm = 0.1
-    term_names = ("mse", "l1", "gate_recon", "l0", "aux")  # both losses' (`logged_terms`: the run's)
+    term_names = ("mse", "l1", "gate_recon", "l0", "pre_act", "aux")  # both losses' (`logged_terms`: the run's)
     whole_terms = ("gate_recon",)
     saelens = "gated"
 
@@ -86,7 +88,7 @@ class Gated(Arch):
         return (*own, "k") if cfg.gated_loss == "target" else own
 
     def logged_terms(self, cfg) -> tuple[str, ...]:
-        return ("mse", *LOSS_TERMS[cfg.gated_loss], "aux")
+        return ("mse", *LOSS_TERMS[cfg.gated_loss], *(("pre_act",) if self.revives_rare(cfg) else ()), "aux")
 
     def unit_decoder_for(self, cfg) -> bool:
         return cfg.gated_loss == "target"
@@ -142,7 +144,12 @@ class Gated(Arch):
         cfg, model = batch.cfg, batch.model
         ramp = l1_ramp(batch.step, batch.n_steps, cfg.sparsity_warmup_frac)
         if cfg.gated_loss == "target":
-            return {"l0": ramp * target_l0(_gate(model, batch.pre_bs, cfg).sum(-1), batch)}
+            terms = {"l0": ramp * target_l0(_gate(model, batch.pre_bs, cfg).sum(-1), batch)}
+            if self.revives_rare(cfg):  # the dead and rare latents' gates pulled open (pi_gate up to 0)
+                dead_s, terms["pre_act"] = batch.dead_s, batch.pre_bs.new_zeros(())
+                if dead_s is not None and bool(dead_s.any()):
+                    terms["pre_act"] = revival_pull(model, batch.pre_bs, 0, dead_s)
+            return terms
         gate_bs = torch.relu(batch.pre_bs)
         via_gate_bd = batch.over_latents(gate_bs @ model.W_dec.detach()) + model.b_dec.detach()  # stop-gradient
         return {"l1": cfg.gate_l1_coeff * ramp * l1_penalty(model.W_dec, gate_bs),
