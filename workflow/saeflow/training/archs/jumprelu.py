@@ -38,10 +38,10 @@ LOSS_KEYS = config.by_enum({"step": ("l0_coeff",), "tanh": ("tanh_coeff", "tanh_
 # as often as TopK kept it in the batch (an exponential moving average over the last few warm-up steps)
 CALIBRATION_RATE = 0.2
 # The pre-activation loss's weight on the dead and rare latents (objectives.RARE_SHARE) of a run that revives them
-# (`Arch.revives_rare`, `revival_pull`; issue 42, docs/training.md "Rare latents"): at d 128, 8 active, Exp(1),
-# JumpReLU's held-out silent latents 2.0% -> 0.4% and recovery 93.9% -> 94.9% (Gated 1.6% -> 0.4%, 94.7% -> 95.1%);
-# 0.01 left 1.0%, the rarity without the loss 2.0%.
-REVIVE_COEFF = 0.1
+# (`Arch.revives_rare`, `revival_pull`; issue 42, docs/training.md "Rare latents"): at d 128 and 256, 8 active, Exp(1),
+# held-out silent latents 1.6-2.9% -> at most 1.0%; 0.1 left JumpReLU at d 256 with 1.3%, a pull on the thresholds
+# alone (no encoder gradient) 1.6-2.0%, the rarity without the loss 2.0%.
+REVIVE_COEFF = 0.3
 # Bisection steps for that threshold, in log theta over [MIN_THRESHOLD, the column's largest pre-activation]: within
 # 0.1% of it up to a range of 1e6 (24 steps on a linear scale, float32's precision, took 1.6x as long)
 CALIBRATION_HALVINGS = 14
@@ -199,10 +199,10 @@ def pre_act_loss(pre_bs, theta_s, dead_s, norm_s):
 
 def revival_pull(model, pre_bs, theta_s, dead_s):
     """REVIVE_COEFF x `pre_act_loss` on the dead and rare latents, whose gradient reaches each latent's own encoder
-    column, bias and threshold but not an SAE's b_dec, which centres every latent's input: on MiniLM, hundreds of
-    latents are rare at once, and their pull on b_dec moved the whole reconstruction (layer 4's MLP output: L0 17
-    against k's 32, NMSE 1.2-1.8x TopK's at that L0; with b_dec left out L0 29, 1.0x). The added product is 0 in
-    value and cancels b_dec's gradient through `pre_bs` (a transcoder's input is not centred: nothing to cancel)."""
+    column, bias and threshold but not an SAE's b_dec, which centres every latent's input: where hundreds of latents
+    were rare at once (MiniLM at a rarity of 1/50), their pull on b_dec moved the whole reconstruction (layer 4's MLP
+    output: L0 17 against k's 32, NMSE 1.2-1.8x TopK's at that L0; with b_dec left out L0 29, 1.0x). The added
+    product is 0 in value and cancels b_dec's gradient through `pre_bs` (a transcoder's input is not centred)."""
     if not model.cfg.transcoder:
         pre_bs = pre_bs + (model.b_dec - model.b_dec.detach()) @ model.W_enc
     return REVIVE_COEFF * pre_act_loss(pre_bs, theta_s, dead_s, model.W_dec.norm(dim=-1))
