@@ -58,7 +58,7 @@ def test_the_rare_rate_is_the_share_of_the_rate_the_run_targets():
     cfg = _cfg("jumprelu", k=8, batch_size=4096)
     dead = objectives.dead_latents(cfg, archs.get("jumprelu"), 512, 4880, torch.device("cpu"))
     assert dead.dead_steps == 488
-    assert dead.rare_steps == pytest.approx(-math.expm1(-4096 * objectives.RARE_SHARE * 8 / 512) * 488)
+    assert dead.rare_steps == pytest.approx(-math.expm1(-4096 * archs.base.RARE_SHARE * 8 / 512) * 488)
     for name, extra in LEFT.items():
         cfg = _cfg(name.split("-")[0], **extra)
         assert objectives.dead_latents(cfg, archs.get(cfg.arch), 512, 4880, torch.device("cpu")).rare_steps is None

@@ -141,13 +141,6 @@ def dead_after_steps(cfg: TrainConfig, n_steps: int) -> int:
     return max(1, min(n_steps // 10, -(-DEAD_AFTER_MAX_VECTORS // cfg.batch_size)))
 
 
-# Rare latents (`DeadLatents` with a rarity, for the architectures whose `Arch.revives_rare`): a latent that fires
-# at under RARE_SHARE of the mean rate the run targets (k / d_sae) counts as dead too. JumpReLU's and Gated's latents
-# that duplicate an atom another latent holds fire on ~1e-4 of the vectors, too often for a window of silence, and
-# stay below their thresholds (issue 42: 15 at d 128, 8 active, with 42 atoms unrecovered; docs/training.md "Rare
-# latents"). 1/50 caught them all but also up to 600 of MiniLM's 1,536, whose pull cost layer 2's MLP output 1.3x its
-# NMSE; 1/200 left at most 1.0% silent on the planted grid and that site at 1.06x.
-RARE_SHARE = 1 / 200
 STATE_KEYS = ("since_fired_s", "fired_steps_s", "rare_s")  # DeadLatents.state's, each with one entry per latent
 
 
@@ -200,9 +193,8 @@ class DeadLatents:
 
 
 def dead_latents(cfg: TrainConfig, arch, d_sae: int, n_steps: int, device: torch.device) -> DeadLatents:
-    """The run `cfg`'s dead-latent counter: with rare latents counted dead where `arch.revives_rare(cfg)`."""
-    rare_rate = RARE_SHARE * cfg.k / d_sae if arch.revives_rare(cfg) else None
-    return DeadLatents(d_sae, dead_after_steps(cfg, n_steps), device, rare_rate, cfg.batch_size)
+    """The run `cfg`'s dead-latent counter: with rare latents counted dead at `arch.rare_rate` (None: none)."""
+    return DeadLatents(d_sae, dead_after_steps(cfg, n_steps), device, arch.rare_rate(cfg, d_sae), cfg.batch_size)
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ LOSS_KEYS = config.by_enum({"step": ("l0_coeff",), "tanh": ("tanh_coeff", "tanh_
 # The TopK warm-up's calibration: each step moves every log threshold this far toward the one that fires its latent
 # as often as TopK kept it in the batch (an exponential moving average over the last few warm-up steps)
 CALIBRATION_RATE = 0.2
-# The pre-activation loss's weight on the dead and rare latents (objectives.RARE_SHARE) of a run that revives them
+# The pre-activation loss's weight on the dead and rare latents (archs.base.RARE_SHARE) of a run that revives them
 # (`Arch.revives_rare`, `revival_pull`; issue 42, docs/training.md "Rare latents"): at d 128 and 256, 8 active, Exp(1),
 # held-out silent latents 1.6-2.9% -> at most 1.0%; 0.1 left JumpReLU at d 256 with 1.3%, a pull on the thresholds
 # alone (no encoder gradient) 1.6-2.0%, the rarity without the loss 2.0%.
