@@ -23,10 +23,15 @@ from saeflow import config
 FIRST_TRAINER = "saeflow-train-3"
 
 
+def trainer_number(trainer: str) -> int:
+    """N of a trainer version `saeflow-train-N` (N counts up)."""
+    return int(trainer.rsplit("-", 1)[1])
+
+
 def made_since(cfg, trainer: str) -> bool:
-    """Whether the run `cfg` was made by `trainer` or a later version (`saeflow-train-N`, N counting up): the maths
-    that version introduced apply to it."""
-    return int(cfg.trainer.rsplit("-", 1)[1]) >= int(trainer.rsplit("-", 1)[1])
+    """Whether the run `cfg` was made by `trainer` or a later version: the maths that version introduced apply to
+    it."""
+    return trainer_number(cfg.trainer) >= trainer_number(trainer)
 
 
 # The decoder's multiple of the run's learning rate in the architectures that name a `fast_decoder_since` trainer
@@ -204,7 +209,7 @@ class RunPolicy:
         leaves as they were (one that does not revive rare latents, where that is all it changed), so its id stays."""
         now = dataclasses.replace(cfg, trainer=self.trainer)
         if self.revives_rare_since == self.trainer and not self.revives_rare(now):
-            return f"saeflow-train-{int(self.trainer.rsplit('-', 1)[1]) - 1}"
+            return f"saeflow-train-{trainer_number(self.trainer) - 1}"
         return self.trainer
 
     def mode_refusal(self, cfg, mode: str) -> str | None:
